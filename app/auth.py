@@ -1,0 +1,80 @@
+"""API keys and scopes: every route but the health checks needs a key of the right scope."""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import Request
+
+from app.config import ApiKey, Scope, Settings
+from app.errors import Forbidden, Unauthorized
+
+ADMIN_KEY_FILE = "admin.key"
+
+
+@dataclass(frozen=True)
+class KeyRing:
+    keys: tuple[ApiKey, ...]
+    header: str
+
+    def extract(self, request: Request) -> str | None:
+        value = request.headers.get(self.header)
+        if value is None:
+            return None
+        if self.header.lower() == "authorization":
+            scheme, _, token = value.partition(" ")
+            return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+        return value.strip() or None
+
+    def scopes_of(self, presented: str) -> set[Scope]:
+        """Compare against every key in constant time (no early exit that leaks which key matched)."""
+        found: set[Scope] = set()
+        given = presented.encode()
+        for key in self.keys:
+            if hmac.compare_digest(given, key.secret.get_secret_value().encode()):
+                found.add(key.scope)
+        return found
+
+    def authorize(self, request: Request, scope: Scope) -> Scope:
+        presented = self.extract(request)
+        if presented is None:
+            raise Unauthorized(f"missing API key: send it in the {self.header} header")
+        scopes = self.scopes_of(presented)
+        if not scopes:
+            raise Unauthorized("invalid API key")
+        if scope in scopes:
+            return scope
+        if "admin" in scopes:
+            return "admin"
+        raise Forbidden(f"this key does not have the {scope!r} scope")
+
+
+def ensure_local_admin_key(home: Path) -> tuple[str, bool]:
+    """The embedded default's admin key: read it from <home>/admin.key, or create it (mode 600)."""
+    path = home / ADMIN_KEY_FILE
+    if path.exists():
+        return path.read_text().strip(), False
+    home.mkdir(parents=True, exist_ok=True)
+    key = "sk-sparring-" + secrets.token_urlsafe(24)
+    path.touch(mode=0o600)
+    path.write_text(key + "\n")
+    return key, True
+
+
+def require(scope: Scope) -> Callable[[Request], Coroutine[Any, Any, Scope]]:
+    """A dependency that authorizes the request for `scope` (admin keys pass everywhere)."""
+
+    async def dependency(request: Request) -> Scope:
+        keyring: KeyRing = request.app.state.keyring
+        return keyring.authorize(request, scope)
+
+    return dependency
+
+
+def build_keyring(settings: Settings, extra: list[ApiKey] | None = None) -> KeyRing:
+    return KeyRing(keys=tuple(settings.keys + (extra or [])), header=settings.auth_header)

@@ -1,0 +1,302 @@
+"""Answering a tool call: resolve, validate, deduplicate, run under the rollout's state, log, answer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import anyio.to_thread
+import orjson
+from pydantic import BaseModel, ValidationError
+
+from app.calls.envelope import ToolCallEnvelope, ToolCallOutput
+from app.calls.log_writer import CallLogWriter, CallRecord
+from app.errors import ServiceUnavailable, ToolCrashed
+from app.packs import Registry
+from app.rollouts.store import Claim, PackChanges, RolloutMeta, RolloutStore, StoredAnswer
+from app.sdk import RolloutState, ToolContext, ToolError, ToolSpec
+from app.sdk.tool import describe_validation_error
+
+log = logging.getLogger(__name__)
+
+ITEM_ID_FIELDS = ("id", "item_id", "task_id", "uid")
+
+
+def item_key(item: Mapping[str, Any]) -> str | None:
+    """A stable key for the dataset row: its id field if it has one, else a hash of the whole row."""
+    if not item:
+        return None
+    for name in ITEM_ID_FIELDS:
+        value = item.get(name)
+        if isinstance(value, (str, int)) and not isinstance(value, bool):
+            return f"{name}:{value}"[:128]
+    digest = hashlib.sha256(orjson.dumps(item, option=orjson.OPT_SORT_KEYS, default=str)).hexdigest()
+    return f"sha256:{digest[:40]}"
+
+
+def truncate_output(output: str, cap: int) -> str:
+    """Keep outputs far below the trainer's 1 MB limit, with a marker the model can see."""
+    encoded = output.encode()
+    if len(encoded) <= cap:
+        return output
+    marker = f"\n…[output truncated: {{cut}} of {len(encoded)} bytes cut]"
+    keep = max(0, cap - len(marker.format(cut=len(encoded))) - 4)
+    head = encoded[:keep].decode(errors="ignore")
+    return head + marker.format(cut=len(encoded) - len(head.encode()))
+
+
+def _default(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    raise TypeError(f"cannot serialize {type(value).__name__}")
+
+
+def serialize_result(result: Any) -> str:
+    if isinstance(result, str):
+        return result
+    return orjson.dumps(result, default=_default, option=orjson.OPT_NON_STR_KEYS).decode()
+
+
+@dataclass
+class _Call:
+    envelope: ToolCallEnvelope
+    tool: str
+    trace_id: str
+    arguments_text: str
+    run: str | None
+    item_key: str | None
+    started_at: datetime
+    started: float
+
+
+class ToolCallService:
+    def __init__(
+        self,
+        *,
+        registry: Registry,
+        store: RolloutStore,
+        log_writer: CallLogWriter,
+        worker: str,
+        max_output_bytes: int,
+        tool_timeout: float,
+    ) -> None:
+        self.registry = registry
+        self.store = store
+        self.log_writer = log_writer
+        self.worker = worker
+        self.max_output_bytes = max_output_bytes
+        self.tool_timeout = tool_timeout
+
+    async def handle(
+        self, envelope: ToolCallEnvelope, *, path_name: str | None, run: str | None
+    ) -> ToolCallOutput:
+        call = _Call(
+            envelope=envelope,
+            tool=(path_name or envelope.name or "")[:128],
+            trace_id=envelope.trace_id or f"trace_anon_{uuid.uuid4().hex}",
+            arguments_text=_arguments_text(envelope.arguments),
+            run=run[:200] if run else None,
+            item_key=item_key(envelope.item),
+            started_at=datetime.now(UTC),
+            started=time.perf_counter(),
+        )
+        try:
+            answer = await self._answer(call, path_name)
+        except ToolCrashed as exc:
+            with contextlib.suppress(ServiceUnavailable):
+                await self.log_writer.write(self._record(call, None, "tool_crash", exc.message, 500))
+            raise
+        except ServiceUnavailable as exc:
+            self.log_writer.submit(self._record(call, None, "infra_error", exc.message, 503))
+            raise
+        error = answer.output if answer.outcome == "model_error" else None
+        await self.log_writer.write(self._record(call, answer.output, answer.outcome, error, 200))
+        return ToolCallOutput(call_id=envelope.call_id, id=envelope.id, output=answer.output)
+
+    def _record(
+        self, call: _Call, output: str | None, outcome: str, error: str | None, status: int
+    ) -> CallRecord:
+        ended = datetime.now(UTC)
+        return CallRecord(
+            trace_id=call.trace_id,
+            call_id=call.envelope.call_id,
+            request_id=call.envelope.id,
+            tool=call.tool or "(none)",
+            arguments=call.arguments_text,
+            output=output,
+            outcome=outcome,
+            error=error,
+            status_code=status,
+            started_at=call.started_at,
+            ended_at=ended,
+            latency_ms=(time.perf_counter() - call.started) * 1000,
+            worker=self.worker,
+            run=call.run,
+            item_key=call.item_key,
+        )
+
+    def _resolve(self, call: _Call, path_name: str | None) -> ToolSpec | StoredAnswer:
+        body_name = call.envelope.name
+        if (
+            path_name
+            and body_name
+            and body_name != path_name
+            and body_name.removeprefix("functions.") != path_name
+        ):
+            return _model_error(
+                f"this call names the tool {body_name!r} but was sent to the URL of the tool {path_name!r}; "
+                "call each tool at its own URL"
+            )
+        name = path_name or (body_name or "").removeprefix("functions.")
+        available = ", ".join(sorted(self.registry.tools)) or "none"
+        if not name:
+            return _model_error(f"the call does not name a tool. Available tools: {available}")
+        spec = self.registry.tools.get(name)
+        if spec is None:
+            return _model_error(f"unknown tool {name!r}. Available tools: {available}")
+        return spec
+
+    async def _answer(self, call: _Call, path_name: str | None) -> StoredAnswer:
+        spec = self._resolve(call, path_name)
+        if isinstance(spec, StoredAnswer):
+            return spec
+        kwargs = _bind(spec, call.envelope.arguments)
+        if isinstance(kwargs, StoredAnswer):
+            return kwargs
+
+        call_id = call.envelope.call_id
+        claim: Claim | None = None
+        if call_id is not None:
+            try:
+                claimed = await self.store.claim(call.trace_id, call_id, wait=self.tool_timeout + 5)
+            except TimeoutError as exc:
+                raise ServiceUnavailable(str(exc)) from exc
+            if isinstance(claimed, StoredAnswer):
+                return claimed  # a retry: the identical answer, without running the tool again
+            claim = claimed
+        try:
+            if spec.mutates:
+                async with self.store.lock(call.trace_id):
+                    answer, writes = await self._run(spec, kwargs, call)
+                    ledger = (call_id, claim, answer) if claim is not None and call_id is not None else None
+                    await self.store.commit(call.trace_id, writes, ledger)
+            else:
+                answer, _ = await self._run(spec, kwargs, call)
+                if claim is not None and call_id is not None:
+                    await self.store.commit(call.trace_id, {}, (call_id, claim, answer))
+        except BaseException:
+            if claim is not None and call_id is not None:
+                with contextlib.suppress(ServiceUnavailable):
+                    await self.store.release(call.trace_id, call_id, claim)
+            raise
+        return answer
+
+    async def _run(
+        self, spec: ToolSpec, kwargs: dict[str, Any], call: _Call
+    ) -> tuple[StoredAnswer, PackChanges]:
+        state: RolloutState | None = None
+        if spec.context_param is not None or spec.mutates:
+            meta = RolloutMeta(run=call.run, item_key=call.item_key, now=time.time())
+            snapshot = await self.store.open(call.trace_id, meta, load_changes=spec.context_param is not None)
+            if spec.mutates and snapshot.graded:
+                return _model_error(
+                    "this rollout has already been graded; tools that change state no longer accept calls"
+                ), {}
+            try:
+                base = spec.base()
+            except Exception as exc:
+                log.exception("pack %s could not load its base state", spec.pack)
+                raise ServiceUnavailable(f"pack {spec.pack!r} could not load its data: {exc}") from exc
+            state = RolloutState(base, snapshot.changes.get(spec.pack, {}), writable=spec.mutates)
+        if spec.context_param is not None:
+            assert state is not None
+            adapter = logging.LoggerAdapter(
+                logging.getLogger(f"sparring.tools.{spec.pack}"),
+                {"trace_id": call.trace_id, "call_id": call.envelope.call_id},
+            )
+            kwargs = {
+                **kwargs,
+                spec.context_param: ToolContext(
+                    trace_id=call.trace_id,
+                    call_id=call.envelope.call_id,
+                    tool_name=spec.name,
+                    item=call.envelope.item,
+                    state=state,
+                    logger=adapter,
+                    deadline=time.monotonic() + self.tool_timeout,
+                    run=call.run,
+                ),
+            }
+        try:
+            if spec.is_async:
+                result = await asyncio.wait_for(spec.fn(**kwargs), self.tool_timeout)
+            else:
+                result = await asyncio.wait_for(
+                    anyio.to_thread.run_sync(lambda: spec.fn(**kwargs)), self.tool_timeout
+                )
+            output = serialize_result(result)
+        except ToolError as exc:
+            return _model_error(exc.message), {}
+        except TimeoutError as exc:
+            raise ServiceUnavailable(
+                f"tool {spec.name!r} did not finish within {self.tool_timeout:g} s"
+            ) from exc
+        except ServiceUnavailable:
+            raise
+        except Exception as exc:
+            log.exception(
+                "tool %s crashed (trace_id=%s call_id=%s)", spec.name, call.trace_id, call.envelope.call_id
+            )
+            raise ToolCrashed(
+                f"tool {spec.name!r} crashed: {type(exc).__name__}: {exc}", tool=spec.name
+            ) from exc
+        answer = StoredAnswer(output=truncate_output(output, self.max_output_bytes), outcome="ok")
+        writes = {spec.pack: state.writes} if state is not None and state.writes else {}
+        return answer, writes
+
+
+_JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean"}
+
+
+def _model_error(message: str) -> StoredAnswer:
+    return StoredAnswer(output=f"Error: {message}", outcome="model_error")
+
+
+def _arguments_text(arguments: Any) -> str:
+    if arguments is None:
+        return ""
+    if isinstance(arguments, str):
+        return arguments
+    return orjson.dumps(arguments, default=str).decode()
+
+
+def _bind(spec: ToolSpec, arguments: Any) -> dict[str, Any] | StoredAnswer:
+    """Arguments as a JSON string or an object; mistakes become outputs the model can act on."""
+    if arguments is None or (isinstance(arguments, str) and not arguments.strip()):
+        raw: Any = {}
+    elif isinstance(arguments, str):
+        try:
+            raw = orjson.loads(arguments)
+        except orjson.JSONDecodeError as exc:
+            return _model_error(
+                f"the arguments for {spec.name!r} are not valid JSON ({exc}); send a JSON object"
+            )
+    else:
+        raw = arguments
+    if not isinstance(raw, dict):
+        kind = _JSON_TYPES.get(type(raw), type(raw).__name__)
+        return _model_error(f"the arguments for {spec.name!r} must be a JSON object, not {kind}")
+    try:
+        return spec.bind(raw)
+    except ValidationError as exc:
+        return _model_error(f"invalid arguments for {spec.name!r}: {describe_validation_error(exc)}")

@@ -1,0 +1,190 @@
+"""The `sparring` command: serve, inspect tools, print job configs, manage the database."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Annotated, Any
+
+import typer
+
+from app.config import Settings, get_settings
+
+cli = typer.Typer(
+    help="sparring: tools and graders for agent reinforcement fine-tuning.", no_args_is_help=True
+)
+db_cli = typer.Typer(help="Database schema (Alembic migrations).", no_args_is_help=True)
+cli.add_typer(db_cli, name="db")
+
+KEY_PLACEHOLDER = "<SPARRING_{scope}_KEY>"
+
+
+def _settings() -> Settings:
+    try:
+        return get_settings()
+    except Exception as exc:  # pydantic's message names the bad setting
+        typer.echo(f"error: invalid settings: {exc}", err=True)
+        raise typer.Exit(2) from exc
+
+
+def _registry(settings: Settings) -> Any:
+    from app.packs import PackLoadError, Registry
+
+    try:
+        return Registry.from_names(settings.packs)
+    except PackLoadError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+
+
+def _auth_header(settings: Settings, scope: str) -> dict[str, str]:
+    placeholder = KEY_PLACEHOLDER.format(scope=scope.upper())
+    if settings.auth_header.lower() == "authorization":
+        return {"Authorization": f"Bearer {placeholder}"}
+    return {settings.auth_header: placeholder}
+
+
+@cli.command()
+def serve(
+    host: Annotated[
+        str | None, typer.Option(help="Address to bind (default SPARRING_HOST or 127.0.0.1).")
+    ] = None,
+    port: Annotated[int | None, typer.Option(help="Port (default SPARRING_PORT or 8000).")] = None,
+    workers: Annotated[
+        int, typer.Option(min=1, help="Worker processes (needs SPARRING_REDIS_URL if > 1).")
+    ] = 1,
+    migrate: Annotated[bool, typer.Option(help="Run database migrations before serving.")] = False,
+) -> None:
+    """Serve the API with uvicorn."""
+    import uvicorn
+
+    # Workers rebuild their settings from the environment: hand them the command line's choices.
+    if host is not None:
+        os.environ["SPARRING_HOST"] = host
+    if port is not None:
+        os.environ["SPARRING_PORT"] = str(port)
+    get_settings.cache_clear()
+    settings = _settings()
+    if workers > 1 and settings.redis_url is None:
+        typer.echo("error: --workers > 1 needs SPARRING_REDIS_URL (in-memory state is per process)", err=True)
+        raise typer.Exit(2)
+    if not settings.keys and not settings.binds_loopback:
+        typer.echo(
+            f"error: refusing to serve on {settings.host} without API keys: set SPARRING_API_KEYS", err=True
+        )
+        raise typer.Exit(2)
+    if migrate:
+        _upgrade(settings)
+    if not settings.keys:
+        from app.auth import ensure_local_admin_key
+
+        key, created = ensure_local_admin_key(settings.home)
+        base = f"http://{settings.host}:{settings.port}"
+        body = '{"call_id": "call_1", "trace_id": "trace_demo", "arguments": "{\\"text\\": \\"hi\\"}"}'
+        where = settings.home / "admin.key"
+        typer.echo(
+            f"\n  {'Created' if created else 'Using'} the local admin key (stored in {where}):\n    {key}\n\n"
+            f"  Try a tool call:\n    curl -s {base}/tools/echo -H 'Authorization: Bearer {key}' \\\n"
+            f"      -d '{body}'\n"
+        )
+    uvicorn.run(
+        "app.main:create_app",
+        factory=True,
+        host=settings.host,
+        port=settings.port,
+        workers=workers,
+        proxy_headers=True,
+        forwarded_allow_ips=settings.forwarded_allow_ips,
+        log_level="info",
+    )
+
+
+@cli.command("tools")
+def list_tools() -> None:
+    """List every served tool: name, pack, whether it changes state, description."""
+    registry = _registry(_settings())
+    rows = [
+        (s.name, s.pack, "yes" if s.mutates else "", s.description.splitlines()[0])
+        for s in registry.tools.values()
+    ]
+    widths = [max(len(r[i]) for r in [("TOOL", "PACK", "MUTATES", ""), *rows]) for i in range(3)]
+    typer.echo(f"{'TOOL':<{widths[0]}}  {'PACK':<{widths[1]}}  {'MUTATES':<{widths[2]}}  DESCRIPTION")
+    for row in rows:
+        typer.echo(f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]:<{widths[2]}}  {row[3]}")
+
+
+def job_config(settings: Settings, registry: Any, base_url: str, grader: str | None) -> dict[str, Any]:
+    """The `method.reinforcement` block pointing a fine-tuning job at this server."""
+    base = base_url.rstrip("/")
+    block: dict[str, Any] = {
+        "tools": [
+            {"name": name, "server_url": f"{base}/tools/{name}", "headers": _auth_header(settings, "tools")}
+            for name in registry.tools
+        ],
+    }
+    grade_path = f"/grade/{grader}" if grader else "/grade"
+    block["grader"] = {
+        "type": "endpoint",
+        "name": f"sparring-{grader or 'default'}",
+        "url": f"{base}{grade_path}",
+        "headers": _auth_header(settings, "grader"),
+    }
+    return block
+
+
+@cli.command("job-config")
+def job_config_command(
+    base_url: Annotated[
+        str | None, typer.Option(help="Public https URL of this server (default SPARRING_PUBLIC_BASE_URL).")
+    ] = None,
+    grader: Annotated[
+        str | None, typer.Option(help="Grader name served at /grade/NAME (default: /grade).")
+    ] = None,
+) -> None:
+    """Print the `method.reinforcement` tools and grader entries as JSON (keys are placeholders)."""
+    settings = _settings()
+    url = base_url or settings.public_base_url
+    if not url:
+        typer.echo("error: give --base-url https://your-host (or set SPARRING_PUBLIC_BASE_URL)", err=True)
+        raise typer.Exit(2)
+    if not url.startswith("https://"):
+        typer.echo("warning: training services call tools over HTTPS; this base URL is not https", err=True)
+    typer.echo(json.dumps(job_config(settings, _registry(settings), url, grader), indent=2))
+
+
+@cli.command("dataset-tools")
+def dataset_tools() -> None:
+    """Print the `tools` array every dataset line carries, from the same registry the server uses."""
+    typer.echo(json.dumps(_registry(_settings()).dataset_tools(), indent=2))
+
+
+def _upgrade(settings: Settings, revision: str = "head") -> None:
+    from app.db.migrate import upgrade
+
+    if settings.is_embedded_db:
+        settings.home.mkdir(parents=True, exist_ok=True)
+    upgrade(settings.effective_database_url, revision)
+
+
+@db_cli.command("upgrade")
+def db_upgrade(revision: Annotated[str, typer.Argument()] = "head") -> None:
+    """Migrate the database to the latest schema (safe to run from several replicas at once)."""
+    _upgrade(_settings(), revision)
+    typer.echo("database schema is up to date" if revision == "head" else f"database at {revision}")
+
+
+@db_cli.command("downgrade")
+def db_downgrade(revision: Annotated[str, typer.Argument(help="Target revision, e.g. -1 or base.")]) -> None:
+    """Migrate the database down to an earlier revision."""
+    from app.db.migrate import downgrade
+
+    downgrade(_settings().effective_database_url, revision)
+    typer.echo(f"database at {revision}")
+
+
+def main() -> None:
+    cli(prog_name="sparring")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Settings: the only place that reads the environment (prefix SPARRING_)."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+Scope = Literal["tools", "grader", "admin"]
+SCOPES: tuple[Scope, ...] = ("tools", "grader", "admin")
+
+DEFAULT_HOME = Path(".sparring")
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    scope: Scope
+    secret: SecretStr
+
+
+def parse_api_keys(raw: str) -> list[ApiKey]:
+    """Parse `scope:key,scope:key`; refuse unknown scopes and empty keys with a clear message."""
+    keys: list[ApiKey] = []
+    for entry in (part.strip() for part in raw.split(",")):
+        if not entry:
+            continue
+        scope, sep, secret = entry.partition(":")
+        if not sep or not secret.strip():
+            raise ValueError(
+                f"API key entry must look like 'scope:key' (got an entry without a key: {scope!r})"
+            )
+        if scope not in SCOPES:
+            raise ValueError(f"unknown API key scope {scope!r}; expected one of {', '.join(SCOPES)}")
+        keys.append(ApiKey(scope=scope, secret=SecretStr(secret.strip())))
+    return keys
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPARRING_", env_file=None, extra="ignore")
+
+    home: Path = Field(
+        DEFAULT_HOME, description="Directory for the embedded database, generated keys and caches."
+    )
+    database_url: str | None = Field(
+        None, description="SQLAlchemy async URL; unset means the SQLite file <home>/sparring.db."
+    )
+    redis_url: str | None = Field(
+        None, description="Redis URL; unset means in-memory state (one process only)."
+    )
+    api_keys: Annotated[str, NoDecode] = Field("", description="Comma-separated scope:key entries.")
+    auth_header: str = Field(
+        "Authorization", description="Header carrying the key ('Bearer <key>' for Authorization)."
+    )
+    max_body_bytes: int = Field(1024 * 1024, ge=1024)
+    max_output_bytes: int = Field(256 * 1024, ge=256)
+    packs: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["demo"])
+    state_ttl_seconds: int = Field(
+        24 * 3600, ge=1, description="Idle time after which a rollout's state expires."
+    )
+    lock_timeout_seconds: float = Field(
+        60.0, gt=0, description="Expiry of a rollout lock held by a crashed worker."
+    )
+    tool_timeout_seconds: float = Field(300.0, gt=0, description="Deadline given to each tool call.")
+    log_queue_size: int = Field(10_000, ge=1, description="Call-log rows waiting for a commit before 503.")
+    log_batch_size: int = Field(500, ge=1)
+    retry_after_seconds: int = Field(2, ge=1)
+    redis_max_connections: int = Field(64, ge=1)
+    db_pool_size: int = Field(10, ge=1)
+    docs_public: bool = Field(False, description="Serve /docs and /openapi.json without an admin key.")
+    host: str = "127.0.0.1"
+    port: int = 8000
+    worker_name: str | None = None
+    graders_file: Path | None = None
+    forwarded_allow_ips: str = Field(
+        "127.0.0.1", description="Proxy addresses trusted for X-Forwarded-* headers."
+    )
+    public_base_url: str | None = Field(None, description="Public https URL used in generated job configs.")
+
+    # Graders
+    judge_base_url: str | None = Field(None, description="OpenAI-compatible base URL for model graders.")
+    judge_api_key: SecretStr | None = Field(None, description="API key for the judge endpoint.")
+    judge_timeout_seconds: float = Field(60.0, gt=0)
+    judge_max_retries: int = Field(3, ge=0)
+    python_grader_timeout_seconds: float = Field(10.0, gt=0)
+    python_grader_memory_mb: int = Field(512, ge=64)
+    python_grader_workers: int = Field(2, ge=1)
+    retail_data: Path | None = Field(None, description="Unpacked retail data directory (skips the download).")
+
+    @field_validator("packs", mode="before")
+    @classmethod
+    def _split_packs(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [p.strip() for p in value.split(",") if p.strip()]
+        return value
+
+    @field_validator("api_keys")
+    @classmethod
+    def _check_keys(cls, value: str) -> str:
+        parse_api_keys(value)
+        return value
+
+    @property
+    def keys(self) -> list[ApiKey]:
+        return parse_api_keys(self.api_keys)
+
+    @property
+    def effective_database_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite+aiosqlite:///{(self.home / 'sparring.db').resolve()}"
+
+    @property
+    def is_embedded_db(self) -> bool:
+        return self.effective_database_url.startswith("sqlite")
+
+    @property
+    def binds_loopback(self) -> bool:
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

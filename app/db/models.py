@@ -1,0 +1,79 @@
+"""ORM models: rollouts, the log of every tool call, and grades."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Float, Index, Integer, String, Text, text
+from sqlalchemy.orm import Mapped, mapped_column
+
+from app.db.base import Base, BigIntId, JsonColumn, UtcDateTime
+
+# Outcomes whose (trace_id, call_id) is answered once: a retry replays the ledger instead of running again.
+ANSWERED_OUTCOMES = ("ok", "model_error")
+
+
+class Rollout(Base):
+    __tablename__ = "rollouts"
+
+    trace_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    run: Mapped[str | None] = mapped_column(String(200), index=True)
+    item_key: Mapped[str | None] = mapped_column(String(128), index=True)
+    first_seen: Mapped[datetime] = mapped_column(UtcDateTime())
+    last_seen: Mapped[datetime] = mapped_column(UtcDateTime(), index=True)
+    graded_at: Mapped[datetime | None] = mapped_column(UtcDateTime())
+
+
+class ToolCall(Base):
+    __tablename__ = "tool_calls"
+    __table_args__ = (
+        Index("ix_tool_calls_trace_started", "trace_id", "started_at"),
+        # A retried call that was already answered is logged once, whatever the replays.
+        Index(
+            "uq_tool_calls_answered",
+            "trace_id",
+            "call_id",
+            unique=True,
+            postgresql_where=text("call_id IS NOT NULL AND outcome IN ('ok', 'model_error')"),
+            sqlite_where=text("call_id IS NOT NULL AND outcome IN ('ok', 'model_error')"),
+        ),
+        Index("ix_tool_calls_tool_started", "tool", "started_at"),
+    )
+
+    id: Mapped[int] = mapped_column(BigIntId, primary_key=True, autoincrement=True)
+    trace_id: Mapped[str] = mapped_column(String(128))
+    call_id: Mapped[str | None] = mapped_column(String(200))
+    request_id: Mapped[str | None] = mapped_column(String(200))
+    tool: Mapped[str] = mapped_column(String(128))
+    arguments: Mapped[str] = mapped_column(Text)
+    output: Mapped[str | None] = mapped_column(Text)
+    outcome: Mapped[str] = mapped_column(String(16), index=True)
+    error: Mapped[str | None] = mapped_column(Text)
+    status_code: Mapped[int] = mapped_column(Integer)
+    started_at: Mapped[datetime] = mapped_column(UtcDateTime())
+    ended_at: Mapped[datetime] = mapped_column(UtcDateTime())
+    latency_ms: Mapped[float] = mapped_column(Float)
+    worker: Mapped[str] = mapped_column(String(128))
+    run: Mapped[str | None] = mapped_column(String(200))
+    item_key: Mapped[str | None] = mapped_column(String(128))
+
+
+class Grade(Base):
+    __tablename__ = "grades"
+    __table_args__ = (Index("ix_grades_trace_created", "trace_id", "created_at"),)
+
+    id: Mapped[int] = mapped_column(BigIntId, primary_key=True, autoincrement=True)
+    trace_id: Mapped[str | None] = mapped_column(String(128))
+    grader: Mapped[str] = mapped_column(String(128), index=True)
+    grader_version: Mapped[str] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16))  # ok | failed
+    score: Mapped[float | None] = mapped_column(Float)
+    sub_scores: Mapped[dict[str, Any]] = mapped_column(JsonColumn, default=dict)
+    flags: Mapped[list[Any]] = mapped_column(JsonColumn, default=list)
+    errors: Mapped[list[Any]] = mapped_column(JsonColumn, default=list)
+    sample: Mapped[dict[str, Any]] = mapped_column(JsonColumn, default=dict)
+    item_key: Mapped[str | None] = mapped_column(String(128))
+    run: Mapped[str | None] = mapped_column(String(200))
+    latency_ms: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime())

@@ -1,0 +1,126 @@
+"""Reading rollouts back (admin): their calls in order, and their current state."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query
+from pydantic import BaseModel
+
+from app.deps import AdminKey, RegistryDep, SessionMakerDep, StoreDep
+from app.errors import NotFound
+from app.rollouts.repository import RolloutRepository, parallel_batches
+from app.sdk import RolloutState
+
+router = APIRouter(prefix="/rollouts", tags=["rollouts"])
+
+
+class CallOut(BaseModel):
+    seq: int
+    batch: int
+    tool: str
+    call_id: str | None
+    arguments: str
+    output: str | None
+    outcome: str
+    error: str | None
+    status_code: int
+    started_at: datetime
+    ended_at: datetime
+    latency_ms: float
+    worker: str
+
+
+class RolloutOut(BaseModel):
+    trace_id: str
+    run: str | None
+    item_key: str | None
+    first_seen: datetime
+    last_seen: datetime
+    graded_at: datetime | None
+    calls: int
+
+
+class RolloutDetail(RolloutOut):
+    parallel_batches: int
+    timeline: list[CallOut]
+
+
+@router.get("")
+async def list_rollouts(
+    _: AdminKey,
+    sessions: SessionMakerDep,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+    run: str | None = None,
+) -> list[RolloutOut]:
+    async with sessions() as session:
+        rows = await RolloutRepository(session).recent(limit=limit, run=run)
+    return [
+        RolloutOut(
+            trace_id=r.trace_id,
+            run=r.run,
+            item_key=r.item_key,
+            first_seen=r.first_seen,
+            last_seen=r.last_seen,
+            graded_at=r.graded_at,
+            calls=count,
+        )
+        for r, count in rows
+    ]
+
+
+@router.get("/{trace_id}")
+async def get_rollout(trace_id: str, _: AdminKey, sessions: SessionMakerDep) -> RolloutDetail:
+    async with sessions() as session:
+        repo = RolloutRepository(session)
+        rollout = await repo.get(trace_id)
+        if rollout is None:
+            raise NotFound(f"no rollout with trace_id {trace_id!r}")
+        calls = await repo.calls(trace_id)
+    batches = parallel_batches(calls)
+    timeline = [
+        CallOut(
+            seq=i,
+            batch=batches[i],
+            tool=c.tool,
+            call_id=c.call_id,
+            arguments=c.arguments,
+            output=c.output,
+            outcome=c.outcome,
+            error=c.error,
+            status_code=c.status_code,
+            started_at=c.started_at,
+            ended_at=c.ended_at,
+            latency_ms=c.latency_ms,
+            worker=c.worker,
+        )
+        for i, c in enumerate(calls)
+    ]
+    return RolloutDetail(
+        trace_id=rollout.trace_id,
+        run=rollout.run,
+        item_key=rollout.item_key,
+        first_seen=rollout.first_seen,
+        last_seen=rollout.last_seen,
+        graded_at=rollout.graded_at,
+        calls=len(calls),
+        parallel_batches=(batches[-1] + 1) if batches else 0,
+        timeline=timeline,
+    )
+
+
+@router.get("/{trace_id}/state")
+async def get_rollout_state(
+    trace_id: str, _: AdminKey, store: StoreDep, registry: RegistryDep
+) -> dict[str, Any]:
+    """The rollout's current state per pack, materialized (base plus this rollout's changes)."""
+    changes = await store.changes(trace_id)
+    state: dict[str, Any] = {}
+    for name, pack in registry.packs.items():
+        pack_changes = changes.get(name, {})
+        if not pack_changes:
+            continue
+        view = RolloutState(pack.base(), pack_changes, writable=False)
+        state[name] = {"changed": pack_changes, "state": view.snapshot()}
+    return {"trace_id": trace_id, "packs": state}

@@ -1,0 +1,22 @@
+"""What tool packs import: declare tools, read and write rollout state, report mistakes."""
+
+from app.sdk.checks import CallView, CheckResult, RolloutView, StateCheck
+from app.sdk.context import ToolContext
+from app.sdk.errors import ToolDefinitionError, ToolError
+from app.sdk.state import Base, RolloutState
+from app.sdk.tool import Pack, ToolSpec, build_spec
+
+__all__ = [
+    "Base",
+    "CallView",
+    "CheckResult",
+    "Pack",
+    "RolloutState",
+    "RolloutView",
+    "StateCheck",
+    "ToolContext",
+    "ToolDefinitionError",
+    "ToolError",
+    "ToolSpec",
+    "build_spec",
+]

@@ -1,0 +1,43 @@
+"""State checks: how a pack grades the effect a rollout had on its own state."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.sdk.state import RolloutState
+
+
+@dataclass(frozen=True)
+class CallView:
+    """One recorded tool call of the rollout, in the order the server started them."""
+
+    tool: str
+    arguments: Any
+    output: str
+    outcome: str  # ok | model_error | tool_crash | infra_error
+    call_id: str | None = None
+
+
+@dataclass(frozen=True)
+class RolloutView:
+    """What a state check sees: the dataset row, the model's answer, its calls and the pack's final state."""
+
+    trace_id: str | None
+    item: Mapping[str, Any]
+    sample: Mapping[str, Any]
+    final_answer: str
+    calls: Sequence[CallView]
+    state: RolloutState  # read-only: the pack's base with this rollout's changes
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    score: float
+    sub_scores: Mapping[str, float] = field(default_factory=dict)
+    # Flags a reviewer should see, e.g. ("no_tool_calls", "the rollout made no call").
+    flags: Sequence[tuple[str, str]] = ()
+
+
+StateCheck = Callable[[RolloutView], CheckResult | Awaitable[CheckResult]]

@@ -1,0 +1,86 @@
+"""The rollout's state as a tool sees it: the pack's immutable base with this rollout's changes on top."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+Base = Mapping[str, Mapping[str, Any]]
+Changes = dict[str, dict[str, Any]]
+
+EMPTY_BASE: Base = {}
+
+
+class ReadOnlyState(RuntimeError):
+    """A tool not declared `mutates=True` tried to write rollout state."""
+
+
+class RolloutState:
+    """Copy-on-write records grouped in collections.
+
+    Reads see this rollout's changes first, then the base the pack loaded once per process. Writes
+    are buffered and committed atomically with the call's answer when the tool returns, so a tool
+    that fails half-way changes nothing. A record set to None is deleted.
+    """
+
+    def __init__(self, base: Base, changes: Changes, *, writable: bool) -> None:
+        self._base = base
+        self._changes = changes
+        self._writes: Changes = {}
+        self._writable = writable
+
+    def _lookup(self, collection: str, key: str) -> tuple[bool, Any]:
+        written = self._writes.get(collection)
+        if written is not None and key in written:
+            return True, written[key]
+        changed = self._changes.get(collection)
+        if changed is not None and key in changed:
+            return True, changed[key]
+        base = self._base.get(collection)
+        if base is not None and key in base:
+            return True, base[key]
+        return False, None
+
+    def get(self, collection: str, key: str, default: Any = None) -> Any:
+        """A private copy of the record (safe to modify and `put` back), or `default`."""
+        found, value = self._lookup(collection, key)
+        if not found or value is None:
+            return default
+        return copy.deepcopy(value)
+
+    def __contains__(self, item: tuple[str, str]) -> bool:
+        found, value = self._lookup(*item)
+        return found and value is not None
+
+    def keys(self, collection: str) -> list[str]:
+        merged = dict.fromkeys(self._base.get(collection, {}))
+        for layer in (self._changes.get(collection, {}), self._writes.get(collection, {})):
+            for key, value in layer.items():
+                if value is None:
+                    merged.pop(key, None)
+                else:
+                    merged[key] = None
+        return list(merged)
+
+    def items(self, collection: str) -> Iterator[tuple[str, Any]]:
+        """Every current record of a collection, without copying: read them, do not modify them."""
+        for key in self.keys(collection):
+            yield key, self._lookup(collection, key)[1]
+
+    def put(self, collection: str, key: str, value: Any) -> None:
+        if not self._writable:
+            raise ReadOnlyState(f"tool is not declared mutates=True; it cannot write {collection}/{key}")
+        self._writes.setdefault(collection, {})[key] = copy.deepcopy(value)
+
+    def delete(self, collection: str, key: str) -> None:
+        self.put(collection, key, None)
+
+    @property
+    def writes(self) -> Changes:
+        return self._writes
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        """The whole materialized state (base plus changes) as plain JSON-ready data."""
+        names = set(self._base) | set(self._changes) | set(self._writes)
+        return {name: dict(self.items(name)) for name in sorted(names)}

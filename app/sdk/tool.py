@@ -1,0 +1,221 @@
+"""Declaring tools: a typed function becomes a tool whose JSON schema comes from its signature."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Annotated, Any, TypeVar, Union, get_args, get_origin
+
+import openai
+from pydantic import BaseModel, ConfigDict, PydanticSchemaGenerationError, ValidationError, create_model
+from pydantic.errors import PydanticInvalidForJsonSchema, PydanticUserError
+
+from app.sdk.checks import StateCheck
+from app.sdk.context import ToolContext
+from app.sdk.errors import ToolDefinitionError
+from app.sdk.state import EMPTY_BASE, Base
+
+F = TypeVar("F", bound=Callable[..., Any])
+C = TypeVar("C", bound=StateCheck)
+
+_MISSING = object()
+
+
+def _allows_none(annotation: Any) -> bool:
+    if annotation is None or annotation is type(None) or annotation is Any:
+        return True
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _allows_none(get_args(annotation)[0])
+    if origin is Union or origin is types.UnionType:
+        return any(_allows_none(arg) for arg in get_args(annotation))
+    if origin is typing.Literal:
+        return None in get_args(annotation)
+    return False
+
+
+def _nullable(annotation: Any) -> Any:
+    """`T` → `T | None`, keeping `Annotated` metadata (descriptions, constraints) on the field."""
+    if get_origin(annotation) is Annotated:
+        inner, *metadata = get_args(annotation)
+        return Annotated[(inner | None, *metadata)]
+    return annotation | None
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A registered tool: the function, its argument model, and what the model is told about it."""
+
+    name: str
+    fn: Callable[..., Any]
+    description: str
+    arguments: type[BaseModel]
+    context_param: str | None
+    defaults: Mapping[str, Any]
+    mutates: bool
+    is_async: bool
+    pack: str = ""
+    base: Callable[[], Base] = field(default=lambda: EMPTY_BASE, compare=False)
+
+    @cached_property
+    def parameters(self) -> dict[str, Any]:
+        """The strict-mode JSON schema of the arguments (all properties required, no extras)."""
+        function = openai.pydantic_function_tool(self.arguments, name=self.name, description=self.description)
+        params: dict[str, Any] = dict(function["function"].get("parameters") or {})
+        params.pop("title", None)
+        return params
+
+    def function_tool(self) -> dict[str, Any]:
+        """The chat-completions `tools` entry a dataset line carries."""
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": self.parameters,
+                "strict": True,
+            },
+        }
+
+    def bind(self, raw: Mapping[str, Any]) -> dict[str, Any]:
+        """Validate raw arguments into keyword arguments; nulls for defaulted parameters take the default."""
+        model = self.arguments.model_validate(dict(raw))
+        values = {name: getattr(model, name) for name in type(model).model_fields}
+        for name, default in self.defaults.items():
+            if values.get(name) is None:
+                values[name] = default
+        return values
+
+
+def describe_validation_error(error: ValidationError) -> str:
+    """A pydantic error in words a model can act on: `field: what is wrong`."""
+    parts = []
+    for item in error.errors(include_url=False):
+        location = ".".join(str(p) for p in item["loc"]) or "arguments"
+        message = item["msg"]
+        if item["type"] == "extra_forbidden":
+            message = "unexpected field (not in the tool's parameters)"
+        elif item["type"] == "missing":
+            message = "required field is missing"
+        else:
+            given = item.get("input")
+            if given is not None and not isinstance(given, (dict, list)):
+                message = f"{message} (got {given!r})"
+        parts.append(f"{location}: {message}")
+    return "; ".join(parts)
+
+
+def build_spec(
+    fn: Callable[..., Any], *, name: str | None = None, description: str | None = None, mutates: bool = False
+) -> ToolSpec:
+    tool_name = name or fn.__name__
+    if not tool_name.replace("_", "").replace("-", "").isalnum() or len(tool_name) > 64:
+        raise ToolDefinitionError(f"tool name {tool_name!r} must be 1-64 letters, digits, '_' or '-'")
+    doc = description if description is not None else inspect.getdoc(fn)
+    if not doc:
+        raise ToolDefinitionError(f"tool {tool_name!r} needs a docstring or description: the model reads it")
+    try:
+        hints = typing.get_type_hints(fn, include_extras=True)
+    except Exception as exc:  # unresolvable forward references
+        raise ToolDefinitionError(f"tool {tool_name!r}: cannot resolve its type hints: {exc}") from exc
+
+    fields: dict[str, Any] = {}
+    defaults: dict[str, Any] = {}
+    context_param: str | None = None
+    for param in inspect.signature(fn).parameters.values():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD, param.POSITIONAL_ONLY):
+            raise ToolDefinitionError(
+                f"tool {tool_name!r}: parameter {param.name!r} must be a named parameter"
+            )
+        annotation = hints.get(param.name, _MISSING)
+        if annotation is _MISSING:
+            raise ToolDefinitionError(f"tool {tool_name!r}: parameter {param.name!r} has no type annotation")
+        if annotation is ToolContext:
+            if context_param is not None:
+                raise ToolDefinitionError(f"tool {tool_name!r}: only one ToolContext parameter is allowed")
+            context_param = param.name
+            continue
+        if param.default is inspect.Parameter.empty:
+            fields[param.name] = (annotation, ...)
+        else:
+            if not _allows_none(annotation):
+                annotation = _nullable(annotation)
+                defaults[param.name] = param.default
+            elif param.default is not None:
+                defaults[param.name] = param.default
+            fields[param.name] = (annotation, None)
+
+    model_name = "".join(part.capitalize() for part in tool_name.replace("-", "_").split("_")) + "Arguments"
+    try:
+        model = create_model(model_name, __config__=ConfigDict(extra="forbid"), **fields)
+        spec = ToolSpec(
+            name=tool_name,
+            fn=fn,
+            description=doc,
+            arguments=model,
+            context_param=context_param,
+            defaults=defaults,
+            mutates=mutates,
+            is_async=inspect.iscoroutinefunction(fn),
+        )
+        _ = spec.parameters  # build the schema now: unsupported types fail at definition
+    except (PydanticSchemaGenerationError, PydanticInvalidForJsonSchema, PydanticUserError, TypeError) as exc:
+        raise ToolDefinitionError(f"tool {tool_name!r}: unsupported parameter type: {exc}") from exc
+    return spec
+
+
+class Pack:
+    """A named group of tools (and graders) sharing one base state, e.g. the retail environment."""
+
+    def __init__(self, name: str, *, description: str = "", base: Callable[[], Base] | None = None) -> None:
+        self.name = name
+        self.description = description
+        # The base is loaded once per process, on first use, and shared by every rollout.
+        self._base = functools.cache(base or (lambda: EMPTY_BASE))
+        self._tools: dict[str, ToolSpec] = {}
+        self.state_checks: dict[str, StateCheck] = {}
+
+    def tool(
+        self,
+        fn: F | None = None,
+        *,
+        name: str | None = None,
+        description: str | None = None,
+        mutates: bool = False,
+    ) -> Any:
+        """Register `fn` as a tool and return it unchanged (usable bare or with arguments)."""
+
+        def register(func: F) -> F:
+            spec = build_spec(func, name=name, description=description, mutates=mutates)
+            if spec.name in self._tools:
+                raise ToolDefinitionError(f"pack {self.name!r} already has a tool named {spec.name!r}")
+            self._tools[spec.name] = dataclasses.replace(spec, pack=self.name, base=self.base)
+            return func
+
+        if fn is not None:
+            return register(fn)
+        return register
+
+    def state_check(self, name: str) -> Callable[[C], C]:
+        """Register a check of the rollout's final state; it is served as the grader `name`."""
+
+        def register(fn: C) -> C:
+            if name in self.state_checks:
+                raise ToolDefinitionError(f"pack {self.name!r} already has a state check named {name!r}")
+            self.state_checks[name] = fn
+            return fn
+
+        return register
+
+    @property
+    def tools(self) -> dict[str, ToolSpec]:
+        return dict(self._tools)
+
+    def base(self) -> Base:
+        return self._base()

@@ -1,0 +1,76 @@
+"""The sparring command: job-config and dataset-tools come from the same registry as the routes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from app.cli import cli
+from app.config import get_settings
+
+
+@pytest.fixture(autouse=True)
+def _fresh_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPARRING_PACKS", "demo")
+    monkeypatch.delenv("SPARRING_AUTH_HEADER", raising=False)
+    get_settings.cache_clear()
+    yield
+    get_settings.cache_clear()
+
+
+def test_job_config_lists_every_tool_with_its_url_and_a_key_placeholder() -> None:
+    result = CliRunner().invoke(
+        cli, ["job-config", "--base-url", "https://rft.example.com/", "--grader", "retail"]
+    )
+    assert result.exit_code == 0, result.output
+    config = json.loads(result.output)
+    assert [t["name"] for t in config["tools"]] == ["echo", "add_note", "list_notes"]
+    assert config["tools"][0] == {
+        "name": "echo",
+        "server_url": "https://rft.example.com/tools/echo",
+        "headers": {"Authorization": "Bearer <SPARRING_TOOLS_KEY>"},
+    }
+    assert config["grader"] == {
+        "type": "endpoint",
+        "name": "sparring-retail",
+        "url": "https://rft.example.com/grade/retail",
+        "headers": {"Authorization": "Bearer <SPARRING_GRADER_KEY>"},
+    }
+
+
+def test_job_config_uses_the_configured_header_and_public_url(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPARRING_AUTH_HEADER", "X-Functions-Key")
+    monkeypatch.setenv("SPARRING_PUBLIC_BASE_URL", "https://public.example.com")
+    result = CliRunner().invoke(cli, ["job-config"])
+    config = json.loads(result.output)
+    assert config["tools"][1]["headers"] == {"X-Functions-Key": "<SPARRING_TOOLS_KEY>"}
+    assert config["tools"][1]["server_url"] == "https://public.example.com/tools/add_note"
+    assert config["grader"]["url"] == "https://public.example.com/grade"
+
+
+def test_job_config_without_a_url_is_an_error() -> None:
+    result = CliRunner().invoke(cli, ["job-config"])
+    assert result.exit_code == 2
+    assert "--base-url" in result.output
+
+
+def test_dataset_tools_are_strict_function_tools() -> None:
+    result = CliRunner().invoke(cli, ["dataset-tools"])
+    tools = json.loads(result.output)
+    assert {t["function"]["name"] for t in tools} == {"echo", "add_note", "list_notes"}
+    assert all(t["type"] == "function" and t["function"]["strict"] for t in tools)
+
+
+def test_tools_table() -> None:
+    result = CliRunner().invoke(cli, ["tools"])
+    assert result.exit_code == 0
+    assert "add_note" in result.output and "yes" in result.output
+
+
+def test_serve_refuses_a_public_address_without_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SPARRING_API_KEYS", raising=False)
+    result = CliRunner().invoke(cli, ["serve", "--host", "0.0.0.0"])
+    assert result.exit_code == 2
+    assert "without API keys" in result.output

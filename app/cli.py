@@ -73,6 +73,11 @@ def serve(
             f"error: refusing to serve on {settings.host} without API keys: set SPARRING_API_KEYS", err=True
         )
         raise typer.Exit(2)
+    if workers > 1 and settings.metrics_dir is None:
+        # Workers write their metrics to files in one directory that /metrics aggregates.
+        import tempfile
+
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="sparring-metrics-")
     if migrate:
         _upgrade(settings)
     if not settings.keys:

@@ -8,7 +8,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 Scope = Literal["tools", "grader", "admin"]
@@ -80,6 +80,12 @@ class Settings(BaseSettings):
         "127.0.0.1", description="Proxy addresses trusted for X-Forwarded-* headers."
     )
     public_base_url: str | None = Field(None, description="Public https URL used in generated job configs.")
+
+    metrics_dir: str | None = Field(
+        None,
+        validation_alias=AliasChoices("PROMETHEUS_MULTIPROC_DIR", "SPARRING_METRICS_DIR"),
+        description="Directory shared by worker processes for metrics (set by `sparring serve --workers N`).",
+    )
 
     # Graders
     judge_base_url: str | None = Field(None, description="OpenAI-compatible base URL for model graders.")

@@ -20,6 +20,7 @@ from app.calls.service import ToolCallService
 from app.config import ApiKey, Settings
 from app.db.migrate import check_schema
 from app.db.session import build_engine, build_sessionmaker
+from app.metrics import Metrics
 from app.packs import Registry
 from app.rollouts.memory import MemoryRolloutStore
 from app.rollouts.redis_store import RedisRolloutStore
@@ -111,8 +112,11 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
                 "rollout state is in memory: run exactly one worker process "
                 "(set SPARRING_REDIS_URL to share state between workers and replicas)"
             )
+        metrics = Metrics(settings.metrics_dir)
+        app.state.metrics = metrics
         writer = CallLogWriter(
             engine,
+            metrics=metrics,
             queue_size=settings.log_queue_size,
             batch_size=settings.log_batch_size,
             retry_after=settings.retry_after_seconds,
@@ -129,6 +133,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             worker=worker_name(settings),
             max_output_bytes=settings.max_output_bytes,
             tool_timeout=settings.tool_timeout_seconds,
+            metrics=metrics,
         )
         yield
     finally:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Request, Response
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse
 from sqlalchemy import text
@@ -59,6 +59,11 @@ def create_app(settings: Settings | None = None, *, packs: list[Pack] | None = N
     @app.get("/docs", include_in_schema=False, dependencies=docs_guard)
     async def docs() -> HTMLResponse:
         return get_swagger_ui_html(openapi_url="/openapi.json", title="sparring API")
+
+    @app.get("/metrics", include_in_schema=False, dependencies=[Depends(require("admin"))])
+    async def metrics(request: Request) -> Response:
+        body = request.app.state.metrics.exposition()
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     app.include_router(tools_router)
     app.include_router(rollouts_router)

@@ -16,6 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.db.models import Rollout, ToolCall
 from app.errors import ServiceUnavailable
+from app.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +50,11 @@ _Pending = tuple[CallRecord, asyncio.Future[None] | None]
 class CallLogWriter:
     """Batches call records into one INSERT per transaction; `write` returns once its batch is durable."""
 
-    def __init__(self, engine: AsyncEngine, *, queue_size: int, batch_size: int, retry_after: int) -> None:
+    def __init__(
+        self, engine: AsyncEngine, *, queue_size: int, batch_size: int, retry_after: int, metrics: Metrics
+    ) -> None:
         self._engine = engine
+        self._metrics = metrics
         self._queue: asyncio.Queue[_Pending] = asyncio.Queue(maxsize=queue_size)
         self._batch_size = batch_size
         self._retry_after = retry_after
@@ -92,6 +96,8 @@ class CallLogWriter:
                 except asyncio.QueueEmpty:
                     break
             self.last_batch_size = len(batch)
+            self._metrics.log_batch_size.observe(len(batch))
+            self._metrics.log_queue_depth.set(self._queue.qsize())
             try:
                 await self._commit([record for record, _ in batch])
             except asyncio.CancelledError:

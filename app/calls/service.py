@@ -20,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 from app.calls.envelope import ToolCallEnvelope, ToolCallOutput
 from app.calls.log_writer import CallLogWriter, CallRecord
 from app.errors import ServiceUnavailable, ToolCrashed
+from app.metrics import Metrics
 from app.packs import Registry
 from app.rollouts.store import Claim, PackChanges, RolloutMeta, RolloutStore, StoredAnswer
 from app.sdk import RolloutState, ToolContext, ToolError, ToolSpec
@@ -89,7 +90,9 @@ class ToolCallService:
         worker: str,
         max_output_bytes: int,
         tool_timeout: float,
+        metrics: Metrics,
     ) -> None:
+        self.metrics = metrics
         self.registry = registry
         self.store = store
         self.log_writer = log_writer
@@ -110,17 +113,28 @@ class ToolCallService:
             started_at=datetime.now(UTC),
             started=time.perf_counter(),
         )
+        outcome = "infra_error"
+        self.metrics.in_flight.inc()
         try:
-            answer = await self._answer(call, path_name)
-        except ToolCrashed as exc:
-            with contextlib.suppress(ServiceUnavailable):
-                await self.log_writer.write(self._record(call, None, "tool_crash", exc.message, 500))
-            raise
-        except ServiceUnavailable as exc:
-            self.log_writer.submit(self._record(call, None, "infra_error", exc.message, 503))
-            raise
-        error = answer.output if answer.outcome == "model_error" else None
-        await self.log_writer.write(self._record(call, answer.output, answer.outcome, error, 200))
+            try:
+                answer = await self._answer(call, path_name)
+            except ToolCrashed as exc:
+                outcome = "tool_crash"
+                with contextlib.suppress(ServiceUnavailable):
+                    await self.log_writer.write(self._record(call, None, "tool_crash", exc.message, 500))
+                raise
+            except ServiceUnavailable as exc:
+                self.log_writer.submit(self._record(call, None, "infra_error", exc.message, 503))
+                raise
+            error = answer.output if answer.outcome == "model_error" else None
+            await self.log_writer.write(self._record(call, answer.output, answer.outcome, error, 200))
+            outcome = answer.outcome
+        finally:
+            self.metrics.in_flight.dec()
+            self.metrics.tool_calls.labels(call.tool or "(none)", outcome).inc()
+            self.metrics.tool_latency.labels(call.tool or "(none)").observe(
+                time.perf_counter() - call.started
+            )
         return ToolCallOutput(call_id=envelope.call_id, id=envelope.id, output=answer.output)
 
     def _record(
@@ -182,6 +196,7 @@ class ToolCallService:
             except TimeoutError as exc:
                 raise ServiceUnavailable(str(exc)) from exc
             if isinstance(claimed, StoredAnswer):
+                self.metrics.ledger_replays.inc()
                 return claimed  # a retry: the identical answer, without running the tool again
             claim = claimed
         try:

@@ -281,3 +281,17 @@ async def test_never_429_even_when_the_log_queue_is_full(app_factory: AppFactory
             if r.status_code == 503:
                 assert r.headers["Retry-After"].isdigit()
                 assert r.json()["error"]["code"] == "call_log_unavailable"
+
+
+async def test_metrics_count_calls_by_outcome_and_replays(client: httpx.AsyncClient) -> None:
+    trace = new_trace()
+    await client.post("/tools/increment", json=call_body({"by": 1}, trace_id=trace, call_id="m1"))
+    await client.post("/tools/increment", json=call_body({"by": 1}, trace_id=trace, call_id="m1"))
+    await client.post("/tools/refuse", json=call_body({"reason": "no"}, trace_id=trace, call_id="m2"))
+    assert (await client.get("/metrics")).status_code == 403
+    r = await client.get("/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    text = r.text
+    assert 'sparring_tool_calls_total{outcome="ok",tool="increment"} 2.0' in text
+    assert 'sparring_tool_calls_total{outcome="model_error",tool="refuse"} 1.0' in text
+    assert "sparring_ledger_replays_total 1.0" in text
+    assert "sparring_log_batch_size_count" in text

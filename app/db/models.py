@@ -73,6 +73,8 @@ class Grade(Base):
     flags: Mapped[list[Any]] = mapped_column(JsonColumn, default=list)
     errors: Mapped[list[Any]] = mapped_column(JsonColumn, default=list)
     sample: Mapped[dict[str, Any]] = mapped_column(JsonColumn, default=dict)
+    # Hash of the normalized final answer: the same answer across different items is a review flag.
+    answer_hash: Mapped[str | None] = mapped_column(String(64), index=True)
     item_key: Mapped[str | None] = mapped_column(String(128))
     run: Mapped[str | None] = mapped_column(String(200))
     latency_ms: Mapped[float] = mapped_column(Float)

@@ -50,12 +50,14 @@ def upgrade() -> None:
             sa.JSON().with_variant(postgresql.JSONB(astext_type=sa.Text()), "postgresql"),
             nullable=False,
         ),
+        sa.Column("answer_hash", sa.String(length=64), nullable=True),
         sa.Column("item_key", sa.String(length=128), nullable=True),
         sa.Column("run", sa.String(length=200), nullable=True),
         sa.Column("latency_ms", sa.Float(), nullable=False),
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_grades")),
     )
+    op.create_index(op.f("ix_grades_answer_hash"), "grades", ["answer_hash"], unique=False)
     op.create_index(op.f("ix_grades_grader"), "grades", ["grader"], unique=False)
     op.create_index("ix_grades_trace_created", "grades", ["trace_id", "created_at"], unique=False)
     op.create_table(
@@ -123,4 +125,5 @@ def downgrade() -> None:
     op.drop_table("rollouts")
     op.drop_index("ix_grades_trace_created", table_name="grades")
     op.drop_index(op.f("ix_grades_grader"), table_name="grades")
+    op.drop_index(op.f("ix_grades_answer_hash"), table_name="grades")
     op.drop_table("grades")

@@ -51,8 +51,9 @@ def serve(
     ] = None,
     port: Annotated[int | None, typer.Option(help="Port (default SPARRING_PORT or 8000).")] = None,
     workers: Annotated[
-        int, typer.Option(min=1, help="Worker processes (needs SPARRING_REDIS_URL if > 1).")
-    ] = 1,
+        int | None,
+        typer.Option(min=1, help="Worker processes (default SPARRING_WORKERS or 1; > 1 needs Redis)."),
+    ] = None,
     migrate: Annotated[bool, typer.Option(help="Run database migrations before serving.")] = False,
 ) -> None:
     """Serve the API with uvicorn."""
@@ -65,6 +66,7 @@ def serve(
         os.environ["SPARRING_PORT"] = str(port)
     get_settings.cache_clear()
     settings = _settings()
+    workers = workers if workers is not None else settings.workers
     if workers > 1 and settings.redis_url is None:
         typer.echo("error: --workers > 1 needs SPARRING_REDIS_URL (in-memory state is per process)", err=True)
         raise typer.Exit(2)

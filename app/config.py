@@ -66,6 +66,12 @@ class Settings(BaseSettings):
         60.0, gt=0, description="Expiry of a rollout lock held by a crashed worker."
     )
     tool_timeout_seconds: float = Field(300.0, gt=0, description="Deadline given to each tool call.")
+    claim_timeout_seconds: float = Field(
+        30.0,
+        gt=0,
+        description="Expiry of a call's ledger claim held by a crashed worker (kept alive while it runs).",
+    )
+    workers: int = Field(1, ge=1, description="Worker processes for `sparring serve` (> 1 needs Redis).")
     log_queue_size: int = Field(10_000, ge=1, description="Call-log rows waiting for a commit before 503.")
     log_batch_size: int = Field(500, ge=1)
     retry_after_seconds: int = Field(2, ge=1)

@@ -85,3 +85,11 @@ def json_response(body: Any, status_code: int = 200, headers: dict[str, str] | N
 async def handle_sparring_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, SparringError)
     return json_response(exc.body(), status_code=exc.status_code, headers=exc.headers())
+
+
+async def handle_outage(request: Request, exc: Exception) -> Response:
+    """A database or network error that escaped a route: the dependency is down, so 503, never 500."""
+    settings = getattr(request.app.state, "settings", None)
+    retry_after = int(getattr(settings, "retry_after_seconds", 2))
+    error = ServiceUnavailable(f"a dependency is unreachable: {type(exc).__name__}", retry_after=retry_after)
+    return json_response(error.body(), status_code=error.status_code, headers=error.headers())

@@ -57,7 +57,7 @@ def build_store(settings: Settings) -> RolloutStore:
         client,
         ttl_seconds=settings.state_ttl_seconds,
         lock_timeout=settings.lock_timeout_seconds,
-        claim_timeout=30.0,
+        claim_timeout=settings.claim_timeout_seconds,
         lock_wait=settings.tool_timeout_seconds,
     )
 

@@ -7,12 +7,14 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse
+from redis.exceptions import RedisError
 from sqlalchemy import text
+from sqlalchemy.exc import SQLAlchemyError
 
 from app.auth import require
 from app.calls.routes import router as tools_router
 from app.config import Settings, get_settings
-from app.errors import ServiceUnavailable, SparringError, handle_sparring_error
+from app.errors import ServiceUnavailable, SparringError, handle_outage, handle_sparring_error
 from app.lifespan import AppOptions, lifespan
 from app.middleware import BodyLimitMiddleware
 from app.rollouts.routes import router as rollouts_router
@@ -32,6 +34,9 @@ def create_app(settings: Settings | None = None, *, packs: list[Pack] | None = N
     app.state.settings = settings
     app.state.options = AppOptions(packs=tuple(packs) if packs is not None else None)
     app.add_exception_handler(SparringError, handle_sparring_error)
+    app.add_exception_handler(SQLAlchemyError, handle_outage)
+    app.add_exception_handler(RedisError, handle_outage)
+    app.add_exception_handler(OSError, handle_outage)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
 
     @app.get("/healthz", tags=["health"])

@@ -110,6 +110,11 @@ class RedisRolloutStore:
             value = await self._guard(self._redis.get(key))
             if value is not None:
                 text = value.decode() if isinstance(value, bytes) else str(value)
+                if text == _PENDING + token:
+                    # Our SET NX was applied but its reply was lost and the client retried: the claim is ours.
+                    claim = Claim(token=token)
+                    self._start_keepalive(trace_id, call_id, claim)
+                    return claim
                 if text.startswith(_ANSWERED):
                     data = orjson.loads(text[len(_ANSWERED) :])
                     return StoredAnswer(output=data["output"], outcome=data["outcome"])
@@ -167,8 +172,14 @@ class RedisRolloutStore:
             yield
         finally:
             keeper.cancel()
-            with contextlib.suppress(LockError):
-                await self._guard(lock.release())
+            try:
+                await lock.release()
+            except LockError:
+                # The lock lapsed (the call outlived lock_timeout without a keep-alive): nothing to free.
+                log.warning("the lock of rollout %s lapsed before it was released", trace_id)
+            except (RedisError, OSError) as exc:
+                # What the call did is already committed; the lock lapses by itself after lock_timeout.
+                log.warning("could not release the lock of rollout %s: %s", trace_id, exc)
 
     # --- state and lifecycle -------------------------------------------------------------------------
 

@@ -1,0 +1,50 @@
+# syntax=docker/dockerfile:1
+# sparring's image, in two stages:
+#   build    turns pyproject.toml's pinned dependencies and the project itself into wheels and installs
+#            them into a virtualenv (/opt/sparring);
+#   runtime  a fresh slim image with only that virtualenv and the entrypoint: no pip cache, no sources,
+#            no build tools; runs as an unprivileged user.
+# Build: docker build -t sparring .      Run: see docker-compose.yml and docs/deploy.md.
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS build
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PYTHONDONTWRITEBYTECODE=1
+WORKDIR /src
+RUN python -m venv /opt/sparring
+# Dependencies first, from the pins in pyproject.toml: this layer is rebuilt only when they change.
+COPY pyproject.toml README.md ./
+RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+        > /tmp/requirements.txt \
+ && /opt/sparring/bin/pip wheel --wheel-dir /wheels -r /tmp/requirements.txt \
+ && /opt/sparring/bin/pip install --no-index --find-links /wheels -r /tmp/requirements.txt
+# Then the project (server, tool packs, migrations) as a wheel of its own.
+COPY app ./app
+COPY tools ./tools
+COPY migrations ./migrations
+RUN /opt/sparring/bin/pip wheel --no-deps --wheel-dir /wheels/project . \
+ && /opt/sparring/bin/pip install --no-index --no-deps /wheels/project/sparring-*.whl \
+ && /opt/sparring/bin/sparring --help > /dev/null
+
+FROM ${PYTHON_IMAGE} AS runtime
+ENV PATH=/opt/sparring/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    SPARRING_HOME=/var/lib/sparring
+RUN groupadd --system --gid 10001 sparring \
+ && useradd --system --uid 10001 --gid sparring --home-dir /var/lib/sparring --create-home \
+        --shell /usr/sbin/nologin sparring
+COPY --from=build /opt/sparring /opt/sparring
+COPY --chmod=0755 deploy/entrypoint.sh /usr/local/bin/sparring-entrypoint
+WORKDIR /var/lib/sparring
+# A numeric user, so Kubernetes' runAsNonRoot can verify it.
+USER 10001:10001
+EXPOSE 8000
+# Liveness only (the process answers); readiness (database and Redis reachable) is /readyz.
+HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('SPARRING_PORT', '8000') + '/healthz', timeout=4)"]
+# Waits for the database, runs `sparring db upgrade` (once across replicas: advisory lock), then
+# `exec sparring serve --host 0.0.0.0 --workers ${SPARRING_WORKERS:-2}`. Other commands run as given.
+ENTRYPOINT ["sparring-entrypoint"]
+CMD ["serve"]

@@ -1,0 +1,138 @@
+"""Migrations up, down and up on SQLite and Postgres; models agree with them; stale schemas are refused."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import Connection, inspect
+from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.pool import NullPool
+
+from app.db.migrate import downgrade, head_revision, upgrade
+from app.db.models import Base
+from tests.conftest import REDIS_URL, create_pg_database, drop_pg_database
+from tests.system.helpers import ROOT, Servers, clean_env, server_settings
+
+TABLES = {"rollouts", "tool_calls", "grades"}
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def empty_database(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
+    """A database with no schema at all."""
+    if request.param == "sqlite":
+        yield f"sqlite+aiosqlite:///{tmp_path / 'sparring.db'}"
+        return
+    name = f"sparring_sys_migrate_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    url = await create_pg_database(name)
+    try:
+        yield url
+    finally:
+        await drop_pg_database(name)
+
+
+def _schema(connection: Connection) -> dict[str, Any]:
+    """Tables with their columns, primary key, indexes and the Alembic revision."""
+    inspector = inspect(connection)
+    schema: dict[str, Any] = {}
+    for table in sorted(inspector.get_table_names()):
+        schema[table] = {
+            "columns": [(c["name"], str(c["type"]), c["nullable"]) for c in inspector.get_columns(table)],
+            "pk": inspector.get_pk_constraint(table),
+            "indexes": sorted(
+                (i["name"] or "", tuple(i["column_names"]), bool(i["unique"]))
+                for i in inspector.get_indexes(table)
+            ),
+        }
+    schema["revision"] = MigrationContext.configure(connection).get_current_revision()
+    return schema
+
+
+def _diff(connection: Connection) -> list[Any]:
+    context = MigrationContext.configure(
+        connection, opts={"compare_type": True, "target_metadata": Base.metadata}
+    )
+    return list(compare_metadata(context, Base.metadata))
+
+
+async def inspect_db(url: str, fn: Any) -> Any:
+    engine = create_async_engine(url, poolclass=NullPool)
+    try:
+        async with engine.connect() as conn:
+            return await conn.run_sync(fn)
+    finally:
+        await engine.dispose()
+
+
+async def test_migrations_up_down_up(empty_database: str) -> None:
+    await asyncio.to_thread(upgrade, empty_database)
+    first = await inspect_db(empty_database, _schema)
+    assert first["revision"] == head_revision()
+    assert set(first) - {"revision", "alembic_version"} == TABLES
+    assert {i[0] for i in first["tool_calls"]["indexes"]} >= {
+        "uq_tool_calls_answered",
+        "ix_tool_calls_trace_started",
+    }
+
+    await asyncio.to_thread(downgrade, empty_database, "base")
+    emptied = await inspect_db(empty_database, _schema)
+    assert emptied["revision"] is None
+    assert not (set(emptied) & TABLES), "downgrade to base left tables behind"
+
+    await asyncio.to_thread(upgrade, empty_database)
+    assert await inspect_db(empty_database, _schema) == first
+    # Upgrading an up-to-date database changes nothing.
+    await asyncio.to_thread(upgrade, empty_database)
+    assert await inspect_db(empty_database, _schema) == first
+
+
+async def test_models_and_migrations_agree(empty_database: str) -> None:
+    await asyncio.to_thread(upgrade, empty_database)
+    assert await inspect_db(empty_database, _diff) == []
+
+
+def _sparring(*args: str, settings: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    sparring = Path(sys.executable).with_name("sparring")
+    return subprocess.run(
+        [str(sparring), *args],
+        cwd=ROOT,
+        env=clean_env(**settings),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+@pytest.mark.slow
+async def test_server_refuses_an_out_of_date_schema(
+    empty_database: str, servers: Servers, tmp_path: Path
+) -> None:
+    settings = server_settings(
+        database_url=empty_database,
+        redis_url=REDIS_URL if "postgresql" in empty_database else None,
+        home=tmp_path / "home",
+        worker="stale",
+    )
+    # No schema at all: `sparring serve` exits with a message naming the command that fixes it.
+    refused = servers.launch("stale", settings, cli=True)
+    code = await refused.wait_exit(60)
+    assert code != 0
+    assert "sparring db upgrade" in refused.output, refused.output
+
+    # After the command it names, the same settings serve.
+    done = _sparring("db", "upgrade", settings=settings)
+    assert done.returncode == 0, done.stdout + done.stderr
+    server = await servers.start("current", settings, cli=True)
+    async with httpx.AsyncClient(timeout=10) as client:
+        assert (await client.get(f"{server.url}/readyz")).status_code == 200

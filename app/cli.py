@@ -4,27 +4,29 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
+from app.cli_support import load_settings
 from app.config import Settings, get_settings
+from app.grading.cli import grading_cli
+from app.review.cli import review_cli
 
 cli = typer.Typer(
     help="sparring: tools and graders for agent reinforcement fine-tuning.", no_args_is_help=True
 )
 db_cli = typer.Typer(help="Database schema (Alembic migrations).", no_args_is_help=True)
 cli.add_typer(db_cli, name="db")
+cli.add_typer(grading_cli)
+packs_cli = typer.Typer(help="Tool packs: fetch their data ahead of serving.", no_args_is_help=True)
+cli.add_typer(packs_cli, name="packs")
+dataset_cli = typer.Typer(help="Agent RFT datasets of the packs that ship tasks.", no_args_is_help=True)
+cli.add_typer(dataset_cli, name="dataset")
+cli.add_typer(review_cli)
 
 KEY_PLACEHOLDER = "<SPARRING_{scope}_KEY>"
-
-
-def _settings() -> Settings:
-    try:
-        return get_settings()
-    except Exception as exc:  # pydantic's message names the bad setting
-        typer.echo(f"error: invalid settings: {exc}", err=True)
-        raise typer.Exit(2) from exc
 
 
 def _registry(settings: Settings) -> Any:
@@ -65,7 +67,7 @@ def serve(
     if port is not None:
         os.environ["SPARRING_PORT"] = str(port)
     get_settings.cache_clear()
-    settings = _settings()
+    settings = load_settings()
     workers = workers if workers is not None else settings.workers
     if workers > 1 and settings.redis_url is None:
         typer.echo("error: --workers > 1 needs SPARRING_REDIS_URL (in-memory state is per process)", err=True)
@@ -109,7 +111,7 @@ def serve(
 @cli.command("tools")
 def list_tools() -> None:
     """List every served tool: name, pack, whether it changes state, description."""
-    registry = _registry(_settings())
+    registry = _registry(load_settings())
     rows = [
         (s.name, s.pack, "yes" if s.mutates else "", s.description.splitlines()[0])
         for s in registry.tools.values()
@@ -149,7 +151,7 @@ def job_config_command(
     ] = None,
 ) -> None:
     """Print the `method.reinforcement` tools and grader entries as JSON (keys are placeholders)."""
-    settings = _settings()
+    settings = load_settings()
     url = base_url or settings.public_base_url
     if not url:
         typer.echo("error: give --base-url https://your-host (or set SPARRING_PUBLIC_BASE_URL)", err=True)
@@ -162,7 +164,7 @@ def job_config_command(
 @cli.command("dataset-tools")
 def dataset_tools() -> None:
     """Print the `tools` array every dataset line carries, from the same registry the server uses."""
-    typer.echo(json.dumps(_registry(_settings()).dataset_tools(), indent=2))
+    typer.echo(json.dumps(_registry(load_settings()).dataset_tools(), indent=2))
 
 
 def _upgrade(settings: Settings, revision: str = "head") -> None:
@@ -176,7 +178,7 @@ def _upgrade(settings: Settings, revision: str = "head") -> None:
 @db_cli.command("upgrade")
 def db_upgrade(revision: Annotated[str, typer.Argument()] = "head") -> None:
     """Migrate the database to the latest schema (safe to run from several replicas at once)."""
-    _upgrade(_settings(), revision)
+    _upgrade(load_settings(), revision)
     typer.echo("database schema is up to date" if revision == "head" else f"database at {revision}")
 
 
@@ -185,8 +187,52 @@ def db_downgrade(revision: Annotated[str, typer.Argument(help="Target revision, 
     """Migrate the database down to an earlier revision."""
     from app.db.migrate import downgrade
 
-    downgrade(_settings().effective_database_url, revision)
+    downgrade(load_settings().effective_database_url, revision)
     typer.echo(f"database at {revision}")
+
+
+def _prepared_pack(settings: Settings, name: str) -> Any:
+    """Load pack `name` and run its start-up hooks (which find or fetch its data)."""
+    from app.packs import PackLoadError, load_pack
+
+    try:
+        pack = load_pack(name)
+    except PackLoadError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    try:
+        for hook in pack.startup_hooks:
+            hook(settings)
+    except Exception as exc:
+        typer.echo(f"error: pack {name!r}: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    return pack
+
+
+@packs_cli.command("fetch")
+def packs_fetch(name: Annotated[str, typer.Argument(help="Pack name, e.g. retail.")]) -> None:
+    """Fetch and check a pack's data now (the server would otherwise do it on first start)."""
+    _prepared_pack(load_settings(), name)
+    typer.echo(f"pack {name!r} is ready")
+
+
+@dataset_cli.command("build")
+def dataset_build(
+    name: Annotated[str, typer.Argument(help="Pack name, e.g. retail.")],
+    split: Annotated[str, typer.Option(help="Which tasks, e.g. train or test.")] = "train",
+    out: Annotated[Path, typer.Option(help="JSONL file to write.")] = Path("dataset.jsonl"),
+) -> None:
+    """Write a pack's Agent RFT dataset (JSONL, one task per line), checked against the served tools."""
+    pack = _prepared_pack(load_settings(), name)
+    if pack.dataset_builder is None:
+        typer.echo(f"error: pack {name!r} ships no dataset", err=True)
+        raise typer.Exit(2)
+    try:
+        count = pack.dataset_builder(split, out)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    typer.echo(f"wrote {count} lines to {out}")
 
 
 def main() -> None:

@@ -81,7 +81,12 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8000
     worker_name: str | None = None
-    graders_file: Path | None = None
+    graders_file: Path | None = Field(
+        None, description="YAML or JSON file of grader name -> config, served at /grade/{name}."
+    )
+    default_grader: str | None = Field(
+        None, description="Grader of POST /grade (default: the only configured grader, if just one)."
+    )
     forwarded_allow_ips: str = Field(
         "127.0.0.1", description="Proxy addresses trusted for X-Forwarded-* headers."
     )

@@ -5,10 +5,12 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Collection, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+import anyio
 from fastapi import FastAPI
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
@@ -20,6 +22,9 @@ from app.calls.service import ToolCallService
 from app.config import ApiKey, Settings
 from app.db.migrate import check_schema
 from app.db.session import build_engine, build_sessionmaker
+from app.grading.model import Grader, GraderConfigError
+from app.grading.registry import GraderContext, build_graders, load_graders_file
+from app.grading.service import GradingService
 from app.metrics import Metrics
 from app.packs import Registry
 from app.rollouts.memory import MemoryRolloutStore
@@ -60,6 +65,47 @@ def build_store(settings: Settings) -> RolloutStore:
         claim_timeout=settings.claim_timeout_seconds,
         lock_wait=settings.tool_timeout_seconds,
     )
+
+
+async def prepare_packs(registry: Registry, settings: Settings) -> None:
+    """Run each pack's start-up hooks, then load its base state, off the event loop."""
+    for pack in registry.packs.values():
+        try:
+            for hook in pack.startup_hooks:
+                await anyio.to_thread.run_sync(hook, settings)
+            started = time.perf_counter()
+            await anyio.to_thread.run_sync(pack.base)
+        except Exception as exc:
+            raise StartupError(f"pack {pack.name!r} cannot start: {exc}") from exc
+        log.info("pack %s ready (base state loaded in %.2fs)", pack.name, time.perf_counter() - started)
+
+
+def build_grader_set(settings: Settings, context: GraderContext) -> dict[str, Grader]:
+    """The graders of SPARRING_GRADERS_FILE plus the packs' state checks; a bad config stops start-up."""
+    try:
+        configs = load_graders_file(settings.graders_file) if settings.graders_file is not None else {}
+        source = str(settings.graders_file) if settings.graders_file is not None else "SPARRING_GRADERS_FILE"
+        return build_graders(configs, source=source, context=context)
+    except GraderConfigError as exc:
+        raise StartupError(f"invalid grader config: {exc}") from None
+
+
+def default_grader(
+    settings: Settings, graders: Mapping[str, Grader], state_checks: Collection[str] = ()
+) -> str | None:
+    """SPARRING_DEFAULT_GRADER, else the file's only grader, else the only grader of all."""
+    if settings.default_grader is not None:
+        if settings.default_grader not in graders:
+            known = ", ".join(sorted(graders)) or "none"
+            raise StartupError(
+                f"SPARRING_DEFAULT_GRADER={settings.default_grader!r} is not a configured grader "
+                f"(known: {known})"
+            )
+        return settings.default_grader
+    configured = [name for name in graders if name not in state_checks]
+    if len(configured) == 1:
+        return configured[0]
+    return next(iter(graders)) if len(graders) == 1 else None
 
 
 def worker_name(settings: Settings) -> str:
@@ -104,7 +150,9 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     engine = build_engine(settings.effective_database_url, pool_size=settings.db_pool_size)
     store: RolloutStore | None = None
     writer: CallLogWriter | None = None
+    grader_context: GraderContext | None = None
     try:
+        await prepare_packs(registry, settings)
         await check_schema(engine)
         store = build_store(settings)
         if store.kind == "memory":
@@ -126,6 +174,17 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.sessionmaker = build_sessionmaker(engine)
         app.state.store = store
         app.state.log_writer = writer
+        grader_context = GraderContext.from_settings(settings, state_checks=registry.state_checks)
+        app.state.grader_context = grader_context
+        app.state.grading = GradingService(
+            graders=build_grader_set(settings, grader_context),
+            default=None,
+            store=store,
+            sessionmaker=app.state.sessionmaker,
+            metrics=metrics,
+            retry_after=settings.retry_after_seconds,
+        )
+        app.state.grading.default = default_grader(settings, app.state.grading.graders, registry.state_checks)
         app.state.call_service = ToolCallService(
             registry=registry,
             store=store,
@@ -137,6 +196,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         )
         yield
     finally:
+        if grader_context is not None:
+            await grader_context.aclose()
         if writer is not None:
             await writer.aclose()
         if store is not None:

@@ -15,8 +15,10 @@ from app.auth import require
 from app.calls.routes import router as tools_router
 from app.config import Settings, get_settings
 from app.errors import ServiceUnavailable, SparringError, handle_outage, handle_sparring_error
+from app.grading.routes import router as grading_router
 from app.lifespan import AppOptions, lifespan
 from app.middleware import BodyLimitMiddleware
+from app.review.routes import router as review_router
 from app.rollouts.routes import router as rollouts_router
 from app.sdk import Pack
 
@@ -72,4 +74,6 @@ def create_app(settings: Settings | None = None, *, packs: list[Pack] | None = N
 
     app.include_router(tools_router)
     app.include_router(rollouts_router)
+    app.include_router(grading_router)
+    app.include_router(review_router)
     return app

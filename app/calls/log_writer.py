@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func
+from sqlalchemy import func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -162,9 +162,27 @@ class CallLogWriter:
         )
         # A call answered before (a retry replayed from the ledger) is already logged: skip it.
         calls_insert = self._insert(ToolCall).on_conflict_do_nothing()
+        rows = [
+            {**asdict(record), "output_bytes": len(record.output.encode()) if record.output else 0}
+            for record in records
+        ]
+        calls = ToolCall.__table__
+        recount = (
+            update(Rollout)
+            .where(table.c.trace_id.in_(sorted(rollouts)))
+            .values(
+                calls=select(func.count())
+                .select_from(calls)
+                .where(calls.c.trace_id == table.c.trace_id)
+                .scalar_subquery()
+            )
+        )
         async with self._engine.begin() as conn:
+            # The upsert locks each rollout row first, so concurrent batches of one rollout take turns
+            # and each recount sees the calls the other committed.
             await conn.execute(rollout_upsert)
-            await conn.execute(calls_insert, [asdict(record) for record in records])
+            await conn.execute(calls_insert, rows)
+            await conn.execute(recount)
 
     async def aclose(self) -> None:
         # Drain what is queued before stopping, so nothing answered is lost at shutdown.

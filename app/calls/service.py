@@ -17,7 +17,7 @@ import anyio.to_thread
 import orjson
 from pydantic import BaseModel, ValidationError
 
-from app.calls.envelope import ToolCallEnvelope, ToolCallOutput
+from app.calls.envelope import CALL_ID_MAX, RUN_MAX, TRACE_ID_MAX, ToolCallEnvelope, ToolCallOutput, fit
 from app.calls.log_writer import CallLogWriter, CallRecord
 from app.errors import ServiceUnavailable, ToolCrashed
 from app.metrics import Metrics
@@ -106,9 +106,11 @@ class ToolCallService:
         call = _Call(
             envelope=envelope,
             tool=(path_name or envelope.name or "")[:128],
-            trace_id=envelope.trace_id or f"trace_anon_{uuid.uuid4().hex}",
+            trace_id=fit(envelope.trace_id, TRACE_ID_MAX)
+            if envelope.trace_id
+            else f"trace_anon_{uuid.uuid4().hex}",
             arguments_text=_arguments_text(envelope.arguments),
-            run=run[:200] if run else None,
+            run=fit(run, RUN_MAX) if run else None,
             item_key=item_key(envelope.item),
             started_at=datetime.now(UTC),
             started=time.perf_counter(),
@@ -143,8 +145,8 @@ class ToolCallService:
         ended = datetime.now(UTC)
         return CallRecord(
             trace_id=call.trace_id,
-            call_id=call.envelope.call_id,
-            request_id=call.envelope.id,
+            call_id=fit(call.envelope.call_id, CALL_ID_MAX) if call.envelope.call_id else None,
+            request_id=fit(call.envelope.id, CALL_ID_MAX) if call.envelope.id else None,
             tool=call.tool or "(none)",
             arguments=call.arguments_text,
             output=output,

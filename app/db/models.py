@@ -23,6 +23,8 @@ class Rollout(Base):
     first_seen: Mapped[datetime] = mapped_column(UtcDateTime())
     last_seen: Mapped[datetime] = mapped_column(UtcDateTime(), index=True)
     graded_at: Mapped[datetime | None] = mapped_column(UtcDateTime())
+    # Logged calls of the rollout, recounted by the log writer in the transaction that logs them.
+    calls: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 class ToolCall(Base):
@@ -39,6 +41,14 @@ class ToolCall(Base):
             sqlite_where=text("call_id IS NOT NULL AND outcome IN ('ok', 'model_error')"),
         ),
         Index("ix_tool_calls_tool_started", "tool", "started_at"),
+        # Run statistics (per tool: count, latency percentiles, outcomes, output sizes) read only this.
+        Index(
+            "ix_tool_calls_run_tool_latency",
+            "run",
+            "tool",
+            "latency_ms",
+            postgresql_include=["outcome", "output_bytes"],
+        ),
     )
 
     id: Mapped[int] = mapped_column(BigIntId, primary_key=True, autoincrement=True)
@@ -48,6 +58,7 @@ class ToolCall(Base):
     tool: Mapped[str] = mapped_column(String(128))
     arguments: Mapped[str] = mapped_column(Text)
     output: Mapped[str | None] = mapped_column(Text)
+    output_bytes: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # UTF-8 length
     outcome: Mapped[str] = mapped_column(String(16), index=True)
     error: Mapped[str | None] = mapped_column(Text)
     status_code: Mapped[int] = mapped_column(Integer)
@@ -73,6 +84,7 @@ class Grade(Base):
     flags: Mapped[list[Any]] = mapped_column(JsonColumn, default=list)
     errors: Mapped[list[Any]] = mapped_column(JsonColumn, default=list)
     sample: Mapped[dict[str, Any]] = mapped_column(JsonColumn, default=dict)
+    item: Mapped[dict[str, Any] | None] = mapped_column(JsonColumn, nullable=True)  # to regrade later
     # Hash of the normalized final answer: the same answer across different items is a review flag.
     answer_hash: Mapped[str | None] = mapped_column(String(64), index=True)
     item_key: Mapped[str | None] = mapped_column(String(128))

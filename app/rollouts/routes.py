@@ -10,26 +10,11 @@ from pydantic import BaseModel
 
 from app.deps import AdminKey, RegistryDep, SessionMakerDep, StoreDep
 from app.errors import NotFound
-from app.rollouts.repository import RolloutRepository, parallel_batches
+from app.rollouts.repository import RolloutRepository
+from app.rollouts.timeline import CallOut, timeline
 from app.sdk import RolloutState
 
 router = APIRouter(prefix="/rollouts", tags=["rollouts"])
-
-
-class CallOut(BaseModel):
-    seq: int
-    batch: int
-    tool: str
-    call_id: str | None
-    arguments: str
-    output: str | None
-    outcome: str
-    error: str | None
-    status_code: int
-    started_at: datetime
-    ended_at: datetime
-    latency_ms: float
-    worker: str
 
 
 class RolloutOut(BaseModel):
@@ -78,25 +63,7 @@ async def get_rollout(trace_id: str, _: AdminKey, sessions: SessionMakerDep) -> 
         if rollout is None:
             raise NotFound(f"no rollout with trace_id {trace_id!r}")
         calls = await repo.calls(trace_id)
-    batches = parallel_batches(calls)
-    timeline = [
-        CallOut(
-            seq=i,
-            batch=batches[i],
-            tool=c.tool,
-            call_id=c.call_id,
-            arguments=c.arguments,
-            output=c.output,
-            outcome=c.outcome,
-            error=c.error,
-            status_code=c.status_code,
-            started_at=c.started_at,
-            ended_at=c.ended_at,
-            latency_ms=c.latency_ms,
-            worker=c.worker,
-        )
-        for i, c in enumerate(calls)
-    ]
+    calls_out = timeline(calls)
     return RolloutDetail(
         trace_id=rollout.trace_id,
         run=rollout.run,
@@ -105,8 +72,8 @@ async def get_rollout(trace_id: str, _: AdminKey, sessions: SessionMakerDep) -> 
         last_seen=rollout.last_seen,
         graded_at=rollout.graded_at,
         calls=len(calls),
-        parallel_batches=(batches[-1] + 1) if batches else 0,
-        timeline=timeline,
+        parallel_batches=(calls_out[-1].batch + 1) if calls_out else 0,
+        timeline=calls_out,
     )
 
 

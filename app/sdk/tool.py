@@ -10,7 +10,8 @@ import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Annotated, Any, TypeVar, Union, get_args, get_origin
+from pathlib import Path
+from typing import Annotated, Any, TypeVar, Union, get_args, get_origin, overload
 
 import openai
 from pydantic import BaseModel, ConfigDict, PydanticSchemaGenerationError, ValidationError, create_model
@@ -23,6 +24,11 @@ from app.sdk.state import EMPTY_BASE, Base
 
 F = TypeVar("F", bound=Callable[..., Any])
 C = TypeVar("C", bound=StateCheck)
+# A pack start-up hook takes the server's Settings (typed loosely: the SDK does not import the server).
+StartupHook = Callable[[Any], None]
+H = TypeVar("H", bound=StartupHook)
+DatasetBuilder = Callable[[str, Path], int]
+B = TypeVar("B", bound=DatasetBuilder)
 
 _MISSING = object()
 
@@ -180,15 +186,50 @@ class Pack:
         self._base = functools.cache(base or (lambda: EMPTY_BASE))
         self._tools: dict[str, ToolSpec] = {}
         self.state_checks: dict[str, StateCheck] = {}
+        self.startup_hooks: list[StartupHook] = []
+        self.dataset_builder: DatasetBuilder | None = None
 
+    def on_startup(self, fn: H) -> H:
+        """Register `fn(settings)`, run (in a thread) when a server that serves this pack starts.
+
+        Use it to find or fetch the pack's data; raise an exception with a clear message to refuse to
+        start. The base state is loaded right after the hooks, so the first call is not slow.
+        """
+        self.startup_hooks.append(fn)
+        return fn
+
+    def dataset(self, fn: B) -> B:
+        """Register `fn(split, out) -> lines written`: `sparring dataset build <pack> --split S --out F`.
+
+        It writes the pack's Agent RFT dataset for a split as JSONL, and raises ValueError with a clear
+        message for an unknown split or a line that would fail a job.
+        """
+        self.dataset_builder = fn
+        return fn
+
+    @overload
+    def tool(self, fn: F, /) -> F: ...
+
+    @overload
     def tool(
         self,
-        fn: F | None = None,
+        fn: None = None,
+        /,
         *,
         name: str | None = None,
         description: str | None = None,
         mutates: bool = False,
-    ) -> Any:
+    ) -> Callable[[F], F]: ...
+
+    def tool(
+        self,
+        fn: F | None = None,
+        /,
+        *,
+        name: str | None = None,
+        description: str | None = None,
+        mutates: bool = False,
+    ) -> F | Callable[[F], F]:
         """Register `fn` as a tool and return it unchanged (usable bare or with arguments)."""
 
         def register(func: F) -> F:

@@ -57,3 +57,22 @@ async def test_rollout_row_keeps_first_and_last_seen_and_run(client: httpx.Async
     assert rollout.run == "baseline-1" and rollout.item_key == "task_id:7"
     assert rollout.first_seen == min(c.started_at for c in calls)
     assert rollout.last_seen == max(c.ended_at for c in calls)
+
+
+async def test_the_rollout_counts_its_logged_calls_and_each_output_size(client: httpx.AsyncClient) -> None:
+    trace = new_trace()
+
+    async def call(call_id: str, by: int) -> str:
+        body = call_body({"by": by}, trace_id=trace, call_id=call_id)
+        response = await client.post("/tools/increment", json=body)
+        assert response.status_code == 200, response.text
+        return str(response.json()["output"])
+
+    # Parallel calls of one rollout land in one or several batches; retries are replayed, not logged.
+    outputs = await asyncio.gather(*(call(f"c{i}", 1) for i in range(6)))
+    await asyncio.gather(call("c0", 1), call("c1", 1))
+    async with client.app.state.sessionmaker() as session:  # type: ignore[attr-defined]
+        rollout = await session.get(Rollout, trace)
+        sizes = (await session.scalars(select(ToolCall.output_bytes).where(ToolCall.trace_id == trace))).all()
+    assert rollout is not None and rollout.calls == 6
+    assert sorted(sizes) == sorted(len(o.encode()) for o in outputs)

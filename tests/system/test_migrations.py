@@ -136,3 +136,42 @@ async def test_server_refuses_an_out_of_date_schema(
     server = await servers.start("current", settings, cli=True)
     async with httpx.AsyncClient(timeout=10) as client:
         assert (await client.get(f"{server.url}/readyz")).status_code == 200
+
+
+async def test_0002_backfills_call_counts_and_output_sizes(empty_database: str) -> None:
+    """Rows logged under 0001 get their rollout's call count and each output's UTF-8 size."""
+    from sqlalchemy import text
+
+    await asyncio.to_thread(upgrade, empty_database, "0001")
+    engine = create_async_engine(empty_database, poolclass=NullPool)
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(
+                text(
+                    "INSERT INTO rollouts (trace_id, first_seen, last_seen) VALUES "
+                    "('t1', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP), "
+                    "('t2', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"
+                )
+            )
+            for i, output in enumerate(["héllo", None, "ok"]):
+                await conn.execute(
+                    text(
+                        "INSERT INTO tool_calls (trace_id, call_id, tool, arguments, output, outcome, "
+                        "status_code, started_at, ended_at, latency_ms, worker) VALUES "
+                        "('t1', :call, 'echo', '{}', :output, 'ok', 200, CURRENT_TIMESTAMP, "
+                        "CURRENT_TIMESTAMP, 1.0, 'w')"
+                    ),
+                    {"call": f"c{i}", "output": output},
+                )
+        await asyncio.to_thread(upgrade, empty_database)
+        async with engine.connect() as conn:
+            counts = dict((await conn.execute(text("SELECT trace_id, calls FROM rollouts"))).all())
+            sizes = dict((await conn.execute(text("SELECT call_id, output_bytes FROM tool_calls"))).all())
+        assert counts == {"t1": 3, "t2": 0}
+        assert sizes == {"c0": 6, "c1": 0, "c2": 2}  # bytes, not characters
+        await asyncio.to_thread(downgrade, empty_database, "0001")
+        async with engine.connect() as conn:
+            rows = (await conn.execute(text("SELECT count(*) FROM tool_calls"))).scalar_one()
+        assert rows == 3  # the downgrade keeps the log
+    finally:
+        await engine.dispose()

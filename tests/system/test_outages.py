@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -157,10 +158,17 @@ async def test_review_routes_answer_503_while_a_dependency_is_down(
     """The house rule: every infrastructure problem is a 503 with Retry-After, on every route."""
     database = await throwaway_postgres.create_database("sparring")
     await asyncio.to_thread(upgrade, database)
+    graders = tmp_path / "graders.json"
+    exact = {"type": "string_check", "name": "exact", "operation": "eq", "input": "a", "reference": "a"}
+    graders.write_text(json.dumps({"exact": exact}))
     server = await servers.start(
         "V",
         server_settings(
-            database_url=database, redis_url=throwaway_redis.url, home=tmp_path / "v", worker="V"
+            database_url=database,
+            redis_url=throwaway_redis.url,
+            home=tmp_path / "v",
+            worker="V",
+            SPARRING_GRADERS_FILE=str(graders),
         ),
     )
     trace = new_trace()
@@ -169,6 +177,9 @@ async def test_review_routes_answer_503_while_a_dependency_is_down(
         "detail": f"/rollouts/{trace}",
         "state": f"/rollouts/{trace}/state",
         "ready": "/readyz",
+        "review": "/review/api/rollouts?limit=5",
+        "stats": "/review/api/stats?run=none",
+        "grade": "POST /grade/exact",
     }
     async with httpx.AsyncClient(base_url=server.url, headers=ADMIN, timeout=20) as client:
         call = {"call_id": "c1", "trace_id": trace, "arguments": '{"by": 2}'}
@@ -180,7 +191,11 @@ async def test_review_routes_answer_503_while_a_dependency_is_down(
             for name, path in routes.items():
                 try:
                     # A fresh connection each: a 500 makes the server drop a kept-alive connection.
-                    r = await client.get(path, headers={"Connection": "close"})
+                    if path.startswith("POST "):
+                        grade = {"sample": {"output_text": "a"}, "trace_id": trace}
+                        r = await client.post(path[5:], json=grade, headers={"Connection": "close"})
+                    else:
+                        r = await client.get(path, headers={"Connection": "close"})
                 except httpx.HTTPError as exc:
                     found[name] = (None, repr(exc))
                 else:
@@ -205,6 +220,6 @@ async def test_review_routes_answer_503_while_a_dependency_is_down(
     # Reading the state needs Redis; reading the log needs the database.
     assert redis_down["state"][0] == 503 and redis_down["state"][1], redis_down
     assert redis_down["ready"][0] == 503, redis_down
-    for name in ("list", "detail", "ready"):
+    for name in ("list", "detail", "ready", "review", "stats", "grade"):
         assert database_down[name][0] == 503 and database_down[name][1], (name, database_down)
     assert {name: code for name, (code, _) in recovered.items()} == dict.fromkeys(routes, 200), recovered

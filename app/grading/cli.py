@@ -1,0 +1,154 @@
+"""Grading commands (mounted into `sparring`): try a grader on one sample, re-score stored rollouts."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import orjson
+import typer
+
+from app.cli_support import fail, load_settings
+from app.config import Settings
+
+grading_cli = typer.Typer(help="Graders: try one on a sample, re-score stored rollouts.")
+
+T = TypeVar("T")
+
+
+def _read_json(path: Path | None, what: str) -> dict[str, Any]:
+    if path is None:
+        return {}
+    try:
+        data = orjson.loads(path.read_bytes())
+    except OSError as exc:
+        raise fail(f"cannot read the {what} file {path}: {exc.strerror or exc}") from exc
+    except orjson.JSONDecodeError as exc:
+        raise fail(f"the {what} file {path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise fail(f"the {what} file {path} must hold a JSON object, not a {type(data).__name__}")
+    return data
+
+
+@asynccontextmanager
+async def grading_service(settings: Settings) -> AsyncIterator[Any]:
+    """The server's grading service, built as the server builds it, for one command."""
+    from app.db.session import build_engine, build_sessionmaker
+    from app.grading.registry import GraderContext
+    from app.grading.service import GradingService
+    from app.lifespan import StartupError, build_grader_set, build_store, default_grader
+    from app.metrics import Metrics
+    from app.packs import PackLoadError, Registry
+
+    try:
+        registry = Registry.from_names(settings.packs)
+    except PackLoadError as exc:
+        raise fail(str(exc)) from exc
+    context = GraderContext.from_settings(settings, state_checks=registry.state_checks)
+    engine = build_engine(settings.effective_database_url, pool_size=2)
+    store = build_store(settings)
+    try:
+        graders = build_grader_set(settings, context)
+        yield GradingService(
+            graders=graders,
+            default=default_grader(settings, graders, registry.state_checks),
+            store=store,
+            sessionmaker=build_sessionmaker(engine),
+            metrics=Metrics(None),
+            retry_after=settings.retry_after_seconds,
+        )
+    except StartupError as exc:
+        raise fail(str(exc)) from exc
+    finally:
+        await context.aclose()
+        await store.aclose()
+        await engine.dispose()
+
+
+def _run(settings: Settings, work: Callable[[Any], Awaitable[T]]) -> T:
+    async def main() -> T:
+        async with grading_service(settings) as service:
+            return await work(service)
+
+    return asyncio.run(main())
+
+
+@grading_cli.command("grade")
+def grade(
+    grader: Annotated[
+        str | None, typer.Option(help="Grader name (default: the server's default grader).")
+    ] = None,
+    sample: Annotated[
+        Path | None, typer.Option(help="JSON file with the `sample` (the model's answer).")
+    ] = None,
+    item: Annotated[Path | None, typer.Option(help="JSON file with the `item` (the dataset row).")] = None,
+    trace_id: Annotated[
+        str | None, typer.Option(help="A recorded rollout whose calls and state the grader may read.")
+    ] = None,
+) -> None:
+    """Score one sample with a grader; print the score and every sub-score (nothing is stored)."""
+    from app.errors import SparringError
+
+    settings = load_settings()
+    sample_data = _read_json(sample, "sample")
+    item_data = _read_json(item, "item")
+
+    async def work(service: Any) -> Any:
+        chosen = service.resolve(grader)
+        if trace_id and chosen.needs_rollout and settings.redis_url is None:
+            typer.echo(
+                "note: rollout state is in memory in the server process; a state check run from here "
+                "sees the pack's base state only (set SPARRING_REDIS_URL to read a rollout's state)",
+                err=True,
+            )
+        _, inputs = await service.prepare(chosen, sample_data, item_data, trace_id)
+        return chosen, await chosen.grade(inputs)
+
+    try:
+        chosen, result = _run(settings, work)
+    except typer.Exit:
+        raise
+    except SparringError as exc:
+        raise fail(exc.message, 1) from exc
+    except Exception as exc:  # GraderUnavailable and the like: say what, exit non-zero
+        raise fail(f"{type(exc).__name__}: {exc}", 1) from exc
+    typer.echo(f"grader  {chosen.name} (version {chosen.version})")
+    typer.echo(f"score   {result.score:.6g}")
+    for name, value in sorted(result.sub_scores.items()):
+        typer.echo(f"  {name}  {value:.6g}")
+    for flag, reason in result.flags:
+        typer.echo(f"flag    {flag}: {reason}")
+    for error in result.errors:
+        typer.echo(f"error   {error}")
+
+
+@grading_cli.command("regrade")
+def regrade(
+    grader: Annotated[
+        str, typer.Option(help="Grader whose stored grades to re-score with its current config.")
+    ],
+    run: Annotated[str | None, typer.Option(help="Only rollouts of this run label (X-Sparring-Run).")] = None,
+    limit: Annotated[int | None, typer.Option(min=1, help="At most this many rollouts.")] = None,
+) -> None:
+    """Re-score stored rollouts with the current grader config; print how many scores changed."""
+    from app.errors import SparringError
+
+    settings = load_settings()
+    try:
+        report = _run(settings, lambda service: service.regrade(grader, run=run, limit=limit))
+    except SparringError as exc:
+        raise fail(exc.message, 1) from exc
+
+    def mean(value: float | None) -> str:
+        return "-" if value is None else f"{value:.4f}"
+
+    typer.echo(
+        f"regraded {report.rollouts} rollouts with {report.grader} (version {report.version}): "
+        f"{report.changed} scores changed, {report.failed} failed; "
+        f"mean {mean(report.mean_before)} -> {mean(report.mean_after)}"
+    )
+    if report.failed:
+        raise typer.Exit(1)

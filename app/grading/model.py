@@ -1,0 +1,126 @@
+"""What a grader is given, what it answers, and the two ways grading can fail."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Protocol, runtime_checkable
+
+from app.grounding import final_answer
+
+__all__ = [
+    "GradeInput",
+    "GradeResult",
+    "Grader",
+    "GraderConfigError",
+    "GraderUnavailable",
+    "RecordedCall",
+    "RolloutRecord",
+    "final_answer",
+]
+
+
+@dataclass(frozen=True)
+class RecordedCall:
+    """One tool call the server recorded for the rollout."""
+
+    seq: int  # order of start, 0-based
+    tool: str
+    arguments: Any  # parsed JSON arguments (usually a dict), or the raw text when it was not JSON
+    output: str  # what the model read
+    outcome: str  # ok | model_error | tool_crash | infra_error
+    error: str | None
+    started_at: datetime
+    ended_at: datetime
+    latency_ms: float
+    batch: int  # parallel batch index: calls that overlapped in time share a batch
+
+
+@dataclass(frozen=True)
+class RolloutRecord:
+    """Everything the server recorded for one trace_id."""
+
+    trace_id: str
+    calls: Sequence[RecordedCall]
+    first_seen: datetime | None
+    last_seen: datetime | None
+    # {pack: {collection: {key: record}}}; only collections the rollout changed are guaranteed present.
+    state: Mapping[str, Mapping[str, Mapping[str, Any]]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GradeInput:
+    sample: Mapping[str, Any]  # may be {}
+    item: Mapping[str, Any]  # may be {}
+    trace_id: str | None
+    rollout: RolloutRecord | None  # None when there is no trace_id or the server saw no call
+
+
+@dataclass
+class GradeResult:
+    """A grade: always a finite score, plus what went into it.
+
+    `errors` are problems that made (part of) the score 0 without being an outage: a python grader that
+    raised, a judge answer that was not a number, a division by zero in a multi formula.
+    """
+
+    score: float
+    sub_scores: dict[str, float] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+    flags: list[tuple[str, str]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # The platform needs a finite number; a NaN or infinity from any path becomes a recorded 0.
+        if not _finite(self.score):
+            self.errors.append(f"non-finite score {self.score!r} replaced by 0")
+            self.score = 0.0
+        else:
+            self.score = float(self.score)
+        for key, value in list(self.sub_scores.items()):
+            if not _finite(value):
+                self.sub_scores[key] = 0.0
+                self.errors.append(f"non-finite sub-score {key!r} ({value!r}) replaced by 0")
+
+    @classmethod
+    def failed(cls, error: str, **kwargs: Any) -> GradeResult:
+        """A zero that records why."""
+        return cls(score=0.0, errors=[error], **kwargs)
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@runtime_checkable
+class Grader(Protocol):
+    name: str  # the name it is served under (/grade/{name})
+    version: str  # a stable hash of its normalized config: a changed config is a new version
+    needs_rollout: bool  # whether grade() reads inp.rollout (so the caller loads it only when needed)
+
+    async def grade(self, inp: GradeInput) -> GradeResult: ...
+
+
+class GraderUnavailable(Exception):
+    """Grading infrastructure failed (judge API down after retries, python pool broken): answer 503.
+
+    A bad model answer is never this: it scores low.
+    """
+
+
+class GraderConfigError(Exception):
+    """A grader config that cannot be served, found at start-up; says where and what."""
+
+    def __init__(self, message: str, *, source: str, grader: str, field: str = "") -> None:
+        self.source = source
+        self.grader = grader
+        self.field = field
+        self.message = message
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        where = f"{self.source}: grader {self.grader!r}" if self.grader else self.source
+        if self.field:
+            where += f", field {self.field!r}"
+        return f"{where}: {self.message}"

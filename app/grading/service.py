@@ -1,0 +1,283 @@
+"""Grading a rollout: load what the server recorded, run the grader, raise flags, store the grade."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from app.calls.service import item_key
+from app.db.models import Grade, Rollout, ToolCall
+from app.errors import NotFound, ServiceUnavailable
+from app.grading.model import (
+    GradeInput,
+    Grader,
+    GradeResult,
+    GraderUnavailable,
+    RecordedCall,
+    RolloutRecord,
+    final_answer,
+)
+from app.grading.repository import GradeRepository
+from app.grounding import answer_hash, prompt_texts
+from app.metrics import Metrics
+from app.review.service import ReviewService
+from app.rollouts.repository import RolloutRepository, parallel_batches
+from app.rollouts.store import RolloutStore
+
+log = logging.getLogger(__name__)
+
+
+class GradeUnavailable(ServiceUnavailable):
+    code = "grader_unavailable"
+
+
+def _parse_arguments(text: str) -> Any:
+    if not text:
+        return {}
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return text
+
+
+def recorded_calls(calls: Sequence[ToolCall]) -> list[RecordedCall]:
+    """The logged calls of a rollout (in start order) as graders see them."""
+    batches = parallel_batches(calls)
+    return [
+        RecordedCall(
+            seq=i,
+            tool=c.tool,
+            arguments=_parse_arguments(c.arguments),
+            output=c.output or "",
+            outcome=c.outcome,
+            error=c.error,
+            started_at=c.started_at,
+            ended_at=c.ended_at,
+            latency_ms=c.latency_ms,
+            batch=batches[i],
+        )
+        for i, c in enumerate(calls)
+    ]
+
+
+@dataclass(frozen=True)
+class Regraded:
+    """What `regrade` changed: how many grades, how many scores moved, the means before and after."""
+
+    grader: str
+    version: str
+    rollouts: int
+    changed: int
+    failed: int
+    mean_before: float | None
+    mean_after: float | None
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+class GradingService:
+    def __init__(
+        self,
+        *,
+        graders: Mapping[str, Grader],
+        default: str | None,
+        store: RolloutStore,
+        sessionmaker: async_sessionmaker[AsyncSession],
+        metrics: Metrics,
+        retry_after: int,
+    ) -> None:
+        self.graders = graders
+        self.default = default
+        self.store = store
+        self.sessionmaker = sessionmaker
+        self.metrics = metrics
+        self.retry_after = retry_after
+
+    def resolve(self, name: str | None) -> Grader:
+        key = name or self.default
+        if key is None:
+            raise NotFound(
+                "no default grader: name one in the URL (/grade/{name}) or set SPARRING_DEFAULT_GRADER",
+                available=sorted(self.graders),
+            )
+        grader = self.graders.get(key)
+        if grader is None:
+            raise NotFound(f"no grader named {key!r}", available=sorted(self.graders))
+        return grader
+
+    def _unavailable(self, what: str, exc: BaseException) -> GradeUnavailable:
+        return GradeUnavailable(f"{what}: {type(exc).__name__}", retry_after=self.retry_after)
+
+    async def _record(
+        self, session: AsyncSession, trace_id: str, *, with_state: bool
+    ) -> tuple[Rollout | None, RolloutRecord | None]:
+        repo = RolloutRepository(session)
+        rollout = await repo.get(trace_id)
+        calls = await repo.calls(trace_id)
+        if rollout is None and not calls:
+            return None, None
+        state = await self.store.changes(trace_id) if with_state else {}
+        record = RolloutRecord(
+            trace_id=trace_id,
+            calls=recorded_calls(calls),
+            first_seen=rollout.first_seen if rollout else None,
+            last_seen=rollout.last_seen if rollout else None,
+            state=state,
+        )
+        return rollout, record
+
+    async def prepare(
+        self, grader: Grader, sample: Mapping[str, Any], item: Mapping[str, Any], trace_id: str | None
+    ) -> tuple[Rollout | None, GradeInput]:
+        """What the grader is given: the request, and what the server recorded for the trace."""
+        rollout: Rollout | None = None
+        record: RolloutRecord | None = None
+        if trace_id:
+            try:
+                async with self.sessionmaker() as session:
+                    rollout, record = await self._record(session, trace_id, with_state=grader.needs_rollout)
+            except (SQLAlchemyError, OSError) as exc:
+                raise self._unavailable("database unreachable", exc) from exc
+        return rollout, GradeInput(sample=sample, item=item, trace_id=trace_id, rollout=record)
+
+    async def grade(
+        self,
+        name: str | None,
+        sample: Mapping[str, Any],
+        item: Mapping[str, Any],
+        trace_id: str | None,
+        *,
+        run: str | None = None,
+    ) -> GradeResult:
+        """Grade and store; GradeUnavailable (503) when the grader or the database is down."""
+        grader = self.resolve(name)
+        started = time.perf_counter()
+        rollout, inputs = await self.prepare(grader, sample, item, trace_id)
+        try:
+            result = await grader.grade(inputs)
+        except GraderUnavailable as exc:
+            self.metrics.grades.labels(grader.name, "failed").inc()
+            await self._store(
+                grader, inputs, None, str(exc), started, rollout=rollout, run=run, best_effort=True
+            )
+            raise GradeUnavailable(
+                f"grader {grader.name!r} unavailable: {exc}", retry_after=self.retry_after
+            ) from exc
+        await self._store(grader, inputs, result, None, started, rollout=rollout, run=run, best_effort=False)
+        self.metrics.grades.labels(grader.name, "ok").inc()
+        self.metrics.grade_score.labels(grader.name).observe(result.score)
+        return result
+
+    async def _store(
+        self,
+        grader: Grader,
+        inputs: GradeInput,
+        result: GradeResult | None,
+        failure: str | None,
+        started: float,
+        *,
+        rollout: Rollout | None,
+        run: str | None,
+        best_effort: bool,
+    ) -> None:
+        answer = final_answer(inputs.sample)
+        status = "ok" if result is not None else "failed"
+        errors = list(result.errors) if result is not None else [failure or "grader failed"]
+        key = item_key(inputs.item)
+        run = rollout.run if rollout is not None and rollout.run else run
+        now = datetime.now(UTC)
+        try:
+            async with self.sessionmaker() as session, session.begin():
+                review = ReviewService(session)
+                flags = [
+                    {"name": n, "reason": r, "evidence": []} for n, r in (result.flags if result else [])
+                ]
+                raised = await review.flags_for(
+                    calls=inputs.rollout.calls
+                    if inputs.rollout is not None
+                    else ([] if inputs.trace_id else None),
+                    answer=answer,
+                    score=result.score if result is not None else None,
+                    status=status,
+                    errors=errors,
+                    item_key=key,
+                    extra_sources=prompt_texts(inputs.item),
+                )
+                flags += [flag.as_json() for flag in raised]
+                GradeRepository(session).add(
+                    Grade(
+                        trace_id=inputs.trace_id,
+                        grader=grader.name,
+                        grader_version=grader.version,
+                        status=status,
+                        score=result.score if result is not None else None,
+                        sub_scores=dict(result.sub_scores) if result is not None else {},
+                        flags=flags,
+                        errors=errors,
+                        sample=dict(inputs.sample),
+                        item=dict(inputs.item),
+                        answer_hash=answer_hash(answer) if answer.strip() else None,
+                        item_key=key,
+                        run=run,
+                        latency_ms=(time.perf_counter() - started) * 1000,
+                        created_at=now,
+                    )
+                )
+                if inputs.trace_id:
+                    await GradeRepository(session).touch_rollout(
+                        inputs.trace_id, run=run, item_key=key, graded_at=now, exists=rollout is not None
+                    )
+        except (SQLAlchemyError, OSError) as exc:
+            if best_effort:
+                log.warning("could not record a failed grade: %s", exc)
+                return
+            raise self._unavailable("database unreachable", exc) from exc
+        for flag in raised:
+            self.metrics.flags.labels(flag.name).inc()
+        if inputs.trace_id and result is not None:
+            try:
+                await self.store.mark_graded(inputs.trace_id)
+            except ServiceUnavailable as exc:
+                # The grade is stored; the state store only uses this mark to expire the rollout sooner.
+                log.warning("could not mark rollout %s graded in the state store: %s", inputs.trace_id, exc)
+
+    async def regrade(self, name: str, *, run: str | None = None, limit: int | None = None) -> Regraded:
+        """Re-score the latest grade of `name` of each rollout with the current config; store new grades."""
+        grader = self.resolve(name)
+        async with self.sessionmaker() as session:
+            stored = await GradeRepository(session).latest(name, run=run, limit=limit)
+        before: list[float] = []
+        after: list[float] = []
+        changed = failed = 0
+        for old in stored:
+            item = old.item or {}
+            if old.score is not None:
+                before.append(old.score)
+            try:
+                result = await self.grade(grader.name, old.sample or {}, item, old.trace_id, run=old.run)
+            except ServiceUnavailable as exc:
+                failed += 1
+                log.warning("regrade of %s failed: %s", old.trace_id, exc)
+                continue
+            after.append(result.score)
+            if old.score is None or abs(old.score - result.score) > 1e-9:
+                changed += 1
+        return Regraded(
+            grader=grader.name,
+            version=grader.version,
+            rollouts=len(stored),
+            changed=changed,
+            failed=failed,
+            mean_before=_mean(before),
+            mean_after=_mean(after),
+        )

@@ -1,0 +1,1 @@
+"""Review: flags raised at grade time, the review API and web pages, statistics and export."""

@@ -1,0 +1,165 @@
+"""Review JSON API under /review/api (admin key or review session), and GET /export (JSONL). HTTP only."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from datetime import datetime
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Depends, Query
+from fastapi.responses import StreamingResponse
+
+from app.review import schemas as s
+from app.review.deps import ReviewDatabase, ReviewDb
+from app.review.repository import RolloutFilter
+from app.review.service import ReviewService
+from app.review.session import require_review_access
+
+ReviewAccess = Annotated[str, Depends(require_review_access)]
+
+router = APIRouter(prefix="/review/api", tags=["review"])
+export_router = APIRouter(tags=["review"])
+
+GraderQuery = Annotated[str | None, Query(description="Count the latest grade of this grader only.")]
+ItemOrder = Literal["mean", "variance", "rollouts", "item"]
+
+
+@router.get("/runs")
+async def list_runs(_: ReviewAccess, db: ReviewDb) -> list[s.RunOut]:
+    """Run labels (from the X-Sparring-Run header) with their rollout counts, most recent first."""
+    async with db.session() as session:
+        return await ReviewService(session).runs()
+
+
+@router.get("/rollouts")
+async def list_rollouts(
+    _: ReviewAccess,
+    db: ReviewDb,
+    run: str | None = None,
+    item: str | None = None,
+    min_score: float | None = None,
+    max_score: float | None = None,
+    flag: str | None = None,
+    tool: Annotated[str | None, Query(description="Rollouts that called this tool.")] = None,
+    since: Annotated[datetime | None, Query(description="last_seen at or after (ISO 8601).")] = None,
+    until: Annotated[datetime | None, Query(description="last_seen before (ISO 8601).")] = None,
+    grader: GraderQuery = None,
+    status: Literal["ok", "failed", "ungraded"] | None = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    cursor: Annotated[str | None, Query(description="next_cursor of the previous page.")] = None,
+) -> s.RolloutPage:
+    """Rollouts, newest first, with their latest grade's score and flags."""
+    filters = RolloutFilter(
+        run=run,
+        item_key=item,
+        min_score=min_score,
+        max_score=max_score,
+        flag=flag,
+        tool=tool,
+        since=since,
+        until=until,
+        grader=grader,
+        status=status,
+    )
+    async with db.session() as session:
+        return await ReviewService(session).rollouts(filters, limit=limit, cursor=cursor)
+
+
+@router.get("/rollouts/{trace_id}")
+async def rollout_timeline(trace_id: str, _: ReviewAccess, db: ReviewDb) -> s.Timeline:
+    """Calls in order with their parallel batch, and every grade with sub-scores and flags."""
+    async with db.session() as session:
+        return await ReviewService(session).timeline(trace_id)
+
+
+@router.post("/rollouts/{trace_id}/recompute-flags")
+async def recompute_flags(trace_id: str, _: ReviewAccess, db: ReviewDb) -> s.RecomputedFlags:
+    """Recompute the review flags of the rollout's grades from the stored calls and answers."""
+    async with db.session(write=True) as session:
+        service = ReviewService(session)
+        await service.recompute_flags(trace_id)
+        timeline = await service.timeline(trace_id)
+    return s.RecomputedFlags(trace_id=trace_id, grades=timeline.grades)
+
+
+@router.get("/stats")
+async def run_stats(
+    _: ReviewAccess, db: ReviewDb, run: Annotated[str, Query()], grader: GraderQuery = None
+) -> s.RunStats:
+    """A run's calls, tools, latencies, errors, rewards, items and flags, aggregated in the database."""
+    async with db.session() as session:
+        return await ReviewService(session, sessions=db.sessions).run_stats(run, grader)
+
+
+@router.get("/items")
+async def item_stats(
+    _: ReviewAccess,
+    db: ReviewDb,
+    run: Annotated[str, Query()],
+    grader: GraderQuery = None,
+    order: ItemOrder = "mean",
+    limit: Annotated[int, Query(ge=1, le=5000)] = 500,
+    offset: Annotated[int, Query(ge=0)] = 0,
+) -> s.ItemStatsPage:
+    """Per item across its rollouts: mean, variance, always 0 / always 1 (no learning signal)."""
+    async with db.session() as session:
+        return await ReviewService(session, sessions=db.sessions).item_stats(
+            run, grader, order=order, limit=limit, offset=offset
+        )
+
+
+@router.get("/compare")
+async def compare_runs(
+    _: ReviewAccess,
+    db: ReviewDb,
+    a: Annotated[str, Query(description="Baseline run label.")],
+    b: Annotated[str, Query(description="Run compared with the baseline.")],
+    grader: GraderQuery = None,
+) -> s.RunComparison:
+    """Two runs side by side (b minus a): reward, calls per rollout, latency, tool mix, items."""
+    async with db.session() as session:
+        return await ReviewService(session, sessions=db.sessions).compare(a, b, grader)
+
+
+@router.get("/flags")
+async def flag_counts(
+    _: ReviewAccess, db: ReviewDb, run: str | None = None, grader: GraderQuery = None
+) -> list[s.FlagCount]:
+    """Rollouts per flag (latest grade of each rollout)."""
+    async with db.session() as session:
+        return await ReviewService(session).flag_counts(run, grader)
+
+
+@export_router.get(
+    "/export",
+    response_class=StreamingResponse,
+    responses={200: {"content": {"application/x-ndjson": {}}, "description": "One rollout per line."}},
+)
+async def export_rollouts(
+    _: ReviewAccess,
+    db: ReviewDb,
+    run: Annotated[str | None, Query(description="Run label; omit to export every rollout.")] = None,
+) -> StreamingResponse:
+    """Stream rollouts as JSONL, one per line with its calls and grades (same format as `sparring export`)."""
+    lines = _export_lines(db, run)
+    # Read the first batch before answering: an outage is then a 503, not a 200 cut short.
+    first = await anext(lines, None)
+
+    async def body() -> AsyncIterator[bytes]:
+        if first is not None:
+            yield first
+        async for line in lines:
+            yield line
+
+    filename = f"sparring-{run or 'all'}.jsonl".replace('"', "")
+    return StreamingResponse(
+        body(),
+        media_type="application/x-ndjson",
+        headers={"Content-Disposition": f'attachment; filename="{filename}"'},
+    )
+
+
+async def _export_lines(db: ReviewDatabase, run: str | None) -> AsyncIterator[bytes]:
+    async with db.session() as session:
+        async for line in ReviewService(session).export_lines(run):
+            yield line

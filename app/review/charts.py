@@ -1,0 +1,160 @@
+"""Charts drawn as inline SVG on the server: no scripts, no CDN, every label escaped."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from markupsafe import Markup, escape
+
+WIDTH, HEIGHT = 640, 240
+MARGIN_LEFT, MARGIN_RIGHT, MARGIN_TOP, MARGIN_BOTTOM = 48, 12, 12, 44
+
+
+def _num(value: float) -> str:
+    return f"{value:.1f}"
+
+
+def _label(value: float) -> str:
+    return f"{value:.3g}"
+
+
+def _frame(chart: str, title: str, body: list[str], width: int = WIDTH, height: int = HEIGHT) -> Markup:
+    head = (
+        f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" data-chart="{escape(chart)}" '
+        f'viewBox="0 0 {width} {height}" width="{width}" height="{height}" role="img" '
+        f'aria-label="{escape(title)}"><title>{escape(title)}</title>'
+    )
+    return Markup(head + "".join(body) + "</svg>")
+
+
+def _axes(plot_w: float, plot_h: float, top: float, x_label: str, y_label: str) -> list[str]:
+    x0, y0 = MARGIN_LEFT, MARGIN_TOP + plot_h
+    return [
+        f'<line class="axis" x1="{x0}" y1="{MARGIN_TOP}" x2="{x0}" y2="{_num(y0)}" stroke="#555"/>',
+        f'<line class="axis" x1="{x0}" y1="{_num(y0)}" x2="{_num(x0 + plot_w)}" y2="{_num(y0)}" '
+        'stroke="#555"/>',
+        f'<text class="tick" x="{x0 - 4}" y="{MARGIN_TOP + 8}" text-anchor="end">'
+        f"{escape(_label(top))}</text>",
+        f'<text class="tick" x="{x0 - 4}" y="{_num(y0)}" text-anchor="end">0</text>',
+        f'<text class="axis-label" x="{_num(x0 + plot_w / 2)}" y="{_num(y0 + 36)}" '
+        f'text-anchor="middle">{escape(x_label)}</text>',
+        f'<text class="axis-label" x="12" y="{_num(MARGIN_TOP + plot_h / 2)}" text-anchor="middle" '
+        f'transform="rotate(-90 12 {_num(MARGIN_TOP + plot_h / 2)})">{escape(y_label)}</text>',
+    ]
+
+
+def bar_chart(
+    chart: str,
+    title: str,
+    labels: Sequence[str],
+    values: Sequence[float],
+    *,
+    x_label: str,
+    y_label: str,
+) -> Markup:
+    """One bar per value (zero-height bars included, so the bar count is the bin count)."""
+    plot_w = WIDTH - MARGIN_LEFT - MARGIN_RIGHT
+    plot_h = HEIGHT - MARGIN_TOP - MARGIN_BOTTOM
+    top = max(values, default=0) or 1
+    step = plot_w / max(1, len(values))
+    body = _axes(plot_w, plot_h, top, x_label, y_label)
+    every = max(1, len(labels) // 10)
+    for i, (label, value) in enumerate(zip(labels, values, strict=True)):
+        h = plot_h * value / top
+        x = MARGIN_LEFT + i * step
+        body.append(
+            f'<rect class="bar" x="{_num(x + 1)}" y="{_num(MARGIN_TOP + plot_h - h)}" '
+            f'width="{_num(max(1.0, step - 2))}" height="{_num(h)}" fill="#3b6ea5">'
+            f"<title>{escape(label)}: {escape(_label(value))}</title></rect>"
+        )
+        if i % every == 0:
+            body.append(
+                f'<text class="tick" x="{_num(x + step / 2)}" y="{_num(MARGIN_TOP + plot_h + 14)}" '
+                f'text-anchor="middle">{escape(label)}</text>'
+            )
+    return _frame(chart, title, body)
+
+
+@dataclass(frozen=True)
+class ToolLatency:
+    tool: str
+    p50: float
+    p90: float
+    p99: float
+
+
+def latency_chart(chart: str, title: str, tools: Sequence[ToolLatency]) -> Markup:
+    """Per tool, three horizontal bars: p50, p90, p99 latency (ms)."""
+    row_h, label_w = 42, 140
+    height = MARGIN_TOP + MARGIN_BOTTOM + row_h * max(1, len(tools))
+    plot_w = WIDTH - label_w - MARGIN_RIGHT - 60
+    top = max((t.p99 for t in tools), default=0) or 1
+    body = [
+        f'<text class="axis-label" x="{label_w + plot_w / 2:.1f}" y="{height - 8}" '
+        f'text-anchor="middle">latency (ms), max {escape(_label(top))}</text>'
+    ]
+    colors = {"p50": "#3b6ea5", "p90": "#e09b3d", "p99": "#c44e52"}
+    for i, tool in enumerate(tools):
+        y = MARGIN_TOP + i * row_h
+        body.append(
+            f'<text class="tick" x="{label_w - 6}" y="{y + row_h / 2 + 4:.1f}" text-anchor="end">'
+            f"{escape(tool.tool[:24])}</text>"
+        )
+        for j, (name, value) in enumerate((("p50", tool.p50), ("p90", tool.p90), ("p99", tool.p99))):
+            w = max(1.0, plot_w * value / top)
+            body.append(
+                f'<rect class="bar {name}" x="{label_w}" y="{y + 4 + j * 11}" width="{_num(w)}" height="10" '
+                f'fill="{colors[name]}"><title>{escape(tool.tool)} {name}: {escape(_label(value))} ms</title>'
+                f"</rect>"
+            )
+            body.append(
+                f'<text class="value" x="{_num(label_w + w + 4)}" y="{y + 13 + j * 11}">'
+                f"{name} {escape(_label(value))}</text>"
+            )
+    return _frame(chart, title, body, height=height)
+
+
+@dataclass(frozen=True)
+class ItemPoint:
+    item_key: str
+    mean: float
+    std: float
+    rollouts: int
+
+
+def item_chart(
+    chart: str, title: str, items: Sequence[ItemPoint], *, lo: float = 0.0, hi: float = 1.0
+) -> Markup:
+    """The variance plot: one bar per item (its mean score, items sorted by mean) with a ±1 std whisker."""
+    plot_w = WIDTH - MARGIN_LEFT - MARGIN_RIGHT
+    plot_h = HEIGHT - MARGIN_TOP - MARGIN_BOTTOM
+    span = (hi - lo) or 1.0
+    step = plot_w / max(1, len(items))
+    body = _axes(plot_w, plot_h, hi, f"items ({len(items)}, sorted by mean score)", "mean score")
+
+    def y_of(value: float) -> float:
+        return MARGIN_TOP + plot_h - plot_h * (min(hi, max(lo, value)) - lo) / span
+
+    for i, item in enumerate(items):
+        x = MARGIN_LEFT + i * step
+        y = y_of(item.mean)
+        cls, fill = "bar", "#3b6ea5"
+        if item.rollouts > 1 and item.std == 0 and item.mean <= lo:
+            cls, fill, y = "bar always-zero", "#c44e52", y - 3  # a sliver at the axis, so it stays visible
+        elif item.rollouts > 1 and item.std == 0 and item.mean >= hi:
+            cls, fill = "bar always-one", "#4c9a6a"
+        body.append(
+            f'<rect class="{cls}" x="{_num(x + 0.5)}" y="{_num(y)}" width="{_num(max(0.5, step - 1))}" '
+            f'height="{_num(MARGIN_TOP + plot_h - y)}" fill="{fill}">'
+            f"<title>{escape(item.item_key)}: mean {escape(_label(item.mean))}, std "
+            f"{escape(_label(item.std))}, {item.rollouts} rollouts</title></rect>"
+        )
+        if item.std > 0:
+            cx = x + step / 2
+            body.append(
+                f'<line class="whisker" x1="{_num(cx)}" x2="{_num(cx)}" '
+                f'y1="{_num(y_of(item.mean + item.std))}" '
+                f'y2="{_num(y_of(item.mean - item.std))}" stroke="#222"/>'
+            )
+    return _frame(chart, title, body)

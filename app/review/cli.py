@@ -1,0 +1,116 @@
+"""Review commands (mounted into `sparring`): export rollouts as JSONL, recompute flags, seed a run."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Annotated, TypeVar
+
+import typer
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from app.cli_support import load_settings
+
+review_cli = typer.Typer(help="Review: export rollouts, recompute flags, seed synthetic runs.")
+
+T = TypeVar("T")
+
+
+def _with_engine(work: Callable[[AsyncEngine], Awaitable[T]]) -> T:
+    from app.db.session import build_engine
+
+    settings = load_settings()
+    if settings.is_embedded_db and not (settings.home / "sparring.db").exists() and not settings.database_url:
+        typer.echo(
+            f"error: no database at {settings.home / 'sparring.db'}; run `sparring db upgrade`", err=True
+        )
+        raise typer.Exit(2)
+
+    async def run() -> T:
+        engine = build_engine(settings.effective_database_url, pool_size=2)
+        try:
+            return await work(engine)
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(run())
+
+
+async def export_to(engine: AsyncEngine, run: str | None, out: Path | None) -> int:
+    """Write the export (the same lines as GET /export) to `out`, or stdout; returns the line count."""
+    from app.db.session import build_sessionmaker
+    from app.review.service import ReviewService
+
+    count = 0
+    sink = out.open("wb") if out is not None else sys.stdout.buffer
+    try:
+        async with build_sessionmaker(engine)() as session:
+            async for line in ReviewService(session).export_lines(run):
+                sink.write(line)
+                count += 1
+    finally:
+        if out is not None:
+            sink.close()
+        else:
+            sink.flush()
+    return count
+
+
+@review_cli.command("export")
+def export(
+    run: Annotated[
+        str | None, typer.Option(help="Run label (X-Sparring-Run); omit for every rollout.")
+    ] = None,
+    out: Annotated[Path | None, typer.Option(help="File to write (JSONL); default: standard output.")] = None,
+) -> None:
+    """Export rollouts with their calls and grades as JSONL, one rollout per line."""
+    count = _with_engine(lambda engine: export_to(engine, run, out))
+    if out is not None:
+        typer.echo(f"exported {count} rollouts to {out}", err=True)
+
+
+async def recompute_run(engine: AsyncEngine, run: str) -> int:
+    from app.db.session import build_sessionmaker
+    from app.review.repository import ReviewRepository
+    from app.review.service import ReviewService
+
+    sessions = build_sessionmaker(engine)
+    async with sessions() as session:
+        trace_ids = await ReviewRepository(session).grade_ids_for_run(run)
+    for start in range(0, len(trace_ids), 200):
+        async with sessions() as session, session.begin():
+            service = ReviewService(session)
+            for trace_id in trace_ids[start : start + 200]:
+                await service.recompute_flags(trace_id)
+    return len(trace_ids)
+
+
+@review_cli.command("recompute-flags")
+def recompute_flags(
+    run: Annotated[str, typer.Option(help="Run label whose graded rollouts to re-flag.")],
+) -> None:
+    """Recompute the review flags of every graded rollout of a run (after changing the checks)."""
+    count = _with_engine(lambda engine: recompute_run(engine, run))
+    typer.echo(f"recomputed the flags of {count} rollouts")
+
+
+@review_cli.command("seed-rollouts")
+def seed_rollouts(
+    run: Annotated[str, typer.Option(help="Run label of the synthetic rollouts.")] = "seed",
+    rollouts: Annotated[int, typer.Option(min=1, help="How many rollouts.")] = 1000,
+    items: Annotated[int, typer.Option(min=1, help="How many distinct items.")] = 100,
+    max_calls: Annotated[int, typer.Option(min=1, help="Most calls in one rollout.")] = 18,
+    seed: Annotated[int, typer.Option(help="Random seed.")] = 7,
+) -> None:
+    """Insert synthetic graded rollouts (items always 0, always 1 and mixed) for demos and benchmarks."""
+    from app.review.seed import SeedSpec, seed_run
+
+    spec = SeedSpec(
+        run=run, rollouts=rollouts, items=items, max_calls=max_calls, min_calls=min(2, max_calls), seed=seed
+    )
+    result = _with_engine(lambda engine: seed_run(engine, spec))
+    typer.echo(
+        f"inserted {result.rollouts} rollouts, {result.calls} calls, {result.grades} grades in run {run!r}"
+    )

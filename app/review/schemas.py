@@ -1,0 +1,226 @@
+"""Shapes of the review API's answers (and of the export's lines)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel
+
+from app.rollouts import timeline
+
+
+class FlagOut(BaseModel):
+    name: str
+    reason: str
+    evidence: list[int]
+
+
+class CallOut(timeline.CallOut):
+    flags: list[str]  # names of the flags that cite this call as evidence
+
+
+class GradeOut(BaseModel):
+    id: int
+    grader: str
+    grader_version: str
+    status: str
+    score: float | None
+    sub_scores: dict[str, Any]
+    flags: list[FlagOut]
+    errors: list[Any]
+    answer: str
+    answer_hash: str | None
+    item_key: str | None
+    run: str | None
+    latency_ms: float
+    created_at: datetime
+
+
+class RolloutSummary(BaseModel):
+    trace_id: str
+    run: str | None
+    item_key: str | None
+    first_seen: datetime
+    last_seen: datetime
+    graded_at: datetime | None
+    calls: int
+    grader: str | None
+    status: str | None  # of the latest grade; None: not graded
+    score: float | None
+    flags: list[str]
+
+
+class RolloutPage(BaseModel):
+    rollouts: list[RolloutSummary]
+    next_cursor: str | None
+
+
+class Timeline(BaseModel):
+    trace_id: str
+    run: str | None
+    item_key: str | None
+    first_seen: datetime | None
+    last_seen: datetime | None
+    graded_at: datetime | None
+    parallel_batches: int
+    calls: list[CallOut]
+    grades: list[GradeOut]
+
+
+class RunOut(BaseModel):
+    run: str | None
+    rollouts: int
+    first_seen: datetime
+    last_seen: datetime
+
+
+class Histogram(BaseModel):
+    edges: list[float]  # len(counts) + 1 bin edges; the last bin includes its top edge
+    counts: list[int]
+
+
+class CountDistribution(BaseModel):
+    """How many rollouts made each number of calls."""
+
+    values: list[int]
+    counts: list[int]
+    mean: float | None
+    p50: int | None
+    p90: int | None
+    max: int | None
+
+
+class RewardStats(BaseModel):
+    graded: int
+    failed: int
+    scored: int
+    mean: float | None
+    std: float | None
+    min: float | None
+    max: float | None
+    histogram: Histogram
+
+
+class ToolStats(BaseModel):
+    tool: str
+    calls: int
+    share: float  # of the run's calls
+    latency_mean_ms: float
+    latency_p50_ms: float | None
+    latency_p90_ms: float | None
+    latency_p99_ms: float | None
+    latency_max_ms: float
+    output_bytes_mean: float
+    outcomes: dict[str, int]
+    errors: int  # tool_crash + infra_error: calls the environment failed
+
+
+class LatencyStats(BaseModel):
+    mean_ms: float | None
+    p50_ms: float | None
+    p90_ms: float | None
+    p99_ms: float | None
+
+
+class PlatformMetrics(BaseModel):
+    """The four tool metrics the hosted fine-tuning platforms chart."""
+
+    tool_calls_per_rollout: float | None
+    output_bytes_per_call: float | None  # proxy for tokens per tool call (about 4 bytes per token)
+    tool_latency: LatencyStats
+    tool_errors: int
+    model_errors: int  # `Error: ...` answers the model caused (status 200)
+
+
+class ItemSummaryOut(BaseModel):
+    items: int
+    repeated_items: int  # items with at least `min_rollouts` scored rollouts
+    always_zero: int
+    always_one: int
+    share_always_zero: float | None  # of the repeated items
+    share_always_one: float | None
+    share_no_signal: float | None  # always 0 or always 1: nothing to learn from
+
+
+class FlagCount(BaseModel):
+    name: str
+    rollouts: int
+
+
+class RunStats(BaseModel):
+    run: str
+    grader: str | None
+    rollouts: int
+    reward: RewardStats
+    calls_per_rollout: CountDistribution
+    calls_per_rollout_histogram: Histogram
+    tools: list[ToolStats]
+    errors_by_outcome: dict[str, int]
+    platform: PlatformMetrics
+    items: ItemSummaryOut
+    flags: list[FlagCount]
+
+
+class ItemStats(BaseModel):
+    item_key: str | None
+    rollouts: int
+    mean: float
+    variance: float  # population variance of the item's scores
+    std: float
+    min: float
+    max: float
+    always_zero: bool
+    always_one: bool
+
+
+class ItemStatsPage(BaseModel):
+    run: str
+    grader: str | None
+    summary: ItemSummaryOut
+    items: list[ItemStats]
+    next_offset: int | None
+
+
+class RunSide(BaseModel):
+    run: str
+    rollouts: int
+    reward_mean: float | None
+    reward_std: float | None
+    graded: int
+    calls_per_rollout: float | None
+    latency: LatencyStats
+    output_bytes_per_call: float | None
+    tool_errors: int
+    share_no_signal: float | None
+
+
+class ToolMix(BaseModel):
+    tool: str
+    calls_a: int
+    calls_b: int
+    share_a: float
+    share_b: float
+
+
+class ItemChanges(BaseModel):
+    common: int
+    improved: int
+    regressed: int
+    unchanged: int
+    mean_delta: float | None
+
+
+class RunComparison(BaseModel):
+    a: RunSide
+    b: RunSide
+    reward_delta: float | None
+    calls_per_rollout_delta: float | None
+    latency_p50_delta_ms: float | None
+    tool_mix: list[ToolMix]
+    items: ItemChanges
+
+
+class RecomputedFlags(BaseModel):
+    trace_id: str
+    grades: list[GradeOut]

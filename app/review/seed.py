@@ -1,0 +1,220 @@
+"""Synthetic graded rollouts, bulk-inserted (COPY on Postgres): for benchmarks, demos and tests.
+
+Items have known answers: item i is always 0 (i % 3 == 0), always 1 (i % 3 == 1) or mixed
+(i % 3 == 2: its rollouts alternate 0 and 1), so the per-item statistics can be checked exactly.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import orjson
+from sqlalchemy import Table, insert
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from app.db.models import Grade, Rollout, ToolCall
+from app.review.flags import answer_hash, compute_flags
+from app.review.service import LoggedCall
+
+DEFAULT_TOOLS = ("search", "get_order", "get_user", "update_order", "calculate")
+# Denormalized columns the model may have (see app/review/README.md): filled when present.
+
+
+@dataclass(frozen=True)
+class SeedSpec:
+    run: str = "seed"
+    rollouts: int = 100
+    items: int = 30
+    min_calls: int = 2
+    max_calls: int = 18
+    tools: Sequence[str] = DEFAULT_TOOLS
+    parallel_share: float = 0.3  # chance that a call overlaps the previous one (same parallel batch)
+    model_error_share: float = 0.05
+    crash_share: float = 0.002
+    loop_share: float = 0.1  # share of rollouts that repeat one call (raises repeated_call)
+    grader: str = "seed"
+    start: datetime = field(default_factory=lambda: datetime(2026, 1, 1, tzinfo=UTC))
+    seed: int = 7
+    trace_prefix: str = "seed"
+    chunk: int = 5000  # rows per INSERT / COPY
+
+
+@dataclass(frozen=True)
+class SeedResult:
+    run: str
+    rollouts: int
+    calls: int
+    grades: int
+    items_always_zero: int
+    items_always_one: int
+    items_mixed: int
+
+
+def item_kind(index: int) -> str:
+    return ("zero", "one", "mixed")[index % 3]
+
+
+def item_score(item_index: int, repetition: int) -> float:
+    kind = item_kind(item_index)
+    if kind == "zero":
+        return 0.0
+    if kind == "one":
+        return 1.0
+    return float(repetition % 2)
+
+
+async def _copy(conn: AsyncConnection, table: Table, rows: list[dict[str, Any]]) -> None:
+    raw = await conn.get_raw_connection()
+    columns = list(rows[0])
+    records = [tuple(row[c] for c in columns) for row in rows]
+    await raw.driver_connection.copy_records_to_table(table.name, records=records, columns=columns)  # type: ignore[union-attr]
+
+
+async def bulk_insert(conn: AsyncConnection, table: Table, rows: list[dict[str, Any]], chunk: int) -> None:
+    """Insert plain rows fast: COPY on Postgres, multi-row INSERTs elsewhere."""
+    for start in range(0, len(rows), chunk):
+        part = rows[start : start + chunk]
+        if not part:
+            continue
+        if conn.dialect.name == "postgresql":
+            await _copy(conn, table, part)
+        else:
+            await conn.execute(insert(table), part)
+
+
+def _json_rows(rows: list[dict[str, Any]], columns: Sequence[str], *, as_text: bool) -> list[dict[str, Any]]:
+    # COPY takes JSONB as text; SQLAlchemy's JSON type serializes the objects itself.
+    if not as_text:
+        return rows
+    for row in rows:
+        for column in columns:
+            row[column] = orjson.dumps(row[column]).decode()
+    return rows
+
+
+def generate(spec: SeedSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """Rows of rollouts, tool_calls and grades (dicts keyed by column name), deterministic in spec.seed."""
+    rng = random.Random(spec.seed)
+    rollouts: list[dict[str, Any]] = []
+    calls: list[dict[str, Any]] = []
+    grades: list[dict[str, Any]] = []
+    for r in range(spec.rollouts):
+        trace_id = f"{spec.trace_prefix}_{spec.run}_{r:07d}"
+        item_index = r % spec.items
+        repetition = r // spec.items
+        item_key = f"id:item-{item_index:05d}"
+        start = spec.start + timedelta(seconds=r * 3)
+        moment = start
+        batch_end = start
+        logged: list[LoggedCall] = []
+        looping = rng.random() < spec.loop_share
+        for seq in range(rng.randint(spec.min_calls, spec.max_calls)):
+            tool = spec.tools[0] if looping else spec.tools[rng.randrange(len(spec.tools))]
+            if seq and rng.random() < spec.parallel_share:
+                began = moment  # overlaps the previous call: same parallel batch
+            else:
+                began = batch_end + timedelta(milliseconds=rng.randint(50, 400))
+            latency = rng.lognormvariate(3.0, 0.8) * (3 if tool == "search" else 1)
+            ended = began + timedelta(milliseconds=latency)
+            moment, batch_end = began, max(batch_end, ended)
+            roll = rng.random()
+            if roll < spec.crash_share:
+                outcome, output, error, status = (
+                    "tool_crash",
+                    None,
+                    f"tool {tool!r} crashed: RuntimeError",
+                    500,
+                )
+            elif roll < spec.crash_share + spec.model_error_share:
+                outcome, output, status = "model_error", f"Error: no record {seq} for {tool}", 200
+                error = output
+            else:
+                outcome, error, status = "ok", None, 200
+                output = orjson.dumps(
+                    {
+                        "id": f"{item_index}-{seq}",
+                        "total": round(rng.uniform(1, 500), 2),
+                        "note": "x" * rng.randint(20, 600),
+                    }
+                ).decode()
+            arguments = orjson.dumps({"id": f"{item_index}-{0 if looping else seq % 7}"}).decode()
+            calls.append(
+                {
+                    "trace_id": trace_id,
+                    "call_id": f"call_{seq}",
+                    "request_id": None,
+                    "tool": tool,
+                    "arguments": arguments,
+                    "output": output,
+                    "outcome": outcome,
+                    "error": error,
+                    "status_code": status,
+                    "started_at": began,
+                    "ended_at": ended,
+                    "latency_ms": latency,
+                    "worker": "seed",
+                    "run": spec.run,
+                    "item_key": item_key,
+                }
+            )
+            calls[-1]["output_bytes"] = len(output.encode()) if output is not None else 0
+            logged.append(LoggedCall(seq=seq, tool=tool, arguments=arguments, output=output, outcome=outcome))
+        last_seen = max(batch_end, start)
+        rollouts.append(
+            {
+                "trace_id": trace_id,
+                "run": spec.run,
+                "item_key": item_key,
+                "first_seen": start,
+                "last_seen": last_seen,
+                "graded_at": last_seen + timedelta(seconds=1),
+            }
+        )
+        rollouts[-1]["calls"] = len(logged)
+        score = item_score(item_index, repetition)
+        answer = f"The answer for item {item_index} is {item_index}-{repetition % 3}."
+        flags = compute_flags(logged, answer=answer, score=score, status="ok")
+        grades.append(
+            {
+                "trace_id": trace_id,
+                "grader": spec.grader,
+                "grader_version": "1",
+                "status": "ok",
+                "score": score,
+                "sub_scores": {"correct": score},
+                "flags": [f.as_json() for f in flags],
+                "errors": [],
+                "sample": {"output_text": answer},
+                "answer_hash": answer_hash(answer),
+                "item_key": item_key,
+                "run": spec.run,
+                "latency_ms": rng.uniform(1, 30),
+                "created_at": last_seen + timedelta(seconds=1),
+            }
+        )
+    return rollouts, calls, grades
+
+
+async def seed_run(engine: AsyncEngine, spec: SeedSpec) -> SeedResult:
+    """Insert spec.rollouts graded rollouts with their calls in one transaction."""
+    rollouts, calls, grades = generate(spec)
+    async with engine.begin() as conn:
+        pg = conn.dialect.name == "postgresql"
+        grade_rows = _json_rows(grades, ("sub_scores", "flags", "errors", "sample"), as_text=pg)
+        await bulk_insert(conn, Rollout.__table__, rollouts, spec.chunk)  # type: ignore[arg-type]
+        await bulk_insert(conn, ToolCall.__table__, calls, spec.chunk)  # type: ignore[arg-type]
+        await bulk_insert(conn, Grade.__table__, grade_rows, spec.chunk)  # type: ignore[arg-type]
+    items = min(spec.items, spec.rollouts)
+    return SeedResult(
+        run=spec.run,
+        rollouts=len(rollouts),
+        calls=len(calls),
+        grades=len(grades),
+        items_always_zero=sum(item_kind(i) == "zero" for i in range(items)),
+        items_always_one=sum(item_kind(i) == "one" for i in range(items)),
+        items_mixed=sum(item_kind(i) == "mixed" for i in range(items)),
+    )

@@ -1,0 +1,518 @@
+"""Review logic: flags at grade time and on demand, timelines, run and item statistics, export."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import orjson
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from app.db.models import Grade, Rollout, ToolCall
+from app.errors import BadRequest, NotFound
+from app.review import schemas as s
+from app.review.flags import (
+    DEFAULT_POLICY,
+    ENVIRONMENT_FAILURES,
+    FLAG_NAMES,
+    CallView,
+    Flag,
+    FlagPolicy,
+    answer_hash,
+    compute_flags,
+    final_answer,
+)
+from app.review.repository import (
+    ItemRow,
+    ItemSummary,
+    ReviewRepository,
+    RewardSummary,
+    RolloutFilter,
+    ToolRow,
+)
+from app.rollouts.repository import parallel_batches
+from app.rollouts.timeline import timeline
+
+REWARD_BINS = 10
+# Scores at or below ZERO / at or above ONE count as "always 0" / "always 1" for items.
+ZERO, ONE = 0.0, 1.0
+MIN_ROLLOUTS_PER_ITEM = 2  # an item seen once is trivially "always" something: not counted
+
+
+@dataclass(frozen=True)
+class LoggedCall:
+    """A call as the flags see it, built from a stored ToolCall row (arguments kept as logged)."""
+
+    seq: int
+    tool: str
+    arguments: Any
+    output: str | None
+    outcome: str
+
+
+def logged_calls(calls: Sequence[ToolCall]) -> list[LoggedCall]:
+    return [
+        LoggedCall(seq=i, tool=c.tool, arguments=c.arguments, output=c.output, outcome=c.outcome)
+        for i, c in enumerate(calls)
+    ]
+
+
+def encode_cursor(last_seen: datetime, trace_id: str) -> str:
+    return base64.urlsafe_b64encode(orjson.dumps([last_seen.isoformat(), trace_id])).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> tuple[datetime, str]:
+    try:
+        raw = orjson.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
+        return datetime.fromisoformat(raw[0]), str(raw[1])
+    except (binascii.Error, orjson.JSONDecodeError, ValueError, TypeError, IndexError, KeyError) as exc:
+        raise BadRequest("invalid cursor: pass next_cursor from the previous page unchanged") from exc
+
+
+def _std(mean: float | None, mean_square: float | None) -> float | None:
+    if mean is None or mean_square is None:
+        return None
+    return math.sqrt(max(0.0, mean_square - mean * mean))
+
+
+def _share(part: int, whole: int) -> float | None:
+    return part / whole if whole else None
+
+
+def flags_of(grade: Grade) -> list[s.FlagOut]:
+    out = []
+    for raw in grade.flags or []:
+        if isinstance(raw, dict) and "name" in raw:
+            evidence = [int(e) for e in raw.get("evidence") or [] if isinstance(e, int)]
+            out.append(s.FlagOut(name=str(raw["name"]), reason=str(raw.get("reason", "")), evidence=evidence))
+    return out
+
+
+def grade_out(grade: Grade) -> s.GradeOut:
+    return s.GradeOut(
+        id=grade.id,
+        grader=grade.grader,
+        grader_version=grade.grader_version,
+        status=grade.status,
+        score=grade.score,
+        sub_scores=grade.sub_scores or {},
+        flags=flags_of(grade),
+        errors=list(grade.errors or []),
+        answer=final_answer(grade.sample or {}),
+        answer_hash=grade.answer_hash,
+        item_key=grade.item_key,
+        run=grade.run,
+        latency_ms=grade.latency_ms,
+        created_at=grade.created_at,
+    )
+
+
+def export_record(rollout: Rollout, calls: Sequence[ToolCall], grades: Sequence[Grade]) -> dict[str, Any]:
+    """One JSONL line of the export: the rollout, its calls in order, its grades."""
+    return {
+        "trace_id": rollout.trace_id,
+        "run": rollout.run,
+        "item_key": rollout.item_key,
+        "first_seen": rollout.first_seen,
+        "last_seen": rollout.last_seen,
+        "graded_at": rollout.graded_at,
+        "calls": [call.model_dump() for call in timeline(calls)],
+        "grades": [
+            {
+                "grader": g.grader,
+                "grader_version": g.grader_version,
+                "status": g.status,
+                "score": g.score,
+                "sub_scores": g.sub_scores,
+                "flags": g.flags,
+                "errors": g.errors,
+                "answer_hash": g.answer_hash,
+                "item_key": g.item_key,
+                "run": g.run,
+                "sample": g.sample,
+                "item": g.item,
+                "latency_ms": g.latency_ms,
+                "created_at": g.created_at,
+            }
+            for g in grades
+        ],
+    }
+
+
+def _count_histogram(distribution: Sequence[tuple[int, int]]) -> s.Histogram:
+    """One bin per call count up to 30 calls, else 20 equal bins (edges are call counts)."""
+    if not distribution:
+        return s.Histogram(edges=[0.0, 1.0], counts=[0])
+    top = max(n for n, _ in distribution)
+    if top <= 30:
+        counts = [0] * (top + 1)
+        for n, count in distribution:
+            counts[n] += count
+        return s.Histogram(edges=[float(i) for i in range(top + 2)], counts=counts)
+    width = math.ceil((top + 1) / 20)
+    counts = [0] * 20
+    for n, count in distribution:
+        counts[min(19, n // width)] += count
+    return s.Histogram(edges=[float(i * width) for i in range(21)], counts=counts)
+
+
+def _rank(distribution: Sequence[tuple[int, int]], q: float) -> int | None:
+    total = sum(count for _, count in distribution)
+    if not total:
+        return None
+    target = max(1, math.ceil(q * total))
+    seen = 0
+    for n, count in distribution:
+        seen += count
+        if seen >= target:
+            return n
+    return distribution[-1][0]
+
+
+def _latency(row: ToolRow) -> s.LatencyStats:
+    p = row.percentiles
+    return s.LatencyStats(
+        mean_ms=row.latency_mean_ms if row.calls else None,
+        p50_ms=p[0] if p else None,
+        p90_ms=p[1] if p else None,
+        p99_ms=p[2] if p else None,
+    )
+
+
+def _tool_stats(row: ToolRow, total_calls: int) -> s.ToolStats:
+    p = row.percentiles
+    return s.ToolStats(
+        tool=row.tool or "",
+        calls=row.calls,
+        share=row.calls / total_calls if total_calls else 0.0,
+        latency_mean_ms=row.latency_mean_ms,
+        latency_p50_ms=p[0] if p else None,
+        latency_p90_ms=p[1] if p else None,
+        latency_p99_ms=p[2] if p else None,
+        latency_max_ms=row.latency_max_ms,
+        output_bytes_mean=(row.output_bytes or 0) / row.calls if row.calls else 0.0,
+        outcomes=row.outcomes,
+        errors=sum(row.outcomes.get(o, 0) for o in ENVIRONMENT_FAILURES),
+    )
+
+
+def _item_summary(summary: ItemSummary) -> s.ItemSummaryOut:
+    repeated = summary.repeated_items
+    return s.ItemSummaryOut(
+        items=summary.items,
+        repeated_items=repeated,
+        always_zero=summary.always_zero,
+        always_one=summary.always_one,
+        share_always_zero=_share(summary.always_zero, repeated),
+        share_always_one=_share(summary.always_one, repeated),
+        share_no_signal=_share(summary.always_zero + summary.always_one, repeated),
+    )
+
+
+def _item_stats(row: ItemRow) -> s.ItemStats:
+    variance = max(0.0, row.mean_square - row.mean * row.mean)
+    repeated = row.rollouts >= MIN_ROLLOUTS_PER_ITEM
+    return s.ItemStats(
+        item_key=row.item_key,
+        rollouts=row.rollouts,
+        mean=row.mean,
+        variance=variance,
+        std=math.sqrt(variance),
+        min=row.min,
+        max=row.max,
+        always_zero=repeated and row.max <= ZERO,
+        always_one=repeated and row.min >= ONE,
+    )
+
+
+class ReviewService:
+    def __init__(
+        self,
+        session: AsyncSession,
+        policy: FlagPolicy = DEFAULT_POLICY,
+        *,
+        sessions: async_sessionmaker[AsyncSession] | None = None,
+    ) -> None:
+        self.session = session
+        self.repo = ReviewRepository(session)
+        self.policy = policy
+        self.sessions = sessions  # lets run statistics spread their queries over connections
+
+    # --- flags -----------------------------------------------------------------------------------------
+
+    async def flags_for(
+        self,
+        *,
+        calls: Sequence[CallView] | None,
+        answer: str,
+        score: float | None,
+        status: str,
+        errors: Sequence[str] = (),
+        item_key: str | None,
+        extra_sources: Sequence[str] = (),
+    ) -> list[Flag]:
+        """The review flags of a grade about to be stored (call it from the grading service)."""
+        same = 0
+        if item_key is not None and answer.strip():
+            same = await self.repo.items_with_same_answer(answer_hash(answer), exclude_item=item_key)
+        return compute_flags(
+            calls,
+            answer=answer,
+            score=score,
+            status=status,
+            errors=errors,
+            same_answer_items=same,
+            extra_sources=extra_sources,
+            policy=self.policy,
+        )
+
+    async def recompute_flags(self, trace_id: str) -> list[Grade]:
+        """Recompute the review flags of every grade of a rollout from what is stored (flushes, no commit).
+
+        Flags a grader raised itself (names outside FLAG_NAMES) are kept.
+        """
+        grades = await self.repo.grades(trace_id)
+        if not grades:
+            raise NotFound(f"no grades for trace_id {trace_id!r}")
+        calls = logged_calls(await self.repo.calls(trace_id))
+        for grade in grades:
+            answer = final_answer(grade.sample or {})
+            flags = await self.flags_for(
+                calls=calls,
+                answer=answer,
+                score=grade.score,
+                status=grade.status,
+                errors=[str(e) for e in grade.errors or []],
+                item_key=grade.item_key,
+            )
+            kept = [f for f in grade.flags or [] if not (isinstance(f, dict) and f.get("name") in FLAG_NAMES)]
+            grade.flags = kept + [f.as_json() for f in flags]
+            if grade.answer_hash is None and answer.strip():
+                grade.answer_hash = answer_hash(answer)
+        await self.session.flush()
+        return list(grades)
+
+    # --- rollouts --------------------------------------------------------------------------------------
+
+    async def rollouts(self, filters: RolloutFilter, *, limit: int, cursor: str | None) -> s.RolloutPage:
+        before = decode_cursor(cursor) if cursor else None
+        rows = await self.repo.rollouts(filters, limit=limit + 1, before=before)
+        page = rows[:limit]
+        out = [
+            s.RolloutSummary(
+                trace_id=row.rollout.trace_id,
+                run=row.rollout.run,
+                item_key=row.rollout.item_key or (row.grade.item_key if row.grade else None),
+                first_seen=row.rollout.first_seen,
+                last_seen=row.rollout.last_seen,
+                graded_at=row.rollout.graded_at,
+                calls=row.calls,
+                grader=row.grade.grader if row.grade else None,
+                status=row.grade.status if row.grade else None,
+                score=row.grade.score if row.grade else None,
+                flags=[f.name for f in flags_of(row.grade)] if row.grade else [],
+            )
+            for row in page
+        ]
+        last = page[-1].rollout if page else None
+        next_cursor = encode_cursor(last.last_seen, last.trace_id) if last and len(rows) > limit else None
+        return s.RolloutPage(rollouts=out, next_cursor=next_cursor)
+
+    async def runs(self) -> list[s.RunOut]:
+        return [
+            s.RunOut(run=r.run, rollouts=r.rollouts, first_seen=r.first_seen, last_seen=r.last_seen)
+            for r in await self.repo.runs()
+        ]
+
+    async def timeline(self, trace_id: str) -> s.Timeline:
+        rollout = await self.repo.rollout(trace_id)
+        calls = await self.repo.calls(trace_id)
+        grades = await self.repo.grades(trace_id)
+        if rollout is None and not calls and not grades:
+            raise NotFound(f"no rollout with trace_id {trace_id!r}")
+        graded = [grade_out(g) for g in grades]
+        cited: dict[int, list[str]] = {}
+        for grade in graded:
+            for flag in grade.flags:
+                for seq in flag.evidence:
+                    names = cited.setdefault(seq, [])
+                    if flag.name not in names:
+                        names.append(flag.name)
+        batches = parallel_batches(calls)
+        return s.Timeline(
+            trace_id=trace_id,
+            run=rollout.run if rollout else None,
+            item_key=rollout.item_key if rollout else None,
+            first_seen=rollout.first_seen if rollout else None,
+            last_seen=rollout.last_seen if rollout else None,
+            graded_at=rollout.graded_at if rollout else None,
+            parallel_batches=(batches[-1] + 1) if batches else 0,
+            calls=[s.CallOut(**call.model_dump(), flags=cited.get(call.seq, [])) for call in timeline(calls)],
+            grades=graded,
+        )
+
+    # --- runs ------------------------------------------------------------------------------------------
+
+    async def _concurrently(self, *queries: Callable[[ReviewRepository], Awaitable[Any]]) -> list[Any]:
+        """Independent read-only aggregates, each on its own connection when a sessionmaker was given
+        (Postgres then runs them side by side: a run's statistics cost the slowest query, not the sum)."""
+        sessions = self.sessions
+        if sessions is None:
+            await self.repo.prepare_for_aggregates()
+            return [await query(self.repo) for query in queries]
+
+        async def one(query: Callable[[ReviewRepository], Awaitable[Any]]) -> Any:
+            async with sessions() as session:
+                repo = ReviewRepository(session)
+                await repo.prepare_for_aggregates()
+                return await query(repo)
+
+        return list(await asyncio.gather(*(one(q) for q in queries)))
+
+    async def run_stats(self, run: str, grader: str | None = None) -> s.RunStats:
+        queries: list[Callable[[ReviewRepository], Awaitable[Any]]] = [
+            lambda r: r.reward_distribution(run, grader, REWARD_BINS),
+            lambda r: r.call_stats(run),
+            lambda r: r.calls_per_rollout(run),
+            lambda r: r.item_summary(run, grader, min_rollouts=MIN_ROLLOUTS_PER_ITEM, zero=ZERO, one=ONE),
+            lambda r: r.flag_counts(run, grader),
+        ]
+        results = await self._concurrently(*queries)
+        reward: RewardSummary = results[0]
+        tools, overall = results[1]
+        distribution: list[tuple[int, int]] = results[2]
+
+        rollouts_counted = sum(count for _, count in distribution)
+        calls_counted = sum(n * count for n, count in distribution)
+        errors_by_outcome = dict(overall.outcomes)
+        return s.RunStats(
+            run=run,
+            grader=grader,
+            rollouts=reward.rollouts,
+            reward=s.RewardStats(
+                graded=reward.graded,
+                failed=reward.failed,
+                scored=reward.scored,
+                mean=reward.mean,
+                std=_std(reward.mean, reward.mean_square),
+                min=reward.min,
+                max=reward.max,
+                histogram=s.Histogram(edges=reward.edges, counts=reward.counts),
+            ),
+            calls_per_rollout=s.CountDistribution(
+                values=[n for n, _ in distribution],
+                counts=[c for _, c in distribution],
+                mean=calls_counted / rollouts_counted if rollouts_counted else None,
+                p50=_rank(distribution, 0.5),
+                p90=_rank(distribution, 0.9),
+                max=distribution[-1][0] if distribution else None,
+            ),
+            calls_per_rollout_histogram=_count_histogram(distribution),
+            tools=[_tool_stats(t, overall.calls) for t in tools],
+            errors_by_outcome=errors_by_outcome,
+            platform=s.PlatformMetrics(
+                tool_calls_per_rollout=calls_counted / rollouts_counted if rollouts_counted else None,
+                output_bytes_per_call=(overall.output_bytes or 0) / overall.calls if overall.calls else None,
+                tool_latency=_latency(overall),
+                tool_errors=sum(errors_by_outcome.get(o, 0) for o in ENVIRONMENT_FAILURES),
+                model_errors=errors_by_outcome.get("model_error", 0),
+            ),
+            items=_item_summary(results[3]),
+            flags=[s.FlagCount(name=name, rollouts=count) for name, count in results[4]],
+        )
+
+    async def item_stats(
+        self, run: str, grader: str | None = None, *, order: str = "mean", limit: int = 500, offset: int = 0
+    ) -> s.ItemStatsPage:
+        rows, summary = await self._concurrently(
+            lambda r: r.item_stats(run, grader, order=order, limit=limit + 1, offset=offset),
+            lambda r: r.item_summary(run, grader, min_rollouts=MIN_ROLLOUTS_PER_ITEM, zero=ZERO, one=ONE),
+        )
+        return s.ItemStatsPage(
+            run=run,
+            grader=grader,
+            summary=_item_summary(summary),
+            items=[_item_stats(r) for r in rows[:limit]],
+            next_offset=offset + limit if len(rows) > limit else None,
+        )
+
+    async def _side(self, run: str, grader: str | None) -> tuple[s.RunSide, list[ToolRow], list[ItemRow]]:
+        reward, (tools, overall), summary, items = await self._concurrently(
+            lambda r: r.reward_distribution(run, grader, REWARD_BINS),
+            lambda r: r.call_stats(run),
+            lambda r: r.item_summary(run, grader, min_rollouts=MIN_ROLLOUTS_PER_ITEM, zero=ZERO, one=ONE),
+            lambda r: r.item_stats(run, grader, order="item", limit=1_000_000, offset=0),
+        )
+        side = s.RunSide(
+            run=run,
+            rollouts=reward.rollouts,
+            reward_mean=reward.mean,
+            reward_std=_std(reward.mean, reward.mean_square),
+            graded=reward.graded,
+            calls_per_rollout=overall.calls / reward.rollouts if reward.rollouts else None,
+            latency=_latency(overall),
+            output_bytes_per_call=(overall.output_bytes or 0) / overall.calls if overall.calls else None,
+            tool_errors=sum(overall.outcomes.get(o, 0) for o in ENVIRONMENT_FAILURES),
+            share_no_signal=_item_summary(summary).share_no_signal,
+        )
+        return side, tools, items
+
+    async def compare(self, a: str, b: str, grader: str | None = None) -> s.RunComparison:
+        (side_a, tools_a, items_a), (side_b, tools_b, items_b) = (
+            await asyncio.gather(self._side(a, grader), self._side(b, grader))
+            if self.sessions is not None
+            else (await self._side(a, grader), await self._side(b, grader))
+        )
+        calls_a = {t.tool or "": t.calls for t in tools_a}
+        calls_b = {t.tool or "": t.calls for t in tools_b}
+        total_a, total_b = sum(calls_a.values()), sum(calls_b.values())
+        mix = [
+            s.ToolMix(
+                tool=tool,
+                calls_a=calls_a.get(tool, 0),
+                calls_b=calls_b.get(tool, 0),
+                share_a=calls_a.get(tool, 0) / total_a if total_a else 0.0,
+                share_b=calls_b.get(tool, 0) / total_b if total_b else 0.0,
+            )
+            for tool in sorted(
+                set(calls_a) | set(calls_b), key=lambda t: (-(calls_a.get(t, 0) + calls_b.get(t, 0)), t)
+            )
+        ]
+        means_a = {r.item_key: r.mean for r in items_a}
+        deltas = [r.mean - means_a[r.item_key] for r in items_b if r.item_key in means_a]
+        return s.RunComparison(
+            a=side_a,
+            b=side_b,
+            reward_delta=_delta(side_a.reward_mean, side_b.reward_mean),
+            calls_per_rollout_delta=_delta(side_a.calls_per_rollout, side_b.calls_per_rollout),
+            latency_p50_delta_ms=_delta(side_a.latency.p50_ms, side_b.latency.p50_ms),
+            tool_mix=mix,
+            items=s.ItemChanges(
+                common=len(deltas),
+                improved=sum(d > 1e-9 for d in deltas),
+                regressed=sum(d < -1e-9 for d in deltas),
+                unchanged=sum(abs(d) <= 1e-9 for d in deltas),
+                mean_delta=sum(deltas) / len(deltas) if deltas else None,
+            ),
+        )
+
+    async def flag_counts(self, run: str | None, grader: str | None = None) -> list[s.FlagCount]:
+        (counts,) = await self._concurrently(lambda r: r.flag_counts(run, grader))
+        return [s.FlagCount(name=n, rollouts=c) for n, c in counts]
+
+    # --- export ----------------------------------------------------------------------------------------
+
+    async def export_lines(self, run: str | None) -> AsyncIterator[bytes]:
+        async for batch in self.repo.export_batches(run):
+            for rollout, calls, grades in batch:
+                yield orjson.dumps(export_record(rollout, calls, grades)) + b"\n"
+
+
+def _delta(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else b - a

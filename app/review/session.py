@@ -1,0 +1,92 @@
+"""The review UI's login session: an HMAC-signed, expiring token in an HttpOnly cookie (never the key).
+
+The signing secret is derived from the configured admin keys, so every worker and replica verifies
+the same tokens without shared state, and changing the admin keys ends every session.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import secrets
+import time
+
+from fastapi import Request, Response
+
+from app.auth import KeyRing
+from app.errors import Unauthorized
+
+COOKIE_NAME = "sparring_review"
+SESSION_SECONDS = 12 * 3600
+_CONTEXT = b"sparring review session v1\x00"
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).decode().rstrip("=")
+
+
+def _signing_key(keyring: KeyRing) -> bytes | None:
+    admin = sorted(k.secret.get_secret_value() for k in keyring.keys if k.scope == "admin")
+    if not admin:
+        return None
+    return hashlib.sha256(_CONTEXT + "\x00".join(admin).encode()).digest()
+
+
+def _mac(key: bytes, payload: str) -> str:
+    return _b64(hmac.new(key, payload.encode(), hashlib.sha256).digest())
+
+
+def issue_token(keyring: KeyRing, *, now: float | None = None, ttl: int = SESSION_SECONDS) -> str:
+    key = _signing_key(keyring)
+    if key is None:
+        raise Unauthorized("no admin key is configured: the review cannot be opened")
+    payload = f"{int((now or time.time()) + ttl)}.{secrets.token_urlsafe(12)}"
+    return f"{payload}.{_mac(key, payload)}"
+
+
+def verify_token(keyring: KeyRing, token: str, *, now: float | None = None) -> bool:
+    key = _signing_key(keyring)
+    expires, _, rest = token.partition(".")
+    nonce, _, mac = rest.partition(".")
+    if key is None or not (expires.isdigit() and nonce and mac):
+        return False
+    if not hmac.compare_digest(mac, _mac(key, f"{expires}.{nonce}")):
+        return False
+    return int(expires) > (now or time.time())
+
+
+def is_admin_key(keyring: KeyRing, presented: str) -> bool:
+    return "admin" in keyring.scopes_of(presented)
+
+
+def has_session(request: Request) -> bool:
+    token = request.cookies.get(COOKIE_NAME)
+    return bool(token) and verify_token(request.app.state.keyring, token or "")
+
+
+def start_session(request: Request, response: Response) -> None:
+    response.set_cookie(
+        COOKIE_NAME,
+        issue_token(request.app.state.keyring),
+        max_age=SESSION_SECONDS,
+        path="/",
+        httponly=True,
+        samesite="strict",
+        secure=request.url.scheme == "https",
+    )
+
+
+def end_session(request: Request, response: Response) -> None:
+    response.delete_cookie(
+        COOKIE_NAME, path="/", httponly=True, samesite="strict", secure=request.url.scheme == "https"
+    )
+
+
+async def require_review_access(request: Request) -> str:
+    """The review API and the export: a logged-in browser session, or an admin key in the header."""
+    if has_session(request):
+        return "session"
+    keyring: KeyRing = request.app.state.keyring
+    keyring.authorize(request, "admin")
+    return "admin"

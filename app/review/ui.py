@@ -1,0 +1,337 @@
+"""Review web pages under /review: server-rendered HTML behind the login cookie. HTTP only."""
+
+from __future__ import annotations
+
+import importlib.resources
+import math
+from datetime import UTC, datetime
+from functools import cache
+from typing import Annotated, Any
+from urllib.parse import quote, urlencode
+
+import orjson
+from fastapi import APIRouter, Form, Query, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from jinja2 import Environment, PackageLoader, select_autoescape
+
+from app.errors import NotFound
+from app.review import charts
+from app.review.deps import ReviewDb
+from app.review.flags import FLAG_NAMES
+from app.review.repository import RolloutFilter
+from app.review.schemas import RunStats
+from app.review.service import ReviewService
+from app.review.session import end_session, has_session, is_admin_key, start_session
+
+router = APIRouter(prefix="/review", include_in_schema=False)
+
+# Tool outputs are untrusted text: everything is autoescaped, and no script may run on these pages.
+SECURITY_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'none'; style-src 'self'; img-src 'self' data:; form-action 'self'; "
+        "frame-ancestors 'none'; base-uri 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+PAGE_SIZE = 50
+ITEMS_IN_CHART = 200
+
+
+def _pretty(text: str | None) -> str:
+    if not text:
+        return ""
+    try:
+        return orjson.dumps(orjson.loads(text), option=orjson.OPT_INDENT_2).decode()
+    except orjson.JSONDecodeError:
+        return text
+
+
+def _when(value: datetime | None) -> str:
+    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S") if value else ""
+
+
+def _score(value: float | None) -> str:
+    return "" if value is None else f"{value:.3g}"
+
+
+def _ms(value: float | None) -> str:
+    return "" if value is None else (f"{value:.0f}" if value >= 100 else f"{value:.3g}")
+
+
+def _pct(value: float | None) -> str:
+    return "" if value is None else f"{100 * value:.1f}%"
+
+
+@cache
+def templates() -> Environment:
+    env = Environment(
+        loader=PackageLoader("app.review", "templates"),
+        autoescape=select_autoescape(default=True, default_for_string=True),
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters.update(pretty=_pretty, when=_when, score=_score, ms=_ms, pct=_pct)
+    env.globals.update(flag_names=FLAG_NAMES, quote=quote)
+    return env
+
+
+def render(request: Request, name: str, status_code: int = 200, **context: Any) -> HTMLResponse:
+    html = templates().get_template(name).render(request=request, **context)
+    return HTMLResponse(html, status_code=status_code, headers=SECURITY_HEADERS)
+
+
+def _login_redirect(request: Request) -> RedirectResponse:
+    target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+    return RedirectResponse(f"/review/login?{urlencode({'next': target})}", status_code=303)
+
+
+def _safe_next(target: str | None) -> str:
+    # Only our own pages: an absolute or protocol-relative URL would make the login an open redirect.
+    if target and target.startswith("/review") and not target.startswith("//") and "\\" not in target:
+        return target
+    return "/review"
+
+
+def _blank(value: str | None) -> str | None:
+    return value.strip() if value and value.strip() else None
+
+
+@router.get("/static/review.css")
+async def stylesheet() -> Response:
+    css = importlib.resources.files("app.review").joinpath("static/review.css").read_bytes()
+    return Response(css, media_type="text/css", headers={"Cache-Control": "max-age=3600"})
+
+
+@router.get("/login")
+async def login_page(request: Request, next: str | None = None) -> Response:
+    if has_session(request):
+        return RedirectResponse(_safe_next(next), status_code=303)
+    return render(request, "login.html", next=_safe_next(next), error=None)
+
+
+@router.post("/login")
+async def login(
+    request: Request, key: Annotated[str, Form()] = "", next: Annotated[str, Form()] = "/review"
+) -> Response:
+    if not key or not is_admin_key(request.app.state.keyring, key.strip()):
+        return render(
+            request, "login.html", status_code=401, next=_safe_next(next), error="That is not an admin key."
+        )
+    response = RedirectResponse(_safe_next(next), status_code=303)
+    start_session(request, response)
+    return response
+
+
+@router.post("/logout")
+async def logout(request: Request) -> Response:
+    response = RedirectResponse("/review/login", status_code=303)
+    end_session(request, response)
+    return response
+
+
+@router.get("")
+async def rollouts_page(
+    request: Request,
+    db: ReviewDb,
+    run: str | None = None,
+    item: str | None = None,
+    min_score: str | None = None,
+    max_score: str | None = None,
+    flag: str | None = None,
+    tool: str | None = None,
+    since: str | None = None,
+    until: str | None = None,
+    status: str | None = None,
+    cursor: str | None = None,
+) -> Response:
+    if not has_session(request):
+        return _login_redirect(request)
+    form = {
+        "run": run or "",
+        "item": item or "",
+        "min_score": min_score or "",
+        "max_score": max_score or "",
+        "flag": flag or "",
+        "tool": tool or "",
+        "since": since or "",
+        "until": until or "",
+        "status": status or "",
+    }
+    errors: list[str] = []
+    filters = RolloutFilter(
+        run=_blank(run),
+        item_key=_blank(item),
+        min_score=_number(min_score, "min score", errors),
+        max_score=_number(max_score, "max score", errors),
+        flag=_blank(flag),
+        tool=_blank(tool),
+        since=_moment(since, "since", errors),
+        until=_moment(until, "until", errors),
+        status=_blank(status) if _blank(status) in ("ok", "failed", "ungraded") else None,
+    )
+    async with db.session() as session:
+        service = ReviewService(session)
+        page = await service.rollouts(filters, limit=PAGE_SIZE, cursor=_blank(cursor))
+        runs = await service.runs()
+    next_query = None
+    if page.next_cursor:
+        next_query = urlencode({**{k: v for k, v in form.items() if v}, "cursor": page.next_cursor})
+    return render(
+        request, "rollouts.html", page=page, runs=runs, form=form, errors=errors, next_query=next_query
+    )
+
+
+def _number(value: str | None, name: str, errors: list[str]) -> float | None:
+    if not _blank(value):
+        return None
+    try:
+        number = float(value or "")
+    except ValueError:
+        errors.append(f"{name} must be a number")
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _moment(value: str | None, name: str, errors: list[str]) -> datetime | None:
+    if not _blank(value):
+        return None
+    try:
+        moment = datetime.fromisoformat((value or "").strip())
+    except ValueError:
+        errors.append(f"{name} must be a date and time like 2026-12-02T18:00")
+        return None
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+@router.get("/rollouts/{trace_id}")
+async def rollout_page(request: Request, trace_id: str, db: ReviewDb) -> Response:
+    if not has_session(request):
+        return _login_redirect(request)
+    try:
+        async with db.session() as session:
+            timeline = await ReviewService(session).timeline(trace_id)
+    except NotFound as exc:
+        return render(request, "not_found.html", status_code=404, message=exc.message)
+    batches: list[list[Any]] = []
+    for call in timeline.calls:
+        if not batches or batches[-1][0].batch != call.batch:
+            batches.append([])
+        batches[-1].append(call)
+    return render(request, "rollout.html", timeline=timeline, batches=batches)
+
+
+@router.post("/rollouts/{trace_id}/recompute-flags")
+async def recompute_page(request: Request, trace_id: str, db: ReviewDb) -> Response:
+    if not has_session(request):
+        return _login_redirect(request)
+    async with db.session(write=True) as session:
+        await ReviewService(session).recompute_flags(trace_id)
+    return RedirectResponse(f"/review/rollouts/{quote(trace_id)}", status_code=303)
+
+
+@router.get("/runs")
+async def runs_page(request: Request, db: ReviewDb) -> Response:
+    if not has_session(request):
+        return _login_redirect(request)
+    async with db.session() as session:
+        runs = await ReviewService(session).runs()
+    return render(request, "runs.html", runs=runs)
+
+
+def _run_charts(stats: RunStats, items: list[charts.ItemPoint]) -> dict[str, Any]:
+    reward = stats.reward.histogram
+    cpr = stats.calls_per_rollout_histogram
+    width_one = all(b - a == 1 for a, b in zip(cpr.edges, cpr.edges[1:], strict=False))
+    lo, hi = reward.edges[0], reward.edges[-1]
+    return {
+        "reward": charts.bar_chart(
+            "reward",
+            "Reward histogram (latest grade per rollout)",
+            [f"{a:.2g}–{b:.2g}" for a, b in zip(reward.edges, reward.edges[1:], strict=False)],
+            reward.counts,
+            x_label="score",
+            y_label="rollouts",
+        ),
+        "calls": charts.bar_chart(
+            "calls-per-rollout",
+            "Tool calls per rollout",
+            [
+                f"{a:g}" if width_one else f"{a:g}–{b - 1:g}"
+                for a, b in zip(cpr.edges, cpr.edges[1:], strict=False)
+            ],
+            cpr.counts,
+            x_label="tool calls",
+            y_label="rollouts",
+        ),
+        "latency": charts.latency_chart(
+            "tool-latency",
+            "Latency per tool (p50, p90, p99)",
+            [
+                charts.ToolLatency(
+                    t.tool, t.latency_p50_ms or 0.0, t.latency_p90_ms or 0.0, t.latency_p99_ms or 0.0
+                )
+                for t in stats.tools
+            ],
+        ),
+        "item_variance": charts.item_chart(
+            "item-variance", "Per-item mean score and spread", items, lo=min(0.0, lo), hi=max(1.0, hi)
+        ),
+    }
+
+
+@router.get("/run")
+async def run_page(
+    request: Request, db: ReviewDb, name: Annotated[str, Query()], grader: str | None = None
+) -> Response:
+    if not has_session(request):
+        return _login_redirect(request)
+    async with db.session() as session:
+        service = ReviewService(session, sessions=db.sessions)
+        stats = await service.run_stats(name, _blank(grader))
+        items = await service.item_stats(name, _blank(grader), order="mean", limit=ITEMS_IN_CHART)
+    points = [charts.ItemPoint(i.item_key or "(none)", i.mean, i.std, i.rollouts) for i in items.items]
+    return render(
+        request,
+        "run.html",
+        stats=stats,
+        items=items,
+        charts=_run_charts(stats, points),
+        items_capped=items.next_offset is not None,
+        export_url=f"/export?{urlencode({'run': name})}",
+    )
+
+
+@router.get("/compare")
+async def compare_page(
+    request: Request, db: ReviewDb, a: str | None = None, b: str | None = None
+) -> Response:
+    if not has_session(request):
+        return _login_redirect(request)
+    async with db.session() as session:
+        service = ReviewService(session, sessions=db.sessions)
+        runs = await service.runs()
+        comparison = await service.compare(a, b) if a and b and _blank(a) and _blank(b) else None
+    return render(request, "compare.html", runs=runs, comparison=comparison, a=a or "", b=b or "")
+
+
+@router.get("/flags")
+async def flags_page(
+    request: Request, db: ReviewDb, run: str | None = None, flag: str | None = None
+) -> Response:
+    if not has_session(request):
+        return _login_redirect(request)
+    async with db.session() as session:
+        service = ReviewService(session)
+        counts = await service.flag_counts(_blank(run))
+        runs = await service.runs()
+        flagged = None
+        if _blank(flag):
+            flagged = await service.rollouts(
+                RolloutFilter(run=_blank(run), flag=_blank(flag)), limit=PAGE_SIZE, cursor=None
+            )
+    return render(
+        request, "flags.html", counts=counts, runs=runs, run=run or "", flag=flag or "", flagged=flagged
+    )

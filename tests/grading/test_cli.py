@@ -1,0 +1,104 @@
+"""`sparring grade` and `sparring regrade`: the server's graders, run from the command line."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from app.cli import cli
+from app.config import get_settings
+
+GRADERS = {
+    "exact": {
+        "type": "string_check",
+        "name": "exact",
+        "operation": "eq",
+        "input": "{{ sample.output_text }}",
+        "reference": "{{ item.reference_answer }}",
+    },
+    "both": {
+        "type": "multi",
+        "name": "both",
+        "graders": {
+            "exact": {
+                "type": "string_check",
+                "name": "exact",
+                "operation": "eq",
+                "input": "{{ sample.output_text }}",
+                "reference": "{{ item.reference_answer }}",
+            },
+            "fuzzy": {
+                "type": "text_similarity",
+                "name": "fuzzy",
+                "input": "{{ sample.output_text }}",
+                "reference": "{{ item.reference_answer }}",
+                "evaluation_metric": "fuzzy_match",
+            },
+        },
+        "calculate_output": "0.5 * exact + 0.5 * fuzzy",
+    },
+}
+
+
+@pytest.fixture
+def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    graders = tmp_path / "graders.yaml"
+    graders.write_text(yaml.safe_dump(GRADERS))
+    monkeypatch.setenv("SPARRING_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("SPARRING_PACKS", "demo")
+    monkeypatch.setenv("SPARRING_GRADERS_FILE", str(graders))
+    for name in ("SPARRING_DATABASE_URL", "SPARRING_REDIS_URL", "SPARRING_DEFAULT_GRADER"):
+        monkeypatch.delenv(name, raising=False)
+    get_settings.cache_clear()
+    yield tmp_path
+    get_settings.cache_clear()
+
+
+def write(path: Path, data: object) -> str:
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_grade_prints_the_score_and_every_sub_score(env: Path) -> None:
+    sample = write(env / "sample.json", {"output_text": "Paris, France"})
+    item = write(env / "item.json", {"reference_answer": "Paris"})
+    result = CliRunner().invoke(cli, ["grade", "--grader", "both", "--sample", sample, "--item", item])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0].startswith("grader  both (version ")
+    score = float(lines[1].split()[1])
+    subs = {line.split()[0]: float(line.split()[1]) for line in lines[2:4]}
+    assert subs["exact"] == 0.0 and 0.0 < subs["fuzzy"] < 1.0
+    assert score == pytest.approx(0.5 * subs["fuzzy"], abs=1e-5)
+
+
+def test_grade_explains_bad_input(env: Path) -> None:
+    runner = CliRunner()
+    missing = runner.invoke(cli, ["grade", "--grader", "exact", "--sample", str(env / "none.json")])
+    assert missing.exit_code == 2 and "cannot read the sample file" in missing.output
+    (env / "bad.json").write_text("{not json")
+    bad = runner.invoke(cli, ["grade", "--grader", "exact", "--item", str(env / "bad.json")])
+    assert bad.exit_code == 2 and "not valid JSON" in bad.output
+    unknown = runner.invoke(cli, ["grade", "--grader", "nope"])
+    assert unknown.exit_code == 1 and "no grader named 'nope'" in unknown.output
+
+
+def test_a_bad_graders_file_is_refused_with_the_grader_and_field(env: Path) -> None:
+    (env / "graders.yaml").write_text(yaml.safe_dump({"x": {"type": "string_check", "name": "x"}}))
+    result = CliRunner().invoke(cli, ["grade", "--grader", "x"])
+    assert result.exit_code == 2
+    assert "grader 'x'" in result.output and "graders.yaml" in result.output
+
+
+def test_regrade_reports_what_changed(env: Path) -> None:
+    runner = CliRunner()
+    upgraded = runner.invoke(cli, ["db", "upgrade"])
+    assert upgraded.exit_code == 0, upgraded.output
+    result = runner.invoke(cli, ["regrade", "--grader", "exact"])
+    assert result.exit_code == 0, result.output
+    assert "regraded 0 rollouts with exact" in result.output and "mean - -> -" in result.output

@@ -1,0 +1,154 @@
+"""Review fixtures: an app with the review mounted (both backends), and grading the way the service does."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from asgi_lifespan import LifespanManager
+from fastapi import FastAPI
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from app.calls.service import item_key as item_key_of
+from app.db.models import Grade, ToolCall
+from app.main import create_app
+from app.review.flags import DEFAULT_POLICY, FlagPolicy, answer_hash
+from app.review.routes import router as review_router
+from app.review.service import ReviewService, logged_calls
+from app.rollouts.repository import RolloutRepository
+from tests.conftest import ADMIN_KEY, TOOLS_KEY, call_body, make_settings
+from tests.packs import counter_pack, faults_pack
+from tools.demo import pack as demo_pack
+
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+TOOLS = {"Authorization": f"Bearer {TOOLS_KEY}"}
+PACKS = [demo_pack, counter_pack, faults_pack]
+
+
+def mount_review(app: FastAPI) -> FastAPI:
+    """Include the review router unless app/main.py already does."""
+    if not any(getattr(route, "path", "").startswith("/review") for route in app.routes):
+        app.include_router(review_router)
+    return app
+
+
+async def grade_rollout(
+    sessions: async_sessionmaker[AsyncSession],
+    trace_id: str | None,
+    *,
+    answer: str,
+    score: float | None,
+    status: str = "ok",
+    item: dict[str, Any] | None = None,
+    run: str | None = None,
+    grader: str = "test",
+    errors: Sequence[str] = (),
+    sub_scores: dict[str, float] | None = None,
+    grader_flags: Sequence[dict[str, Any]] = (),
+    policy: FlagPolicy = DEFAULT_POLICY,
+) -> Grade:
+    """Store a grade with its review flags, as the grading service does at grade time."""
+    key = item_key_of(item or {})
+    async with sessions() as session, session.begin():
+        calls = logged_calls(await RolloutRepository(session).calls(trace_id)) if trace_id else None
+        flags = await ReviewService(session, policy).flags_for(
+            calls=calls, answer=answer, score=score, status=status, errors=errors, item_key=key
+        )
+        grade = Grade(
+            trace_id=trace_id,
+            grader=grader,
+            grader_version="1",
+            status=status,
+            score=score,
+            sub_scores=sub_scores or ({} if score is None else {"total": score}),
+            flags=[*grader_flags, *(f.as_json() for f in flags)],
+            errors=list(errors),
+            sample={"output_text": answer},
+            answer_hash=answer_hash(answer) if answer.strip() else None,
+            item_key=key,
+            run=run,
+            latency_ms=1.0,
+            created_at=datetime.now(UTC),
+        )
+        session.add(grade)
+        if trace_id:
+            await RolloutRepository(session).mark_graded(trace_id)
+    return grade
+
+
+@dataclass
+class ReviewApp:
+    app: FastAPI
+    client: httpx.AsyncClient  # sends no key unless told
+
+    @property
+    def sessions(self) -> async_sessionmaker[AsyncSession]:
+        maker: async_sessionmaker[AsyncSession] = self.app.state.sessionmaker
+        return maker
+
+    async def call(
+        self,
+        tool: str,
+        arguments: Any,
+        trace_id: str,
+        *,
+        call_id: str | None = None,
+        run: str | None = None,
+        item: dict[str, Any] | None = None,
+    ) -> httpx.Response:
+        headers = dict(TOOLS)
+        if run is not None:
+            headers["X-Sparring-Run"] = run
+        extra: dict[str, Any] = {"item": item} if item is not None else {}
+        body = call_body(arguments, trace_id=trace_id, call_id=call_id, **extra)
+        return await self.client.post(f"/tools/{tool}", json=body, headers=headers)
+
+    async def api(self, path: str, **params: Any) -> Any:
+        response = await self.client.get(
+            path, params={k: v for k, v in params.items() if v is not None}, headers=ADMIN
+        )
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    async def grade(self, trace_id: str | None, **kwargs: Any) -> Grade:
+        return await grade_rollout(self.sessions, trace_id, **kwargs)
+
+    async def wait_for_calls(self, trace_id: str, count: int) -> None:
+        """Calls answered 503 are logged without waiting: poll until they are in."""
+        for _ in range(100):
+            async with self.sessions() as session:
+                found = (
+                    await session.scalars(select(ToolCall.id).where(ToolCall.trace_id == trace_id))
+                ).all()
+            if len(found) >= count:
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"{trace_id}: {len(found)} calls logged, expected {count}")
+
+
+@pytest.fixture
+def review_factory(tmp_path: Path, backend_settings: dict[str, Any]) -> Any:
+    @asynccontextmanager
+    async def factory(**overrides: Any) -> AsyncIterator[ReviewApp]:
+        settings = make_settings(tmp_path / "home", **{**backend_settings, **overrides})
+        app = mount_review(create_app(settings, packs=PACKS))
+        async with LifespanManager(app) as manager:
+            transport = httpx.ASGITransport(app=manager.app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://sparring") as client:
+                yield ReviewApp(app=app, client=client)
+
+    return factory
+
+
+@pytest.fixture
+async def review(review_factory: Any) -> AsyncIterator[ReviewApp]:
+    async with review_factory() as r:
+        yield r

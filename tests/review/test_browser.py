@@ -1,0 +1,221 @@
+"""The review UI end to end in real Chromium (Debian's package, driven by Playwright), on a real server."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from app.db.session import build_engine, build_sessionmaker
+from app.main import create_app
+from app.review.seed import SeedSpec, seed_run
+from tests.conftest import ADMIN_KEY, TOOLS_KEY, call_body, make_settings, new_trace
+from tests.review.conftest import PACKS, grade_rollout, mount_review
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+pytestmark = pytest.mark.skipif(
+    not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium (apt-get install -y chromium)"
+)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class LiveServer:
+    url: str
+    engine: AsyncEngine
+
+
+@pytest.fixture
+def live_server(tmp_path: Path, sqlite_template: Path) -> Iterator[tuple[str, str]]:
+    """uvicorn in a thread on a free loopback port, embedded backend (SQLite file + in-memory state)."""
+    db = tmp_path / "sparring.db"
+    db.write_bytes(sqlite_template.read_bytes())
+    url = f"sqlite+aiosqlite:///{db}"
+    settings = make_settings(tmp_path / "home", database_url=url, redis_url=None)
+    app = mount_review(create_app(settings, packs=PACKS))
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    )
+    thread = threading.Thread(target=server.run, name="review-live-server", daemon=True)
+    thread.start()
+    for _ in range(200):
+        if server.started:
+            break
+        threading.Event().wait(0.025)
+    assert server.started, "the server did not start"
+    yield f"http://127.0.0.1:{port}", url
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture
+async def data(live_server: tuple[str, str]) -> AsyncIterator[dict[str, str]]:
+    """A seeded run with known items, and a live run whose rollouts went through the real tool routes."""
+    base, url = live_server
+    engine = build_engine(url)
+    baseline = replace(SeedSpec(rollouts=60, items=6, max_calls=8), run="baseline")
+    await seed_run(engine, baseline)
+    run = f"live-{uuid.uuid4().hex[:6]}"
+    looping, parallel, clean = new_trace(), new_trace(), new_trace()
+    headers = {"Authorization": f"Bearer {TOOLS_KEY}", "X-Sparring-Run": run}
+    async with httpx.AsyncClient(base_url=base, headers=headers) as client:
+
+        async def call(tool: str, args: object, trace: str, call_id: str) -> None:
+            r = await client.post(f"/tools/{tool}", json=call_body(args, trace_id=trace, call_id=call_id))
+            assert r.status_code in (200, 500), r.text
+
+        for i in range(3):
+            await call("read_counter", {}, looping, f"r{i}")
+        await call("echo", {"text": "<b>not bold</b> order 7731"}, parallel, "e0")
+        await asyncio.gather(*(call("slow", {"seconds": 0.3 + i / 100}, parallel, f"s{i}") for i in range(3)))
+        await call("crash", {}, parallel, "c0")
+        await call("read_counter", {}, clean, "r0")
+    sessions = build_sessionmaker(engine)
+    await grade_rollout(sessions, looping, answer="The counter is at 100.", score=1.0, run=run)
+    await grade_rollout(
+        sessions, parallel, answer="Order 7731 is done.", score=0.4, run=run, sub_scores={"tone": 0.5}
+    )
+    await grade_rollout(sessions, clean, answer="The counter is at 100.", score=1.0, run=run)
+    await engine.dispose()
+    yield {"base": base, "run": run, "looping": looping, "parallel": parallel, "clean": clean}
+
+
+async def test_review_ui_in_chromium(data: dict[str, str], tmp_path: Path) -> None:
+    from playwright.async_api import async_playwright
+
+    base = data["base"]
+    shots = tmp_path / "screenshots"
+    shots.mkdir()
+    async with async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
+        page = await browser.new_page(viewport={"width": 1400, "height": 1000})
+        errors: list[str] = []
+        page.on(
+            "console", lambda m: errors.append(f"{m.text} at {m.location}") if m.type == "error" else None
+        )
+
+        # Not logged in: the login form; a wrong key is refused.
+        await page.goto(f"{base}/review")
+        assert page.url.startswith(f"{base}/review/login")
+        await page.fill("input[name=key]", TOOLS_KEY)
+        await page.click("button[type=submit]")
+        assert await page.locator("p.error").inner_text() == "That is not an admin key."
+        await page.screenshot(path=str(shots / "login-refused.png"))
+
+        await page.fill("input[name=key]", ADMIN_KEY)
+        await page.click("button[type=submit]")
+        await page.wait_for_url(f"{base}/review")
+        cookies = await page.context.cookies()
+        (session,) = [c for c in cookies if c["name"] == "sparring_review"]
+        assert session["httpOnly"] and session["sameSite"] == "Strict" and ADMIN_KEY not in session["value"]
+        assert await page.locator("tr.rollout-row").count() == 50  # first page of 63
+
+        # Filter: the live run, then only its loops.
+        await page.select_option("select[name=run]", data["run"])
+        async with page.expect_navigation():
+            await page.click("form.filters button[type=submit]")
+        rows = page.locator("tr.rollout-row")
+        assert await rows.count() == 3
+        await page.select_option("select[name=flag]", "repeated_call")
+        async with page.expect_navigation():
+            await page.click("form.filters button[type=submit]")
+        assert await rows.count() == 1
+        assert await rows.first.get_attribute("data-trace") == data["looping"]
+        await page.screenshot(path=str(shots / "rollouts-filtered.png"), full_page=True)
+
+        # A rollout with parallel calls, a crash and escaped output.
+        await page.goto(f"{base}/review?run={data['run']}")
+        await page.click(f"a:text('{data['parallel']}')")
+        await page.wait_for_url(f"**/review/rollouts/{data['parallel']}")
+        assert await page.locator("#call-count").inner_text() == "5"
+        assert await page.locator("article.call").count() == 5
+        assert await page.locator("section.batch").count() == 3
+        parallel_batch = page.locator("section.batch.parallel")
+        assert await parallel_batch.count() == 1
+        assert await parallel_batch.locator("article.call").count() == 3
+        assert "3 parallel calls" in await parallel_batch.inner_text()
+        assert await page.locator("article.call.outcome-tool_crash").count() == 1
+        assert await page.locator("li.flag-item[data-flag=tool_errors]").count() == 1
+        assert await page.locator("article.call.flagged").count() == 1
+        assert await page.locator("pre.output b").count() == 0  # tool output is text, never markup
+        assert "<b>not bold</b> order 7731" in await page.locator("#call-0 pre.output").inner_text()
+        assert "tone" in await page.locator("table.sub-scores").inner_text()
+        await page.screenshot(path=str(shots / "rollout.png"), full_page=True)
+
+        # The looping rollout shows its flag and the evidence calls.
+        await page.goto(f"{base}/review/rollouts/{data['looping']}")
+        flag = page.locator("li.flag-item[data-flag=repeated_call]")
+        assert "read_counter ×3" in await flag.inner_text()
+        assert await flag.locator(".evidence a").count() == 3
+        assert await page.locator("article.call.flagged").count() == 3
+
+        # The run page's charts are drawn server-side as SVG.
+        await page.goto(f"{base}/review/run?name=baseline")
+        assert await page.locator("#stat-rollouts").inner_text() == "60"
+        assert await page.locator("#stat-reward").inner_text() == "0.5"
+        assert await page.locator("#stat-no-signal").inner_text() == "66.7%"
+        assert await page.locator("svg[data-chart=reward] rect.bar").count() == 10
+        calls_bars = await page.locator("svg[data-chart=calls-per-rollout] rect.bar").count()
+        async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as api:
+            stats = (await api.get("/review/api/stats", params={"run": "baseline"})).json()
+        assert (
+            calls_bars
+            == len(stats["calls_per_rollout_histogram"]["counts"])
+            == stats["calls_per_rollout"]["max"] + 1
+        )
+        assert await page.locator("svg[data-chart=tool-latency] rect.bar").count() == 3 * len(stats["tools"])
+        assert await page.locator("svg[data-chart=item-variance] rect.bar").count() == 6
+        assert await page.locator("svg[data-chart=item-variance] rect.always-zero").count() == 2
+        assert await page.locator("svg[data-chart=item-variance] rect.always-one").count() == 2
+        assert await page.locator("svg[data-chart=item-variance] line.whisker").count() == 2
+        box = await page.locator("svg[data-chart=reward]").bounding_box()
+        assert box is not None and box["width"] > 300 and box["height"] > 100  # rendered, not collapsed
+        await page.screenshot(path=str(shots / "run.png"), full_page=True)
+
+        # Flags page: counts per flag for the live run, and the flagged rollouts.
+        await page.goto(f"{base}/review/flags?run={data['run']}")
+        assert await page.locator("tr.flag-count").count() == 2
+        async with page.expect_navigation():
+            await page.click("tr.flag-count[data-flag=tool_errors] a")
+        assert await page.locator("tr.rollout-row").count() == 1
+        await page.screenshot(path=str(shots / "flags.png"), full_page=True)
+
+        # Log out: back to the login form, and the pages are closed again.
+        await page.click("form.logout button")
+        await page.wait_for_url(f"{base}/review/login")
+        await page.goto(f"{base}/review/runs")
+        assert "/review/login" in page.url
+        # No CSP violation, no failed asset: the only error is the refused login's own 401.
+        assert [e for e in errors if "status of 401" not in e] == []
+        assert len(errors) == 1
+        await browser.close()
+
+    for name in ("login-refused", "rollouts-filtered", "rollout", "run", "flags"):
+        shot = shots / f"{name}.png"
+        assert shot.stat().st_size > 5_000, name

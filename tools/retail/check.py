@@ -1,0 +1,120 @@
+"""The `retail` grader: the rollout's final database against the gold one, and what the customer was told."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from functools import lru_cache
+from typing import Any
+
+from pydantic import ValidationError
+
+from app.sdk import CheckResult, RolloutState, RolloutView
+from app.sdk.state import Changes
+from tools.retail.records import COLLECTIONS, canonical_record
+from tools.retail.tasks import ToolCall, calls_from_actions, get_task, replay
+from tools.retail.tools import pack
+
+NO_TOOL_CALLS = "no_tool_calls"
+
+
+class RetailItemError(ValueError):
+    """The row sent to the grader does not say which task it is: a configuration problem, not a score."""
+
+
+def communicated(info: str, answer: str) -> bool:
+    """τ²-bench's test: `info` appears in the answer, ignoring case and commas ('1,093.34' has '1093.34')."""
+    return info.lower() in answer.lower().replace(",", "")
+
+
+@lru_cache(maxsize=512)
+def _gold_changes(calls_json: str) -> Changes:
+    # Keyed by the calls themselves, so a task's gold database is computed once per process whether
+    # the row carries its actions or only its task id. Cached values are shared: read them only.
+    calls: list[ToolCall] = [(name, arguments) for name, arguments in json.loads(calls_json)]
+    return replay(calls).changes
+
+
+def gold_changes(calls: Sequence[ToolCall]) -> Changes:
+    """The records a correct agent changes: the gold calls applied to a fresh copy of the store."""
+    return _gold_changes(json.dumps([[name, arguments] for name, arguments in calls], sort_keys=True))
+
+
+def database_differences(actual: RolloutState, expected: RolloutState) -> list[str]:
+    """`collection/key` of every record that differs, compared as τ²-bench compares databases.
+
+    The reference hashes `json.dumps(db.model_dump(), sort_keys=True, default=str)`; comparing that text
+    record by record is the same test, and records both sides still share with the base (the same
+    object) need no comparison at all.
+    """
+    differences = []
+    for collection in COLLECTIONS:
+        mine = dict(actual.items(collection))
+        gold = dict(expected.items(collection))
+        for key in sorted(mine.keys() | gold.keys()):
+            record, reference = mine.get(key), gold.get(key)
+            if record is reference:
+                continue
+            if (
+                record is None
+                or reference is None
+                or _text(collection, record) != _text(collection, reference)
+            ):
+                differences.append(f"{collection}/{key}")
+    return differences
+
+
+def _text(collection: str, record: Mapping[str, Any]) -> str:
+    return json.dumps(canonical_record(collection, record), sort_keys=True, default=str)
+
+
+def expectations(item: Mapping[str, Any]) -> tuple[list[ToolCall], list[str]]:
+    """The gold calls and the facts to communicate for a dataset row: its own fields, else its task's."""
+    task_id = item.get("task_id")
+    task = None
+    if isinstance(task_id, (str, int)) and not isinstance(task_id, bool):
+        try:
+            task = get_task(str(task_id))
+        except KeyError:
+            task = None
+    actions = item.get("actions")
+    if isinstance(actions, list):
+        try:
+            calls = calls_from_actions(actions)
+        except ValidationError as exc:
+            raise RetailItemError(
+                f"item.actions is not a list of {{name, arguments}} objects: {exc}"
+            ) from exc
+    elif task is not None:
+        calls = [(a.name, dict(a.arguments)) for a in task.evaluation_criteria.actions]
+    else:
+        raise RetailItemError(
+            "the retail grader needs the dataset row's `actions` or a known `task_id`; "
+            f"the item it received has neither (task_id={task_id!r})"
+        )
+    info = item.get("communicate_info")
+    if isinstance(info, list) and all(isinstance(entry, str) for entry in info):
+        communicate = list(info)
+    elif task is not None:
+        communicate = list(task.evaluation_criteria.communicate_info)
+    else:
+        communicate = []
+    return calls, communicate
+
+
+@pack.state_check("retail")
+def check_rollout(view: RolloutView) -> CheckResult:
+    """db: the final database equals the gold one; communicate: every required fact is in the final answer."""
+    calls, communicate_info = expectations(view.item)
+    gold = RolloutState(pack.base(), gold_changes(calls), writable=False)
+    db = 0.0 if database_differences(view.state, gold) else 1.0
+    communicate = 1.0 if all(communicated(info, view.final_answer) for info in communicate_info) else 0.0
+    sub_scores = {"db": db, "communicate": communicate}
+    if not view.calls:
+        # Even when nothing had to change, an agent that never looked the customer up did not do the job.
+        return CheckResult(
+            score=0.0,
+            sub_scores=sub_scores,
+            flags=[(NO_TOOL_CALLS, "the rollout made no tool call: the customer was never authenticated")],
+        )
+    return CheckResult(score=db * communicate, sub_scores=sub_scores)

@@ -27,7 +27,7 @@ async def echo(text: Annotated[str, Field(description="Text to send back unchang
     return text
 
 
-@pack.tool(mutates=True)  # type: ignore[untyped-decorator]
+@pack.tool(mutates=True)
 async def bump(
     ctx: ToolContext, text: Annotated[str, Field(description="Text remembered as the last one seen.")]
 ) -> dict[str, object]:

@@ -83,7 +83,8 @@ def test_canonical_number(token: str, expected: str | None) -> None:
         ("Order W2378156 is cancelled.", 10, [], []),
         ("it's fine, don't worry", 10, [], []),  # apostrophes are not quotes
         ("He said 'ok go', `ls -la` and “fancy one”", 10, [], ["ok go", "ls -la", "fancy one"]),
-        ('"A" is too short but "AB" is not', 10, [], ["AB"]),
+        ('Grade "A" only', 10, [], []),  # a one-character quote is not a claim
+        ('She said "no" and "AB"', 10, [], ["no", "AB"]),
         ('"Blue Widget" and "Blue Widget"', 10, [], ["Blue Widget"]),
     ],
 )
@@ -110,7 +111,8 @@ def test_claims(answer: str, below: float, numbers: list[str], quoted: list[str]
         ('Your "Alpine Parka" is on its way.', [ORDER], 1, ["Alpine Parka"]),
         ('Ship to "Zürich"', ['{"city": "Z\\u00fcrich"}'], 1, []),  # JSON \u escapes are undone
         ('The name is "Café Olé".', ['{"name": "Caf\\u00e9 Ol\\u00e9"}'], 1, []),
-        ('The title is "The "Best" Shop"', ['{"title": "The \\"Best\\" Shop"}'], 2, ["Shop"]),
+        ('The title is “The "Best" Shop”', ['{"title": "The \\"Best\\" Shop"}'], 1, []),  # \" escapes
+        ('The title is “The "Worst" Shop”', ['{"title": "The \\"Best\\" Shop"}'], 1, ['The "Worst" Shop']),
         ('It says "line one line two"', ['{"note": "line one\\nline two"}'], 1, []),  # \n escape
         ('Ship to "Zürich"', ["city: Zurich"], 1, ["Zürich"]),  # accents are not dropped
         ("Paid 54.20 for order 9917.", ['{"paid": "54.2", "order": 9917}'], 2, []),
@@ -131,7 +133,11 @@ def test_ungrounded(answer: str, sources: list[str], total: int, missing: list[s
             {"messages": [{"role": "user", "content": [{"type": "text", "text": 'Order "W777" for 54.20'}]}]},
             [],
         ),
-        ({"messages": [{"role": "user", "content": "Cancel W777, I paid 54.20."}]}, ["W777"]),
+        (
+            {"messages": [{"role": "user", "content": "Cancel W777, I paid 54.20."}]},
+            [],
+        ),  # quotes need no quotes
+        ({"messages": [{"role": "user", "content": "Cancel W778, I paid 54.20."}]}, ["W777"]),
         ({"messages": [{"role": "user", "content": "Cancel my order."}]}, ["54.2", "W777"]),
         ({}, ["54.2", "W777"]),
     ],

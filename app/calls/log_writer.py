@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -59,10 +59,35 @@ class CallLogWriter:
         self._batch_size = batch_size
         self._retry_after = retry_after
         self._task: asyncio.Task[None] | None = None
-        self._insert: Any = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
-        self._greatest = func.greatest if engine.dialect.name == "postgresql" else func.max
-        self._least = func.least if engine.dialect.name == "postgresql" else func.min
         self.last_batch_size = 0
+        # Built once: the same statements each batch, so SQLAlchemy compiles them once.
+        insert: Any = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
+        greatest = func.greatest if engine.dialect.name == "postgresql" else func.max
+        least = func.least if engine.dialect.name == "postgresql" else func.min
+        rollouts = Rollout.__table__
+        upsert = insert(rollouts)
+        self._rollout_upsert = upsert.on_conflict_do_update(
+            index_elements=[rollouts.c.trace_id],
+            set_={
+                "first_seen": least(rollouts.c.first_seen, upsert.excluded.first_seen),
+                "last_seen": greatest(rollouts.c.last_seen, upsert.excluded.last_seen),
+                "run": func.coalesce(rollouts.c.run, upsert.excluded.run),
+                "item_key": func.coalesce(rollouts.c.item_key, upsert.excluded.item_key),
+            },
+        )
+        # A call answered before (a retry replayed from the ledger) is already logged: skip it.
+        self._calls_insert = insert(ToolCall.__table__).on_conflict_do_nothing()
+        calls = ToolCall.__table__
+        self._recount = (
+            update(Rollout)
+            .where(Rollout.trace_id.in_(bindparam("traces", expanding=True)))
+            .values(
+                calls=select(func.count())
+                .select_from(calls)
+                .where(calls.c.trace_id == Rollout.trace_id)
+                .scalar_subquery()
+            )
+        )
 
     @property
     def queue_depth(self) -> int:
@@ -148,41 +173,17 @@ class CallLogWriter:
                 row["run"] = row["run"] or record.run
                 row["item_key"] = row["item_key"] or record.item_key
         # Rows in a fixed order, so two workers upserting the same rollouts cannot deadlock.
-        rollout_insert = self._insert(Rollout).values([rollouts[key] for key in sorted(rollouts)])
-        excluded = rollout_insert.excluded
-        table = Rollout.__table__
-        rollout_upsert = rollout_insert.on_conflict_do_update(
-            index_elements=[table.c.trace_id],
-            set_={
-                "first_seen": self._least(table.c.first_seen, excluded.first_seen),
-                "last_seen": self._greatest(table.c.last_seen, excluded.last_seen),
-                "run": func.coalesce(table.c.run, excluded.run),
-                "item_key": func.coalesce(table.c.item_key, excluded.item_key),
-            },
-        )
-        # A call answered before (a retry replayed from the ledger) is already logged: skip it.
-        calls_insert = self._insert(ToolCall).on_conflict_do_nothing()
         rows = [
             {**asdict(record), "output_bytes": len(record.output.encode()) if record.output else 0}
             for record in records
         ]
-        calls = ToolCall.__table__
-        recount = (
-            update(Rollout)
-            .where(table.c.trace_id.in_(sorted(rollouts)))
-            .values(
-                calls=select(func.count())
-                .select_from(calls)
-                .where(calls.c.trace_id == table.c.trace_id)
-                .scalar_subquery()
-            )
-        )
+        traces = sorted(rollouts)
         async with self._engine.begin() as conn:
             # The upsert locks each rollout row first, so concurrent batches of one rollout take turns
             # and each recount sees the calls the other committed.
-            await conn.execute(rollout_upsert)
-            await conn.execute(calls_insert, rows)
-            await conn.execute(recount)
+            await conn.execute(self._rollout_upsert, [rollouts[key] for key in traces])
+            await conn.execute(self._calls_insert, rows)
+            await conn.execute(self._recount, {"traces": traces})
 
     async def aclose(self) -> None:
         # Drain what is queued before stopping, so nothing answered is lost at shutdown.

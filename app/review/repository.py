@@ -31,7 +31,6 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import aliased
-from sqlalchemy.sql import Select
 
 from app.db.models import Grade, Rollout, ToolCall
 
@@ -172,15 +171,8 @@ class ReviewRepository:
         self, filters: RolloutFilter, *, limit: int, before: tuple[datetime, str] | None = None
     ) -> list[RolloutRow]:
         """Newest first, keyset-paginated on (last_seen, trace_id): deep pages cost what the first does."""
-        calls = (
-            select(func.count())
-            .select_from(ToolCall)
-            .where(ToolCall.trace_id == Rollout.trace_id)
-            .correlate(Rollout)
-            .scalar_subquery()
-        )
-        query: Select[Any] = (
-            select(Rollout, calls, Grade)
+        query = (
+            select(Rollout, Grade)
             .outerjoin(Grade, Grade.id == self._latest_grade_id(filters.grader))
             .order_by(Rollout.last_seen.desc(), Rollout.trace_id.desc())
             .limit(limit)
@@ -189,7 +181,8 @@ class ReviewRepository:
         if before is not None:
             query = query.where(tuple_(Rollout.last_seen, Rollout.trace_id) < tuple_(*before))
         result = await self.session.execute(query)
-        return [RolloutRow(rollout=r[0], calls=int(r[1]), grade=r[2]) for r in result.all()]
+        # rollouts.calls is recounted by the log writer in the transaction that logs the calls.
+        return [RolloutRow(rollout=r[0], calls=r[0].calls, grade=r[1]) for r in result.all()]
 
     def _latest_grade_id(self, grader: str | None) -> Any:
         latest = aliased(Grade)

@@ -21,7 +21,6 @@ from app.review.flags import answer_hash, compute_flags
 from app.review.service import LoggedCall
 
 DEFAULT_TOOLS = ("search", "get_order", "get_user", "update_order", "calculate")
-# Denormalized columns the model may have (see app/review/README.md): filled when present.
 
 
 @dataclass(frozen=True)
@@ -150,6 +149,7 @@ def generate(spec: SeedSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
                     "tool": tool,
                     "arguments": arguments,
                     "output": output,
+                    "output_bytes": len(output.encode()) if output is not None else 0,
                     "outcome": outcome,
                     "error": error,
                     "status_code": status,
@@ -161,7 +161,6 @@ def generate(spec: SeedSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
                     "item_key": item_key,
                 }
             )
-            calls[-1]["output_bytes"] = len(output.encode()) if output is not None else 0
             logged.append(LoggedCall(seq=seq, tool=tool, arguments=arguments, output=output, outcome=outcome))
         last_seen = max(batch_end, start)
         rollouts.append(
@@ -172,9 +171,9 @@ def generate(spec: SeedSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
                 "first_seen": start,
                 "last_seen": last_seen,
                 "graded_at": last_seen + timedelta(seconds=1),
+                "calls": len(logged),
             }
         )
-        rollouts[-1]["calls"] = len(logged)
         score = item_score(item_index, repetition)
         answer = f"The answer for item {item_index} is {item_index}-{repetition % 3}."
         flags = compute_flags(logged, answer=answer, score=score, status="ok")

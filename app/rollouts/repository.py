@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
-from sqlalchemy import func, select, update
+from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.db.models import Rollout, ToolCall
@@ -25,17 +25,12 @@ class RolloutRepository:
         return result.all()
 
     async def recent(self, *, limit: int, run: str | None) -> Sequence[tuple[Rollout, int]]:
-        counts = select(ToolCall.trace_id, func.count().label("calls")).group_by(ToolCall.trace_id).subquery()
-        query = (
-            select(Rollout, func.coalesce(counts.c.calls, 0))
-            .outerjoin(counts, counts.c.trace_id == Rollout.trace_id)
-            .order_by(Rollout.last_seen.desc())
-            .limit(limit)
-        )
+        query = select(Rollout).order_by(Rollout.last_seen.desc()).limit(limit)
         if run is not None:
             query = query.where(Rollout.run == run)
-        result = await self.session.execute(query)
-        return [(row[0], int(row[1])) for row in result.all()]
+        result = await self.session.scalars(query)
+        # rollouts.calls is recounted by the log writer in the transaction that logs the calls.
+        return [(rollout, rollout.calls) for rollout in result.all()]
 
     async def mark_graded(self, trace_id: str) -> None:
         await self.session.execute(

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime
 
 import httpx
 from sqlalchemy import func, select
 
-from app.db.models import Rollout, ToolCall
+from app.calls.log_writer import CallLogWriter, CallRecord
+from app.db.models import ANSWERED_OUTCOMES, Rollout, ToolCall
 from tests.conftest import call_body, new_trace
 
 
@@ -76,3 +78,102 @@ async def test_the_rollout_counts_its_logged_calls_and_each_output_size(client: 
         sizes = (await session.scalars(select(ToolCall.output_bytes).where(ToolCall.trace_id == trace))).all()
     assert rollout is not None and rollout.calls == 6
     assert sorted(sizes) == sorted(len(o.encode()) for o in outputs)
+
+
+def _record(trace: str, call_id: str | None, outcome: str = "ok", output: str | None = "out") -> CallRecord:
+    now = datetime.now(UTC)
+    return CallRecord(
+        trace_id=trace,
+        call_id=call_id,
+        request_id=None,
+        tool="echo",
+        arguments="{}",
+        output=output,
+        outcome=outcome,
+        error=None if outcome in ANSWERED_OUTCOMES else "failed",
+        status_code={"ok": 200, "model_error": 200, "tool_crash": 500}.get(outcome, 503),
+        started_at=now,
+        ended_at=now,
+        latency_ms=1.0,
+        worker="test",
+        run="writer-test",
+        item_key=None,
+    )
+
+
+async def _counts(client: httpx.AsyncClient, traces: list[str]) -> dict[str, tuple[int, int]]:
+    """trace_id -> (rollouts.calls, rows in tool_calls)."""
+    async with client.app.state.sessionmaker() as session:  # type: ignore[attr-defined]
+        stored = dict(
+            (
+                await session.execute(
+                    select(Rollout.trace_id, Rollout.calls).where(Rollout.trace_id.in_(traces))
+                )
+            ).all()
+        )
+        logged = dict(
+            (
+                await session.execute(
+                    select(ToolCall.trace_id, func.count())
+                    .where(ToolCall.trace_id.in_(traces))
+                    .group_by(ToolCall.trace_id)
+                )
+            ).all()
+        )
+    return {trace: (int(stored[trace]), int(logged.get(trace, 0))) for trace in stored}
+
+
+async def test_call_counts_skip_duplicates_within_and_across_batches(client: httpx.AsyncClient) -> None:
+    writer: CallLogWriter = client.app.state.log_writer  # type: ignore[attr-defined]
+    a, b = new_trace(), new_trace()
+    # One batch: an answered call twice (logged once), failed calls twice (each attempt is logged),
+    # calls without a call_id (never deduplicated), and the same call_id on another rollout.
+    await writer._commit(
+        [
+            _record(a, "c1"),
+            _record(a, "c1"),
+            _record(a, "c2", "model_error", "Error: no such order"),
+            _record(a, "c3", "infra_error", None),
+            _record(a, "c3", "infra_error", None),
+            _record(a, "c4", output="héllo"),
+            _record(a, None),
+            _record(a, None),
+            _record(b, "c1", output=""),
+        ]
+    )
+    assert await _counts(client, [a, b]) == {a: (7, 7), b: (1, 1)}
+    # Later batches: a retried answered call (skipped), a crash then its successful retry (both logged).
+    await writer._commit([_record(a, "c1"), _record(a, "c2", "model_error"), _record(a, "c5")])
+    await writer._commit([_record(a, "c6", "tool_crash", None)])
+    await writer._commit([_record(a, "c6"), _record(b, "c1")])
+    assert await _counts(client, [a, b]) == {a: (10, 10), b: (1, 1)}
+    # Through the queue as the service writes them.
+    await asyncio.gather(writer.write(_record(b, "c1")), writer.write(_record(b, "c2")))
+    assert await _counts(client, [a, b]) == {a: (10, 10), b: (2, 2)}
+
+    async with client.app.state.sessionmaker() as session:  # type: ignore[attr-defined]
+        sizes = (
+            await session.execute(
+                select(ToolCall.call_id, ToolCall.output, ToolCall.output_bytes).where(ToolCall.trace_id == a)
+            )
+        ).all()
+    assert {(call_id, size) for call_id, _, size in sizes} >= {("c4", 6), ("c3", 0), ("c1", 3)}
+    assert all(size == len((output or "").encode()) for _, output, size in sizes)
+
+
+async def test_concurrent_writers_count_every_call_of_a_rollout(client: httpx.AsyncClient) -> None:
+    """Two workers logging calls of the same rollouts at once: each recount sees the other's commit."""
+    app = client.app  # type: ignore[attr-defined]
+    mine: CallLogWriter = app.state.log_writer
+    other = CallLogWriter(
+        app.state.engine, queue_size=10, batch_size=10, retry_after=1, metrics=app.state.metrics
+    )
+    traces = [new_trace() for _ in range(3)]
+    batches = [
+        [_record(t, f"w{w}-b{i}-{t[-4:]}") for t in traces] + [_record(traces[0], "shared")]
+        for w in range(2)
+        for i in range(5)
+    ]
+    await asyncio.gather(*((mine if n % 2 else other)._commit(batch) for n, batch in enumerate(batches)))
+    counts = await _counts(client, traces)
+    assert counts == {traces[0]: (11, 11), traces[1]: (10, 10), traces[2]: (10, 10)}

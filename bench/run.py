@@ -232,6 +232,59 @@ def flush_redis(url: str) -> None:
         client.close()
 
 
+# Redis databases a run may take when it was given the default URL (db 9 is the test suite's). Each run
+# takes one that no live run owns, so that two runs at once (several people share this machine, and
+# tests/bench runs the drivers too) never flush each other's claims and locks mid-run.
+REDIS_BENCH_DBS = (13, 12, 11, 10, 15)
+REDIS_OWNER_KEY = "sparring-bench:owner"
+REDIS_OWNER_TTL = 6 * 3600
+
+
+def _owner_alive(owner: bytes | str | None) -> bool:
+    if owner is None:
+        return False
+    text = owner.decode(errors="replace") if isinstance(owner, bytes) else owner
+    host, _, pid = text.rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit():
+        return True  # another machine's run: cannot check, assume it is alive until its key expires
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def take_redis_db(url: str) -> str:
+    """A Redis database for this run, marked as ours, flushed: `url`'s own database if no live run owns
+    it, else (for the default URL only) the first free one of REDIS_BENCH_DBS."""
+    from redis import Redis
+
+    base, _, db = url.rpartition("/")
+    candidates = [url]
+    if url == DEFAULT_REDIS:
+        candidates += [f"{base}/{n}" for n in REDIS_BENCH_DBS if str(n) != db]
+    me = f"{socket.gethostname()}:{os.getpid()}"
+    for candidate in candidates:
+        client = Redis.from_url(candidate)
+        try:
+            taken = client.set(REDIS_OWNER_KEY, me, nx=True, ex=REDIS_OWNER_TTL)
+            if not taken and not _owner_alive(client.get(REDIS_OWNER_KEY)):
+                client.set(REDIS_OWNER_KEY, me, ex=REDIS_OWNER_TTL)  # its run died without cleaning up
+                taken = True
+            if taken:
+                client.flushdb()
+                client.set(REDIS_OWNER_KEY, me, ex=REDIS_OWNER_TTL)
+                return candidate
+        finally:
+            client.close()
+    raise RuntimeError(
+        f"every bench Redis database is in use by another run ({', '.join(candidates)}); "
+        f"wait for it, or pass --redis-url with a free database"
+    )
+
+
 @dataclass
 class Environment:
     """Everything the run created: removed again by `teardown`."""
@@ -255,7 +308,7 @@ class Environment:
         drop = f'DROP DATABASE IF EXISTS "{self.pg_database}" WITH (FORCE)'
         asyncio.run(_pg_admin(self.pg_admin_url, [drop, f'CREATE DATABASE "{self.pg_database}"']))
         upgrade(self.database_url)
-        flush_redis(self.redis_url)
+        self.redis_url = take_redis_db(self.redis_url)
 
     def create_sqlite(self) -> None:
         from app.db.migrate import upgrade

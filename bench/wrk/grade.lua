@@ -1,10 +1,12 @@
 -- POST a grade request to /grade/<grader> for one of <rollouts> seeded rollouts.
---   wrk -s bench/wrk/grade.lua URL -- <nonce> <grader> <rollouts> <api key>
--- The trace ids are the ones bench/grading.py seeded with tool calls (trace_<nonce>_<i>).
+--   wrk -s bench/wrk/grade.lua URL -- <nonce> <grader> <rollouts> <api key> [<run tag>]
+-- The trace ids are the ones bench/grading.py seeded with tool calls (trace_<nonce>_<i>). Every
+-- request's answer is new (run tag and counter in it; the reference is the same text, so string checks
+-- pass): as in training, where answers repeat rarely, the stored grades do not pile up on one answer.
 -- done() prints one line "BENCH_JSON {...}" that bench/grading.py reads.
 
 local counter = 0
-local nonce, rollouts, path
+local nonce, rollouts, path, tag
 
 function init(args)
   nonce = args[1] or "n"
@@ -15,16 +17,18 @@ function init(args)
     wrk.headers["Authorization"] = "Bearer " .. args[4]
   end
   path = "/grade/" .. (args[2] or "exact")
+  tag = args[5] or "r"
 end
 
 function request()
   counter = counter + 1
   local rollout = counter % rollouts
+  local answer = string.format("The total is 1,234.50 for order #W%d (ref %s-%d)", rollout, tag, counter)
   local body = string.format(
-    '{"sample":{"output_text":"The total is 1,234.50 for order #W%d","choices":[]},' ..
-      '"item":{"id":"row_%d","reference_answer":"The total is 1,234.50 for order #W%d"},' ..
+    '{"sample":{"output_text":"%s","choices":[]},' ..
+      '"item":{"id":"row_%d","reference_answer":"%s"},' ..
       '"trace_id":"trace_%s_%d"}',
-    rollout, rollout, rollout, nonce, rollout
+    answer, rollout, answer, nonce, rollout
   )
   return wrk.format(nil, path, nil, body)
 end

@@ -1,0 +1,72 @@
+"""The benchmark drivers still run end to end: bench.run and bench.grading in a tiny smoke mode.
+
+Each starts its servers as subprocesses and runs wrk for one second per run; skipped without wrk. The
+grading smoke takes a Redis database no live benchmark owns (bench.run.take_redis_db), so it never
+flushes a real run's keys.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from bench import grading, run
+
+pytestmark = pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk is not installed")
+
+
+def test_tool_route_bench_runs(tmp_path: Path) -> None:
+    code = run.main(
+        [
+            "--scenarios",
+            "echo,trivial-embedded",
+            "--rounds",
+            "1",
+            "--duration",
+            "1",
+            "--warmup",
+            "0",
+            "--pause",
+            "0",
+            "--rate",
+            "0",
+            "--results-dir",
+            str(tmp_path),
+        ]
+    )
+    assert code == 0
+    (out,) = tmp_path.glob("bench-*.json")
+    result = json.loads(out.read_text())
+    rows = {row["scenario"]: row for row in result["summary"]}
+    assert rows["echo"]["answered_2xx"] > 0
+    assert rows["trivial-embedded"]["answered_2xx"] > 0
+    assert rows["trivial-embedded"]["non_2xx_or_errors"] == 0
+    assert all(line.endswith(": ok") for line in result["log_checks"])
+
+
+def test_grading_bench_runs(tmp_path: Path) -> None:
+    code = grading.main(
+        [
+            "--rounds",
+            "1",
+            "--duration",
+            "1",
+            "--rollouts",
+            "2",
+            "--calls",
+            "5",
+            "--graders",
+            "string,trace_multi",
+            "--results-dir",
+            str(tmp_path),
+        ]
+    )
+    assert code == 0
+    (out,) = tmp_path.glob("grading-*.json")
+    rows = {row["grader"]: row for row in json.loads(out.read_text())["summary"]}
+    assert rows["string"]["score"] == 1.0
+    assert 0.0 < rows["trace_multi"]["score"] < 1.0
+    assert all(row["grades_per_s"] > 0 and row["non_2xx_or_errors"] == 0 for row in rows.values())

@@ -21,16 +21,13 @@ import secrets
 import subprocess
 import sys
 import tempfile
-import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from bench.cpu import snapshot, usage
 from bench.run import (
-    _BENCH_LINE,
     BENCH_DIR,
     DEFAULT_PG_ADMIN,
     DEFAULT_REDIS,
@@ -39,11 +36,11 @@ from bench.run import (
     WrkResult,
     call_body,
     clean_env,
-    cpu_seconds,
     finite,
     machine_info,
     median,
     run_wrk,
+    wrk_script,
 )
 
 GRADE_SCRIPT = BENCH_DIR / "wrk" / "grade.lua"
@@ -97,45 +94,14 @@ def grade_wrk(
     pg_database: str | None = None,
     tag: str = "r",
 ) -> WrkResult:
-    argv = [
+    return wrk_script(
         wrk,
-        f"-t{args.threads}",
-        f"-c{args.connections}",
-        f"-d{args.duration}s",
-        "--timeout",
-        "10s",
-        "-s",
-        str(GRADE_SCRIPT),
+        GRADE_SCRIPT,
         url,
-        "--",
-        nonce,
-        grader,
-        str(args.rollouts),
-        key,
-        tag,
-    ]
-    before, started = snapshot(pid, pg_database), time.perf_counter()
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=args.duration + 60, check=False)
-    after, wall = snapshot(pid, pg_database), time.perf_counter() - started
-    match = _BENCH_LINE.search(done.stdout)
-    if done.returncode != 0 or match is None:
-        raise RuntimeError(f"wrk failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
-    data = json.loads(match.group(1))
-    duration = data["duration_us"] / 1e6
-    ok = data["requests"] - data["errors"]["status"]
-    lat = data["latency_us"]
-    return WrkResult(
-        requests=data["requests"],
-        ok=ok,
-        duration_s=duration,
-        rps=ok / duration if duration else 0.0,
-        errors=data["errors"],
-        p50_ms=lat["p50"] / 1000,
-        p90_ms=lat["p90"] / 1000,
-        p99_ms=lat["p99"] / 1000,
-        max_ms=lat["max"] / 1000,
-        cpu=usage(before, after, wall),
-        server_cpu_ms_per_call=cpu_seconds(before, after, pid) * 1000 / max(ok, 1),
+        [nonce, grader, str(args.rollouts), key, tag],
+        args,
+        server_pid=pid,
+        pg_database=pg_database,
     )
 
 

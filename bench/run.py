@@ -434,6 +434,28 @@ def run_wrk(
     server_pid: int | None = None,
     pg_database: str | None = None,
 ) -> WrkResult:
+    return wrk_script(
+        wrk,
+        LUA_SCRIPT,
+        url,
+        [nonce, tool, str(rollouts), key],
+        args,
+        server_pid=server_pid,
+        pg_database=pg_database,
+    )
+
+
+def wrk_script(
+    wrk: str,
+    script: Path,
+    url: str,
+    script_args: list[str],
+    args: argparse.Namespace,
+    *,
+    server_pid: int | None = None,
+    pg_database: str | None = None,
+) -> WrkResult:
+    """One closed-loop wrk run of a Lua script that ends with a BENCH_JSON line; CPU use around it."""
     argv = [
         wrk,
         f"-t{args.threads}",
@@ -442,13 +464,10 @@ def run_wrk(
         "--timeout",
         "10s",
         "-s",
-        str(LUA_SCRIPT),
+        str(script),
         url,
         "--",
-        nonce,
-        tool,
-        str(rollouts),
-        key,
+        *script_args,
     ]
     before, started = snapshot(server_pid, pg_database), time.perf_counter()
     done = subprocess.run(argv, capture_output=True, text=True, timeout=args.duration + 60, check=False)

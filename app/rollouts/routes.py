@@ -79,7 +79,13 @@ async def get_rollout(trace_id: str, _: AdminKey, sessions: SessionMakerDep) -> 
 
 @router.get("/{trace_id}/state")
 async def get_rollout_state(
-    trace_id: str, _: AdminKey, store: StoreDep, registry: RegistryDep
+    trace_id: str,
+    _: AdminKey,
+    store: StoreDep,
+    registry: RegistryDep,
+    changed_only: Annotated[
+        bool, Query(description="Only the records this rollout changed, not the whole materialized state.")
+    ] = False,
 ) -> dict[str, Any]:
     """The rollout's current state per pack, materialized (base plus this rollout's changes)."""
     changes = await store.changes(trace_id)
@@ -88,6 +94,7 @@ async def get_rollout_state(
         pack_changes = changes.get(name, {})
         if not pack_changes:
             continue
-        view = RolloutState(pack.base(), pack_changes, writable=False)
-        state[name] = {"changed": pack_changes, "state": view.snapshot()}
+        state[name] = {"changed": pack_changes}
+        if not changed_only:
+            state[name]["state"] = RolloutState(pack.base(), pack_changes, writable=False).snapshot()
     return {"trace_id": trace_id, "packs": state}

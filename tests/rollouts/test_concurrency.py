@@ -257,6 +257,8 @@ async def test_tool_error_after_a_write_leaves_state_unchanged(app_factory: AppF
         assert await read_counter(client, trace) == 105
         state = (await client.get(f"/rollouts/{trace}/state", headers=ADMIN)).json()
         assert state["packs"]["counter"]["state"]["counters"]["main"] == {"value": 105}
+        changed = (await client.get(f"/rollouts/{trace}/state?changed_only=true", headers=ADMIN)).json()
+        assert changed["packs"]["counter"] == {"changed": {"counters": {"main": {"value": 105}}}}
         # The refusal is remembered like any answer: a retry replays it without running the tool.
         again = await client.post(
             "/tools/increment_then_fail", json=call_body("{}", trace_id=trace, call_id="c2")

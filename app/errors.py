@@ -92,4 +92,4 @@ async def handle_outage(request: Request, exc: Exception) -> Response:
     settings = getattr(request.app.state, "settings", None)
     retry_after = int(getattr(settings, "retry_after_seconds", 2))
     error = ServiceUnavailable(f"a dependency is unreachable: {type(exc).__name__}", retry_after=retry_after)
-    return json_response(error.body(), status_code=error.status_code, headers=error.headers())
+    return await handle_sparring_error(request, error)

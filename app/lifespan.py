@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.auth import build_keyring, ensure_local_admin_key
 from app.calls.log_writer import CallLogWriter
@@ -88,6 +89,27 @@ def build_grader_set(settings: Settings, context: GraderContext) -> dict[str, Gr
         return build_graders(configs, source=source, context=context)
     except GraderConfigError as exc:
         raise StartupError(f"invalid grader config: {exc}") from None
+
+
+def build_grading(
+    settings: Settings,
+    registry: Registry,
+    context: GraderContext,
+    *,
+    store: RolloutStore,
+    sessionmaker: async_sessionmaker[AsyncSession],
+    metrics: Metrics,
+) -> GradingService:
+    """The grading service the server (and `sparring grade`/`regrade`) uses; StartupError on a bad config."""
+    graders = build_grader_set(settings, context)
+    return GradingService(
+        graders=graders,
+        default=default_grader(settings, graders, registry.state_checks),
+        store=store,
+        sessionmaker=sessionmaker,
+        metrics=metrics,
+        retry_after=settings.retry_after_seconds,
+    )
 
 
 def default_grader(
@@ -175,16 +197,14 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.store = store
         app.state.log_writer = writer
         grader_context = GraderContext.from_settings(settings, state_checks=registry.state_checks)
-        app.state.grader_context = grader_context
-        app.state.grading = GradingService(
-            graders=build_grader_set(settings, grader_context),
-            default=None,
+        app.state.grading = build_grading(
+            settings,
+            registry,
+            grader_context,
             store=store,
             sessionmaker=app.state.sessionmaker,
             metrics=metrics,
-            retry_after=settings.retry_after_seconds,
         )
-        app.state.grading.default = default_grader(settings, app.state.grading.graders, registry.state_checks)
         app.state.call_service = ToolCallService(
             registry=registry,
             store=store,

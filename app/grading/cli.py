@@ -38,8 +38,7 @@ async def grading_service(settings: Settings) -> AsyncIterator[Any]:
     """The server's grading service, built as the server builds it, for one command."""
     from app.db.session import build_engine, build_sessionmaker
     from app.grading.registry import GraderContext
-    from app.grading.service import GradingService
-    from app.lifespan import StartupError, build_grader_set, build_store, default_grader
+    from app.lifespan import StartupError, build_grading, build_store
     from app.metrics import Metrics
     from app.packs import PackLoadError, Registry
 
@@ -51,14 +50,13 @@ async def grading_service(settings: Settings) -> AsyncIterator[Any]:
     engine = build_engine(settings.effective_database_url, pool_size=2)
     store = build_store(settings)
     try:
-        graders = build_grader_set(settings, context)
-        yield GradingService(
-            graders=graders,
-            default=default_grader(settings, graders, registry.state_checks),
+        yield build_grading(
+            settings,
+            registry,
+            context,
             store=store,
             sessionmaker=build_sessionmaker(engine),
             metrics=Metrics(None),
-            retry_after=settings.retry_after_seconds,
         )
     except StartupError as exc:
         raise fail(str(exc)) from exc

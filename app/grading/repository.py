@@ -1,16 +1,13 @@
-"""Every query grading needs: stored grades, and the rollout row a grade belongs to."""
+"""Every query grading needs on stored grades."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import datetime
-from typing import Any
 
-from sqlalchemy import func, select, update
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from app.db.models import Grade, Rollout
+from app.db.models import Grade
 
 
 class GradeRepository:
@@ -44,28 +41,3 @@ class GradeRepository:
             query = query.limit(limit)
         result = await self.session.scalars(query)
         return result.all()
-
-    async def touch_rollout(
-        self, trace_id: str, *, run: str | None, item_key: str | None, graded_at: datetime, exists: bool
-    ) -> None:
-        """Mark the rollout graded; a graded trace that never called a tool gets its row here."""
-        if exists:
-            await self.session.execute(
-                update(Rollout).where(Rollout.trace_id == trace_id).values(graded_at=graded_at)
-            )
-            return
-        dialect = self.session.get_bind().dialect.name
-        insert: Any = postgresql.insert if dialect == "postgresql" else sqlite.insert
-        statement = insert(Rollout).values(
-            trace_id=trace_id,
-            run=run,
-            item_key=item_key,
-            first_seen=graded_at,
-            last_seen=graded_at,
-            graded_at=graded_at,
-        )
-        await self.session.execute(
-            statement.on_conflict_do_update(
-                index_elements=[Rollout.trace_id], set_={"graded_at": statement.excluded.graded_at}
-            )
-        )

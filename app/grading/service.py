@@ -234,8 +234,8 @@ class GradingService:
                     )
                 )
                 if inputs.trace_id:
-                    await GradeRepository(session).touch_rollout(
-                        inputs.trace_id, run=run, item_key=key, graded_at=now, exists=rollout is not None
+                    await RolloutRepository(session).mark_graded(
+                        inputs.trace_id, at=now, run=run, item_key=key
                     )
         except (SQLAlchemyError, OSError) as exc:
             if best_effort:

@@ -23,19 +23,6 @@ MAX_PYTHON_SOURCE = 256 * 1024  # the hosted limit
 OPENAI_TYPES = ("string_check", "text_similarity", "score_model", "label_model", "python", "multi")
 TRACE_TYPES = ("tool_budget", "no_loops", "grounded", "required_tools", "forbidden_tools", "state_check")
 
-SIMILARITY_METRICS = (
-    "fuzzy_match",
-    "bleu",
-    "gleu",
-    "meteor",
-    "cosine",
-    "rouge_1",
-    "rouge_2",
-    "rouge_3",
-    "rouge_4",
-    "rouge_5",
-    "rouge_l",
-)
 Metric = Literal[
     "fuzzy_match",
     "bleu",

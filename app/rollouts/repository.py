@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import UTC, datetime
+from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import select
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.db.models import Rollout, ToolCall
@@ -24,17 +26,31 @@ class RolloutRepository:
         )
         return result.all()
 
-    async def recent(self, *, limit: int, run: str | None) -> Sequence[tuple[Rollout, int]]:
+    async def recent(self, *, limit: int, run: str | None) -> Sequence[Rollout]:
         query = select(Rollout).order_by(Rollout.last_seen.desc()).limit(limit)
         if run is not None:
             query = query.where(Rollout.run == run)
-        result = await self.session.scalars(query)
-        # rollouts.calls is recounted by the log writer in the transaction that logs the calls.
-        return [(rollout, rollout.calls) for rollout in result.all()]
+        return (await self.session.scalars(query)).all()
 
-    async def mark_graded(self, trace_id: str) -> None:
+    async def mark_graded(
+        self,
+        trace_id: str,
+        *,
+        at: datetime | None = None,
+        run: str | None = None,
+        item_key: str | None = None,
+    ) -> None:
+        """Set graded_at; a graded trace that never called a tool gets its row here (first seen = `at`)."""
+        at = at or datetime.now(UTC)
+        dialect = self.session.get_bind().dialect.name
+        insert: Any = postgresql.insert if dialect == "postgresql" else sqlite.insert
+        statement = insert(Rollout).values(
+            trace_id=trace_id, run=run, item_key=item_key, first_seen=at, last_seen=at, graded_at=at
+        )
         await self.session.execute(
-            update(Rollout).where(Rollout.trace_id == trace_id).values(graded_at=datetime.now(UTC))
+            statement.on_conflict_do_update(
+                index_elements=[Rollout.trace_id], set_={"graded_at": statement.excluded.graded_at}
+            )
         )
 
 

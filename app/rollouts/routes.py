@@ -41,18 +41,8 @@ async def list_rollouts(
 ) -> list[RolloutOut]:
     async with sessions() as session:
         rows = await RolloutRepository(session).recent(limit=limit, run=run)
-    return [
-        RolloutOut(
-            trace_id=r.trace_id,
-            run=r.run,
-            item_key=r.item_key,
-            first_seen=r.first_seen,
-            last_seen=r.last_seen,
-            graded_at=r.graded_at,
-            calls=count,
-        )
-        for r, count in rows
-    ]
+    # rollouts.calls is recounted by the log writer in the transaction that logs the calls.
+    return [RolloutOut.model_validate(r, from_attributes=True) for r in rows]
 
 
 @router.get("/{trace_id}")

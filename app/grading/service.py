@@ -163,17 +163,17 @@ class GradingService:
         grader = self.resolve(name)
         started = time.perf_counter()
         rollout, inputs = await self.prepare(grader, sample, item, trace_id)
+        # The label the rollout's calls carried wins over the grade request's header.
+        run = rollout.run if rollout is not None and rollout.run else run
         try:
             result = await grader.grade(inputs)
         except GraderUnavailable as exc:
             self.metrics.grades.labels(grader.name, "failed").inc()
-            await self._store(
-                grader, inputs, None, str(exc), started, rollout=rollout, run=run, best_effort=True
-            )
+            await self._store(grader, inputs, None, str(exc), started, run=run, best_effort=True)
             raise GradeUnavailable(
                 f"grader {grader.name!r} unavailable: {exc}", retry_after=self.retry_after
             ) from exc
-        await self._store(grader, inputs, result, None, started, rollout=rollout, run=run, best_effort=False)
+        await self._store(grader, inputs, result, None, started, run=run, best_effort=False)
         self.metrics.grades.labels(grader.name, "ok").inc()
         self.metrics.grade_score.labels(grader.name).observe(result.score)
         return result
@@ -186,7 +186,6 @@ class GradingService:
         failure: str | None,
         started: float,
         *,
-        rollout: Rollout | None,
         run: str | None,
         best_effort: bool,
     ) -> None:
@@ -194,7 +193,6 @@ class GradingService:
         status = "ok" if result is not None else "failed"
         errors = list(result.errors) if result is not None else [failure or "grader failed"]
         key = item_key(inputs.item)
-        run = rollout.run if rollout is not None and rollout.run else run
         now = datetime.now(UTC)
         try:
             async with self.sessionmaker() as session, session.begin():

@@ -88,6 +88,18 @@ def server_settings(
     return settings
 
 
+def terminate(proc: subprocess.Popen[bytes] | None) -> None:
+    """SIGTERM, then SIGKILL if the process has not exited within 15 s."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
 class Server:
     """One sparring server process (uvicorn, one worker) on a free loopback port."""
 
@@ -171,14 +183,7 @@ class Server:
             self.proc.wait(timeout=10)
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(timeout=10)
+        terminate(self.proc)
 
 
 class Servers:
@@ -257,14 +262,7 @@ class ThrowawayRedis:
 
     def stop(self) -> None:
         """SIGTERM: Redis syncs its append-only file and exits."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(timeout=10)
+        terminate(self.proc)
 
     def cleanup(self) -> None:
         self.stop()

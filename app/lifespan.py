@@ -49,7 +49,9 @@ class AppOptions:
 
 def build_store(settings: Settings) -> RolloutStore:
     if settings.redis_url is None:
-        return MemoryRolloutStore(ttl_seconds=settings.state_ttl_seconds)
+        return MemoryRolloutStore(
+            ttl_seconds=settings.state_ttl_seconds, lock_wait=settings.tool_timeout_seconds
+        )
     pool = BlockingConnectionPool.from_url(
         settings.redis_url,
         max_connections=settings.redis_max_connections,

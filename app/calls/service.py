@@ -22,7 +22,7 @@ from app.calls.log_writer import CallLogWriter, CallRecord
 from app.errors import ServiceUnavailable, ToolCrashed
 from app.metrics import Metrics
 from app.packs import Registry
-from app.rollouts.store import Claim, PackChanges, RolloutMeta, RolloutStore, StoredAnswer
+from app.rollouts.store import PackChanges, RolloutMeta, RolloutStore, StoredAnswer, Ticket
 from app.sdk import RolloutState, ToolContext, ToolError, ToolSpec
 from app.sdk.tool import describe_validation_error
 
@@ -191,50 +191,47 @@ class ToolCallService:
             return kwargs
 
         call_id = call.envelope.call_id
-        claim: Claim | None = None
-        if call_id is not None:
-            try:
-                claimed = await self.store.claim(call.trace_id, call_id, wait=self.tool_timeout + 5)
-            except TimeoutError as exc:
-                raise ServiceUnavailable(str(exc)) from exc
-            if isinstance(claimed, StoredAnswer):
-                self.metrics.ledger_replays.inc()
-                return claimed  # a retry: the identical answer, without running the tool again
-            claim = claimed
+        stateful = spec.context_param is not None or spec.mutates
+        if call_id is None and not stateful:
+            # Nothing to claim, lock or read: a call without a call_id is not deduplicated.
+            return (await self._run(spec, kwargs, call, None))[0]
+        began = await self.store.begin(
+            call.trace_id,
+            call_id,
+            lock=spec.mutates,
+            meta=RolloutMeta(run=call.run, item_key=call.item_key, now=time.time()) if stateful else None,
+            load_changes=spec.context_param is not None,
+            wait=self.tool_timeout + 5,
+        )
+        if isinstance(began, StoredAnswer):
+            self.metrics.ledger_replays.inc()
+            return began  # a retry: the identical answer, without running the tool again
         try:
-            if spec.mutates:
-                async with self.store.lock(call.trace_id):
-                    answer, writes = await self._run(spec, kwargs, call)
-                    ledger = (call_id, claim, answer) if claim is not None and call_id is not None else None
-                    await self.store.commit(call.trace_id, writes, ledger)
+            writes: PackChanges = {}
+            if spec.mutates and began.graded:
+                answer = _model_error(
+                    "this rollout has already been graded; tools that change state no longer accept calls"
+                )
             else:
-                answer, _ = await self._run(spec, kwargs, call)
-                if claim is not None and call_id is not None:
-                    await self.store.commit(call.trace_id, {}, (call_id, claim, answer))
+                answer, writes = await self._run(spec, kwargs, call, began)
+            await self.store.finish(began, writes, answer)
         except BaseException:
-            if claim is not None and call_id is not None:
-                with contextlib.suppress(ServiceUnavailable):
-                    await self.store.release(call.trace_id, call_id, claim)
+            with contextlib.suppress(ServiceUnavailable):
+                await self.store.abort(began)
             raise
         return answer
 
     async def _run(
-        self, spec: ToolSpec, kwargs: dict[str, Any], call: _Call
+        self, spec: ToolSpec, kwargs: dict[str, Any], call: _Call, began: Ticket | None
     ) -> tuple[StoredAnswer, PackChanges]:
         state: RolloutState | None = None
-        if spec.context_param is not None or spec.mutates:
-            meta = RolloutMeta(run=call.run, item_key=call.item_key, now=time.time())
-            snapshot = await self.store.open(call.trace_id, meta, load_changes=spec.context_param is not None)
-            if spec.mutates and snapshot.graded:
-                return _model_error(
-                    "this rollout has already been graded; tools that change state no longer accept calls"
-                ), {}
+        if began is not None and spec.context_param is not None:
             try:
                 base = spec.base()
             except Exception as exc:
                 log.exception("pack %s could not load its base state", spec.pack)
                 raise ServiceUnavailable(f"pack {spec.pack!r} could not load its data: {exc}") from exc
-            state = RolloutState(base, snapshot.changes.get(spec.pack, {}), writable=spec.mutates)
+            state = RolloutState(base, began.changes.get(spec.pack, {}), writable=spec.mutates)
         if spec.context_param is not None:
             assert state is not None
             adapter = logging.LoggerAdapter(
@@ -256,7 +253,8 @@ class ToolCallService:
             }
         try:
             if spec.is_async:
-                result = await asyncio.wait_for(spec.fn(**kwargs), self.tool_timeout)
+                async with asyncio.timeout(self.tool_timeout):
+                    result = await spec.fn(**kwargs)
             else:
                 result = await asyncio.wait_for(
                     anyio.to_thread.run_sync(lambda: spec.fn(**kwargs)), self.tool_timeout

@@ -7,11 +7,16 @@ import copy
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-from app.rollouts.store import Claim, PackChanges, RolloutMeta, RolloutSnapshot, StoredAnswer, merge_writes
+from app.rollouts.store import (
+    PackChanges,
+    RolloutMeta,
+    StoredAnswer,
+    StoreUnavailable,
+    Ticket,
+    merge_writes,
+)
 
 
 @dataclass
@@ -20,8 +25,8 @@ class _Rollout:
     last_seen: float
     graded: bool = False
     changes: PackChanges = field(default_factory=dict)
-    # call_id → answer, or the future that the running call will resolve
-    ledger: dict[str, StoredAnswer | tuple[Claim, asyncio.Future[StoredAnswer | None]]] = field(
+    # call_id → answer, or (token, the future that the running attempt will resolve)
+    ledger: dict[str, StoredAnswer | tuple[str, asyncio.Future[StoredAnswer | None]]] = field(
         default_factory=dict
     )
 
@@ -29,8 +34,9 @@ class _Rollout:
 class MemoryRolloutStore:
     kind = "memory"
 
-    def __init__(self, *, ttl_seconds: float) -> None:
+    def __init__(self, *, ttl_seconds: float, lock_wait: float = 300.0) -> None:
         self._ttl = ttl_seconds
+        self._lock_wait = lock_wait
         self._rollouts: dict[str, _Rollout] = {}
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._last_sweep = time.time()
@@ -51,67 +57,94 @@ class MemoryRolloutStore:
         for trace_id in [t for t, r in self._rollouts.items() if now - r.last_seen > self._ttl]:
             del self._rollouts[trace_id]
 
-    async def claim(self, trace_id: str, call_id: str, *, wait: float) -> StoredAnswer | Claim:
+    async def begin(
+        self,
+        trace_id: str,
+        call_id: str | None,
+        *,
+        lock: bool,
+        meta: RolloutMeta | None,
+        load_changes: bool,
+        wait: float,
+    ) -> Ticket | StoredAnswer:
+        ticket = Ticket(trace_id=trace_id, call_id=call_id, token=uuid.uuid4().hex, locked=False)
+        if call_id is not None:
+            answer = await self._claim(ticket, call_id, wait)
+            if answer is not None:
+                return answer
+        if lock:
+            held = self._locks.get(trace_id)
+            if held is None:
+                held = self._locks[trace_id] = asyncio.Lock()
+            try:
+                await asyncio.wait_for(held.acquire(), self._lock_wait)
+            except TimeoutError:
+                self._settle(ticket, None)
+                raise StoreUnavailable("timed out waiting for the rollout's lock") from None
+            except BaseException:
+                self._settle(ticket, None)
+                raise
+            ticket.locked, ticket.held = True, held  # the ticket keeps the lock object alive
+        if meta is not None:
+            rollout = self._rollout(trace_id)
+            rollout.last_seen = meta.now
+            ticket.graded = rollout.graded
+            if load_changes:
+                ticket.changes = copy.deepcopy(rollout.changes)
+        return ticket
+
+    async def _claim(self, ticket: Ticket, call_id: str, wait: float) -> StoredAnswer | None:
         deadline = time.monotonic() + wait
         while True:
-            rollout = self._rollout(trace_id)
+            rollout = self._rollout(ticket.trace_id)
             entry = rollout.ledger.get(call_id)
             if entry is None:
-                claim = Claim(token=uuid.uuid4().hex)
                 future: asyncio.Future[StoredAnswer | None] = asyncio.get_running_loop().create_future()
-                rollout.ledger[call_id] = (claim, future)
-                return claim
+                rollout.ledger[call_id] = (ticket.token, future)
+                return None
             if isinstance(entry, StoredAnswer):
                 return entry
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"call {call_id} is still running elsewhere")
+                raise StoreUnavailable(f"call {call_id} is still running elsewhere")
             try:
                 answer = await asyncio.wait_for(asyncio.shield(entry[1]), remaining)
             except TimeoutError:
-                raise TimeoutError(f"call {call_id} is still running elsewhere") from None
+                raise StoreUnavailable(f"call {call_id} is still running elsewhere") from None
             if answer is not None:
                 return answer
             # The first attempt failed without an answer: loop and claim it ourselves.
 
-    def _settle(self, trace_id: str, call_id: str, claim: Claim, answer: StoredAnswer | None) -> None:
-        rollout = self._rollouts.get(trace_id)
-        if rollout is None:
+    def _settle(self, ticket: Ticket, answer: StoredAnswer | None) -> None:
+        rollout = self._rollouts.get(ticket.trace_id)
+        if rollout is None or ticket.call_id is None:
             return
-        entry = rollout.ledger.get(call_id)
-        if isinstance(entry, tuple) and entry[0] == claim:
+        entry = rollout.ledger.get(ticket.call_id)
+        if isinstance(entry, tuple) and entry[0] == ticket.token:
             if answer is None:
-                del rollout.ledger[call_id]
+                del rollout.ledger[ticket.call_id]
             else:
-                rollout.ledger[call_id] = answer
+                rollout.ledger[ticket.call_id] = answer
             if not entry[1].done():
                 entry[1].set_result(answer)
 
-    async def release(self, trace_id: str, call_id: str, claim: Claim) -> None:
-        self._settle(trace_id, call_id, claim, None)
+    def _unlock(self, ticket: Ticket) -> None:
+        held: asyncio.Lock | None = ticket.held
+        if held is not None:
+            ticket.held = None
+            held.release()
 
-    @asynccontextmanager
-    async def lock(self, trace_id: str) -> AsyncIterator[None]:
-        lock = self._locks.get(trace_id)
-        if lock is None:
-            lock = self._locks[trace_id] = asyncio.Lock()
-        async with lock:
-            yield
+    async def finish(self, ticket: Ticket, writes: PackChanges, answer: StoredAnswer) -> None:
+        try:
+            if writes:
+                merge_writes(self._rollout(ticket.trace_id).changes, copy.deepcopy(writes))
+            self._settle(ticket, answer)
+        finally:
+            self._unlock(ticket)
 
-    async def open(self, trace_id: str, meta: RolloutMeta, *, load_changes: bool) -> RolloutSnapshot:
-        rollout = self._rollout(trace_id)
-        rollout.last_seen = meta.now
-        changes = copy.deepcopy(rollout.changes) if load_changes else {}
-        return RolloutSnapshot(graded=rollout.graded, changes=changes)
-
-    async def commit(
-        self, trace_id: str, writes: PackChanges, answer: tuple[str, Claim, StoredAnswer] | None
-    ) -> None:
-        rollout = self._rollout(trace_id)
-        merge_writes(rollout.changes, copy.deepcopy(writes))
-        if answer is not None:
-            call_id, claim, stored = answer
-            self._settle(trace_id, call_id, claim, stored)
+    async def abort(self, ticket: Ticket) -> None:
+        self._settle(ticket, None)
+        self._unlock(ticket)
 
     async def mark_graded(self, trace_id: str) -> None:
         self._rollout(trace_id).graded = True

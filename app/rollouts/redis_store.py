@@ -3,26 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Iterable
 from typing import Any, TypeVar
 
 import orjson
 from redis.asyncio import Redis
-from redis.exceptions import LockError, RedisError
+from redis.exceptions import RedisError
 
-from app.rollouts.store import (
-    Claim,
-    PackChanges,
-    RolloutMeta,
-    RolloutSnapshot,
-    StoredAnswer,
-    StoreUnavailable,
-)
+from app.rollouts.store import PackChanges, RolloutMeta, StoredAnswer, StoreUnavailable, Ticket
 
 log = logging.getLogger(__name__)
 
@@ -32,39 +23,153 @@ _SEP = "\x1f"
 _PENDING = "P:"
 _ANSWERED = "A:"
 
-# Apply a call's writes and record its answer only while the caller still owns the claim, so a call
-# whose claim expired (its worker stalled) can never apply its writes after a retry has taken over.
-# KEYS: state, meta, ledger (or none). ARGV: ttl_ms, token, answer, then field/value pairs.
-_COMMIT = """
-local ttl = tonumber(ARGV[1])
-if #KEYS == 3 then
-  if redis.call('GET', KEYS[3]) ~= 'P:' .. ARGV[2] then return 0 end
+# Every script names the rollout's four keys in this order (one Redis Cluster slot, see _keys):
+# meta, state, the call's ledger entry, the rollout's lock.
+
+# Before a call runs, in one round trip: find its answer or claim it, take the lock, touch the rollout
+# and read its changes. ARGV: token, claim_ms, lock_ms, ttl_ms, use_ledger, use_lock, open, load,
+# now, run, item_key. Returns {'answer', stored}, {'busy'} (another attempt of this call runs),
+# {'locked'} (another call holds the lock; nothing was claimed), or {'ok', graded, state...}.
+# A claim or a lock that already carries our token is ours: the client retried a script whose reply
+# was lost after Redis had applied it.
+_BEGIN = """
+local token = ARGV[1]
+if ARGV[5] == '1' then
+  local entry = redis.call('GET', KEYS[3])
+  if entry then
+    if string.sub(entry, 1, 2) == 'A:' then return {'answer', string.sub(entry, 3)} end
+    if entry ~= 'P:' .. token then return {'busy'} end
+  end
 end
-for i = 4, #ARGV, 2 do
-  redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
+if ARGV[6] == '1' then
+  local holder = redis.call('GET', KEYS[4])
+  if holder and holder ~= token then return {'locked'} end
+  redis.call('SET', KEYS[4], token, 'PX', ARGV[3])
 end
-if #ARGV >= 4 then redis.call('PEXPIRE', KEYS[1], ttl) end
-redis.call('PEXPIRE', KEYS[2], ttl)
-if #KEYS == 3 then redis.call('SET', KEYS[3], 'A:' .. ARGV[3], 'PX', ttl) end
+if ARGV[5] == '1' then redis.call('SET', KEYS[3], 'P:' .. token, 'PX', ARGV[2]) end
+if ARGV[7] ~= '1' then return {'ok', ''} end
+redis.call('HSETNX', KEYS[1], 'first_seen', ARGV[9])
+if ARGV[10] ~= '' then redis.call('HSETNX', KEYS[1], 'run', ARGV[10]) end
+if ARGV[11] ~= '' then redis.call('HSETNX', KEYS[1], 'item_key', ARGV[11]) end
+redis.call('HSET', KEYS[1], 'last_seen', ARGV[9])
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+local graded = redis.call('HGET', KEYS[1], 'graded') or ''
+if ARGV[8] ~= '1' then return {'ok', graded} end
+redis.call('PEXPIRE', KEYS[2], ARGV[4])
+return {'ok', graded, redis.call('HGETALL', KEYS[2])}
+"""
+
+# After the tool returned: apply its writes, record its answer and release the lock, atomically, and
+# only while the call still owns its claim and the lock (a stalled worker whose claim or lock lapsed
+# must not apply writes after another attempt took over). ARGV: token, ttl_ms, use_ledger, use_lock,
+# answer, then field/value pairs. Returns 1 (applied), 0 (the claim lapsed) or -1 (the lock lapsed).
+_FINISH = """
+local token = ARGV[1]
+local ledger = ARGV[3] == '1'
+local locked = ARGV[4] == '1'
+local result = 1
+if ledger and redis.call('GET', KEYS[3]) ~= 'P:' .. token then
+  result = 0
+elseif locked and redis.call('GET', KEYS[4]) ~= token then
+  result = -1
+end
+if result ~= 1 then
+  if ledger and redis.call('GET', KEYS[3]) == 'P:' .. token then redis.call('DEL', KEYS[3]) end
+  if locked and redis.call('GET', KEYS[4]) == token then redis.call('DEL', KEYS[4]) end
+  return result
+end
+for i = 6, #ARGV, 2 do
+  redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
+end
+if #ARGV >= 6 then redis.call('PEXPIRE', KEYS[2], ARGV[2]) end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+if ledger then redis.call('SET', KEYS[3], 'A:' .. ARGV[5], 'PX', ARGV[2]) end
+if locked then redis.call('DEL', KEYS[4]) end
 return 1
 """
 
-# Drop a claim only if it is still ours.
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == 'P:' .. ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
+# Give up what is still ours. ARGV: token, use_ledger, use_lock.
+_ABORT = """
+if ARGV[2] == '1' and redis.call('GET', KEYS[3]) == 'P:' .. ARGV[1] then redis.call('DEL', KEYS[3]) end
+if ARGV[3] == '1' and redis.call('GET', KEYS[4]) == ARGV[1] then redis.call('DEL', KEYS[4]) end
+return 1
 """
 
-# Extend a claim only if it is still ours.
+# Keep a long call's claim and lock alive, only while they are still ours.
+# ARGV: token, use_ledger, use_lock, claim_ms, lock_ms.
 _EXTEND = """
-if redis.call('GET', KEYS[1]) == 'P:' .. ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-return 0
+local kept = 0
+if ARGV[2] == '1' and redis.call('GET', KEYS[3]) == 'P:' .. ARGV[1] then
+  redis.call('PEXPIRE', KEYS[3], ARGV[4])
+  kept = kept + 1
+end
+if ARGV[3] == '1' and redis.call('GET', KEYS[4]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[4], ARGV[5])
+  kept = kept + 1
+end
+return kept
 """
 
 
 def _prefix(trace_id: str) -> str:
     # The hash tag keeps every key of a rollout in one Redis Cluster slot (atomic scripts need it).
     return f"sp:{{{trace_id}}}"
+
+
+def _keys(trace_id: str, call_id: str | None) -> list[str]:
+    prefix = _prefix(trace_id)
+    # Without a call_id the ledger key is never read or written; it is named for the fixed layout only.
+    return [f"{prefix}:meta", f"{prefix}:state", f"{prefix}:call:{call_id or ''}", f"{prefix}:lock"]
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class _KeepAlive:
+    """Extends a running call's claim and lock every third of their expiry, until the call completes.
+
+    A timer, not a task per call: most calls finish long before the first extension is due.
+    """
+
+    def __init__(self, store: RedisRolloutStore, ticket: Ticket, period: float) -> None:
+        self._store = store
+        self._ticket = ticket
+        self._period = period
+        self._task: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(period, self._fire)
+
+    def _fire(self) -> None:
+        self._timer = None
+        self._task = asyncio.get_running_loop().create_task(self._extend())
+
+    async def _extend(self) -> None:
+        ticket = self._ticket
+        try:
+            kept = await self._store._extend(
+                keys=_keys(ticket.trace_id, ticket.call_id),
+                args=[
+                    ticket.token,
+                    "1" if ticket.call_id is not None else "0",
+                    "1" if ticket.locked else "0",
+                    self._store._claim_ms,
+                    self._store._lock_ms,
+                ],
+            )
+        except (RedisError, OSError) as exc:
+            log.warning("could not extend the claim or lock of rollout %s: %s", ticket.trace_id, exc)
+            kept = 1  # try again at the next period; the expiry leaves time for two more attempts
+        self._task = None
+        if kept:
+            self._timer = asyncio.get_running_loop().call_later(self._period, self._fire)
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
 
 
 class RedisRolloutStore:
@@ -82,12 +187,13 @@ class RedisRolloutStore:
         self._redis = client
         self._lock_wait = lock_wait
         self._ttl_ms = int(ttl_seconds * 1000)
-        self._lock_timeout = lock_timeout
+        self._lock_ms = int(lock_timeout * 1000)
         self._claim_ms = int(claim_timeout * 1000)
-        self._commit = client.register_script(_COMMIT)
-        self._release = client.register_script(_RELEASE)
+        self._begin = client.register_script(_BEGIN)
+        self._finish = client.register_script(_FINISH)
+        self._abort = client.register_script(_ABORT)
         self._extend = client.register_script(_EXTEND)
-        self._keepalives: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._live: set[_KeepAlive] = set()
 
     async def _guard(self, operation: Awaitable[T]) -> T:
         try:
@@ -95,137 +201,122 @@ class RedisRolloutStore:
         except (RedisError, OSError) as exc:
             raise StoreUnavailable(f"rollout state store unreachable: {type(exc).__name__}: {exc}") from exc
 
-    # --- the call ledger -------------------------------------------------------------------------
+    # --- one call: begin, then finish or abort ------------------------------------------------------
 
-    async def claim(self, trace_id: str, call_id: str, *, wait: float) -> StoredAnswer | Claim:
-        key = f"{_prefix(trace_id)}:call:{call_id}"
-        token = uuid.uuid4().hex
-        deadline = time.monotonic() + wait
-        pause = 0.005
+    async def begin(
+        self,
+        trace_id: str,
+        call_id: str | None,
+        *,
+        lock: bool,
+        meta: RolloutMeta | None,
+        load_changes: bool,
+        wait: float,
+    ) -> Ticket | StoredAnswer:
+        ticket = Ticket(trace_id=trace_id, call_id=call_id, token=uuid.uuid4().hex, locked=lock)
+        if call_id is None and not lock and meta is None:
+            return ticket
+        keys = _keys(trace_id, call_id)
+        args: list[Any] = [
+            ticket.token,
+            self._claim_ms,
+            self._lock_ms,
+            self._ttl_ms,
+            "1" if call_id is not None else "0",
+            "1" if lock else "0",
+            "1" if meta is not None else "0",
+            "1" if load_changes else "0",
+            repr(meta.now) if meta is not None else "",
+            (meta.run or "") if meta is not None else "",
+            (meta.item_key or "") if meta is not None else "",
+        ]
+        now = time.monotonic()
+        call_deadline, lock_deadline = now + wait, now + self._lock_wait
+        busy_pause = lock_pause = 0.002
         while True:
-            if await self._guard(self._redis.set(key, _PENDING + token, nx=True, px=self._claim_ms)):
-                claim = Claim(token=token)
-                self._start_keepalive(trace_id, call_id, claim)
-                return claim
-            value = await self._guard(self._redis.get(key))
-            if value is not None:
-                text = value.decode() if isinstance(value, bytes) else str(value)
-                if text == _PENDING + token:
-                    # Our SET NX was applied but its reply was lost and the client retried: the claim is ours.
-                    claim = Claim(token=token)
-                    self._start_keepalive(trace_id, call_id, claim)
-                    return claim
-                if text.startswith(_ANSWERED):
-                    data = orjson.loads(text[len(_ANSWERED) :])
-                    return StoredAnswer(output=data["output"], outcome=data["outcome"])
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"call {call_id} is still running elsewhere")
-            # Another worker runs this call: wait for its answer (or for its claim to lapse).
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, 0.1)
+            reply: list[Any] = await self._guard(self._begin(keys=keys, args=args))
+            kind = _text(reply[0])
+            if kind == "ok":
+                ticket.graded = bool(reply[1])
+                if load_changes and len(reply) > 2:
+                    ticket.changes = _decode_pairs(reply[2])
+                if call_id is not None or lock:
+                    self._keep_alive(ticket)
+                return ticket
+            if kind == "answer":
+                data = orjson.loads(reply[1])
+                return StoredAnswer(output=data["output"], outcome=data["outcome"])
+            # Wait and try again: for another attempt of this call to answer (or its claim to lapse),
+            # or for the call holding the rollout's lock to finish.
+            if kind == "busy":
+                if time.monotonic() >= call_deadline:
+                    raise StoreUnavailable(f"call {call_id} is still running elsewhere")
+                await asyncio.sleep(busy_pause)
+                busy_pause = min(busy_pause * 2, 0.1)
+            else:
+                if time.monotonic() >= lock_deadline:
+                    raise StoreUnavailable("timed out waiting for the rollout's lock")
+                await asyncio.sleep(lock_pause)
+                lock_pause = min(lock_pause * 1.5, 0.05)
 
-    def _start_keepalive(self, trace_id: str, call_id: str, claim: Claim) -> None:
-        key = f"{_prefix(trace_id)}:call:{call_id}"
-
-        async def extend() -> None:
-            while True:
-                await asyncio.sleep(self._claim_ms / 3000)
-                with contextlib.suppress(RedisError, OSError):
-                    if not await self._extend(keys=[key], args=[claim.token, self._claim_ms]):
-                        return
-
-        self._keepalives[(trace_id, call_id)] = asyncio.create_task(extend())
-
-    def _stop_keepalive(self, trace_id: str, call_id: str) -> None:
-        task = self._keepalives.pop((trace_id, call_id), None)
-        if task is not None:
-            task.cancel()
-
-    async def release(self, trace_id: str, call_id: str, claim: Claim) -> None:
-        self._stop_keepalive(trace_id, call_id)
-        key = f"{_prefix(trace_id)}:call:{call_id}"
-        await self._guard(self._release(keys=[key], args=[claim.token]))
-
-    # --- locks -------------------------------------------------------------------------------------
-
-    @asynccontextmanager
-    async def lock(self, trace_id: str) -> AsyncIterator[None]:
-        lock = self._redis.lock(
-            f"{_prefix(trace_id)}:lock",
-            timeout=self._lock_timeout,
-            sleep=0.005,
-            blocking_timeout=self._lock_wait,
-            thread_local=False,
+    def _keep_alive(self, ticket: Ticket) -> None:
+        expiries = ([self._claim_ms] if ticket.call_id is not None else []) + (
+            [self._lock_ms] if ticket.locked else []
         )
-        if not await self._guard(lock.acquire()):
-            raise StoreUnavailable("timed out waiting for the rollout's lock")
+        keeper = _KeepAlive(self, ticket, min(expiries) / 3000)
+        ticket.held = keeper
+        self._live.add(keeper)
 
-        async def keep() -> None:
-            # A long call keeps its lock; a crashed worker's lock lapses after lock_timeout.
-            while True:
-                await asyncio.sleep(self._lock_timeout / 3)
-                with contextlib.suppress(RedisError, OSError):
-                    await lock.reacquire()
+    def _let_go(self, ticket: Ticket) -> None:
+        keeper: _KeepAlive | None = ticket.held
+        if keeper is not None:
+            keeper.stop()
+            self._live.discard(keeper)
+            ticket.held = None
 
-        keeper = asyncio.create_task(keep())
-        try:
-            yield
-        finally:
-            keeper.cancel()
-            try:
-                await lock.release()
-            except LockError:
-                # The lock lapsed (the call outlived lock_timeout without a keep-alive): nothing to free.
-                log.warning("the lock of rollout %s lapsed before it was released", trace_id)
-            except (RedisError, OSError) as exc:
-                # What the call did is already committed; the lock lapses by itself after lock_timeout.
-                log.warning("could not release the lock of rollout %s: %s", trace_id, exc)
-
-    # --- state and lifecycle -------------------------------------------------------------------------
-
-    async def open(self, trace_id: str, meta: RolloutMeta, *, load_changes: bool) -> RolloutSnapshot:
-        prefix = _prefix(trace_id)
-        pipe = self._redis.pipeline(transaction=False)
-        pipe.hsetnx(f"{prefix}:meta", "first_seen", meta.now)
-        if meta.run:
-            pipe.hsetnx(f"{prefix}:meta", "run", meta.run)
-        if meta.item_key:
-            pipe.hsetnx(f"{prefix}:meta", "item_key", meta.item_key)
-        pipe.hset(f"{prefix}:meta", "last_seen", meta.now)
-        pipe.pexpire(f"{prefix}:meta", self._ttl_ms)
-        pipe.hget(f"{prefix}:meta", "graded")
-        if load_changes:
-            pipe.hgetall(f"{prefix}:state")
-            pipe.pexpire(f"{prefix}:state", self._ttl_ms)
-        results: list[Any] = await self._guard(pipe.execute())
-        if load_changes:
-            graded, raw = results[-3], results[-2]
-            return RolloutSnapshot(graded=bool(graded), changes=_decode_changes(raw))
-        return RolloutSnapshot(graded=bool(results[-1]))
-
-    async def commit(
-        self, trace_id: str, writes: PackChanges, answer: tuple[str, Claim, StoredAnswer] | None
-    ) -> None:
-        prefix = _prefix(trace_id)
-        keys = [f"{prefix}:state", f"{prefix}:meta"]
-        args: list[Any] = [self._ttl_ms, "", ""]
-        if answer is not None:
-            call_id, claim, stored = answer
-            keys.append(f"{prefix}:call:{call_id}")
-            args[1] = claim.token
-            args[2] = orjson.dumps({"output": stored.output, "outcome": stored.outcome})
+    async def finish(self, ticket: Ticket, writes: PackChanges, answer: StoredAnswer) -> None:
+        self._let_go(ticket)
+        ledger = ticket.call_id is not None
+        if not ledger and not ticket.locked and not writes:
+            return
+        args: list[Any] = [
+            ticket.token,
+            self._ttl_ms,
+            "1" if ledger else "0",
+            "1" if ticket.locked else "0",
+            orjson.dumps({"output": answer.output, "outcome": answer.outcome}) if ledger else "",
+        ]
         for pack, collections in writes.items():
             for collection, records in collections.items():
                 for key, value in records.items():
                     args.append(_SEP.join((pack, collection, key)))
                     args.append(orjson.dumps(value))
-        if answer is not None:
-            self._stop_keepalive(trace_id, answer[0])
-        applied = await self._guard(self._commit(keys=keys, args=args))
-        if not applied:
+        applied = await self._guard(self._finish(keys=_keys(ticket.trace_id, ticket.call_id), args=args))
+        if applied == 0:
             raise StoreUnavailable(
                 "this call's claim lapsed while it ran; a retry will get the stored answer"
             )
+        if applied == -1:
+            raise StoreUnavailable(
+                "the rollout's lock lapsed while this call ran; nothing was applied, a retry runs it again"
+            )
+
+    async def abort(self, ticket: Ticket) -> None:
+        self._let_go(ticket)
+        if ticket.call_id is None and not ticket.locked:
+            return
+        await self._guard(
+            self._abort(
+                keys=_keys(ticket.trace_id, ticket.call_id),
+                args=[
+                    ticket.token,
+                    "1" if ticket.call_id is not None else "0",
+                    "1" if ticket.locked else "0",
+                ],
+            )
+        )
+
+    # --- state and lifecycle -------------------------------------------------------------------------
 
     async def mark_graded(self, trace_id: str) -> None:
         key = f"{_prefix(trace_id)}:meta"
@@ -245,16 +336,24 @@ class RedisRolloutStore:
         await self._guard(self._redis.ping())
 
     async def aclose(self) -> None:
-        for task in self._keepalives.values():
-            task.cancel()
-        self._keepalives.clear()
+        for keeper in self._live:
+            keeper.stop()
+        self._live.clear()
         await self._redis.aclose()
 
 
 def _decode_changes(raw: dict[Any, Any]) -> PackChanges:
+    return _decode_items(raw.items())
+
+
+def _decode_pairs(flat: list[Any]) -> PackChanges:
+    """HGETALL's reply inside a script: field, value, field, value, ..."""
+    return _decode_items(zip(flat[::2], flat[1::2], strict=True))
+
+
+def _decode_items(items: Iterable[tuple[Any, Any]]) -> PackChanges:
     changes: PackChanges = {}
-    for field_name, value in raw.items():
-        name = field_name.decode() if isinstance(field_name, bytes) else str(field_name)
-        pack, collection, key = name.split(_SEP, 2)
+    for field_name, value in items:
+        pack, collection, key = _text(field_name).split(_SEP, 2)
         changes.setdefault(pack, {}).setdefault(collection, {})[key] = orjson.loads(value)
     return changes

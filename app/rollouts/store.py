@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -25,53 +24,70 @@ class StoredAnswer:
 
 
 @dataclass(frozen=True)
-class Claim:
-    """The right to run one (trace_id, call_id); `token` proves ownership when completing it."""
-
-    token: str
-
-
-@dataclass(frozen=True)
 class RolloutMeta:
     run: str | None
     item_key: str | None
     now: float  # unix time
 
 
-@dataclass
-class RolloutSnapshot:
-    graded: bool
+@dataclass(eq=False)
+class Ticket:
+    """What `begin` holds for one call until `finish` or `abort`: its claim, the lock, what it read.
+
+    `token` proves ownership of the claim and the lock when the call completes; `graded` and
+    `changes` are the rollout as it was when the call began (read under the lock for a mutating call).
+    """
+
+    trace_id: str
+    call_id: str | None
+    token: str
+    locked: bool
+    graded: bool = False
     changes: PackChanges = field(default_factory=dict)
+    # The store's own bookkeeping (a keep-alive timer, a held lock); nobody else reads it.
+    held: Any = field(default=None, repr=False)
 
 
 class RolloutStore(Protocol):
-    """Rollout state keyed by trace_id: copy-on-write changes, a call ledger, locks and lifecycle."""
+    """Rollout state keyed by trace_id: copy-on-write changes, a call ledger, locks and lifecycle.
+
+    A call goes through `begin` once and then through exactly one of `finish` or `abort`.
+    """
 
     kind: str
 
-    async def claim(self, trace_id: str, call_id: str, *, wait: float) -> StoredAnswer | Claim:
-        """Claim a call, or get the answer it already has (waiting while another worker runs it)."""
-        ...
-
-    async def release(self, trace_id: str, call_id: str, claim: Claim) -> None:
-        """Give a claim up without an answer (the call failed), so that a retry runs it again."""
-        ...
-
-    def lock(self, trace_id: str) -> AbstractAsyncContextManager[None]:
-        """Serialize state-changing calls of one rollout (other rollouts never wait)."""
-        ...
-
-    async def open(self, trace_id: str, meta: RolloutMeta, *, load_changes: bool) -> RolloutSnapshot:
-        """Create or touch the rollout (refreshing its idle expiry) and read its changes."""
-        ...
-
-    async def commit(
+    async def begin(
         self,
         trace_id: str,
-        writes: PackChanges,
-        answer: tuple[str, Claim, StoredAnswer] | None,
-    ) -> None:
-        """Apply the writes and record the answer in the ledger, atomically."""
+        call_id: str | None,
+        *,
+        lock: bool,
+        meta: RolloutMeta | None,
+        load_changes: bool,
+        wait: float,
+    ) -> Ticket | StoredAnswer:
+        """Everything a call needs before its tool runs, in one step.
+
+        - With a `call_id`, claim the call in the ledger, or return the answer it already has (a retry);
+          while another attempt of it runs, wait for that attempt's answer, up to `wait` seconds.
+        - With `lock`, take the rollout's lock (state-changing tools), waiting for it if it is held.
+        - With `meta`, create or touch the rollout (refreshing its idle expiry) and read whether it is
+          graded and, with `load_changes`, its changes.
+
+        Raises StoreUnavailable when the store is unreachable or a wait runs out.
+        """
+        ...
+
+    async def finish(self, ticket: Ticket, writes: PackChanges, answer: StoredAnswer) -> None:
+        """Apply the writes, record the answer under the call's call_id and release the lock, atomically.
+
+        Refuses (StoreUnavailable, nothing applied) when the claim or the lock lapsed while the call
+        ran, so a stalled worker can never apply its writes after another attempt has taken over.
+        """
+        ...
+
+    async def abort(self, ticket: Ticket) -> None:
+        """Give the claim and the lock up without an answer (the call failed): a retry runs it again."""
         ...
 
     async def mark_graded(self, trace_id: str) -> None: ...

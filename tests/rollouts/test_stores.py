@@ -11,67 +11,115 @@ from redis.asyncio import Redis
 
 from app.rollouts.memory import MemoryRolloutStore
 from app.rollouts.redis_store import RedisRolloutStore
-from app.rollouts.store import Claim, RolloutMeta, RolloutStore, StoredAnswer, StoreUnavailable
+from app.rollouts.store import (
+    PackChanges,
+    RolloutMeta,
+    RolloutStore,
+    StoredAnswer,
+    StoreUnavailable,
+    Ticket,
+)
 from tests.conftest import REDIS_URL, new_trace
+
+ANSWER = StoredAnswer(output='{"ok":true}', outcome="ok")
 
 
 def meta() -> RolloutMeta:
     return RolloutMeta(run="r", item_key="id:1", now=time.time())
 
 
+def redis_store(
+    *, claim_timeout: float = 1.5, lock_timeout: float = 2.0, lock_wait: float = 5.0
+) -> RedisRolloutStore:
+    return RedisRolloutStore(
+        Redis.from_url(REDIS_URL),
+        ttl_seconds=3600,
+        lock_timeout=lock_timeout,
+        claim_timeout=claim_timeout,
+        lock_wait=lock_wait,
+    )
+
+
 @pytest.fixture(params=["memory", "redis"])
 async def store(request: pytest.FixtureRequest) -> AsyncIterator[RolloutStore]:
     s: RolloutStore
     if request.param == "memory":
-        s = MemoryRolloutStore(ttl_seconds=3600)
+        s = MemoryRolloutStore(ttl_seconds=3600, lock_wait=5.0)
     else:
-        s = RedisRolloutStore(
-            Redis.from_url(REDIS_URL), ttl_seconds=3600, lock_timeout=2.0, claim_timeout=1.5, lock_wait=5.0
-        )
+        s = redis_store()
     yield s
     await s.aclose()
 
 
-async def test_claim_commit_replay(store: RolloutStore) -> None:
+async def begin(
+    store: RolloutStore,
+    trace: str,
+    call_id: str | None,
+    *,
+    lock: bool = False,
+    load: bool = True,
+    wait: float = 1.0,
+) -> Ticket | StoredAnswer:
+    return await store.begin(trace, call_id, lock=lock, meta=meta(), load_changes=load, wait=wait)
+
+
+async def ticket(store: RolloutStore, trace: str, call_id: str | None, *, lock: bool = False) -> Ticket:
+    began = await begin(store, trace, call_id, lock=lock)
+    assert isinstance(began, Ticket), began
+    return began
+
+
+async def write(store: RolloutStore, trace: str, writes: PackChanges) -> None:
+    """A state-changing call without a call_id: under the lock, not deduplicated."""
+    await store.finish(await ticket(store, trace, None, lock=True), writes, ANSWER)
+
+
+async def test_begin_finish_replay(store: RolloutStore) -> None:
     trace = new_trace()
-    claim = await store.claim(trace, "c1", wait=1)
-    assert isinstance(claim, Claim)
-    answer = StoredAnswer(output='{"ok":true}', outcome="ok")
-    await store.commit(trace, {"p": {"things": {"a": {"n": 1}}}}, ("c1", claim, answer))
-    assert await store.claim(trace, "c1", wait=1) == answer
+    first = await ticket(store, trace, "c1", lock=True)
+    assert first.changes == {} and not first.graded
+    await store.finish(first, {"p": {"things": {"a": {"n": 1}}}}, ANSWER)
+    assert await begin(store, trace, "c1", lock=True) == ANSWER, "a retry gets the stored answer"
     assert (await store.changes(trace)) == {"p": {"things": {"a": {"n": 1}}}}
-    snapshot = await store.open(trace, meta(), load_changes=True)
-    assert snapshot.changes == {"p": {"things": {"a": {"n": 1}}}} and not snapshot.graded
+    reader = await ticket(store, trace, None)
+    assert reader.changes == {"p": {"things": {"a": {"n": 1}}}} and not reader.graded
+
+
+async def test_begin_without_load_reads_no_changes(store: RolloutStore) -> None:
+    trace = new_trace()
+    await write(store, trace, {"p": {"things": {"a": {"n": 1}}}})
+    began = await begin(store, trace, None, load=False)
+    assert isinstance(began, Ticket) and began.changes == {}
 
 
 async def test_duplicate_waits_for_the_running_call(store: RolloutStore) -> None:
     trace = new_trace()
-    claim = await store.claim(trace, "c1", wait=1)
-    assert isinstance(claim, Claim)
-    waiter = asyncio.create_task(store.claim(trace, "c1", wait=5))
+    first = await ticket(store, trace, "c1", lock=True)
+    waiter = asyncio.create_task(begin(store, trace, "c1", lock=True, wait=5))
     await asyncio.sleep(0.05)
     assert not waiter.done(), "a duplicate must wait while the first attempt runs"
     answer = StoredAnswer(output="first", outcome="ok")
-    await store.commit(trace, {}, ("c1", claim, answer))
+    await store.finish(first, {}, answer)
     assert await asyncio.wait_for(waiter, 5) == answer
 
 
-async def test_released_claim_lets_the_retry_run(store: RolloutStore) -> None:
+async def test_aborted_call_lets_the_retry_run(store: RolloutStore) -> None:
     trace = new_trace()
-    claim = await store.claim(trace, "c1", wait=1)
-    assert isinstance(claim, Claim)
-    waiter = asyncio.create_task(store.claim(trace, "c1", wait=5))
+    first = await ticket(store, trace, "c1", lock=True)
+    waiter = asyncio.create_task(begin(store, trace, "c1", lock=True, wait=5))
     await asyncio.sleep(0.05)
-    await store.release(trace, "c1", claim)
+    await store.abort(first)
     second = await asyncio.wait_for(waiter, 5)
-    assert isinstance(second, Claim) and second != claim
+    assert isinstance(second, Ticket) and second.token != first.token
+    await store.finish(second, {"p": {"t": {"k": 2}}}, ANSWER)
+    assert await store.changes(trace) == {"p": {"t": {"k": 2}}}
 
 
 async def test_duplicate_gives_up_after_its_wait(store: RolloutStore) -> None:
     trace = new_trace()
-    assert isinstance(await store.claim(trace, "c1", wait=1), Claim)
-    with pytest.raises(TimeoutError):
-        await store.claim(trace, "c1", wait=0.1)
+    await ticket(store, trace, "c1")
+    with pytest.raises(StoreUnavailable, match="still running"):
+        await begin(store, trace, "c1", wait=0.1)
 
 
 async def test_lock_serializes_one_rollout_not_others(store: RolloutStore) -> None:
@@ -79,67 +127,207 @@ async def test_lock_serializes_one_rollout_not_others(store: RolloutStore) -> No
     order: list[str] = []
 
     async def hold(name: str, trace_id: str, seconds: float) -> None:
-        async with store.lock(trace_id):
-            order.append(f"{name}+")
-            await asyncio.sleep(seconds)
-            order.append(f"{name}-")
+        held = await ticket(store, trace_id, name, lock=True)
+        order.append(f"{name}+")
+        await asyncio.sleep(seconds)
+        order.append(f"{name}-")
+        await store.finish(held, {}, ANSWER)
 
     first = asyncio.create_task(hold("a", trace, 0.2))
     await asyncio.sleep(0.02)
     second = asyncio.create_task(hold("b", trace, 0.0))
     third = asyncio.create_task(hold("c", other, 0.0))
+    reader = asyncio.create_task(ticket(store, trace, "r"))  # no lock: never waits for one
+    await asyncio.wait_for(reader, 0.15)
+    assert not second.done()
     await asyncio.gather(first, second, third)
     assert order.index("a-") < order.index("b+"), order
     assert order.index("c-") < order.index("a-"), "another rollout must not wait for this one's lock"
 
 
+async def test_aborted_call_releases_the_lock(store: RolloutStore) -> None:
+    trace = new_trace()
+    first = await ticket(store, trace, "c1", lock=True)
+    await store.abort(first)
+    second = await asyncio.wait_for(ticket(store, trace, "c2", lock=True), 1)
+    await store.finish(second, {}, ANSWER)
+
+
+async def test_parallel_read_modify_write_loses_nothing(store: RolloutStore) -> None:
+    trace = new_trace()
+
+    async def bump(i: int) -> None:
+        held = await ticket(store, trace, f"c{i}", lock=True)
+        current = held.changes.get("p", {}).get("t", {}).get("n", 0)
+        await asyncio.sleep(0)
+        await store.finish(held, {"p": {"t": {"n": current + 1}}}, ANSWER)
+
+    await asyncio.gather(*(bump(i) for i in range(40)))
+    assert await store.changes(trace) == {"p": {"t": {"n": 40}}}
+
+
+async def test_lock_wait_runs_out(store: RolloutStore) -> None:
+    trace = new_trace()
+    short: RolloutStore = (
+        MemoryRolloutStore(ttl_seconds=3600, lock_wait=0.1)
+        if isinstance(store, MemoryRolloutStore)
+        else redis_store(lock_wait=0.1)
+    )
+    try:
+        # One store instance holds the memory store's locks, so hold the lock through `short` itself.
+        held = await ticket(short, trace, None, lock=True)
+        with pytest.raises(StoreUnavailable, match="lock"):
+            await begin(short, trace, "c2", lock=True)
+        await short.finish(held, {}, ANSWER)
+        # The call that gave up left no claim behind: it runs when retried.
+        retry = await ticket(short, trace, "c2", lock=True)
+        await short.finish(retry, {}, ANSWER)
+    finally:
+        if short is not store:
+            await short.aclose()
+
+
 async def test_deletes_are_tombstones_and_graded_flag(store: RolloutStore) -> None:
     trace = new_trace()
-    await store.commit(trace, {"p": {"things": {"a": {"n": 1}, "b": {"n": 2}}}}, None)
-    await store.commit(trace, {"p": {"things": {"a": None}}}, None)
+    await write(store, trace, {"p": {"things": {"a": {"n": 1}, "b": {"n": 2}}}})
+    await write(store, trace, {"p": {"things": {"a": None}}})
     assert (await store.changes(trace)) == {"p": {"things": {"a": None, "b": {"n": 2}}}}
     assert not await store.is_graded(trace)
     await store.mark_graded(trace)
     assert await store.is_graded(trace)
-    assert (await store.open(trace, meta(), load_changes=False)).graded
+    assert (await ticket(store, trace, None, lock=True)).graded
 
 
 async def test_rollouts_are_isolated(store: RolloutStore) -> None:
     a, b = new_trace(), new_trace()
-    await store.commit(a, {"p": {"things": {"x": {"v": "a"}}}}, None)
+    await write(store, a, {"p": {"things": {"x": {"v": "a"}}}})
     assert await store.changes(b) == {}
 
 
-async def test_redis_commit_refuses_a_lapsed_claim() -> None:
-    store = RedisRolloutStore(
-        Redis.from_url(REDIS_URL), ttl_seconds=3600, lock_timeout=2.0, claim_timeout=1.5, lock_wait=5.0
-    )
+async def test_redis_rollout_metadata_is_kept() -> None:
+    store = redis_store()
+    client = Redis.from_url(REDIS_URL)
     try:
         trace = new_trace()
-        claim = await store.claim(trace, "c1", wait=1)
-        assert isinstance(claim, Claim)
-        # Simulate a stalled worker whose claim expired and was taken over by a retry.
-        await store.release(trace, "c1", claim)
-        retry = await store.claim(trace, "c1", wait=1)
-        assert isinstance(retry, Claim)
-        with pytest.raises(StoreUnavailable):
-            await store.commit(trace, {"p": {"t": {"k": 1}}}, ("c1", claim, StoredAnswer("stale", "ok")))
-        assert await store.changes(trace) == {}, "a stale claim's writes must not be applied"
+        await store.begin(
+            trace,
+            None,
+            lock=False,
+            meta=RolloutMeta(run="run-a", item_key="id:7", now=100.0),
+            load_changes=False,
+            wait=1,
+        )
+        await store.begin(
+            trace,
+            None,
+            lock=False,
+            meta=RolloutMeta(run="run-b", item_key=None, now=200.0),
+            load_changes=False,
+            wait=1,
+        )
+        stored = await client.hgetall(f"sp:{{{trace}}}:meta")
+        assert stored == {
+            b"first_seen": b"100.0",
+            b"last_seen": b"200.0",
+            b"run": b"run-a",
+            b"item_key": b"id:7",
+        }
+        assert 0 < await client.pttl(f"sp:{{{trace}}}:meta") <= 3600 * 1000
     finally:
+        await client.aclose()
+        await store.aclose()
+
+
+async def test_redis_finish_refuses_a_lapsed_claim() -> None:
+    store = redis_store()
+    try:
+        trace = new_trace()
+        stale = await ticket(store, trace, "c1", lock=True)
+        # Simulate a stalled worker whose claim and lock expired, and a retry that took over.
+        await store.abort(stale)
+        retry = await ticket(store, trace, "c1", lock=True)
+        with pytest.raises(StoreUnavailable, match="claim lapsed"):
+            await store.finish(stale, {"p": {"t": {"k": 1}}}, StoredAnswer("stale", "ok"))
+        assert await store.changes(trace) == {}, "a stale claim's writes must not be applied"
+        await store.finish(retry, {"p": {"t": {"k": 2}}}, ANSWER)
+        assert await store.changes(trace) == {"p": {"t": {"k": 2}}}
+        assert await begin(store, trace, "c1") == ANSWER
+    finally:
+        await store.aclose()
+
+
+async def test_redis_finish_refuses_a_lapsed_lock() -> None:
+    store = redis_store()
+    client = Redis.from_url(REDIS_URL)
+    try:
+        trace = new_trace()
+        stale = await ticket(store, trace, "c1", lock=True)
+        # The lock expired under a stalled worker and another call holds it now.
+        await client.set(f"sp:{{{trace}}}:lock", "someone-else")
+        with pytest.raises(StoreUnavailable, match="lock lapsed"):
+            await store.finish(stale, {"p": {"t": {"k": 1}}}, ANSWER)
+        assert await store.changes(trace) == {}, "writes made without the lock must not be applied"
+        assert await client.get(f"sp:{{{trace}}}:lock") == b"someone-else", "another's lock is left alone"
+        assert await client.get(f"sp:{{{trace}}}:call:c1") is None, "the claim is given up for a retry"
+    finally:
+        await client.aclose()
         await store.aclose()
 
 
 async def test_redis_claim_of_a_crashed_worker_lapses() -> None:
     client = Redis.from_url(REDIS_URL)
-    store = RedisRolloutStore(client, ttl_seconds=3600, lock_timeout=2.0, claim_timeout=0.3, lock_wait=5.0)
+    store = redis_store(claim_timeout=0.3)
     try:
         trace = new_trace()
-        # A claim written by a worker that died (no keepalive runs for it).
+        # A claim written by a worker that died (no keep-alive runs for it).
         await client.set(f"sp:{{{trace}}}:call:c1", "P:deadbeef", px=300)
-        again = await store.claim(trace, "c1", wait=3)
-        assert isinstance(again, Claim)
-        await store.release(trace, "c1", again)
+        await client.set(f"sp:{{{trace}}}:lock", "deadbeef", px=300)
+        again = await begin(store, trace, "c1", lock=True, wait=3)
+        assert isinstance(again, Ticket)
+        await store.abort(again)
     finally:
+        await client.aclose()
+        await store.aclose()
+
+
+async def test_redis_keep_alive_holds_claim_and_lock_of_a_long_call() -> None:
+    client = Redis.from_url(REDIS_URL)
+    store = redis_store(claim_timeout=0.3, lock_timeout=0.3)
+    try:
+        trace = new_trace()
+        long_call = await ticket(store, trace, "c1", lock=True)
+        await asyncio.sleep(1.0)  # more than three expiries
+        assert await client.get(f"sp:{{{trace}}}:call:c1") == f"P:{long_call.token}".encode()
+        assert await client.get(f"sp:{{{trace}}}:lock") == long_call.token.encode()
+        await store.finish(long_call, {"p": {"t": {"k": 1}}}, ANSWER)
+        assert await client.get(f"sp:{{{trace}}}:lock") is None
+        await asyncio.sleep(0.4)
+        assert await begin(store, trace, "c1") == ANSWER, "the answer outlives the claim's expiry"
+    finally:
+        await client.aclose()
+        await store.aclose()
+
+
+async def test_redis_begin_retried_after_a_lost_reply_keeps_its_claim() -> None:
+    store = redis_store()
+    client = Redis.from_url(REDIS_URL)
+    try:
+        trace = new_trace()
+        first = await ticket(store, trace, "c1", lock=True)
+        # Redis applied the script but its reply was lost: the client runs it again with the same token.
+        keys = [
+            f"sp:{{{trace}}}:meta",
+            f"sp:{{{trace}}}:state",
+            f"sp:{{{trace}}}:call:c1",
+            f"sp:{{{trace}}}:lock",
+        ]
+        reply = await store._begin(
+            keys=keys, args=[first.token, 1500, 2000, 3600000, "1", "1", "0", "0", "", "", ""]
+        )
+        assert reply[0] == b"ok"
+        await store.finish(first, {}, ANSWER)
+    finally:
+        await client.aclose()
         await store.aclose()
 
 
@@ -153,7 +341,7 @@ async def test_redis_down_is_store_unavailable() -> None:
     )
     try:
         with pytest.raises(StoreUnavailable) as info:
-            await store.open(new_trace(), meta(), load_changes=True)
+            await begin(store, new_trace(), "c1", lock=True)
         assert info.value.status_code == 503
     finally:
         await store.aclose()

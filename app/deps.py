@@ -1,4 +1,8 @@
-"""Small dependencies that reach what the lifespan built (resources live on app.state)."""
+"""Small dependencies that reach what the lifespan built (resources live on app.state).
+
+They are `async def` on purpose: FastAPI runs a plain `def` dependency in its thread pool, a thread
+hand-off per dependency per request that costs more than the tool call itself.
+"""
 
 from __future__ import annotations
 
@@ -14,27 +18,27 @@ from app.packs import Registry
 from app.rollouts.store import RolloutStore
 
 
-def get_app_settings(request: Request) -> Settings:
+async def get_app_settings(request: Request) -> Settings:
     settings: Settings = request.app.state.settings
     return settings
 
 
-def get_registry(request: Request) -> Registry:
+async def get_registry(request: Request) -> Registry:
     registry: Registry = request.app.state.registry
     return registry
 
 
-def get_store(request: Request) -> RolloutStore:
+async def get_store(request: Request) -> RolloutStore:
     store: RolloutStore = request.app.state.store
     return store
 
 
-def get_call_service(request: Request) -> ToolCallService:
+async def get_call_service(request: Request) -> ToolCallService:
     service: ToolCallService = request.app.state.call_service
     return service
 
 
-def get_sessionmaker(request: Request) -> async_sessionmaker[AsyncSession]:
+async def get_sessionmaker(request: Request) -> async_sessionmaker[AsyncSession]:
     maker: async_sessionmaker[AsyncSession] = request.app.state.sessionmaker
     return maker
 

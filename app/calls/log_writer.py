@@ -5,14 +5,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import bindparam, func, select, update
-from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import SQLAlchemyError
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy import TextClause, bindparam, func, select, text, update
+from sqlalchemy.dialects import sqlite
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.db.models import Rollout, ToolCall
 from app.errors import ServiceUnavailable
@@ -46,6 +47,73 @@ class CallRecord:
 
 _Pending = tuple[CallRecord, asyncio.Future[None] | None]
 
+# The columns of tool_calls the writer fills, in the order of CallRecord's fields plus output_bytes.
+_CALL_COLUMNS = (
+    ("trace_id", "varchar"),
+    ("call_id", "varchar"),
+    ("request_id", "varchar"),
+    ("tool", "varchar"),
+    ("arguments", "text"),
+    ("output", "text"),
+    ("outcome", "varchar"),
+    ("error", "text"),
+    ("status_code", "integer"),
+    ("started_at", "timestamptz"),
+    ("ended_at", "timestamptz"),
+    ("latency_ms", "float8"),
+    ("worker", "varchar"),
+    ("run", "varchar"),
+    ("item_key", "varchar"),
+    ("output_bytes", "integer"),
+)
+_ROLLOUT_COLUMNS = (
+    ("trace_id", "varchar"),
+    ("run", "varchar"),
+    ("item_key", "varchar"),
+    ("first_seen", "timestamptz"),
+    ("last_seen", "timestamptz"),
+)
+
+
+def _unnest(prefix: str, columns: tuple[tuple[str, str], ...]) -> str:
+    arrays = ", ".join(f"CAST(:{prefix}{name} AS {kind}[])" for name, kind in columns)
+    return f"unnest({arrays}) AS {prefix}({', '.join(name for name, _ in columns)})"
+
+
+def _postgres_batch_statement() -> TextClause:
+    """A whole batch in one statement, each column sent as one array: log the calls, then upsert their
+    rollouts adding the number of calls actually inserted (a call answered before, replayed from the
+    ledger, conflicts on uq_tool_calls_answered and is neither logged nor counted twice).
+
+    One statement is one transaction, so the batch is committed atomically in one round trip. Running
+    it again after an unknown outcome cannot count a call twice either. The rollouts are upserted in
+    trace_id order, so two workers' batches lock shared rollouts in the same order.
+    """
+    names = ", ".join(name for name, _ in _CALL_COLUMNS)
+    return text(
+        f"""
+        WITH logged AS (
+            INSERT INTO tool_calls ({names})
+            SELECT {names} FROM {_unnest("c_", _CALL_COLUMNS)}
+            ON CONFLICT DO NOTHING
+            RETURNING trace_id
+        ), counted AS (
+            SELECT trace_id, count(*) AS n FROM logged GROUP BY trace_id
+        )
+        INSERT INTO rollouts (trace_id, run, item_key, first_seen, last_seen, calls)
+        SELECT r_.trace_id, r_.run, r_.item_key, r_.first_seen, r_.last_seen, coalesce(counted.n, 0)
+        FROM {_unnest("r_", _ROLLOUT_COLUMNS)}
+        LEFT JOIN counted ON counted.trace_id = r_.trace_id
+        ORDER BY r_.trace_id
+        ON CONFLICT (trace_id) DO UPDATE SET
+            first_seen = least(rollouts.first_seen, excluded.first_seen),
+            last_seen = greatest(rollouts.last_seen, excluded.last_seen),
+            run = coalesce(rollouts.run, excluded.run),
+            item_key = coalesce(rollouts.item_key, excluded.item_key),
+            calls = rollouts.calls + excluded.calls
+        """
+    )
+
 
 class CallLogWriter:
     """Batches call records into one INSERT per transaction; `write` returns once its batch is durable."""
@@ -60,17 +128,21 @@ class CallLogWriter:
         self._retry_after = retry_after
         self._task: asyncio.Task[None] | None = None
         self.last_batch_size = 0
-        # Built once: the same statements each batch, so SQLAlchemy compiles them once.
-        insert: Any = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
-        greatest = func.greatest if engine.dialect.name == "postgresql" else func.max
-        least = func.least if engine.dialect.name == "postgresql" else func.min
+        self._postgres = engine.dialect.name == "postgresql"
+        # Postgres: one statement per batch on a connection the writer keeps (no pool round trips).
+        self._conn: AsyncConnection | None = None
+        self._conn_lock = asyncio.Lock()
+        self._idle_since = 0.0
+        self._batch_statement = _postgres_batch_statement() if self._postgres else None
+        # SQLite: the same work in three statements. Built once, so SQLAlchemy compiles them once.
+        insert: Any = sqlite.insert
         rollouts = Rollout.__table__
         upsert = insert(rollouts)
         self._rollout_upsert = upsert.on_conflict_do_update(
             index_elements=[rollouts.c.trace_id],
             set_={
-                "first_seen": least(rollouts.c.first_seen, upsert.excluded.first_seen),
-                "last_seen": greatest(rollouts.c.last_seen, upsert.excluded.last_seen),
+                "first_seen": func.min(rollouts.c.first_seen, upsert.excluded.first_seen),
+                "last_seen": func.max(rollouts.c.last_seen, upsert.excluded.last_seen),
                 "run": func.coalesce(rollouts.c.run, upsert.excluded.run),
                 "item_key": func.coalesce(rollouts.c.item_key, upsert.excluded.item_key),
             },
@@ -172,12 +244,12 @@ class CallLogWriter:
                 row["last_seen"] = max(row["last_seen"], record.ended_at)
                 row["run"] = row["run"] or record.run
                 row["item_key"] = row["item_key"] or record.item_key
-        # Rows in a fixed order, so two workers upserting the same rollouts cannot deadlock.
-        rows = [
-            {**asdict(record), "output_bytes": len(record.output.encode()) if record.output else 0}
-            for record in records
-        ]
+        # Rollouts in a fixed order, so two workers upserting the same rollouts cannot deadlock.
         traces = sorted(rollouts)
+        if self._postgres:
+            await self._commit_postgres(records, [rollouts[key] for key in traces])
+            return
+        rows = [{**asdict(record), "output_bytes": _output_bytes(record)} for record in records]
         async with self._engine.begin() as conn:
             # The upsert locks each rollout row first, so concurrent batches of one rollout take turns
             # and each recount sees the calls the other committed.
@@ -185,13 +257,92 @@ class CallLogWriter:
             await conn.execute(self._calls_insert, rows)
             await conn.execute(self._recount, {"traces": traces})
 
+    async def _commit_postgres(self, records: list[CallRecord], rollouts: list[dict[str, Any]]) -> None:
+        assert self._batch_statement is not None
+        columns = list(zip(*(_record_values(record) for record in records), strict=True))
+        params: dict[str, Any] = {
+            f"c_{name}": list(values) for (name, _), values in zip(_CALL_COLUMNS, columns, strict=True)
+        }
+        for name, _ in _ROLLOUT_COLUMNS:
+            params[f"r_{name}"] = [row[name] for row in rollouts]
+        async with self._conn_lock:  # only the writer task commits; tests may call _commit directly
+            conn = await self._connection()
+            try:
+                await conn.execute(self._batch_statement, params)
+            except BaseException:
+                # Whatever went wrong, the next batch starts on a new connection.
+                self._conn = None
+                await _discard(conn)
+                raise
+            self._idle_since = time.monotonic()
+
+    async def _connection(self) -> AsyncConnection:
+        """The writer's own autocommit connection; checked first if it sat idle (a restarted database)."""
+        conn = self._conn
+        if conn is not None and time.monotonic() - self._idle_since > _IDLE_CHECK_SECONDS:
+            try:
+                await conn.exec_driver_sql("SELECT 1")
+            except (DBAPIError, OSError):
+                await _discard(conn)
+                conn = self._conn = None
+        if conn is None:
+            conn = await self._engine.connect()
+            try:
+                await conn.execution_options(isolation_level="AUTOCOMMIT")
+            except BaseException:
+                await conn.close()
+                raise
+            self._conn = conn
+        return conn
+
     async def aclose(self) -> None:
         # Drain what is queued before stopping, so nothing answered is lost at shutdown.
-        if self._task is None:
-            return
-        if not self._task.done():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._queue.join(), timeout=30)
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
+        if self._task is not None:
+            if not self._task.done():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._queue.join(), timeout=30)
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        async with self._conn_lock:
+            if self._conn is not None:
+                conn, self._conn = self._conn, None
+                with contextlib.suppress(Exception):
+                    await conn.close()
+
+
+_IDLE_CHECK_SECONDS = 5.0
+
+
+async def _discard(conn: AsyncConnection) -> None:
+    """Drop a connection that failed: invalidate it (never reused) and give it back to the pool."""
+    with contextlib.suppress(Exception):
+        await conn.invalidate()
+    with contextlib.suppress(Exception):
+        await conn.close()
+
+
+def _output_bytes(record: CallRecord) -> int:
+    return len(record.output.encode()) if record.output else 0
+
+
+def _record_values(record: CallRecord) -> tuple[Any, ...]:
+    """The record's values in _CALL_COLUMNS order."""
+    return (
+        record.trace_id,
+        record.call_id,
+        record.request_id,
+        record.tool,
+        record.arguments,
+        record.output,
+        record.outcome,
+        record.error,
+        record.status_code,
+        record.started_at,
+        record.ended_at,
+        record.latency_ms,
+        record.worker,
+        record.run,
+        record.item_key,
+        _output_bytes(record),
+    )

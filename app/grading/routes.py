@@ -17,7 +17,7 @@ from app.grading.service import GradingService
 router = APIRouter(tags=["graders"])
 
 
-def get_grading_service(request: Request) -> GradingService:
+async def get_grading_service(request: Request) -> GradingService:
     service: GradingService = request.app.state.grading
     return service
 

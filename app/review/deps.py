@@ -40,7 +40,7 @@ class ReviewDatabase:
             raise self.unavailable(exc) from exc
 
 
-def get_review_database(request: Request) -> ReviewDatabase:
+async def get_review_database(request: Request) -> ReviewDatabase:
     return ReviewDatabase(request.app.state.sessionmaker, request.app.state.settings.retry_after_seconds)
 
 

@@ -174,6 +174,9 @@ async def test_concurrent_writers_count_every_call_of_a_rollout(client: httpx.As
         for w in range(2)
         for i in range(5)
     ]
-    await asyncio.gather(*((mine if n % 2 else other)._commit(batch) for n, batch in enumerate(batches)))
+    try:
+        await asyncio.gather(*((mine if n % 2 else other)._commit(batch) for n, batch in enumerate(batches)))
+    finally:
+        await other.aclose()
     counts = await _counts(client, traces)
     assert counts == {traces[0]: (11, 11), traces[1]: (10, 10), traces[2]: (10, 10)}

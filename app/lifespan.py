@@ -56,7 +56,9 @@ def build_store(settings: Settings) -> RolloutStore:
         settings.redis_url,
         max_connections=settings.redis_max_connections,
         timeout=5,
-        socket_timeout=5,
+        # No per-socket timeout: the store puts one deadline on each whole operation instead, which
+        # costs one timer rather than a task and a timer per command.
+        socket_timeout=None,
         socket_connect_timeout=2,
         health_check_interval=30,
     )

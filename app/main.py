@@ -13,6 +13,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from app.auth import require
 from app.calls.routes import router as tools_router
+from app.calls.routes import tool_call_routes
 from app.config import Settings, get_settings
 from app.errors import ServiceUnavailable, SparringError, handle_outage, handle_sparring_error
 from app.grading.routes import router as grading_router
@@ -73,6 +74,7 @@ def create_app(settings: Settings | None = None, *, packs: list[Pack] | None = N
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     app.include_router(tools_router)
+    app.router.routes[:0] = tool_call_routes()  # the hot path, matched first (see app.calls.routes)
     app.include_router(rollouts_router)
     app.include_router(grading_router)
     app.include_router(review_router)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 import uuid
@@ -11,7 +12,7 @@ from typing import Any, TypeVar
 
 import orjson
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from app.rollouts.store import PackChanges, RolloutMeta, StoredAnswer, StoreUnavailable, Ticket
 
@@ -111,6 +112,26 @@ return kept
 """
 
 
+class _Script:
+    """A Lua script run by EVALSHA, loaded again if the server lost it (restarted, SCRIPT FLUSH).
+
+    The client's own Script helper goes through argument-checking wrappers that cost more than the
+    round trip itself on this hot path; this sends the same EVALSHA through execute_command.
+    """
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()  # the name Redis gives the script
+
+    async def __call__(self, client: Redis, keys: list[str], args: list[Any]) -> Any:
+        run: Any = client.execute_command
+        try:
+            return await run("EVALSHA", self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            await run("SCRIPT LOAD", self.source)
+            return await run("EVALSHA", self.sha, len(keys), *keys, *args)
+
+
 def _prefix(trace_id: str) -> str:
     # The hash tag keeps every key of a rollout in one Redis Cluster slot (atomic scripts need it).
     return f"sp:{{{trace_id}}}"
@@ -146,17 +167,20 @@ class _KeepAlive:
     async def _extend(self) -> None:
         ticket = self._ticket
         try:
-            kept = await self._store._extend(
-                keys=_keys(ticket.trace_id, ticket.call_id),
-                args=[
+            store = self._store
+            kept = await store._run(
+                store._extend,
+                ticket.trace_id,
+                ticket.call_id,
+                [
                     ticket.token,
                     "1" if ticket.call_id is not None else "0",
                     "1" if ticket.locked else "0",
-                    self._store._claim_ms,
-                    self._store._lock_ms,
+                    store._claim_ms,
+                    store._lock_ms,
                 ],
             )
-        except (RedisError, OSError) as exc:
+        except StoreUnavailable as exc:
             log.warning("could not extend the claim or lock of rollout %s: %s", ticket.trace_id, exc)
             kept = 1  # try again at the next period; the expiry leaves time for two more attempts
         self._task = None
@@ -183,23 +207,34 @@ class RedisRolloutStore:
         lock_timeout: float,
         claim_timeout: float,
         lock_wait: float,
+        op_timeout: float = 5.0,
     ) -> None:
         self._redis = client
         self._lock_wait = lock_wait
         self._ttl_ms = int(ttl_seconds * 1000)
         self._lock_ms = int(lock_timeout * 1000)
         self._claim_ms = int(claim_timeout * 1000)
-        self._begin = client.register_script(_BEGIN)
-        self._finish = client.register_script(_FINISH)
-        self._abort = client.register_script(_ABORT)
-        self._extend = client.register_script(_EXTEND)
+        self._op_timeout = op_timeout
+        self._begin = _Script(_BEGIN)
+        self._finish = _Script(_FINISH)
+        self._abort = _Script(_ABORT)
+        self._extend = _Script(_EXTEND)
         self._live: set[_KeepAlive] = set()
 
     async def _guard(self, operation: Awaitable[T]) -> T:
+        """Run one Redis operation under one deadline; an unreachable or hung Redis is a 503."""
         try:
-            return await operation
+            async with asyncio.timeout(self._op_timeout):
+                return await operation
+        except TimeoutError as exc:
+            raise StoreUnavailable(
+                f"rollout state store did not answer within {self._op_timeout:g} s"
+            ) from exc
         except (RedisError, OSError) as exc:
             raise StoreUnavailable(f"rollout state store unreachable: {type(exc).__name__}: {exc}") from exc
+
+    async def _run(self, script: _Script, trace_id: str, call_id: str | None, args: list[Any]) -> Any:
+        return await self._guard(script(self._redis, _keys(trace_id, call_id), args))
 
     # --- one call: begin, then finish or abort ------------------------------------------------------
 
@@ -216,7 +251,6 @@ class RedisRolloutStore:
         ticket = Ticket(trace_id=trace_id, call_id=call_id, token=uuid.uuid4().hex, locked=lock)
         if call_id is None and not lock and meta is None:
             return ticket
-        keys = _keys(trace_id, call_id)
         args: list[Any] = [
             ticket.token,
             self._claim_ms,
@@ -234,7 +268,7 @@ class RedisRolloutStore:
         call_deadline, lock_deadline = now + wait, now + self._lock_wait
         busy_pause = lock_pause = 0.002
         while True:
-            reply: list[Any] = await self._guard(self._begin(keys=keys, args=args))
+            reply: list[Any] = await self._run(self._begin, trace_id, call_id, args)
             kind = _text(reply[0])
             if kind == "ok":
                 ticket.graded = bool(reply[1])
@@ -291,7 +325,7 @@ class RedisRolloutStore:
                 for key, value in records.items():
                     args.append(_SEP.join((pack, collection, key)))
                     args.append(orjson.dumps(value))
-        applied = await self._guard(self._finish(keys=_keys(ticket.trace_id, ticket.call_id), args=args))
+        applied = await self._run(self._finish, ticket.trace_id, ticket.call_id, args)
         if applied == 0:
             raise StoreUnavailable(
                 "this call's claim lapsed while it ran; a retry will get the stored answer"
@@ -305,16 +339,9 @@ class RedisRolloutStore:
         self._let_go(ticket)
         if ticket.call_id is None and not ticket.locked:
             return
-        await self._guard(
-            self._abort(
-                keys=_keys(ticket.trace_id, ticket.call_id),
-                args=[
-                    ticket.token,
-                    "1" if ticket.call_id is not None else "0",
-                    "1" if ticket.locked else "0",
-                ],
-            )
-        )
+        ledger = "1" if ticket.call_id is not None else "0"
+        locked = "1" if ticket.locked else "0"
+        await self._run(self._abort, ticket.trace_id, ticket.call_id, [ticket.token, ledger, locked])
 
     # --- state and lifecycle -------------------------------------------------------------------------
 

@@ -315,20 +315,58 @@ async def test_redis_begin_retried_after_a_lost_reply_keeps_its_claim() -> None:
         trace = new_trace()
         first = await ticket(store, trace, "c1", lock=True)
         # Redis applied the script but its reply was lost: the client runs it again with the same token.
-        keys = [
-            f"sp:{{{trace}}}:meta",
-            f"sp:{{{trace}}}:state",
-            f"sp:{{{trace}}}:call:c1",
-            f"sp:{{{trace}}}:lock",
-        ]
-        reply = await store._begin(
-            keys=keys, args=[first.token, 1500, 2000, 3600000, "1", "1", "0", "0", "", "", ""]
-        )
+        args = [first.token, 1500, 2000, 3600000, "1", "1", "0", "0", "", "", ""]
+        reply = await store._run(store._begin, trace, "c1", args)
         assert reply[0] == b"ok"
+        # Anyone else is still refused the claim and the lock.
+        other = await store._run(store._begin, trace, "c1", ["other-token", *args[1:]])
+        assert other == [b"busy"]
+        elsewhere = await store._run(store._begin, trace, "c2", ["other-token", *args[1:]])
+        assert elsewhere == [b"locked"]
         await store.finish(first, {}, ANSWER)
     finally:
         await client.aclose()
         await store.aclose()
+
+
+async def test_redis_reloads_its_scripts_after_a_flush() -> None:
+    store = redis_store()
+    client = Redis.from_url(REDIS_URL)
+    try:
+        trace = new_trace()
+        await client.script_flush()  # as after a Redis restart: the server knows no script
+        began = await ticket(store, trace, "c1", lock=True)
+        await client.script_flush()
+        await store.finish(began, {"p": {"t": {"k": 1}}}, ANSWER)
+        assert await begin(store, trace, "c1") == ANSWER
+    finally:
+        await client.aclose()
+        await store.aclose()
+
+
+async def test_redis_that_never_answers_is_store_unavailable() -> None:
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(-1)  # accept and read, never reply
+        writer.close()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    store = RedisRolloutStore(
+        Redis.from_url(f"redis://127.0.0.1:{port}/0"),
+        ttl_seconds=60,
+        lock_timeout=1,
+        claim_timeout=1,
+        lock_wait=1,
+        op_timeout=0.3,
+    )
+    try:
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable, match="did not answer"):
+            await begin(store, new_trace(), "c1", lock=True)
+        assert time.monotonic() - started < 5
+    finally:
+        await store.aclose()
+        server.close()
 
 
 async def test_redis_down_is_store_unavailable() -> None:

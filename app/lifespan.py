@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
@@ -45,6 +46,22 @@ class AppOptions:
     """What create_app was given beyond settings (tests inject packs this way)."""
 
     packs: tuple[Pack, ...] | None = None
+
+
+_startup_frozen = False
+
+
+def _freeze_startup_objects() -> None:
+    """Move everything built at start-up out of the garbage collector's sight, once per process.
+
+    Packs' base data, the app and the libraries live as long as the process. Left tracked, each full
+    collection under load scanned them all and paused every request for tens of milliseconds (the
+    benchmark's p99 at 32 concurrent calls fell from about 100 ms to about 25 ms with this).
+    """
+    global _startup_frozen
+    if not _startup_frozen:
+        gc.freeze()
+        _startup_frozen = True
 
 
 def build_store(settings: Settings) -> RolloutStore:
@@ -218,6 +235,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             tool_timeout=settings.tool_timeout_seconds,
             metrics=metrics,
         )
+        _freeze_startup_objects()
         yield
     finally:
         if grader_context is not None:

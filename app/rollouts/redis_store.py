@@ -7,7 +7,9 @@ import hashlib
 import logging
 import time
 import uuid
+import weakref
 from collections.abc import Awaitable, Iterable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import orjson
@@ -196,6 +198,14 @@ class _KeepAlive:
             self._task = None
 
 
+@dataclass(eq=False)
+class _Held:
+    """What a ticket holds in this process: the rollout's local lock and the keep-alive timer."""
+
+    local: asyncio.Lock | None = None
+    keeper: _KeepAlive | None = None
+
+
 class RedisRolloutStore:
     kind = "redis"
 
@@ -220,6 +230,7 @@ class RedisRolloutStore:
         self._abort = _Script(_ABORT)
         self._extend = _Script(_EXTEND)
         self._live: set[_KeepAlive] = set()
+        self._local_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
 
     async def _guard(self, operation: Awaitable[T]) -> T:
         """Run one Redis operation under one deadline; an unreachable or hung Redis is a 503."""
@@ -266,25 +277,53 @@ class RedisRolloutStore:
         ]
         now = time.monotonic()
         call_deadline, lock_deadline = now + wait, now + self._lock_wait
+        held = ticket.held = _Held()
+        if lock:
+            # Calls of this rollout in this process queue here, in order, instead of polling Redis;
+            # the Redis lock below then only ever waits for calls running in other processes.
+            local = self._local_locks.get(trace_id)
+            if local is None:
+                local = self._local_locks[trace_id] = asyncio.Lock()
+            if local.locked():
+                try:
+                    async with asyncio.timeout(self._lock_wait):
+                        await local.acquire()
+                except TimeoutError:
+                    raise StoreUnavailable("timed out waiting for the rollout's lock") from None
+            else:
+                await local.acquire()
+            held.local = local
+        try:
+            began = await self._begin_in_redis(ticket, args, call_deadline, lock_deadline)
+        except BaseException:
+            self._let_go(ticket)
+            raise
+        if isinstance(began, StoredAnswer):
+            self._let_go(ticket)
+        elif call_id is not None or lock:
+            self._keep_alive(ticket)
+        return began
+
+    async def _begin_in_redis(
+        self, ticket: Ticket, args: list[Any], call_deadline: float, lock_deadline: float
+    ) -> Ticket | StoredAnswer:
         busy_pause = lock_pause = 0.002
         while True:
-            reply: list[Any] = await self._run(self._begin, trace_id, call_id, args)
+            reply: list[Any] = await self._run(self._begin, ticket.trace_id, ticket.call_id, args)
             kind = _text(reply[0])
             if kind == "ok":
                 ticket.graded = bool(reply[1])
-                if load_changes and len(reply) > 2:
+                if len(reply) > 2:
                     ticket.changes = _decode_pairs(reply[2])
-                if call_id is not None or lock:
-                    self._keep_alive(ticket)
                 return ticket
             if kind == "answer":
                 data = orjson.loads(reply[1])
                 return StoredAnswer(output=data["output"], outcome=data["outcome"])
             # Wait and try again: for another attempt of this call to answer (or its claim to lapse),
-            # or for the call holding the rollout's lock to finish.
+            # or for the call holding the rollout's lock (in another process) to finish.
             if kind == "busy":
                 if time.monotonic() >= call_deadline:
-                    raise StoreUnavailable(f"call {call_id} is still running elsewhere")
+                    raise StoreUnavailable(f"call {ticket.call_id} is still running elsewhere")
                 await asyncio.sleep(busy_pause)
                 busy_pause = min(busy_pause * 2, 0.1)
             else:
@@ -298,18 +337,29 @@ class RedisRolloutStore:
             [self._lock_ms] if ticket.locked else []
         )
         keeper = _KeepAlive(self, ticket, min(expiries) / 3000)
-        ticket.held = keeper
+        ticket.held.keeper = keeper
         self._live.add(keeper)
 
     def _let_go(self, ticket: Ticket) -> None:
-        keeper: _KeepAlive | None = ticket.held
-        if keeper is not None:
-            keeper.stop()
-            self._live.discard(keeper)
-            ticket.held = None
+        """Stop keeping the claim and lock alive, and let this process's next call of the rollout in."""
+        held: _Held | None = ticket.held
+        if held is None:
+            return
+        ticket.held = None
+        if held.keeper is not None:
+            held.keeper.stop()
+            self._live.discard(held.keeper)
+        if held.local is not None:
+            held.local.release()
 
     async def finish(self, ticket: Ticket, writes: PackChanges, answer: StoredAnswer) -> None:
-        self._let_go(ticket)
+        try:
+            await self._finish_in_redis(ticket, writes, answer)
+        finally:
+            # Only now: this process's next call of the rollout must find the Redis lock free.
+            self._let_go(ticket)
+
+    async def _finish_in_redis(self, ticket: Ticket, writes: PackChanges, answer: StoredAnswer) -> None:
         ledger = ticket.call_id is not None
         if not ledger and not ticket.locked and not writes:
             return
@@ -336,12 +386,13 @@ class RedisRolloutStore:
             )
 
     async def abort(self, ticket: Ticket) -> None:
-        self._let_go(ticket)
-        if ticket.call_id is None and not ticket.locked:
-            return
-        ledger = "1" if ticket.call_id is not None else "0"
-        locked = "1" if ticket.locked else "0"
-        await self._run(self._abort, ticket.trace_id, ticket.call_id, [ticket.token, ledger, locked])
+        try:
+            if ticket.call_id is not None or ticket.locked:
+                ledger = "1" if ticket.call_id is not None else "0"
+                locked = "1" if ticket.locked else "0"
+                await self._run(self._abort, ticket.trace_id, ticket.call_id, [ticket.token, ledger, locked])
+        finally:
+            self._let_go(ticket)
 
     # --- state and lifecycle -------------------------------------------------------------------------
 

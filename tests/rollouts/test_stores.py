@@ -166,6 +166,34 @@ async def test_parallel_read_modify_write_loses_nothing(store: RolloutStore) -> 
     assert await store.changes(trace) == {"p": {"t": {"n": 40}}}
 
 
+async def test_redis_stores_of_two_processes_share_the_lock() -> None:
+    """Each store queues its own calls locally; across stores only the Redis lock serializes them."""
+    stores = [redis_store(), redis_store()]
+    trace = new_trace()
+
+    async def bump(i: int) -> None:
+        store = stores[i % 2]
+        held = await ticket(store, trace, f"c{i}", lock=True)
+        current = held.changes.get("p", {}).get("t", {}).get("n", 0)
+        await asyncio.sleep(0.001)
+        await store.finish(held, {"p": {"t": {"n": current + 1}}}, ANSWER)
+
+    try:
+        await asyncio.gather(*(bump(i) for i in range(30)))
+        assert await stores[0].changes(trace) == {"p": {"t": {"n": 30}}}
+        held = await ticket(stores[0], trace, "long", lock=True)
+        short = redis_store(lock_wait=0.1)
+        try:
+            with pytest.raises(StoreUnavailable, match="lock"):
+                await begin(short, trace, "other", lock=True)
+        finally:
+            await short.aclose()
+        await stores[0].finish(held, {}, ANSWER)
+    finally:
+        for store in stores:
+            await store.aclose()
+
+
 async def test_lock_wait_runs_out(store: RolloutStore) -> None:
     trace = new_trace()
     short: RolloutStore = (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import time
@@ -134,6 +135,84 @@ class _Script:
             return await run("EVALSHA", self.sha, len(keys), *keys, *args)
 
 
+_Queued = tuple[_Script, list[str], list[Any], "asyncio.Future[Any]"]
+
+
+class _ScriptBatcher:
+    """Sends the scripts that concurrent calls run in one turn of the event loop as one pipeline.
+
+    Under load many calls reach Redis at once; one pipeline takes one connection from the pool and
+    one write for all of them, instead of a checkout, a write and a retry wrapper each. Every script
+    here is safe to send twice (it recognizes its own token), so the client's retry of a pipeline
+    after a dropped connection cannot apply a call twice.
+    """
+
+    def __init__(self, client: Redis) -> None:
+        self._client = client
+        self._queue: list[_Queued] = []
+        self._sending: set[asyncio.Task[None]] = set()
+
+    def run(self, script: _Script, keys: list[str], args: list[Any]) -> asyncio.Future[Any]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        if not self._queue:
+            loop.call_soon(self._flush)
+        self._queue.append((script, keys, args, future))
+        return future
+
+    def _flush(self) -> None:
+        batch, self._queue = self._queue, []
+        task = asyncio.get_running_loop().create_task(self._send(batch))
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
+
+    async def _send(self, batch: list[_Queued]) -> None:
+        try:
+            if len(batch) == 1:
+                script, keys, args, _ = batch[0]
+                results: list[Any] = [await script(self._client, keys, args)]
+            else:
+                pipe = self._client.pipeline(transaction=False)
+                for script, keys, args, _ in batch:
+                    pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+                results = await pipe.execute(raise_on_error=False)
+        except BaseException as exc:
+            for *_, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return
+        for (script, keys, args, future), result in zip(batch, results, strict=True):
+            if future.done():
+                continue  # the caller gave up (its deadline passed)
+            if isinstance(result, NoScriptError):
+                # Redis lost its scripts (restarted, flushed): this one loads it and runs again.
+                retry = asyncio.get_running_loop().create_task(script(self._client, keys, args))
+                retry.add_done_callback(functools.partial(_settle_from, future))
+                self._sending.add(retry)
+                retry.add_done_callback(self._sending.discard)
+            elif isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+    def cancel(self) -> None:
+        for task in self._sending:
+            task.cancel()
+
+
+def _settle_from(future: asyncio.Future[Any], task: asyncio.Task[Any]) -> None:
+    if future.done():
+        return
+    if task.cancelled():
+        future.cancel()
+    elif task.exception() is not None:
+        future.set_exception(task.exception())  # type: ignore[arg-type]
+    else:
+        future.set_result(task.result())
+
+
 def _prefix(trace_id: str) -> str:
     # The hash tag keeps every key of a rollout in one Redis Cluster slot (atomic scripts need it).
     return f"sp:{{{trace_id}}}"
@@ -229,6 +308,7 @@ class RedisRolloutStore:
         self._finish = _Script(_FINISH)
         self._abort = _Script(_ABORT)
         self._extend = _Script(_EXTEND)
+        self._batcher = _ScriptBatcher(client)
         self._live: set[_KeepAlive] = set()
         self._local_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
 
@@ -245,7 +325,7 @@ class RedisRolloutStore:
             raise StoreUnavailable(f"rollout state store unreachable: {type(exc).__name__}: {exc}") from exc
 
     async def _run(self, script: _Script, trace_id: str, call_id: str | None, args: list[Any]) -> Any:
-        return await self._guard(script(self._redis, _keys(trace_id, call_id), args))
+        return await self._guard(self._batcher.run(script, _keys(trace_id, call_id), args))
 
     # --- one call: begin, then finish or abort ------------------------------------------------------
 
@@ -417,6 +497,7 @@ class RedisRolloutStore:
         for keeper in self._live:
             keeper.stop()
         self._live.clear()
+        self._batcher.cancel()
         await self._redis.aclose()
 
 

@@ -21,15 +21,23 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        declared: int | None = None
+        chunked = False
         for name, value in scope.get("headers", []):
             if name == b"content-length":
                 try:
                     declared = int(value)
                 except ValueError:
-                    declared = 0
-                if declared > self.max_bytes:
-                    await self._reject(send, declared)
-                    return
+                    declared = None
+            elif name == b"transfer-encoding":
+                chunked = True
+        if declared is not None and declared > self.max_bytes:
+            await self._reject(send, declared)
+            return
+        if declared is not None and not chunked:
+            # The server delivers exactly Content-Length bytes, already checked: nothing to count.
+            await self.app(scope, receive, send)
+            return
         received = 0
         started = False
 

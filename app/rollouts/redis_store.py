@@ -6,8 +6,8 @@ import asyncio
 import functools
 import hashlib
 import logging
+import os
 import time
-import uuid
 import weakref
 from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
@@ -147,8 +147,9 @@ class _ScriptBatcher:
     after a dropped connection cannot apply a call twice.
     """
 
-    def __init__(self, client: Redis) -> None:
+    def __init__(self, client: Redis, op_timeout: float) -> None:
         self._client = client
+        self._op_timeout = op_timeout
         self._queue: list[_Queued] = []
         self._sending: set[asyncio.Task[None]] = set()
 
@@ -166,16 +167,22 @@ class _ScriptBatcher:
         self._sending.add(task)
         task.add_done_callback(self._sending.discard)
 
+    async def _one(self, script: _Script, keys: list[str], args: list[Any]) -> Any:
+        async with asyncio.timeout(self._op_timeout):
+            return await script(self._client, keys, args)
+
     async def _send(self, batch: list[_Queued]) -> None:
+        # One deadline for the whole batch: a hung Redis fails every call in it with TimeoutError.
         try:
             if len(batch) == 1:
                 script, keys, args, _ = batch[0]
-                results: list[Any] = [await script(self._client, keys, args)]
+                results: list[Any] = [await self._one(script, keys, args)]
             else:
-                pipe = self._client.pipeline(transaction=False)
-                for script, keys, args, _ in batch:
-                    pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
-                results = await pipe.execute(raise_on_error=False)
+                async with asyncio.timeout(self._op_timeout):
+                    pipe = self._client.pipeline(transaction=False)
+                    for script, keys, args, _ in batch:
+                        pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+                    results = await pipe.execute(raise_on_error=False)
         except BaseException as exc:
             for *_, future in batch:
                 if not future.done():
@@ -188,7 +195,7 @@ class _ScriptBatcher:
                 continue  # the caller gave up (its deadline passed)
             if isinstance(result, NoScriptError):
                 # Redis lost its scripts (restarted, flushed): this one loads it and runs again.
-                retry = asyncio.get_running_loop().create_task(script(self._client, keys, args))
+                retry = asyncio.get_running_loop().create_task(self._one(script, keys, args))
                 retry.add_done_callback(functools.partial(_settle_from, future))
                 self._sending.add(retry)
                 retry.add_done_callback(self._sending.discard)
@@ -308,24 +315,29 @@ class RedisRolloutStore:
         self._finish = _Script(_FINISH)
         self._abort = _Script(_ABORT)
         self._extend = _Script(_EXTEND)
-        self._batcher = _ScriptBatcher(client)
+        self._batcher = _ScriptBatcher(client, op_timeout)
         self._live: set[_KeepAlive] = set()
         self._local_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
+
+    def _unavailable(self, exc: BaseException) -> StoreUnavailable:
+        if isinstance(exc, TimeoutError):
+            return StoreUnavailable(f"rollout state store did not answer within {self._op_timeout:g} s")
+        return StoreUnavailable(f"rollout state store unreachable: {type(exc).__name__}: {exc}")
 
     async def _guard(self, operation: Awaitable[T]) -> T:
         """Run one Redis operation under one deadline; an unreachable or hung Redis is a 503."""
         try:
             async with asyncio.timeout(self._op_timeout):
                 return await operation
-        except TimeoutError as exc:
-            raise StoreUnavailable(
-                f"rollout state store did not answer within {self._op_timeout:g} s"
-            ) from exc
-        except (RedisError, OSError) as exc:
-            raise StoreUnavailable(f"rollout state store unreachable: {type(exc).__name__}: {exc}") from exc
+        except (TimeoutError, RedisError, OSError) as exc:
+            raise self._unavailable(exc) from exc
 
     async def _run(self, script: _Script, trace_id: str, call_id: str | None, args: list[Any]) -> Any:
-        return await self._guard(self._batcher.run(script, _keys(trace_id, call_id), args))
+        """Run one of the call scripts, batched with others (the batch carries the deadline)."""
+        try:
+            return await self._batcher.run(script, _keys(trace_id, call_id), args)
+        except (TimeoutError, RedisError, OSError) as exc:
+            raise self._unavailable(exc) from exc
 
     # --- one call: begin, then finish or abort ------------------------------------------------------
 
@@ -339,7 +351,7 @@ class RedisRolloutStore:
         load_changes: bool,
         wait: float,
     ) -> Ticket | StoredAnswer:
-        ticket = Ticket(trace_id=trace_id, call_id=call_id, token=uuid.uuid4().hex, locked=lock)
+        ticket = Ticket(trace_id=trace_id, call_id=call_id, token=os.urandom(16).hex(), locked=lock)
         if call_id is None and not lock and meta is None:
             return ticket
         args: list[Any] = [

@@ -387,6 +387,11 @@ class RedisRolloutStore:
             held.local = local
         try:
             began = await self._begin_in_redis(ticket, args, call_deadline, lock_deadline)
+        except StoreUnavailable:
+            # Redis may have applied the script without our hearing back (a timeout, a dropped
+            # connection): give up what may be ours now rather than leave it until it lapses.
+            await self.abort(ticket)
+            raise
         except BaseException:
             self._let_go(ticket)
             raise
@@ -482,7 +487,18 @@ class RedisRolloutStore:
             if ticket.call_id is not None or ticket.locked:
                 ledger = "1" if ticket.call_id is not None else "0"
                 locked = "1" if ticket.locked else "0"
-                await self._run(self._abort, ticket.trace_id, ticket.call_id, [ticket.token, ledger, locked])
+                try:
+                    await self._run(
+                        self._abort, ticket.trace_id, ticket.call_id, [ticket.token, ledger, locked]
+                    )
+                except StoreUnavailable as exc:
+                    # Whatever is left lapses by itself (claim_timeout, lock_timeout).
+                    log.warning(
+                        "could not release the call %s of rollout %s: %s",
+                        ticket.call_id,
+                        ticket.trace_id,
+                        exc,
+                    )
         finally:
             self._let_go(ticket)
 

@@ -87,7 +87,10 @@ class RolloutStore(Protocol):
         ...
 
     async def abort(self, ticket: Ticket) -> None:
-        """Give the claim and the lock up without an answer (the call failed): a retry runs it again."""
+        """Give the claim and the lock up without an answer (the call failed): a retry runs it again.
+
+        Does not raise when the store is unreachable: what it could not release lapses by itself.
+        """
         ...
 
     async def mark_graded(self, trace_id: str) -> None: ...

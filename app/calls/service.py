@@ -99,6 +99,9 @@ class ToolCallService:
         self.worker = worker
         self.max_output_bytes = max_output_bytes
         self.tool_timeout = tool_timeout
+        # The labelled metric children, looked up once per (tool, outcome) instead of on every call.
+        self._counters: dict[tuple[str, str], Any] = {}
+        self._latencies: dict[str, Any] = {}
 
     async def handle(
         self, envelope: ToolCallEnvelope, *, path_name: str | None, run: str | None
@@ -133,10 +136,16 @@ class ToolCallService:
             outcome = answer.outcome
         finally:
             self.metrics.in_flight.dec()
-            self.metrics.tool_calls.labels(call.tool or "(none)", outcome).inc()
-            self.metrics.tool_latency.labels(call.tool or "(none)").observe(
-                time.perf_counter() - call.started
-            )
+            # Names the model made up are counted together: a label per invented name would grow forever.
+            tool = call.tool if call.tool in self.registry.tools else "(unknown)"
+            counter = self._counters.get((tool, outcome))
+            if counter is None:
+                counter = self._counters[(tool, outcome)] = self.metrics.tool_calls.labels(tool, outcome)
+            counter.inc()
+            latency = self._latencies.get(tool)
+            if latency is None:
+                latency = self._latencies[tool] = self.metrics.tool_latency.labels(tool)
+            latency.observe(time.perf_counter() - call.started)
         return ToolCallOutput(call_id=envelope.call_id, id=envelope.id, output=answer.output)
 
     def _record(

@@ -11,6 +11,7 @@ import time
 import weakref
 from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
+from string import Template
 from typing import Any, TypeVar
 
 import orjson
@@ -28,49 +29,52 @@ _PENDING = "P:"
 _ANSWERED = "A:"
 
 # Every script names the rollout's four keys in this order (one Redis Cluster slot, see _keys):
-# meta, state, the call's ledger entry, the rollout's lock.
+# meta, state, the call's ledger entry, the rollout's lock. ARGV[1] is the call's token and ARGV[2]
+# a string of flags, one character each ('1' or '0'). The store's expiries ($claim_ms, $lock_ms,
+# $ttl_ms) are written into the scripts when the store is built, so no call sends them.
 
 # Before a call runs, in one round trip: find its answer or claim it, take the lock, touch the rollout
-# and read its changes. ARGV: token, claim_ms, lock_ms, ttl_ms, use_ledger, use_lock, open, load,
-# now, run, item_key. Returns {'answer', stored}, {'busy'} (another attempt of this call runs),
-# {'locked'} (another call holds the lock; nothing was claimed), or {'ok', graded, state...}.
-# A claim or a lock that already carries our token is ours: the client retried a script whose reply
-# was lost after Redis had applied it.
+# and read its changes. Flags: ledger, lock, open (touch the rollout), load (read its changes); with
+# open, ARGV 3-5 are now, run and item_key. Returns {'answer', stored}, {'busy'} (another attempt of
+# this call runs), {'locked'} (another call holds the lock; nothing was claimed), or
+# {'ok', graded, state...}. A claim or a lock that already carries our token is ours: the client
+# retried a script whose reply was lost after Redis had applied it.
 _BEGIN = """
 local token = ARGV[1]
-if ARGV[5] == '1' then
+local ledger = string.sub(ARGV[2], 1, 1) == '1'
+if ledger then
   local entry = redis.call('GET', KEYS[3])
   if entry then
     if string.sub(entry, 1, 2) == 'A:' then return {'answer', string.sub(entry, 3)} end
     if entry ~= 'P:' .. token then return {'busy'} end
   end
 end
-if ARGV[6] == '1' then
+if string.sub(ARGV[2], 2, 2) == '1' then
   local holder = redis.call('GET', KEYS[4])
   if holder and holder ~= token then return {'locked'} end
-  redis.call('SET', KEYS[4], token, 'PX', ARGV[3])
+  redis.call('SET', KEYS[4], token, 'PX', $lock_ms)
 end
-if ARGV[5] == '1' then redis.call('SET', KEYS[3], 'P:' .. token, 'PX', ARGV[2]) end
-if ARGV[7] ~= '1' then return {'ok', ''} end
-redis.call('HSETNX', KEYS[1], 'first_seen', ARGV[9])
-if ARGV[10] ~= '' then redis.call('HSETNX', KEYS[1], 'run', ARGV[10]) end
-if ARGV[11] ~= '' then redis.call('HSETNX', KEYS[1], 'item_key', ARGV[11]) end
-redis.call('HSET', KEYS[1], 'last_seen', ARGV[9])
-redis.call('PEXPIRE', KEYS[1], ARGV[4])
+if ledger then redis.call('SET', KEYS[3], 'P:' .. token, 'PX', $claim_ms) end
+if string.sub(ARGV[2], 3, 3) ~= '1' then return {'ok', ''} end
+redis.call('HSETNX', KEYS[1], 'first_seen', ARGV[3])
+if ARGV[4] ~= '' then redis.call('HSETNX', KEYS[1], 'run', ARGV[4]) end
+if ARGV[5] ~= '' then redis.call('HSETNX', KEYS[1], 'item_key', ARGV[5]) end
+redis.call('HSET', KEYS[1], 'last_seen', ARGV[3])
+redis.call('PEXPIRE', KEYS[1], $ttl_ms)
 local graded = redis.call('HGET', KEYS[1], 'graded') or ''
-if ARGV[8] ~= '1' then return {'ok', graded} end
-redis.call('PEXPIRE', KEYS[2], ARGV[4])
+if string.sub(ARGV[2], 4, 4) ~= '1' then return {'ok', graded} end
+redis.call('PEXPIRE', KEYS[2], $ttl_ms)
 return {'ok', graded, redis.call('HGETALL', KEYS[2])}
 """
 
 # After the tool returned: apply its writes, record its answer and release the lock, atomically, and
 # only while the call still owns its claim and the lock (a stalled worker whose claim or lock lapsed
-# must not apply writes after another attempt took over). ARGV: token, ttl_ms, use_ledger, use_lock,
-# answer, then field/value pairs. Returns 1 (applied), 0 (the claim lapsed) or -1 (the lock lapsed).
+# must not apply writes after another attempt took over). Flags: ledger, lock. ARGV[3] is the answer,
+# then field/value pairs. Returns 1 (applied), 0 (the claim lapsed) or -1 (the lock lapsed).
 _FINISH = """
 local token = ARGV[1]
-local ledger = ARGV[3] == '1'
-local locked = ARGV[4] == '1'
+local ledger = string.sub(ARGV[2], 1, 1) == '1'
+local locked = string.sub(ARGV[2], 2, 2) == '1'
 local result = 1
 if ledger and redis.call('GET', KEYS[3]) ~= 'P:' .. token then
   result = 0
@@ -82,37 +86,44 @@ if result ~= 1 then
   if locked and redis.call('GET', KEYS[4]) == token then redis.call('DEL', KEYS[4]) end
   return result
 end
-for i = 6, #ARGV, 2 do
+for i = 4, #ARGV, 2 do
   redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
 end
-if #ARGV >= 6 then redis.call('PEXPIRE', KEYS[2], ARGV[2]) end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-if ledger then redis.call('SET', KEYS[3], 'A:' .. ARGV[5], 'PX', ARGV[2]) end
+if #ARGV >= 4 then redis.call('PEXPIRE', KEYS[2], $ttl_ms) end
+redis.call('PEXPIRE', KEYS[1], $ttl_ms)
+if ledger then redis.call('SET', KEYS[3], 'A:' .. ARGV[3], 'PX', $ttl_ms) end
 if locked then redis.call('DEL', KEYS[4]) end
 return 1
 """
 
-# Give up what is still ours. ARGV: token, use_ledger, use_lock.
+# Give up what is still ours. Flags: ledger, lock.
 _ABORT = """
-if ARGV[2] == '1' and redis.call('GET', KEYS[3]) == 'P:' .. ARGV[1] then redis.call('DEL', KEYS[3]) end
-if ARGV[3] == '1' and redis.call('GET', KEYS[4]) == ARGV[1] then redis.call('DEL', KEYS[4]) end
+if string.sub(ARGV[2], 1, 1) == '1' and redis.call('GET', KEYS[3]) == 'P:' .. ARGV[1] then
+  redis.call('DEL', KEYS[3])
+end
+if string.sub(ARGV[2], 2, 2) == '1' and redis.call('GET', KEYS[4]) == ARGV[1] then
+  redis.call('DEL', KEYS[4])
+end
 return 1
 """
 
-# Keep a long call's claim and lock alive, only while they are still ours.
-# ARGV: token, use_ledger, use_lock, claim_ms, lock_ms.
+# Keep long calls' claims and locks alive, only while they are still theirs. Flags: ledger, lock.
 _EXTEND = """
 local kept = 0
-if ARGV[2] == '1' and redis.call('GET', KEYS[3]) == 'P:' .. ARGV[1] then
-  redis.call('PEXPIRE', KEYS[3], ARGV[4])
+if string.sub(ARGV[2], 1, 1) == '1' and redis.call('GET', KEYS[3]) == 'P:' .. ARGV[1] then
+  redis.call('PEXPIRE', KEYS[3], $claim_ms)
   kept = kept + 1
 end
-if ARGV[3] == '1' and redis.call('GET', KEYS[4]) == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[4], ARGV[5])
+if string.sub(ARGV[2], 2, 2) == '1' and redis.call('GET', KEYS[4]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[4], $lock_ms)
   kept = kept + 1
 end
 return kept
 """
+
+
+def _flags(*switches: bool) -> str:
+    return "".join("1" if on else "0" for on in switches)
 
 
 class _Script:
@@ -235,61 +246,11 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-class _KeepAlive:
-    """Extends a running call's claim and lock every third of their expiry, until the call completes.
-
-    A timer, not a task per call: most calls finish long before the first extension is due.
-    """
-
-    def __init__(self, store: RedisRolloutStore, ticket: Ticket, period: float) -> None:
-        self._store = store
-        self._ticket = ticket
-        self._period = period
-        self._task: asyncio.Task[None] | None = None
-        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(period, self._fire)
-
-    def _fire(self) -> None:
-        self._timer = None
-        self._task = asyncio.get_running_loop().create_task(self._extend())
-
-    async def _extend(self) -> None:
-        ticket = self._ticket
-        try:
-            store = self._store
-            kept = await store._run(
-                store._extend,
-                ticket.trace_id,
-                ticket.call_id,
-                [
-                    ticket.token,
-                    "1" if ticket.call_id is not None else "0",
-                    "1" if ticket.locked else "0",
-                    store._claim_ms,
-                    store._lock_ms,
-                ],
-            )
-        except StoreUnavailable as exc:
-            log.warning("could not extend the claim or lock of rollout %s: %s", ticket.trace_id, exc)
-            kept = 1  # try again at the next period; the expiry leaves time for two more attempts
-        self._task = None
-        if kept:
-            self._timer = asyncio.get_running_loop().call_later(self._period, self._fire)
-
-    def stop(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if self._task is not None:
-            self._task.cancel()
-            self._task = None
-
-
 @dataclass(eq=False)
 class _Held:
-    """What a ticket holds in this process: the rollout's local lock and the keep-alive timer."""
+    """What a ticket holds in this process: the rollout's local lock."""
 
     local: asyncio.Lock | None = None
-    keeper: _KeepAlive | None = None
 
 
 class RedisRolloutStore:
@@ -311,12 +272,16 @@ class RedisRolloutStore:
         self._lock_ms = int(lock_timeout * 1000)
         self._claim_ms = int(claim_timeout * 1000)
         self._op_timeout = op_timeout
-        self._begin = _Script(_BEGIN)
-        self._finish = _Script(_FINISH)
-        self._abort = _Script(_ABORT)
-        self._extend = _Script(_EXTEND)
+        expiries = {"claim_ms": self._claim_ms, "lock_ms": self._lock_ms, "ttl_ms": self._ttl_ms}
+        self._begin, self._finish, self._abort, self._extend = (
+            _Script(Template(source).substitute(expiries)) for source in (_BEGIN, _FINISH, _ABORT, _EXTEND)
+        )
         self._batcher = _ScriptBatcher(client, op_timeout)
-        self._live: set[_KeepAlive] = set()
+        # Running calls that hold a claim or a lock → when it was last extended. One task extends
+        # those due every third of the shorter expiry (a timer per call cost more than the call).
+        self._live: dict[Ticket, float] = {}
+        self._extend_after = min(claim_timeout, lock_timeout) / 3
+        self._keeper: asyncio.Task[None] | None = None
         self._local_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
 
     def _unavailable(self, exc: BaseException) -> StoreUnavailable:
@@ -356,17 +321,10 @@ class RedisRolloutStore:
             return ticket
         args: list[Any] = [
             ticket.token,
-            self._claim_ms,
-            self._lock_ms,
-            self._ttl_ms,
-            "1" if call_id is not None else "0",
-            "1" if lock else "0",
-            "1" if meta is not None else "0",
-            "1" if load_changes else "0",
-            repr(meta.now) if meta is not None else "",
-            (meta.run or "") if meta is not None else "",
-            (meta.item_key or "") if meta is not None else "",
+            _flags(call_id is not None, lock, meta is not None, meta is not None and load_changes),
         ]
+        if meta is not None:
+            args += [repr(meta.now), meta.run or "", meta.item_key or ""]
         now = time.monotonic()
         call_deadline, lock_deadline = now + wait, now + self._lock_wait
         held = ticket.held = _Held()
@@ -430,22 +388,51 @@ class RedisRolloutStore:
                 lock_pause = min(lock_pause * 1.5, 0.05)
 
     def _keep_alive(self, ticket: Ticket) -> None:
-        expiries = ([self._claim_ms] if ticket.call_id is not None else []) + (
-            [self._lock_ms] if ticket.locked else []
-        )
-        keeper = _KeepAlive(self, ticket, min(expiries) / 3000)
-        ticket.held.keeper = keeper
-        self._live.add(keeper)
+        self._live[ticket] = time.monotonic()
+        if self._keeper is None or self._keeper.done():
+            self._keeper = asyncio.get_running_loop().create_task(self._keep_running_calls_alive())
+
+    async def _keep_running_calls_alive(self) -> None:
+        """Extend the claims and locks of calls that have run for a third of their expiry."""
+        while self._live:
+            await asyncio.sleep(self._extend_after / 2)
+            now = time.monotonic()
+            due = [ticket for ticket, since in self._live.items() if now - since >= self._extend_after]
+            results = await asyncio.gather(
+                *(
+                    self._run(
+                        self._extend,
+                        ticket.trace_id,
+                        ticket.call_id,
+                        [ticket.token, _flags(ticket.call_id is not None, ticket.locked)],
+                    )
+                    for ticket in due
+                ),
+                return_exceptions=True,
+            )
+            for ticket, kept in zip(due, results, strict=True):
+                if ticket not in self._live:
+                    continue  # it finished meanwhile
+                if isinstance(kept, BaseException):
+                    # Try again at the next pass; the expiry leaves time for more attempts.
+                    log.warning(
+                        "could not extend the call %s of rollout %s: %s",
+                        ticket.call_id,
+                        ticket.trace_id,
+                        kept,
+                    )
+                elif kept:
+                    self._live[ticket] = now
+                else:
+                    del self._live[ticket]  # no longer ours: nothing left to keep alive
 
     def _let_go(self, ticket: Ticket) -> None:
         """Stop keeping the claim and lock alive, and let this process's next call of the rollout in."""
+        self._live.pop(ticket, None)
         held: _Held | None = ticket.held
         if held is None:
             return
         ticket.held = None
-        if held.keeper is not None:
-            held.keeper.stop()
-            self._live.discard(held.keeper)
         if held.local is not None:
             held.local.release()
 
@@ -462,9 +449,7 @@ class RedisRolloutStore:
             return
         args: list[Any] = [
             ticket.token,
-            self._ttl_ms,
-            "1" if ledger else "0",
-            "1" if ticket.locked else "0",
+            _flags(ledger, ticket.locked),
             orjson.dumps({"output": answer.output, "outcome": answer.outcome}) if ledger else "",
         ]
         for pack, collections in writes.items():
@@ -485,12 +470,9 @@ class RedisRolloutStore:
     async def abort(self, ticket: Ticket) -> None:
         try:
             if ticket.call_id is not None or ticket.locked:
-                ledger = "1" if ticket.call_id is not None else "0"
-                locked = "1" if ticket.locked else "0"
+                flags = _flags(ticket.call_id is not None, ticket.locked)
                 try:
-                    await self._run(
-                        self._abort, ticket.trace_id, ticket.call_id, [ticket.token, ledger, locked]
-                    )
+                    await self._run(self._abort, ticket.trace_id, ticket.call_id, [ticket.token, flags])
                 except StoreUnavailable as exc:
                     # Whatever is left lapses by itself (claim_timeout, lock_timeout).
                     log.warning(
@@ -522,9 +504,9 @@ class RedisRolloutStore:
         await self._guard(self._redis.ping())
 
     async def aclose(self) -> None:
-        for keeper in self._live:
-            keeper.stop()
         self._live.clear()
+        if self._keeper is not None:
+            self._keeper.cancel()
         self._batcher.cancel()
         await self._redis.aclose()
 

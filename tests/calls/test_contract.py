@@ -288,10 +288,14 @@ async def test_metrics_count_calls_by_outcome_and_replays(client: httpx.AsyncCli
     await client.post("/tools/increment", json=call_body({"by": 1}, trace_id=trace, call_id="m1"))
     await client.post("/tools/increment", json=call_body({"by": 1}, trace_id=trace, call_id="m1"))
     await client.post("/tools/refuse", json=call_body({"reason": "no"}, trace_id=trace, call_id="m2"))
+    for invented in ("made_up_1", "made_up_2"):
+        await client.post(f"/tools/{invented}", json=call_body({}, trace_id=trace, call_id=invented))
     assert (await client.get("/metrics")).status_code == 403
     r = await client.get("/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
     text = r.text
     assert 'sparring_tool_calls_total{outcome="ok",tool="increment"} 2.0' in text
     assert 'sparring_tool_calls_total{outcome="model_error",tool="refuse"} 1.0' in text
+    assert 'sparring_tool_calls_total{outcome="model_error",tool="(unknown)"} 2.0' in text
+    assert "made_up" not in text, "tool names the model invented must not become metric labels"
     assert "sparring_ledger_replays_total 1.0" in text
     assert "sparring_log_batch_size_count" in text

@@ -343,7 +343,7 @@ async def test_redis_begin_retried_after_a_lost_reply_keeps_its_claim() -> None:
         trace = new_trace()
         first = await ticket(store, trace, "c1", lock=True)
         # Redis applied the script but its reply was lost: the client runs it again with the same token.
-        args = [first.token, 1500, 2000, 3600000, "1", "1", "0", "0", "", "", ""]
+        args = [first.token, "1100"]  # flags: ledger and lock, no touch, no read
         reply = await store._run(store._begin, trace, "c1", args)
         assert reply[0] == b"ok"
         # Anyone else is still refused the claim and the lock.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 from redis.asyncio import Redis
@@ -38,6 +39,17 @@ def redis_store(
         claim_timeout=claim_timeout,
         lock_wait=lock_wait,
     )
+
+
+@asynccontextmanager
+async def redis_store_and_client(**settings: float) -> AsyncIterator[tuple[RedisRolloutStore, Redis]]:
+    """A Redis store and a plain client on the same database, to look at the keys it writes."""
+    store, client = redis_store(**settings), Redis.from_url(REDIS_URL)
+    try:
+        yield store, client
+    finally:
+        await client.aclose()
+        await store.aclose()
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -233,9 +245,7 @@ async def test_rollouts_are_isolated(store: RolloutStore) -> None:
 
 
 async def test_redis_rollout_metadata_is_kept() -> None:
-    store = redis_store()
-    client = Redis.from_url(REDIS_URL)
-    try:
+    async with redis_store_and_client() as (store, client):
         trace = new_trace()
         await store.begin(
             trace,
@@ -261,9 +271,6 @@ async def test_redis_rollout_metadata_is_kept() -> None:
             b"item_key": b"id:7",
         }
         assert 0 < await client.pttl(f"sp:{{{trace}}}:meta") <= 3600 * 1000
-    finally:
-        await client.aclose()
-        await store.aclose()
 
 
 async def test_redis_finish_refuses_a_lapsed_claim() -> None:
@@ -285,9 +292,7 @@ async def test_redis_finish_refuses_a_lapsed_claim() -> None:
 
 
 async def test_redis_finish_refuses_a_lapsed_lock() -> None:
-    store = redis_store()
-    client = Redis.from_url(REDIS_URL)
-    try:
+    async with redis_store_and_client() as (store, client):
         trace = new_trace()
         stale = await ticket(store, trace, "c1", lock=True)
         # The lock expired under a stalled worker and another call holds it now.
@@ -297,15 +302,10 @@ async def test_redis_finish_refuses_a_lapsed_lock() -> None:
         assert await store.changes(trace) == {}, "writes made without the lock must not be applied"
         assert await client.get(f"sp:{{{trace}}}:lock") == b"someone-else", "another's lock is left alone"
         assert await client.get(f"sp:{{{trace}}}:call:c1") is None, "the claim is given up for a retry"
-    finally:
-        await client.aclose()
-        await store.aclose()
 
 
 async def test_redis_claim_of_a_crashed_worker_lapses() -> None:
-    client = Redis.from_url(REDIS_URL)
-    store = redis_store(claim_timeout=0.3)
-    try:
+    async with redis_store_and_client(claim_timeout=0.3) as (store, client):
         trace = new_trace()
         # A claim written by a worker that died (no keep-alive runs for it).
         await client.set(f"sp:{{{trace}}}:call:c1", "P:deadbeef", px=300)
@@ -313,15 +313,10 @@ async def test_redis_claim_of_a_crashed_worker_lapses() -> None:
         again = await begin(store, trace, "c1", lock=True, wait=3)
         assert isinstance(again, Ticket)
         await store.abort(again)
-    finally:
-        await client.aclose()
-        await store.aclose()
 
 
 async def test_redis_keep_alive_holds_claim_and_lock_of_a_long_call() -> None:
-    client = Redis.from_url(REDIS_URL)
-    store = redis_store(claim_timeout=0.3, lock_timeout=0.3)
-    try:
+    async with redis_store_and_client(claim_timeout=0.3, lock_timeout=0.3) as (store, client):
         trace = new_trace()
         long_call = await ticket(store, trace, "c1", lock=True)
         await asyncio.sleep(1.0)  # more than three expiries
@@ -331,15 +326,10 @@ async def test_redis_keep_alive_holds_claim_and_lock_of_a_long_call() -> None:
         assert await client.get(f"sp:{{{trace}}}:lock") is None
         await asyncio.sleep(0.4)
         assert await begin(store, trace, "c1") == ANSWER, "the answer outlives the claim's expiry"
-    finally:
-        await client.aclose()
-        await store.aclose()
 
 
 async def test_redis_begin_retried_after_a_lost_reply_keeps_its_claim() -> None:
-    store = redis_store()
-    client = Redis.from_url(REDIS_URL)
-    try:
+    async with redis_store_and_client() as (store, _):
         trace = new_trace()
         first = await ticket(store, trace, "c1", lock=True)
         # Redis applied the script but its reply was lost: the client runs it again with the same token.
@@ -352,24 +342,16 @@ async def test_redis_begin_retried_after_a_lost_reply_keeps_its_claim() -> None:
         elsewhere = await store._run(store._begin, trace, "c2", ["other-token", *args[1:]])
         assert elsewhere == [b"locked"]
         await store.finish(first, {}, ANSWER)
-    finally:
-        await client.aclose()
-        await store.aclose()
 
 
 async def test_redis_reloads_its_scripts_after_a_flush() -> None:
-    store = redis_store()
-    client = Redis.from_url(REDIS_URL)
-    try:
+    async with redis_store_and_client() as (store, client):
         trace = new_trace()
         await client.script_flush()  # as after a Redis restart: the server knows no script
         began = await ticket(store, trace, "c1", lock=True)
         await client.script_flush()
         await store.finish(began, {"p": {"t": {"k": 1}}}, ANSWER)
         assert await begin(store, trace, "c1") == ANSWER
-    finally:
-        await client.aclose()
-        await store.aclose()
 
 
 async def test_redis_that_never_answers_is_store_unavailable() -> None:

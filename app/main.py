@@ -12,8 +12,8 @@ from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
 from app.auth import require
+from app.calls.routes import ToolCallFastPath
 from app.calls.routes import router as tools_router
-from app.calls.routes import tool_call_routes
 from app.config import Settings, get_settings
 from app.errors import ServiceUnavailable, SparringError, handle_outage, handle_sparring_error
 from app.grading.routes import router as grading_router
@@ -40,6 +40,8 @@ def create_app(settings: Settings | None = None, *, packs: list[Pack] | None = N
     app.add_exception_handler(SQLAlchemyError, handle_outage)
     app.add_exception_handler(RedisError, handle_outage)
     app.add_exception_handler(OSError, handle_outage)
+    # The tool-call hot path (see app.calls.routes), inside the body limit: added first, so it runs after it.
+    app.add_middleware(ToolCallFastPath)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
 
     @app.get("/healthz", tags=["health"])
@@ -74,7 +76,6 @@ def create_app(settings: Settings | None = None, *, packs: list[Pack] | None = N
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     app.include_router(tools_router)
-    app.router.routes[:0] = tool_call_routes()  # the hot path, matched first (see app.calls.routes)
     app.include_router(rollouts_router)
     app.include_router(grading_router)
     app.include_router(review_router)

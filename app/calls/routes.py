@@ -7,13 +7,15 @@ from typing import Any
 import orjson
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel
-from starlette.routing import Route
+from redis.exceptions import RedisError
+from sqlalchemy.exc import SQLAlchemyError
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.auth import KeyRing
 from app.calls.envelope import ToolCallEnvelope, ToolCallOutput
 from app.calls.service import ToolCallService
 from app.deps import RegistryDep, ToolsKey
-from app.errors import BadRequest, json_response
+from app.errors import BadRequest, SparringError, handle_outage, handle_sparring_error, json_response
 
 router = APIRouter(tags=["tools"])
 
@@ -63,9 +65,9 @@ async def _call(request: Request, path_name: str | None) -> Response:
 
 
 # The two routes below define the tool-call API and its OpenAPI description. Requests to them are
-# served by the plain Starlette routes of `tool_call_routes`, which create_app puts first: the same
-# `_call`, without FastAPI's per-request dependency resolution, which on this path cost more than
-# the call's own Redis round trips.
+# served by `ToolCallFastPath`, a middleware create_app installs inside the body limit: the same
+# `_call`, without the routing, exception and dependency layers of the app, which on this path cost
+# more than the call's own Redis work.
 
 
 @router.post("/tools", response_model=ToolCallOutput)
@@ -78,16 +80,39 @@ async def call_tool(name: str, request: Request, _: ToolsKey) -> Response:
     return await _call(request, name)
 
 
-async def _call_by_body(request: Request) -> Response:
-    return await _call(request, None)
+_NOT_A_TOOL_CALL = "/"  # no tool name contains a slash
 
 
-async def _call_by_path(request: Request) -> Response:
-    return await _call(request, request.path_params["name"])
+def _tool_call_target(scope: Scope) -> str | None:
+    """The tool named by a `POST /tools/{name}` path, None for `POST /tools`, else _NOT_A_TOOL_CALL."""
+    if scope["type"] != "http" or scope["method"] != "POST":
+        return _NOT_A_TOOL_CALL
+    path: str = scope["path"]
+    root = scope.get("root_path", "")
+    if root and path.startswith(root + "/"):
+        path = path[len(root) :]
+    if path == "/tools":
+        return None
+    name = path[len("/tools/") :] if path.startswith("/tools/") else ""
+    return name if name and "/" not in name else _NOT_A_TOOL_CALL
 
 
-def tool_call_routes() -> list[Route]:
-    return [
-        Route("/tools/{name}", _call_by_path, methods=["POST"], include_in_schema=False),
-        Route("/tools", _call_by_body, methods=["POST"], include_in_schema=False),
-    ]
+class ToolCallFastPath:
+    """Serves the two tool-call routes directly, errors rendered by the app's own handlers."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        target = _tool_call_target(scope)
+        if target == _NOT_A_TOOL_CALL:
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope, receive)
+        try:
+            response = await _call(request, target)
+        except SparringError as exc:
+            response = await handle_sparring_error(request, exc)
+        except (SQLAlchemyError, RedisError, OSError) as exc:
+            response = await handle_outage(request, exc)
+        await response(scope, receive, send)

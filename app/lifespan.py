@@ -30,6 +30,7 @@ from app.grading.service import GradingService
 from app.metrics import Metrics
 from app.packs import Registry
 from app.rollouts.memory import MemoryRolloutStore
+from app.rollouts.redis_packing import use_hiredis_packing
 from app.rollouts.redis_store import RedisRolloutStore
 from app.rollouts.store import RolloutStore
 from app.sdk import Pack
@@ -79,6 +80,7 @@ def build_store(settings: Settings) -> RolloutStore:
         socket_connect_timeout=2,
         health_check_interval=30,
     )
+    use_hiredis_packing(pool)
     client = Redis(connection_pool=pool, retry=Retry(ExponentialBackoff(cap=0.2, base=0.01), 2))
     return RedisRolloutStore(
         client,

@@ -10,9 +10,10 @@ from fastapi.responses import HTMLResponse
 from redis.exceptions import RedisError
 from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.auth import require
-from app.calls.routes import ToolCallFastPath
+from app.calls.routes import NOT_A_TOOL_CALL, TOOL_SCOPE_KEY, serve_tool_call, tool_call_target
 from app.calls.routes import router as tools_router
 from app.config import Settings, get_settings
 from app.errors import ServiceUnavailable, SparringError, handle_outage, handle_sparring_error
@@ -24,9 +25,31 @@ from app.rollouts.routes import router as rollouts_router
 from app.sdk import Pack
 
 
+class SparringApp(FastAPI):
+    """The FastAPI app, with tool calls answered ahead of its middleware stack.
+
+    `POST /tools` and `POST /tools/{name}` are the hot path of training: they go through the body
+    limit to `serve_tool_call` directly, skipping the app's error, telemetry and routing layers
+    (which cost more per call than the call's Redis work). Every other request, and the lifespan,
+    goes through FastAPI as usual.
+    """
+
+    tool_calls: ASGIApp | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.tool_calls is not None:
+            target = tool_call_target(scope)
+            if target != NOT_A_TOOL_CALL:
+                scope["app"] = self
+                scope[TOOL_SCOPE_KEY] = target
+                await self.tool_calls(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
+
+
 def create_app(settings: Settings | None = None, *, packs: list[Pack] | None = None) -> FastAPI:
     settings = settings or get_settings()
-    app = FastAPI(
+    app = SparringApp(
         title="sparring",
         summary="Stateful tools and graders for agent reinforcement fine-tuning.",
         lifespan=lifespan,
@@ -40,9 +63,8 @@ def create_app(settings: Settings | None = None, *, packs: list[Pack] | None = N
     app.add_exception_handler(SQLAlchemyError, handle_outage)
     app.add_exception_handler(RedisError, handle_outage)
     app.add_exception_handler(OSError, handle_outage)
-    # The tool-call hot path (see app.calls.routes), inside the body limit: added first, so it runs after it.
-    app.add_middleware(ToolCallFastPath)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.tool_calls = BodyLimitMiddleware(serve_tool_call, max_bytes=settings.max_body_bytes)
 
     @app.get("/healthz", tags=["health"])
     async def healthz() -> dict[str, str]:

@@ -8,8 +8,8 @@ import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
-class _TooLarge(Exception):
-    pass
+class BodyTooLarge(Exception):
+    """Raised from `receive` once the body passed the limit; the middleware answers 413."""
 
 
 class BodyLimitMiddleware:
@@ -47,7 +47,7 @@ class BodyLimitMiddleware:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
-                    raise _TooLarge
+                    raise BodyTooLarge
             return message
 
         async def tracking_send(message: Message) -> None:
@@ -58,7 +58,7 @@ class BodyLimitMiddleware:
 
         try:
             await self.app(scope, limited_receive, tracking_send)
-        except _TooLarge:
+        except BodyTooLarge:
             if not started:
                 await self._reject(send, received)
 

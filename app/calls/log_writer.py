@@ -6,11 +6,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import TextClause, bindparam, func, select, text, update
+import asyncpg
+import orjson
+from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -43,7 +45,14 @@ class CallRecord:
     worker: str
     run: str | None
     item_key: str | None
+    output_bytes: int = field(init=False)  # the output's UTF-8 size, as sent
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "output_bytes", len(self.output.encode()) if self.output else 0)
+
+
+# A failed commit: SQLAlchemy's errors, and asyncpg's (the batch statement is sent to it directly).
+_COMMIT_ERRORS = (SQLAlchemyError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError)
 
 _Pending = tuple[CallRecord, asyncio.Future[None] | None]
 
@@ -75,26 +84,29 @@ _ROLLOUT_COLUMNS = (
 )
 
 
-def _unnest(prefix: str, columns: tuple[tuple[str, str], ...]) -> str:
-    arrays = ", ".join(f"CAST(:{prefix}{name} AS {kind}[])" for name, kind in columns)
-    return f"unnest({arrays}) AS {prefix}({', '.join(name for name, _ in columns)})"
+def _recordset(param: str, alias: str, columns: tuple[tuple[str, str], ...]) -> str:
+    definition = ", ".join(f"{name} {kind}" for name, kind in columns)
+    return f"json_to_recordset(CAST({param} AS json)) AS {alias}({definition})"
 
 
-def _postgres_batch_statement() -> TextClause:
-    """A whole batch in one statement, each column sent as one array: log the calls, then upsert their
-    rollouts adding the number of calls actually inserted (a call answered before, replayed from the
-    ledger, conflicts on uq_tool_calls_answered and is neither logged nor counted twice).
+def _postgres_batch_sql() -> str:
+    """A whole batch in one statement: log the calls, then upsert their rollouts adding the number of
+    calls actually inserted (a call answered before, replayed from the ledger, conflicts on
+    uq_tool_calls_answered and is neither logged nor counted twice).
 
-    One statement is one transaction, so the batch is committed atomically in one round trip. Running
-    it again after an unknown outcome cannot count a call twice either. The rollouts are upserted in
-    trace_id order, so two workers' batches lock shared rollouts in the same order.
+    The rows travel as two JSON documents ($1 the calls, $2 their rollouts; one orjson call each)
+    rather than an array per column, which the driver would encode value by value, and the statement
+    goes to asyncpg directly (prepared once per connection). Together that is a third of the client
+    CPU that SQLAlchemy with column arrays took per batch. One statement is one
+    transaction, so the batch is committed atomically in one round trip. Running it again after an
+    unknown outcome cannot count a call twice either. The rollouts are upserted in trace_id order,
+    so two workers' batches lock shared rollouts in the same order.
     """
     names = ", ".join(name for name, _ in _CALL_COLUMNS)
-    return text(
-        f"""
+    return f"""
         WITH logged AS (
             INSERT INTO tool_calls ({names})
-            SELECT {names} FROM {_unnest("c_", _CALL_COLUMNS)}
+            SELECT {names} FROM {_recordset("$1", "c_", _CALL_COLUMNS)}
             ON CONFLICT DO NOTHING
             RETURNING trace_id
         ), counted AS (
@@ -102,7 +114,7 @@ def _postgres_batch_statement() -> TextClause:
         )
         INSERT INTO rollouts (trace_id, run, item_key, first_seen, last_seen, calls)
         SELECT r_.trace_id, r_.run, r_.item_key, r_.first_seen, r_.last_seen, coalesce(counted.n, 0)
-        FROM {_unnest("r_", _ROLLOUT_COLUMNS)}
+        FROM {_recordset("$2", "r_", _ROLLOUT_COLUMNS)}
         LEFT JOIN counted ON counted.trace_id = r_.trace_id
         ORDER BY r_.trace_id
         ON CONFLICT (trace_id) DO UPDATE SET
@@ -112,7 +124,6 @@ def _postgres_batch_statement() -> TextClause:
             item_key = coalesce(rollouts.item_key, excluded.item_key),
             calls = rollouts.calls + excluded.calls
         """
-    )
 
 
 class CallLogWriter:
@@ -133,7 +144,7 @@ class CallLogWriter:
         self._conn: AsyncConnection | None = None
         self._conn_lock = asyncio.Lock()
         self._idle_since = 0.0
-        self._batch_statement = _postgres_batch_statement() if self._postgres else None
+        self._batch_sql = _postgres_batch_sql()
         # SQLite: the same work in three statements. Built once, so SQLAlchemy compiles them once.
         insert: Any = sqlite.insert
         rollouts = Rollout.__table__
@@ -204,7 +215,7 @@ class CallLogWriter:
                             LogUnavailable("server shutting down", retry_after=self._retry_after)
                         )
                 raise
-            except (SQLAlchemyError, OSError) as exc:
+            except _COMMIT_ERRORS as exc:
                 log.warning("call log commit failed for %d calls: %s", len(batch), exc)
                 error = LogUnavailable(
                     f"call log database unreachable: {type(exc).__name__}", retry_after=self._retry_after
@@ -249,7 +260,7 @@ class CallLogWriter:
         if self._postgres:
             await self._commit_postgres(records, [rollouts[key] for key in traces])
             return
-        rows = [{**asdict(record), "output_bytes": _output_bytes(record)} for record in records]
+        rows = [asdict(record) for record in records]
         async with self._engine.begin() as conn:
             # The upsert locks each rollout row first, so concurrent batches of one rollout take turns
             # and each recount sees the calls the other committed.
@@ -258,17 +269,14 @@ class CallLogWriter:
             await conn.execute(self._recount, {"traces": traces})
 
     async def _commit_postgres(self, records: list[CallRecord], rollouts: list[dict[str, Any]]) -> None:
-        assert self._batch_statement is not None
-        columns = list(zip(*(_record_values(record) for record in records), strict=True))
-        params: dict[str, Any] = {
-            f"c_{name}": list(values) for (name, _), values in zip(_CALL_COLUMNS, columns, strict=True)
-        }
-        for name, _ in _ROLLOUT_COLUMNS:
-            params[f"r_{name}"] = [row[name] for row in rollouts]
+        calls = _json_rows(records)
+        touched = _json_rows(rollouts)
         async with self._conn_lock:  # only the writer task commits; tests may call _commit directly
             conn = await self._connection()
             try:
-                await conn.execute(self._batch_statement, params)
+                raw = await conn.get_raw_connection()
+                driver: Any = raw.driver_connection  # the asyncpg connection under SQLAlchemy's
+                await driver.execute(self._batch_sql, calls, touched)
             except BaseException:
                 # Whatever went wrong, the next batch starts on a new connection.
                 self._conn = None
@@ -322,27 +330,22 @@ async def _discard(conn: AsyncConnection) -> None:
         await conn.close()
 
 
-def _output_bytes(record: CallRecord) -> int:
-    return len(record.output.encode()) if record.output else 0
+def _json_rows(rows: list[CallRecord] | list[dict[str, Any]]) -> str:
+    """The rows as one JSON array for json_to_recordset (orjson writes the dataclasses itself).
+
+    Postgres text cannot hold NUL, so a NUL is logged as U+FFFD (output_bytes keeps the size sent).
+    orjson escapes NUL as \\u0000; when that text occurs (a NUL, or the six characters themselves),
+    the rows are written again, field by field.
+    """
+    payload = orjson.dumps(rows)
+    if b"\\u0000" not in payload:
+        return payload.decode()
+    return orjson.dumps([_without_nul(row) for row in rows]).decode()
 
 
-def _record_values(record: CallRecord) -> tuple[Any, ...]:
-    """The record's values in _CALL_COLUMNS order."""
-    return (
-        record.trace_id,
-        record.call_id,
-        record.request_id,
-        record.tool,
-        record.arguments,
-        record.output,
-        record.outcome,
-        record.error,
-        record.status_code,
-        record.started_at,
-        record.ended_at,
-        record.latency_ms,
-        record.worker,
-        record.run,
-        record.item_key,
-        _output_bytes(record),
-    )
+def _without_nul(row: CallRecord | dict[str, Any]) -> dict[str, Any]:
+    values = dict(asdict(row) if isinstance(row, CallRecord) else row)
+    for name, value in values.items():
+        if isinstance(value, str) and "\x00" in value:
+            values[name] = value.replace("\x00", "\ufffd")
+    return values

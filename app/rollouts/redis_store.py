@@ -168,15 +168,16 @@ class _ScriptBatcher:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         if not self._queue:
-            loop.call_soon(self._flush)
+            # The task's first step runs in the loop's next turn, after every call of this turn queued.
+            task = loop.create_task(self._send_queued())
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
         self._queue.append((script, keys, args, future))
         return future
 
-    def _flush(self) -> None:
+    async def _send_queued(self) -> None:
         batch, self._queue = self._queue, []
-        task = asyncio.get_running_loop().create_task(self._send(batch))
-        self._sending.add(task)
-        task.add_done_callback(self._sending.discard)
+        await self._send(batch)
 
     async def _one(self, script: _Script, keys: list[str], args: list[Any]) -> Any:
         async with asyncio.timeout(self._op_timeout):

@@ -12,6 +12,22 @@ Changes = dict[str, dict[str, Any]]
 EMPTY_BASE: Base = {}
 
 
+_ATOMS = frozenset({str, int, float, bool, type(None)})
+
+
+def private_copy(value: Any) -> Any:
+    """A copy that shares nothing mutable with `value`: `copy.deepcopy`, several times faster on the
+    JSON-shaped records state holds (dicts, lists, strings, numbers); other types go to deepcopy."""
+    kind = type(value)
+    if kind in _ATOMS:
+        return value
+    if kind is dict:
+        return {key: private_copy(item) for key, item in value.items()}
+    if kind is list:
+        return [private_copy(item) for item in value]
+    return copy.deepcopy(value)
+
+
 class ReadOnlyState(RuntimeError):
     """A tool not declared `mutates=True` tried to write rollout state."""
 
@@ -47,7 +63,7 @@ class RolloutState:
         found, value = self._lookup(collection, key)
         if not found or value is None:
             return default
-        return copy.deepcopy(value)
+        return private_copy(value)
 
     def __contains__(self, item: tuple[str, str]) -> bool:
         found, value = self._lookup(*item)
@@ -71,7 +87,7 @@ class RolloutState:
     def put(self, collection: str, key: str, value: Any) -> None:
         if not self._writable:
             raise ReadOnlyState(f"tool is not declared mutates=True; it cannot write {collection}/{key}")
-        self._writes.setdefault(collection, {})[key] = copy.deepcopy(value)
+        self._writes.setdefault(collection, {})[key] = private_copy(value)
 
     def delete(self, collection: str, key: str) -> None:
         self.put(collection, key, None)

@@ -7,7 +7,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.calls.routes import _NOT_A_TOOL_CALL, _tool_call_target
+from app.calls.routes import NOT_A_TOOL_CALL, tool_call_target
 from tests.conftest import ADMIN_KEY, call_body, new_trace
 
 
@@ -22,24 +22,24 @@ def scope(method: str, path: str, root_path: str = "") -> dict[str, Any]:
         ("POST", "/tools", "", None),
         ("POST", "/sparring/tools/increment", "/sparring", "increment"),
         ("POST", "/sparring/tools", "/sparring", None),
-        ("GET", "/tools/increment", "", _NOT_A_TOOL_CALL),
-        ("GET", "/tools", "", _NOT_A_TOOL_CALL),
-        ("POST", "/tools/", "", _NOT_A_TOOL_CALL),
-        ("POST", "/tools/a/b", "", _NOT_A_TOOL_CALL),
-        ("POST", "/toolsx", "", _NOT_A_TOOL_CALL),
-        ("POST", "/grade/x", "", _NOT_A_TOOL_CALL),
-        ("POST", "/rollouts", "", _NOT_A_TOOL_CALL),
+        ("GET", "/tools/increment", "", NOT_A_TOOL_CALL),
+        ("GET", "/tools", "", NOT_A_TOOL_CALL),
+        ("POST", "/tools/", "", NOT_A_TOOL_CALL),
+        ("POST", "/tools/a/b", "", NOT_A_TOOL_CALL),
+        ("POST", "/toolsx", "", NOT_A_TOOL_CALL),
+        ("POST", "/grade/x", "", NOT_A_TOOL_CALL),
+        ("POST", "/rollouts", "", NOT_A_TOOL_CALL),
     ],
 )
 def test_only_the_tool_call_routes_take_the_fast_path(
     method: str, path: str, root_path: str, target: str | None
 ) -> None:
-    assert _tool_call_target(scope(method, path, root_path)) == target
+    assert tool_call_target(scope(method, path, root_path)) == target
 
 
 def test_websocket_and_lifespan_scopes_pass_through() -> None:
-    assert _tool_call_target({"type": "lifespan"}) == _NOT_A_TOOL_CALL
-    assert _tool_call_target({"type": "websocket", "path": "/tools/x"}) == _NOT_A_TOOL_CALL
+    assert tool_call_target({"type": "lifespan"}) == NOT_A_TOOL_CALL
+    assert tool_call_target({"type": "websocket", "path": "/tools/x"}) == NOT_A_TOOL_CALL
 
 
 async def test_other_routes_behave_as_before(client: httpx.AsyncClient) -> None:
@@ -64,3 +64,43 @@ async def test_the_openapi_document_still_describes_the_tool_routes(client: http
     assert r.status_code == 200
     paths = r.json()["paths"]
     assert "post" in paths["/tools/{name}"] and "post" in paths["/tools"]
+
+
+async def test_a_bug_on_the_fast_path_is_a_json_500(
+    client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service = client.app.state.call_service  # type: ignore[attr-defined]
+
+    async def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a bug in sparring")
+
+    monkeypatch.setattr(service, "handle", broken)
+    r = await client.post("/tools/increment", json=call_body({"by": 1}, trace_id=new_trace()))
+    assert r.status_code == 500
+    assert r.json() == {
+        "error": {"code": "internal_error", "message": "unexpected server error; see the server log"}
+    }
+
+
+async def test_a_client_gone_before_its_body_gets_no_answer(client: httpx.AsyncClient) -> None:
+    from app.calls.routes import TOOL_SCOPE_KEY, serve_tool_call
+
+    app = client.app  # type: ignore[attr-defined]
+    sent: list[Any] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.disconnect"}
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/tools/increment",
+        "headers": [(b"authorization", f"Bearer {ADMIN_KEY}".encode())],
+        "app": app,
+        TOOL_SCOPE_KEY: "increment",
+    }
+    await serve_tool_call(scope, receive, send)
+    assert sent == []

@@ -6,6 +6,7 @@ import asyncio
 from datetime import UTC, datetime
 
 import httpx
+import pytest
 from sqlalchemy import func, select
 
 from app.calls.log_writer import CallLogWriter, CallRecord
@@ -180,3 +181,69 @@ async def test_concurrent_writers_count_every_call_of_a_rollout(client: httpx.As
         await other.aclose()
     counts = await _counts(client, traces)
     assert counts == {traces[0]: (11, 11), traces[1]: (10, 10), traces[2]: (10, 10)}
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        '{"quote": "\\"", "emoji": "🙂", "tab": "\\t"}',
+        '{"q": "a\\u0000b"}',  # the six characters of a JSON escape for NUL, as text: kept as text
+    ],
+    ids=["escapes", "nul-escape-as-text"],
+)
+async def test_logged_rows_keep_every_field_exactly(client: httpx.AsyncClient, arguments: str) -> None:
+    """The batch travels as JSON on Postgres: text, escapes, timestamps and floats come back unchanged."""
+    writer: CallLogWriter = client.app.state.log_writer  # type: ignore[attr-defined]
+    trace = new_trace()
+    started = datetime(2026, 1, 2, 3, 4, 5, 123456, tzinfo=UTC)
+    tricky = CallRecord(
+        trace_id=trace,
+        call_id='c"1\\',
+        request_id="fc_ü",
+        tool="echo",
+        arguments=arguments,
+        output='line 1\nline 2\t"quoted" \\ back\\slash, 漢字 🙂',
+        outcome="model_error",
+        error="Error: \r\n\u2028",
+        status_code=200,
+        started_at=started,
+        ended_at=started.replace(microsecond=999999),
+        latency_ms=0.1 + 0.2,
+        worker="w-1",
+        run="run/ü",
+        item_key="sha256:abc",
+    )
+    await writer._commit([tricky])
+    async with client.app.state.sessionmaker() as session:  # type: ignore[attr-defined]
+        row = (await session.scalars(select(ToolCall).where(ToolCall.trace_id == trace))).one()
+        rollout = await session.get(Rollout, trace)
+    for name in ("call_id", "request_id", "tool", "arguments", "output", "outcome", "error", "status_code"):
+        assert getattr(row, name) == getattr(tricky, name), name
+    assert (row.started_at, row.ended_at) == (tricky.started_at, tricky.ended_at)
+    assert row.latency_ms == tricky.latency_ms
+    assert (row.worker, row.run, row.item_key) == ("w-1", "run/ü", "sha256:abc")
+    assert row.output_bytes == len(tricky.output.encode()) == tricky.output_bytes  # type: ignore[union-attr]
+    assert rollout is not None and rollout.calls == 1 and rollout.first_seen == started
+
+
+async def test_a_nul_character_is_answered_and_logged(client: httpx.AsyncClient, backend: str) -> None:
+    """Postgres text cannot hold NUL: the answer keeps it, the log shows U+FFFD, other calls unharmed."""
+    trace = new_trace()
+    bodies = [call_body({"reason": "bad\u0000byte"}, trace_id=trace, call_id="nul")] + [
+        call_body({"reason": f"fine {i}"}, trace_id=trace, call_id=f"ok{i}") for i in range(5)
+    ]
+    answers = await asyncio.gather(*(client.post("/tools/refuse", json=body) for body in bodies))
+    assert [r.status_code for r in answers] == [200] * 6
+    assert answers[0].json()["output"] == "Error: bad\u0000byte"
+    async with client.app.state.sessionmaker() as session:  # type: ignore[attr-defined]
+        logged = dict(
+            (
+                await session.execute(
+                    select(ToolCall.call_id, ToolCall.output).where(ToolCall.trace_id == trace)
+                )
+            )
+            .tuples()
+            .all()
+        )
+    assert len(logged) == 6
+    assert logged["nul"] == ("Error: bad\ufffdbyte" if backend == "real" else "Error: bad\u0000byte")

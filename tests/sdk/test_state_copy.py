@@ -1,0 +1,53 @@
+"""Records read from and written to rollout state are private copies, whatever their shape."""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+from app.sdk import RolloutState
+from app.sdk.state import private_copy
+
+VALUES: list[Any] = [
+    {"a": [1, 2.5, {"b": None, "c": True}], "d": "text", "e": {"f": [[], {}]}},
+    [{"x": 1}, [2, [3]], "s"],
+    ("tuple", ["with", "a list"]),  # not JSON-shaped: deepcopy's rules
+    OrderedDict(a=[1]),
+    {"when": datetime(2026, 1, 1, tzinfo=UTC), "set": {1, 2}},
+    "plain",
+    7,
+    None,
+]
+
+
+@pytest.mark.parametrize("value", VALUES, ids=lambda v: type(v).__name__)
+def test_private_copy_equals_deepcopy_and_shares_nothing_mutable(value: Any) -> None:
+    copied = private_copy(value)
+    assert copied == copy.deepcopy(value) and type(copied) is type(value)
+
+    def mutables(obj: Any) -> list[int]:
+        if isinstance(obj, dict):
+            return [id(obj)] + [i for item in obj.values() for i in mutables(item)]
+        if isinstance(obj, (list, set)):
+            return [id(obj)] + [i for item in obj for i in mutables(item)]
+        if isinstance(obj, tuple):
+            return [i for item in obj for i in mutables(item)]
+        return []
+
+    assert not set(mutables(copied)) & set(mutables(value))
+
+
+def test_state_hands_out_and_keeps_private_copies() -> None:
+    base = {"orders": {"o1": {"items": [{"sku": "a", "qty": 1}]}}}
+    state = RolloutState(base, {}, writable=True)
+    record = state.get("orders", "o1")
+    record["items"][0]["qty"] = 5
+    assert base["orders"]["o1"]["items"][0]["qty"] == 1  # the shared base is untouched
+    state.put("orders", "o1", record)
+    record["items"].append({"sku": "b"})  # changing it after put changes nothing stored
+    assert state.get("orders", "o1") == {"items": [{"sku": "a", "qty": 5}]}
+    assert state.writes == {"orders": {"o1": {"items": [{"sku": "a", "qty": 5}]}}}

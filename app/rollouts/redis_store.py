@@ -150,47 +150,34 @@ _Queued = tuple[_Script, list[str], list[Any], "asyncio.Future[Any]"]
 
 
 class _ScriptBatcher:
-    """Sends the scripts that concurrent calls run as pipelines, at most `max_pipelines` at a time.
+    """Sends the scripts that concurrent calls run in one turn of the event loop as one pipeline.
 
     Under load many calls reach Redis at once; one pipeline takes one connection from the pool and
-    one write for all of them, instead of a checkout, a write and a retry wrapper each. A sender
-    takes everything queued when it starts (the scripts of one turn of the event loop) and, when
-    its pipeline returns, everything queued meanwhile, so under load pipelines grow instead of
-    multiplying (each costs CPU of its own; Redis runs them one after the other anyway). Every
-    script here is safe to send twice (it recognizes its own token), so the client's retry of a
-    pipeline after a dropped connection cannot apply a call twice.
+    one write for all of them, instead of a checkout, a write and a retry wrapper each. Every script
+    here is safe to send twice (it recognizes its own token), so the client's retry of a pipeline
+    after a dropped connection cannot apply a call twice.
     """
 
-    def __init__(self, client: Redis, op_timeout: float, max_pipelines: int = 2) -> None:
+    def __init__(self, client: Redis, op_timeout: float) -> None:
         self._client = client
         self._op_timeout = op_timeout
         self._queue: list[_Queued] = []
         self._sending: set[asyncio.Task[None]] = set()
-        self._starting = False
-        self._senders = 0
-        self._max_senders = max_pipelines
 
     def run(self, script: _Script, keys: list[str], args: list[Any]) -> asyncio.Future[Any]:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
-        self._queue.append((script, keys, args, future))
-        if not self._starting and self._senders < self._max_senders:
+        if not self._queue:
             # The task's first step runs in the loop's next turn, after every call of this turn queued.
-            self._starting = True
             task = loop.create_task(self._send_queued())
             self._sending.add(task)
             task.add_done_callback(self._sending.discard)
+        self._queue.append((script, keys, args, future))
         return future
 
     async def _send_queued(self) -> None:
-        self._starting = False
-        self._senders += 1
-        try:
-            while self._queue:
-                batch, self._queue = self._queue, []
-                await self._send(batch)
-        finally:
-            self._senders -= 1
+        batch, self._queue = self._queue, []
+        await self._send(batch)
 
     async def _one(self, script: _Script, keys: list[str], args: list[Any]) -> Any:
         async with asyncio.timeout(self._op_timeout):

@@ -6,7 +6,6 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 import pytest
 from redis.asyncio import Redis
@@ -394,36 +393,3 @@ async def test_redis_down_is_store_unavailable() -> None:
         assert info.value.status_code == 503
     finally:
         await store.aclose()
-
-
-async def test_redis_sends_at_most_two_pipelines_at_once_and_batches_the_rest() -> None:
-    async with redis_store_and_client() as (store, _):
-        batcher = store._batcher
-        send = batcher._send
-        in_flight, most, sizes = 0, 0, []
-
-        async def counted(batch: list[Any]) -> None:
-            nonlocal in_flight, most
-            in_flight += 1
-            most = max(most, in_flight)
-            sizes.append(len(batch))
-            try:
-                await send(batch)
-            finally:
-                in_flight -= 1
-
-        batcher._send = counted  # type: ignore[method-assign]
-        traces = [new_trace() for _ in range(20)]
-
-        async def one_call(n: int) -> None:
-            await asyncio.sleep((n % 100) * 0.0003)  # arriving while earlier pipelines are out
-            began = await ticket(store, traces[n % 20], f"c{n}", lock=n % 2 == 0)
-            await store.finish(began, {"p": {"t": {f"k{n}": n}}}, ANSWER)
-
-        for wave in range(3):
-            await asyncio.gather(*(one_call(wave * 100 + n) for n in range(100)))
-        assert most <= 2  # without the cap, these staggered calls keep 10 or more out at once
-        assert sum(sizes) == 600 and len(sizes) < 100, sizes
-        for n in (0, 101, 299):
-            assert await begin(store, traces[n % 20], f"c{n}") == ANSWER
-        assert (await store.changes(traces[1]))["p"]["t"]["k101"] == 101

@@ -79,9 +79,11 @@ def build_store(settings: Settings) -> RolloutStore:
         socket_timeout=None,
         socket_connect_timeout=2,
         health_check_interval=30,
+        # On the pool: a client given a pool takes the retry policy of the pool's connections.
+        retry=Retry(ExponentialBackoff(cap=0.2, base=0.01), 2),
     )
     use_hiredis_packing(pool)
-    client = Redis(connection_pool=pool, retry=Retry(ExponentialBackoff(cap=0.2, base=0.01), 2))
+    client = Redis(connection_pool=pool)
     return RedisRolloutStore(
         client,
         ttl_seconds=settings.state_ttl_seconds,

@@ -119,6 +119,7 @@ class Server:
     ready_path: str = "/healthz"
     port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
+    wrapper: list[str] = field(default_factory=list)  # a command the server runs under (valgrind)
 
     @property
     def url(self) -> str:
@@ -130,7 +131,16 @@ class Server:
         return self.process.pid
 
     def start(self) -> None:
-        argv = [sys.executable, "-m", "uvicorn", self.target, "--port", str(self.port), *UVICORN_FLAGS]
+        argv = [
+            *self.wrapper,
+            sys.executable,
+            "-m",
+            "uvicorn",
+            self.target,
+            "--port",
+            str(self.port),
+            *UVICORN_FLAGS,
+        ]
         if self.factory:
             argv.append("--factory")
         with self.log_path.open("wb") as log:
@@ -849,12 +859,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 @contextmanager
-def running(servers: dict[str, Server]) -> Iterator[None]:
+def running(servers: dict[str, Server], ready_timeout: float = 60.0) -> Iterator[None]:
     try:
         for server in servers.values():
             server.start()
         for server in servers.values():
-            server.wait_ready()
+            server.wait_ready(ready_timeout)
             print(f"server {server.name:<18} pid {server.pid:<7} {server.url}", flush=True)
         yield
     finally:

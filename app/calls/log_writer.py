@@ -28,7 +28,7 @@ class LogUnavailable(ServiceUnavailable):
     code = "call_log_unavailable"
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class CallRecord:
     trace_id: str
     call_id: str | None
@@ -48,7 +48,7 @@ class CallRecord:
     output_bytes: int = field(init=False)  # the output's UTF-8 size, as sent
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "output_bytes", len(self.output.encode()) if self.output else 0)
+        self.output_bytes = len(self.output.encode()) if self.output else 0
 
 
 # A failed commit: SQLAlchemy's errors, and asyncpg's (the batch statement is sent to it directly).

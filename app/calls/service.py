@@ -8,7 +8,7 @@ import hashlib
 import logging
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -102,6 +102,7 @@ class ToolCallService:
         # The labelled metric children, looked up once per (tool, outcome) instead of on every call.
         self._counters: dict[tuple[str, str], Any] = {}
         self._latencies: dict[str, Any] = {}
+        self._tool_loggers: dict[str, logging.Logger] = {}
 
     async def handle(
         self, envelope: ToolCallEnvelope, *, path_name: str | None, run: str | None
@@ -243,8 +244,11 @@ class ToolCallService:
             state = RolloutState(base, began.changes.get(spec.pack, {}), writable=spec.mutates)
         if spec.context_param is not None:
             assert state is not None
+            logger = self._tool_loggers.get(spec.pack)
+            if logger is None:
+                logger = self._tool_loggers[spec.pack] = logging.getLogger(f"sparring.tools.{spec.pack}")
             adapter = logging.LoggerAdapter(
-                logging.getLogger(f"sparring.tools.{spec.pack}"),
+                logger,
                 {"trace_id": call.trace_id, "call_id": call.envelope.call_id},
             )
             kwargs = {
@@ -262,8 +266,7 @@ class ToolCallService:
             }
         try:
             if spec.is_async:
-                async with asyncio.timeout(self.tool_timeout):
-                    result = await spec.fn(**kwargs)
+                result = await _within(spec.fn(**kwargs), self.tool_timeout)
             else:
                 result = await asyncio.wait_for(
                     anyio.to_thread.run_sync(lambda: spec.fn(**kwargs)), self.tool_timeout
@@ -287,6 +290,34 @@ class ToolCallService:
         answer = StoredAnswer(output=truncate_output(output, self.max_output_bytes), outcome="ok")
         writes = {spec.pack: state.writes} if state is not None and state.writes else {}
         return answer, writes
+
+
+def _expire(task: asyncio.Task[Any], expired: list[bool]) -> None:
+    expired[0] = True
+    task.cancel()
+
+
+async def _within(call: Awaitable[Any], seconds: float) -> Any:
+    """Await `call`, raising TimeoutError if it takes longer than `seconds`.
+
+    What `asyncio.timeout` does for this one use (cancel the task at the deadline, turn that
+    cancellation into TimeoutError, let any other cancellation through), with one timer handle and
+    none of its state machine: every tool call pays for it (`bench/instructions.py` measures that).
+    """
+    task = asyncio.current_task()
+    assert task is not None
+    loop = asyncio.get_running_loop()
+    cancelling = task.cancelling()
+    expired = [False]
+    timer = loop.call_at(loop.time() + seconds, _expire, task, expired)
+    try:
+        return await call
+    except asyncio.CancelledError:
+        if expired[0] and task.uncancel() <= cancelling:
+            raise TimeoutError from None
+        raise
+    finally:
+        timer.cancel()
 
 
 _JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean"}

@@ -43,7 +43,18 @@ class HiredisPacking:
             raise DataError(str(exc)) from exc
 
     def pack_commands(self, commands: Iterable[Iterable[Any]]) -> list[bytes]:
-        return [b"".join(self.pack_command(*command)[0] for command in commands)]
+        pack = hiredis.pack_command
+        packed: list[bytes] = []
+        for command in commands:
+            # A pipeline's commands are tuples; one whose name is a single word goes to hiredis as is.
+            if type(command) is tuple and type(command[0]) is str and " " not in command[0]:
+                try:
+                    packed.append(pack(command))
+                    continue
+                except TypeError:
+                    pass  # an argument hiredis does not take: the general path converts or rejects it
+            packed.append(self.pack_command(*command)[0])
+        return [b"".join(packed)]
 
 
 def use_hiredis_packing(pool: ConnectionPool) -> None:

@@ -16,7 +16,8 @@ from typing import Any, TypeVar
 
 import orjson
 from redis.asyncio import Redis
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import ConnectionError, NoScriptError, RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from app.rollouts.store import PackChanges, RolloutMeta, StoredAnswer, StoreUnavailable, Ticket
 
@@ -122,8 +123,11 @@ return kept
 """
 
 
+_FLAG_CHARS = ("0", "1")
+
+
 def _flags(*switches: bool) -> str:
-    return "".join("1" if on else "0" for on in switches)
+    return "".join(map(_FLAG_CHARS.__getitem__, switches))
 
 
 class _Script:
@@ -185,16 +189,10 @@ class _ScriptBatcher:
 
     async def _send(self, batch: list[_Queued]) -> None:
         # One deadline for the whole batch: a hung Redis fails every call in it with TimeoutError.
+        commands = [("EVALSHA", script.sha, len(keys), *keys, *args) for script, keys, args, _ in batch]
         try:
-            if len(batch) == 1:
-                script, keys, args, _ = batch[0]
-                results: list[Any] = [await self._one(script, keys, args)]
-            else:
-                async with asyncio.timeout(self._op_timeout):
-                    pipe = self._client.pipeline(transaction=False)
-                    for script, keys, args, _ in batch:
-                        pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
-                    results = await pipe.execute(raise_on_error=False)
+            async with asyncio.timeout(self._op_timeout):
+                results = await self._pipeline(commands)
         except BaseException as exc:
             for *_, future in batch:
                 if not future.done():
@@ -215,6 +213,42 @@ class _ScriptBatcher:
                 future.set_exception(result)
             else:
                 future.set_result(result)
+
+    async def _pipeline(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """Send the commands in one write on one pooled connection and read their replies in order.
+
+        What the client's pipeline does for commands without a transaction, without its per-command
+        layers (option handling, reply callbacks, command bookkeeping), which on this path cost more
+        than the replies. A script's error reply is returned in its place, like
+        `execute(raise_on_error=False)`; any other failure leaves the connection out of step with
+        its replies, so the connection is dropped before it goes back to the pool.
+        """
+        pool = self._client.connection_pool
+        connection = await pool.get_connection()  # type: ignore[no-untyped-call]
+        try:
+            try:
+                return await self._exchange(connection, commands)
+            except (ConnectionError, RedisTimeoutError):
+                # The pooled connection was dead (Redis restarted, a proxy closed it while idle):
+                # the same scripts once more on a new one. Each is safe to run twice.
+                return await self._exchange(connection, commands)
+        finally:
+            await pool.release(connection)
+
+    @staticmethod
+    async def _exchange(connection: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+        try:
+            await connection.send_packed_command(connection.pack_commands(commands))
+            results: list[Any] = []
+            for _ in commands:
+                try:
+                    results.append(await connection.read_response())
+                except ResponseError as exc:
+                    results.append(exc)
+            return results
+        except BaseException:
+            await connection.disconnect(nowait=True)
+            raise
 
     def cancel(self) -> None:
         for task in self._sending:

@@ -70,3 +70,35 @@ def test_grading_bench_runs(tmp_path: Path) -> None:
     assert rows["string"]["score"] == 1.0
     assert 0.0 < rows["trace_multi"]["score"] < 1.0
     assert all(row["grades_per_s"] > 0 and row["non_2xx_or_errors"] == 0 for row in rows.values())
+
+
+@pytest.mark.skipif(
+    shutil.which("valgrind") is None or shutil.which("callgrind_control") is None,
+    reason="valgrind is not installed",
+)
+def test_instruction_count_bench_runs(tmp_path: Path) -> None:
+    from bench import instructions
+
+    code = instructions.main(
+        ["--scenarios", "echo", "--duration", "2", "--warmup", "1", "--results-dir", str(tmp_path)]
+    )
+    assert code == 0
+    (out,) = tmp_path.glob("instructions-*.json")
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["scenario"] == "echo"
+    assert row["calls"] > 0
+    # A bare FastAPI call is hundreds of thousands of instructions: a count near zero means callgrind
+    # measured nothing (collection never switched on, or the wrong dump was read).
+    assert row["instructions_per_call"] > 50_000
+    assert row["x_echo"] == 1.0
+
+
+def test_callgrind_total_is_read_from_the_totals_line(tmp_path: Path) -> None:
+    from bench.instructions import callgrind_total
+
+    dump = tmp_path / "callgrind.out.1"
+    dump.write_text("events: Ir\nsummary: 0\nfn=main\n0 5\ntotals: 123456\n")
+    assert callgrind_total(dump) == 123456
+    dump.write_text("events: Ir\nsummary: 7\n")
+    with pytest.raises(RuntimeError, match="no instruction total"):
+        callgrind_total(dump)

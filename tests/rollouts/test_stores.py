@@ -354,6 +354,35 @@ async def test_redis_reloads_its_scripts_after_a_flush() -> None:
         assert await begin(store, trace, "c1") == ANSWER
 
 
+async def test_redis_scripts_of_one_turn_reload_after_a_flush_together() -> None:
+    """One pipeline where every script gets an error reply: each is loaded again and answered."""
+    async with redis_store_and_client() as (store, client):
+        traces = [new_trace() for _ in range(6)]
+        await client.script_flush()
+        tickets = await asyncio.gather(*(ticket(store, trace, "c1", lock=True) for trace in traces))
+        await client.script_flush()
+        await asyncio.gather(
+            *(store.finish(t, {"p": {"t": {"k": i}}}, ANSWER) for i, t in enumerate(tickets))
+        )
+        for i, trace in enumerate(traces):
+            assert await begin(store, trace, "c1") == ANSWER
+            assert (await store.changes(trace))["p"]["t"]["k"] == i
+
+
+async def test_redis_connection_closed_by_the_server_is_retried_on_a_new_one() -> None:
+    """Redis dropped the pooled connections (a restart, CLIENT KILL, an idle timeout): the next
+    pipeline fails on the dead socket and goes again on a new connection, without an error."""
+    async with redis_store_and_client() as (store, client):
+        traces = [new_trace() for _ in range(4)]
+        tickets = await asyncio.gather(*(ticket(store, trace, "c1", lock=True) for trace in traces))
+        killed = await client.client_kill_filter(_type="normal", skipme=True)
+        assert killed >= 1
+        await asyncio.gather(*(store.finish(t, {"p": {"t": {"k": 1}}}, ANSWER) for t in tickets))
+        for trace in traces:
+            assert await client.get(f"sp:{{{trace}}}:lock") is None
+            assert await begin(store, trace, "c1") == ANSWER
+
+
 async def test_redis_that_never_answers_is_store_unavailable() -> None:
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.read(-1)  # accept and read, never reply

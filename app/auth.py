@@ -6,6 +6,7 @@ import hmac
 import secrets
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +36,14 @@ class KeyRing:
         """Compare against every key in constant time (no early exit that leaks which key matched)."""
         found: set[Scope] = set()
         given = presented.encode()
-        for key in self.keys:
-            if hmac.compare_digest(given, key.secret.get_secret_value().encode()):
-                found.add(key.scope)
+        for secret, scope in self._secrets:
+            if hmac.compare_digest(given, secret):
+                found.add(scope)
         return found
+
+    @cached_property
+    def _secrets(self) -> tuple[tuple[bytes, Scope], ...]:
+        return tuple((key.secret.get_secret_value().encode(), key.scope) for key in self.keys)
 
     def authorize(self, request: Request, scope: Scope) -> Scope:
         presented = self.extract(request)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from typing import Any
 
 import orjson
@@ -17,10 +18,10 @@ class BodyLimitMiddleware:
         self.app = app
         self.max_bytes = max_bytes
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
+        # Not a coroutine itself when the body needs no counting: the server awaits the app's own.
         if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+            return self.app(scope, receive, send)
         declared: int | None = None
         chunked = False
         for name, value in scope.get("headers", []):
@@ -32,12 +33,13 @@ class BodyLimitMiddleware:
             elif name == b"transfer-encoding":
                 chunked = True
         if declared is not None and declared > self.max_bytes:
-            await self._reject(send, declared)
-            return
+            return self._reject(send, declared)
         if declared is not None and not chunked:
             # The server delivers exactly Content-Length bytes, already checked: nothing to count.
-            await self.app(scope, receive, send)
-            return
+            return self.app(scope, receive, send)
+        return self._counted(scope, receive, send)
+
+    async def _counted(self, scope: Scope, receive: Receive, send: Send) -> None:
         received = 0
         started = False
 

@@ -91,8 +91,8 @@ class ToolSpec:
 
     def bind(self, raw: Mapping[str, Any]) -> dict[str, Any]:
         """Validate raw arguments into keyword arguments; nulls for defaulted parameters take the default."""
-        model = self.arguments.model_validate(dict(raw))
-        values = {name: getattr(model, name) for name in type(model).model_fields}
+        model = self.arguments.model_validate(raw if type(raw) is dict else dict(raw))
+        values = dict(model.__dict__)  # the fields, validated (the model forbids extra keys)
         for name, default in self.defaults.items():
             if values.get(name) is None:
                 values[name] = default

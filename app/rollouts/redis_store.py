@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import itertools
 import logging
 import os
 import time
-import weakref
 from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
 from string import Template
@@ -302,11 +302,21 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+class _LocalLock:
+    """A rollout's lock in this process, with the number of calls holding or awaiting it."""
+
+    __slots__ = ("lock", "users")
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.users = 0
+
+
 @dataclass(eq=False)
 class _Held:
     """What a ticket holds in this process: the rollout's local lock."""
 
-    local: asyncio.Lock | None = None
+    local: _LocalLock | None = None
 
 
 class RedisRolloutStore:
@@ -338,7 +348,11 @@ class RedisRolloutStore:
         self._live: dict[Ticket, float] = {}
         self._extend_after = min(claim_timeout, lock_timeout) / 3
         self._keeper: asyncio.Task[None] | None = None
-        self._local_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
+        # Rollout → its local lock, while some call of this process holds or awaits it.
+        self._local_locks: dict[str, _LocalLock] = {}
+        # Claim and lock tokens: unique per store (a random prefix) and per call (a counter).
+        self._token_prefix = os.urandom(8).hex()
+        self._token_count = itertools.count()
 
     def _unavailable(self, exc: BaseException) -> StoreUnavailable:
         if isinstance(exc, TimeoutError):
@@ -372,7 +386,8 @@ class RedisRolloutStore:
         load_changes: bool,
         wait: float,
     ) -> Ticket | StoredAnswer:
-        ticket = Ticket(trace_id=trace_id, call_id=call_id, token=os.urandom(16).hex(), locked=lock)
+        token = f"{self._token_prefix}{next(self._token_count):x}"
+        ticket = Ticket(trace_id=trace_id, call_id=call_id, token=token, locked=lock)
         if call_id is None and not lock and meta is None:
             return ticket
         args: list[Any] = [
@@ -389,15 +404,20 @@ class RedisRolloutStore:
             # the Redis lock below then only ever waits for calls running in other processes.
             local = self._local_locks.get(trace_id)
             if local is None:
-                local = self._local_locks[trace_id] = asyncio.Lock()
-            if local.locked():
-                try:
-                    async with asyncio.timeout(self._lock_wait):
-                        await local.acquire()
-                except TimeoutError:
-                    raise StoreUnavailable("timed out waiting for the rollout's lock") from None
-            else:
-                await local.acquire()
+                local = self._local_locks[trace_id] = _LocalLock()
+            local.users += 1
+            try:
+                if local.lock.locked():
+                    try:
+                        async with asyncio.timeout(self._lock_wait):
+                            await local.lock.acquire()
+                    except TimeoutError:
+                        raise StoreUnavailable("timed out waiting for the rollout's lock") from None
+                else:
+                    await local.lock.acquire()
+            except BaseException:
+                self._leave(trace_id, local)
+                raise
             held.local = local
         try:
             began = await self._begin_in_redis(ticket, args, call_deadline, lock_deadline)
@@ -490,7 +510,13 @@ class RedisRolloutStore:
             return
         ticket.held = None
         if held.local is not None:
-            held.local.release()
+            held.local.lock.release()
+            self._leave(ticket.trace_id, held.local)
+
+    def _leave(self, trace_id: str, local: _LocalLock) -> None:
+        local.users -= 1
+        if local.users == 0 and self._local_locks.get(trace_id) is local:
+            del self._local_locks[trace_id]
 
     async def finish(self, ticket: Ticket, writes: PackChanges, answer: StoredAnswer) -> None:
         try:

@@ -227,6 +227,35 @@ async def test_lock_wait_runs_out(store: RolloutStore) -> None:
             await short.aclose()
 
 
+async def test_redis_local_locks_are_dropped_when_no_call_needs_them() -> None:
+    """The per-rollout locks of this process go away with their last holder or waiter, including
+    waiters that gave up and calls that were aborted: thousands of rollouts leave nothing behind."""
+    store = redis_store(lock_wait=0.2)
+    try:
+        traces = [new_trace() for _ in range(20)]
+
+        async def call(trace: str, n: int) -> None:
+            began = await ticket(store, trace, f"c{n}", lock=True)
+            await asyncio.sleep(0.01)
+            if n % 3 == 0:
+                await store.abort(began)
+            else:
+                await store.finish(began, {"p": {"t": {"k": n}}}, ANSWER)
+
+        await asyncio.gather(*(call(trace, n) for trace in traces for n in range(4)))
+        assert store._local_locks == {}
+        # A waiter that runs out of time leaves no lock behind either.
+        trace = new_trace()
+        held = await ticket(store, trace, "c1", lock=True)
+        with pytest.raises(StoreUnavailable, match="lock"):
+            await begin(store, trace, "c2", lock=True)
+        assert store._local_locks[trace].users == 1
+        await store.finish(held, {}, ANSWER)
+        assert store._local_locks == {}
+    finally:
+        await store.aclose()
+
+
 async def test_deletes_are_tombstones_and_graded_flag(store: RolloutStore) -> None:
     trace = new_trace()
     await write(store, trace, {"p": {"things": {"a": {"n": 1}, "b": {"n": 2}}}})

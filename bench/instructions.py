@@ -113,23 +113,16 @@ def main(argv: list[str] | None = None) -> int:
                 "--instr-atstart=no",
                 f"--callgrind-out-file={out}",
             ]
+
+            def calls(settings: argparse.Namespace, url: str = server.url, tool: str = scenario.tool) -> Any:
+                nonce = secrets.token_hex(4)  # new call ids (and rollouts) for every run
+                return wrk_script(wrk, LUA_SCRIPT, url, [nonce, tool, str(args.rollouts), key], settings)
+
             with running(servers, ready_timeout=900):
                 smoke(server.url, scenario.tool, key)
-                wrk_script(
-                    wrk,
-                    LUA_SCRIPT,
-                    server.url,
-                    [f"w{secrets.token_hex(3)}", scenario.tool, str(args.rollouts), key],
-                    warm,
-                )
+                calls(warm)
                 control("-i", "on", str(server.pid))
-                counted = wrk_script(
-                    wrk,
-                    LUA_SCRIPT,
-                    server.url,
-                    [f"c{secrets.token_hex(3)}", scenario.tool, str(args.rollouts), key],
-                    load,
-                )
+                counted = calls(load)
                 control("-i", "off", str(server.pid))
                 control("-d", str(server.pid))
                 dump = wait_for_dump(out)

@@ -236,14 +236,9 @@ async def test_a_nul_character_is_answered_and_logged(client: httpx.AsyncClient,
     assert [r.status_code for r in answers] == [200] * 6
     assert answers[0].json()["output"] == "Error: bad\u0000byte"
     async with client.app.state.sessionmaker() as session:  # type: ignore[attr-defined]
-        logged = dict(
-            (
-                await session.execute(
-                    select(ToolCall.call_id, ToolCall.output).where(ToolCall.trace_id == trace)
-                )
-            )
-            .tuples()
-            .all()
+        rows = await session.execute(
+            select(ToolCall.call_id, ToolCall.output).where(ToolCall.trace_id == trace)
         )
+        logged = {call_id: output for call_id, output in rows}
     assert len(logged) == 6
     assert logged["nul"] == ("Error: bad\ufffdbyte" if backend == "real" else "Error: bad\u0000byte")

@@ -3,8 +3,8 @@ neighbours cannot move.
 
     python -m bench.instructions --scenarios echo,full-pg --duration 30
 
-Each scenario's server runs under `valgrind --tool=callgrind` with collection off; after a warm-up,
-collection is switched on for one closed-loop wrk run (the same requests as `bench.run`) and the
+Each scenario's server runs under `valgrind --tool=callgrind` with instrumentation off; after a
+warm-up, it is switched on for one closed-loop wrk run (the same requests as `bench.run`) and the
 instructions the server executed are divided by the calls it answered. Callgrind runs the server
 some fifty times slower, so the call rate (and with it the size of Redis pipelines and log batches)
 is not the one of a real run: compare scenarios, or two versions of the code, measured the same way,
@@ -49,13 +49,16 @@ def callgrind_total(path: Path) -> int:
     return int(match.group(1))
 
 
-def wait_for_dump(out: Path, timeout: float = 120.0) -> Path:
-    """The file `callgrind_control -d` made (`<out>.1`), once callgrind finished writing it."""
+def wait_for_dump(out: Path, timeout: float = 120.0) -> tuple[Path, int]:
+    """The file `callgrind_control -d` made (`<out>.1`) and its total, once callgrind wrote it all."""
     dump = out.with_name(out.name + ".1")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if dump.exists() and _TOTALS.search(dump.read_text(errors="replace")):
-            return dump
+        if dump.exists():
+            try:
+                return dump, callgrind_total(dump)
+            except RuntimeError:
+                pass  # still being written: the totals line comes last
         time.sleep(0.5)
     raise RuntimeError(f"callgrind wrote no dump to {dump}")
 
@@ -125,8 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                 counted = calls(load)
                 control("-i", "off", str(server.pid))
                 control("-d", str(server.pid))
-                dump = wait_for_dump(out)
-                total = callgrind_total(dump)
+                dump, total = wait_for_dump(out)
                 if args.save_profiles:
                     args.results_dir.mkdir(parents=True, exist_ok=True)
                     kept = args.results_dir / f"callgrind-{name}-{datetime.now(UTC):%Y%m%d-%H%M%S}.out"

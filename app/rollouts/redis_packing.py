@@ -24,37 +24,32 @@ def _split_name(args: tuple[Any, ...]) -> tuple[Any, ...]:
     return (*first.split(), *args[1:]) if b" " in first else args
 
 
+def _pack(args: tuple[Any, ...]) -> bytes:
+    args = _split_name(args)
+    packed: bytes
+    try:
+        packed = hiredis.pack_command(args)
+        return packed
+    except TypeError:
+        pass
+    # hiredis takes str, bytes, int and float; redis-py also sends bytearrays and memoryviews.
+    converted: Any = tuple(bytes(arg) if isinstance(arg, (bytearray, memoryview)) else arg for arg in args)
+    try:
+        packed = hiredis.pack_command(converted)
+        return packed
+    except TypeError as exc:  # an argument of a type Redis cannot take (None, a dict, ...)
+        raise DataError(str(exc)) from exc
+
+
 class HiredisPacking:
     """Mixed in before a redis.asyncio connection class."""
 
     def pack_command(self, *args: Any) -> list[bytes]:
-        args = _split_name(args)
-        try:
-            return [hiredis.pack_command(args)]
-        except TypeError:
-            pass
-        # hiredis takes str, bytes, int and float; redis-py also sends bytearrays and memoryviews.
-        converted: Any = tuple(
-            bytes(arg) if isinstance(arg, (bytearray, memoryview)) else arg for arg in args
-        )
-        try:
-            return [hiredis.pack_command(converted)]
-        except TypeError as exc:  # an argument of a type Redis cannot take (None, a dict, ...)
-            raise DataError(str(exc)) from exc
+        return [_pack(args)]
 
     def pack_commands(self, commands: Iterable[Iterable[Any]]) -> list[bytes]:
-        pack = hiredis.pack_command
-        packed: list[bytes] = []
-        for command in commands:
-            # A pipeline's commands are tuples; one whose name is a single word goes to hiredis as is.
-            if type(command) is tuple and type(command[0]) is str and " " not in command[0]:
-                try:
-                    packed.append(pack(command))
-                    continue
-                except TypeError:
-                    pass  # an argument hiredis does not take: the general path converts or rejects it
-            packed.append(self.pack_command(*command)[0])
-        return [b"".join(packed)]
+        # One call per command, not a method call with its arguments unpacked and a list around it.
+        return [b"".join([_pack(tuple(command)) for command in commands])]
 
 
 def use_hiredis_packing(pool: ConnectionPool) -> None:

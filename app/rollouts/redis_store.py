@@ -515,7 +515,7 @@ class RedisRolloutStore:
 
     def _leave(self, trace_id: str, local: _LocalLock) -> None:
         local.users -= 1
-        if local.users == 0 and self._local_locks.get(trace_id) is local:
+        if local.users == 0:  # nobody else can hold it: a new call makes a new one
             del self._local_locks[trace_id]
 
     async def finish(self, ticket: Ticket, writes: PackChanges, answer: StoredAnswer) -> None:

@@ -24,8 +24,8 @@ from app.calls.service import ToolCallService
 from app.config import ApiKey, Settings
 from app.db.migrate import check_schema
 from app.db.session import build_engine, build_sessionmaker
-from app.grading.model import Grader, GraderConfigError
-from app.grading.registry import GraderContext, build_graders, load_graders_file
+from app.grading.graders.model import Grader, GraderConfigError
+from app.grading.graders.registry import GraderContext, build_graders, load_graders_file
 from app.grading.service import GradingService
 from app.metrics import Metrics
 from app.packs import Registry

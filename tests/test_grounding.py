@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 
 from app import grounding
-from app.grading import model as grading_model
+from app.grading import flags as review_flags
+from app.grading.graders import model as grading_model
 from app.grounding import (
     answer_hash,
     canonical_number,
@@ -20,7 +21,6 @@ from app.grounding import (
     prompt_texts,
     ungrounded,
 )
-from app.review import flags as review_flags
 
 ORDER = (
     '{"order_id": "W2378156", "total": 1234.5, "items": [{"name": "Urban Puffer Jacket", "price": 189.99}]}'

@@ -2,22 +2,9 @@
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, field_validator
-
-TRACE_ID_MAX = 128  # rollouts.trace_id, tool_calls.trace_id, grades.trace_id
-CALL_ID_MAX = 200  # tool_calls.call_id and request_id
-RUN_MAX = 200  # the X-Sparring-Run label
-
-
-def fit(value: str, limit: int) -> str:
-    """`value` itself when it fits the column, else its head and a hash of the whole (stable, distinct)."""
-    if len(value) <= limit:
-        return value
-    digest = hashlib.sha256(value.encode()).hexdigest()
-    return f"{value[: limit - len(digest) - 1]}~{digest}"
 
 
 def _text_or_none(value: Any) -> str | None:

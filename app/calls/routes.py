@@ -18,12 +18,11 @@ from app.calls.service import ToolCallService
 from app.deps import RegistryDep, ToolsKey
 from app.errors import BadRequest, SparringError, handle_outage, handle_sparring_error, json_response
 from app.middleware import BodyTooLarge
+from app.rollouts.identity import RUN_HEADER
 
 log = logging.getLogger(__name__)
 
 router = APIRouter(tags=["tools"])
-
-RUN_HEADER = "X-Sparring-Run"
 
 
 class ToolInfo(BaseModel):

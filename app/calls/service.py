@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -17,30 +16,17 @@ import anyio.to_thread
 import orjson
 from pydantic import BaseModel, ValidationError
 
-from app.calls.envelope import CALL_ID_MAX, RUN_MAX, TRACE_ID_MAX, ToolCallEnvelope, ToolCallOutput, fit
+from app.calls.envelope import ToolCallEnvelope, ToolCallOutput
 from app.calls.log_writer import CallLogWriter, CallRecord
 from app.errors import ServiceUnavailable, ToolCrashed
 from app.metrics import Metrics
 from app.packs import Registry
+from app.rollouts.identity import CALL_ID_MAX, RUN_MAX, TRACE_ID_MAX, fit, item_key
 from app.rollouts.store import PackChanges, RolloutMeta, RolloutStore, StoredAnswer, Ticket
 from app.sdk import RolloutState, ToolContext, ToolError, ToolSpec
 from app.sdk.tool import describe_validation_error
 
 log = logging.getLogger(__name__)
-
-ITEM_ID_FIELDS = ("id", "item_id", "task_id", "uid")
-
-
-def item_key(item: Mapping[str, Any]) -> str | None:
-    """A stable key for the dataset row: its id field if it has one, else a hash of the whole row."""
-    if not item:
-        return None
-    for name in ITEM_ID_FIELDS:
-        value = item.get(name)
-        if isinstance(value, (str, int)) and not isinstance(value, bool):
-            return f"{name}:{value}"[:128]
-    digest = hashlib.sha256(orjson.dumps(item, option=orjson.OPT_SORT_KEYS, default=str)).hexdigest()
-    return f"sha256:{digest[:40]}"
 
 
 def truncate_output(output: str, cap: int) -> str:

@@ -1,1 +1,2 @@
-"""The grading library: grader configs, their semantics and the resources they use (no HTTP, no SQL)."""
+"""Grading: the request path (routes, service, repository, flags, stored grades) over the grader library
+(`app.grading.graders`)."""

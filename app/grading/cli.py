@@ -37,7 +37,7 @@ def _read_json(path: Path | None, what: str) -> dict[str, Any]:
 async def grading_service(settings: Settings) -> AsyncIterator[Any]:
     """The server's grading service, built as the server builds it, for one command."""
     from app.db.session import build_engine, build_sessionmaker
-    from app.grading.registry import GraderContext
+    from app.grading.graders.registry import GraderContext
     from app.lifespan import StartupError, build_grading, build_store
     from app.metrics import Metrics
     from app.packs import PackLoadError, Registry

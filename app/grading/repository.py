@@ -23,6 +23,17 @@ class GradeRepository:
         )
         return result.all()
 
+    async def items_with_same_answer(
+        self, answer_hash: str, *, exclude_item: str, run: str | None = None
+    ) -> int:
+        """How many other items got a grade with this answer hash (uses ix_grades_answer_hash)."""
+        query = select(func.count(func.distinct(Grade.item_key))).where(
+            Grade.answer_hash == answer_hash, Grade.item_key.is_not(None), Grade.item_key != exclude_item
+        )
+        if run is not None:
+            query = query.where(Grade.run == run)
+        return int(await self.session.scalar(query) or 0)
+
     async def latest(self, grader: str, *, run: str | None, limit: int | None) -> Sequence[Grade]:
         """The newest grade of `grader` for each rollout (grades without a trace each count once)."""
         newest = (

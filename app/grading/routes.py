@@ -8,11 +8,10 @@ import orjson
 from fastapi import APIRouter, Depends, Request, Response
 from pydantic import BaseModel
 
-from app.calls.envelope import RUN_MAX, TRACE_ID_MAX, fit
-from app.calls.routes import RUN_HEADER
 from app.deps import GraderKey
 from app.errors import BadRequest, json_response
 from app.grading.service import GradingService
+from app.rollouts.identity import RUN_HEADER, RUN_MAX, TRACE_ID_MAX, fit
 
 router = APIRouter(tags=["graders"])
 

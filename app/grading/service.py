@@ -9,63 +9,29 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-import orjson
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from app.calls.service import item_key
-from app.db.models import Grade, Rollout, ToolCall
 from app.errors import NotFound, ServiceUnavailable
-from app.grading.model import (
+from app.grading.graders.model import (
     GradeInput,
     Grader,
     GradeResult,
     GraderUnavailable,
-    RecordedCall,
     RolloutRecord,
-    final_answer,
 )
+from app.grading.recording import store_grade
 from app.grading.repository import GradeRepository
-from app.grounding import answer_hash, prompt_texts
+from app.grounding import prompt_texts
 from app.metrics import Metrics
-from app.review.service import ReviewService
-from app.rollouts.repository import RolloutRepository, parallel_batches
 from app.rollouts.store import RolloutStore
+from app.rollouts.timeline import RolloutTimeline, read_timeline
 
 log = logging.getLogger(__name__)
 
 
 class GradeUnavailable(ServiceUnavailable):
     code = "grader_unavailable"
-
-
-def _parse_arguments(text: str) -> Any:
-    if not text:
-        return {}
-    try:
-        return orjson.loads(text)
-    except orjson.JSONDecodeError:
-        return text
-
-
-def recorded_calls(calls: Sequence[ToolCall]) -> list[RecordedCall]:
-    """The logged calls of a rollout (in start order) as graders see them."""
-    batches = parallel_batches(calls)
-    return [
-        RecordedCall(
-            seq=i,
-            tool=c.tool,
-            arguments=_parse_arguments(c.arguments),
-            output=c.output or "",
-            outcome=c.outcome,
-            error=c.error,
-            started_at=c.started_at,
-            ended_at=c.ended_at,
-            latency_ms=c.latency_ms,
-            batch=batches[i],
-        )
-        for i, c in enumerate(calls)
-    ]
 
 
 @dataclass(frozen=True)
@@ -118,37 +84,29 @@ class GradingService:
     def _unavailable(self, what: str, exc: BaseException) -> GradeUnavailable:
         return GradeUnavailable(f"{what}: {type(exc).__name__}", retry_after=self.retry_after)
 
-    async def _record(
-        self, session: AsyncSession, trace_id: str, *, with_state: bool
-    ) -> tuple[Rollout | None, RolloutRecord | None]:
-        repo = RolloutRepository(session)
-        rollout = await repo.get(trace_id)
-        calls = await repo.calls(trace_id)
-        if rollout is None and not calls:
-            return None, None
-        state = await self.store.changes(trace_id) if with_state else {}
-        record = RolloutRecord(
-            trace_id=trace_id,
-            calls=recorded_calls(calls),
-            first_seen=rollout.first_seen if rollout else None,
-            last_seen=rollout.last_seen if rollout else None,
+    async def _record(self, timeline: RolloutTimeline, *, with_state: bool) -> RolloutRecord:
+        state = await self.store.changes(timeline.trace_id) if with_state else {}
+        return RolloutRecord(
+            trace_id=timeline.trace_id,
+            calls=timeline.calls,
+            first_seen=timeline.first_seen,
+            last_seen=timeline.last_seen,
             state=state,
         )
-        return rollout, record
 
     async def prepare(
         self, grader: Grader, sample: Mapping[str, Any], item: Mapping[str, Any], trace_id: str | None
-    ) -> tuple[Rollout | None, GradeInput]:
+    ) -> tuple[RolloutTimeline | None, GradeInput]:
         """What the grader is given: the request, and what the server recorded for the trace."""
-        rollout: Rollout | None = None
-        record: RolloutRecord | None = None
+        timeline: RolloutTimeline | None = None
         if trace_id:
             try:
                 async with self.sessionmaker() as session:
-                    rollout, record = await self._record(session, trace_id, with_state=grader.needs_rollout)
+                    timeline = await read_timeline(session, trace_id)
             except (SQLAlchemyError, OSError) as exc:
                 raise self._unavailable("database unreachable", exc) from exc
-        return rollout, GradeInput(sample=sample, item=item, trace_id=trace_id, rollout=record)
+        record = await self._record(timeline, with_state=grader.needs_rollout) if timeline else None
+        return timeline, GradeInput(sample=sample, item=item, trace_id=trace_id, rollout=record)
 
     async def grade(
         self,
@@ -162,9 +120,9 @@ class GradingService:
         """Grade and store; GradeUnavailable (503) when the grader or the database is down."""
         grader = self.resolve(name)
         started = time.perf_counter()
-        rollout, inputs = await self.prepare(grader, sample, item, trace_id)
+        timeline, inputs = await self.prepare(grader, sample, item, trace_id)
         # The label the rollout's calls carried wins over the grade request's header.
-        run = rollout.run if rollout is not None and rollout.run else run
+        run = timeline.run if timeline is not None and timeline.run else run
         try:
             result = await grader.grade(inputs)
         except GraderUnavailable as exc:
@@ -189,52 +147,33 @@ class GradingService:
         run: str | None,
         best_effort: bool,
     ) -> None:
-        answer = final_answer(inputs.sample)
         status = "ok" if result is not None else "failed"
         errors = list(result.errors) if result is not None else [failure or "grader failed"]
-        key = item_key(inputs.item)
         now = datetime.now(UTC)
         try:
             async with self.sessionmaker() as session, session.begin():
-                review = ReviewService(session)
-                flags = [
-                    {"name": n, "reason": r, "evidence": []} for n, r in (result.flags if result else [])
-                ]
-                raised = await review.flags_for(
+                _, raised = await store_grade(
+                    session,
+                    trace_id=inputs.trace_id,
                     calls=inputs.rollout.calls
                     if inputs.rollout is not None
                     else ([] if inputs.trace_id else None),
-                    answer=answer,
-                    score=result.score if result is not None else None,
+                    grader=grader.name,
+                    grader_version=grader.version,
                     status=status,
+                    score=result.score if result is not None else None,
+                    sub_scores=result.sub_scores if result is not None else {},
+                    grader_flags=[
+                        {"name": n, "reason": r, "evidence": []} for n, r in (result.flags if result else [])
+                    ],
                     errors=errors,
-                    item_key=key,
+                    sample=inputs.sample,
+                    item=inputs.item,
+                    run=run,
+                    latency_ms=(time.perf_counter() - started) * 1000,
+                    created_at=now,
                     extra_sources=prompt_texts(inputs.item),
                 )
-                flags += [flag.as_json() for flag in raised]
-                GradeRepository(session).add(
-                    Grade(
-                        trace_id=inputs.trace_id,
-                        grader=grader.name,
-                        grader_version=grader.version,
-                        status=status,
-                        score=result.score if result is not None else None,
-                        sub_scores=dict(result.sub_scores) if result is not None else {},
-                        flags=flags,
-                        errors=errors,
-                        sample=dict(inputs.sample),
-                        item=dict(inputs.item),
-                        answer_hash=answer_hash(answer) if answer.strip() else None,
-                        item_key=key,
-                        run=run,
-                        latency_ms=(time.perf_counter() - started) * 1000,
-                        created_at=now,
-                    )
-                )
-                if inputs.trace_id:
-                    await RolloutRepository(session).mark_graded(
-                        inputs.trace_id, at=now, run=run, item_key=key
-                    )
         except (SQLAlchemyError, OSError) as exc:
             if best_effort:
                 log.warning("could not record a failed grade: %s", exc)

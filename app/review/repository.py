@@ -128,34 +128,6 @@ class ReviewRepository:
             await self.session.execute(text("SET LOCAL jit = off"))
             await self.session.execute(text("SET LOCAL work_mem = '32MB'"))
 
-    # --- one rollout ---------------------------------------------------------------------------------
-
-    async def rollout(self, trace_id: str) -> Rollout | None:
-        return await self.session.get(Rollout, trace_id)
-
-    async def calls(self, trace_id: str) -> Sequence[ToolCall]:
-        result = await self.session.scalars(
-            select(ToolCall).where(ToolCall.trace_id == trace_id).order_by(ToolCall.started_at, ToolCall.id)
-        )
-        return result.all()
-
-    async def grades(self, trace_id: str) -> Sequence[Grade]:
-        result = await self.session.scalars(
-            select(Grade).where(Grade.trace_id == trace_id).order_by(Grade.created_at, Grade.id)
-        )
-        return result.all()
-
-    async def items_with_same_answer(
-        self, answer_hash: str, *, exclude_item: str, run: str | None = None
-    ) -> int:
-        """How many other items got a grade with this answer hash (uses ix_grades_answer_hash)."""
-        query = select(func.count(func.distinct(Grade.item_key))).where(
-            Grade.answer_hash == answer_hash, Grade.item_key.is_not(None), Grade.item_key != exclude_item
-        )
-        if run is not None:
-            query = query.where(Grade.run == run)
-        return int(await self.session.scalar(query) or 0)
-
     # --- lists ---------------------------------------------------------------------------------------
 
     async def runs(self, limit: int = 500) -> list[RunRow]:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
 from pydantic import BaseModel
 
-from app.rollouts import timeline
+from app.rollouts.timeline import RolloutCall, RolloutTimeline
 
 
 class FlagOut(BaseModel):
@@ -16,7 +17,7 @@ class FlagOut(BaseModel):
     evidence: list[int]
 
 
-class CallOut(timeline.CallOut):
+class CallOut(RolloutCall):
     flags: list[str]  # names of the flags that cite this call as evidence
 
 
@@ -56,15 +57,10 @@ class RolloutPage(BaseModel):
     next_cursor: str | None
 
 
-class Timeline(BaseModel):
-    trace_id: str
-    run: str | None
-    item_key: str | None
-    first_seen: datetime | None
-    last_seen: datetime | None
-    graded_at: datetime | None
-    parallel_batches: int
-    calls: list[CallOut]
+class Timeline(RolloutTimeline):
+    """The rollout's timeline (app/rollouts/timeline.py), each call with the flags citing it, and grades."""
+
+    calls: Sequence[CallOut]
     grades: list[GradeOut]
 
 

@@ -17,8 +17,9 @@ from sqlalchemy import Table, insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.db.models import Grade, Rollout, ToolCall
-from app.review.flags import answer_hash, compute_flags
-from app.review.service import LoggedCall
+from app.grading.flags import compute_flags
+from app.grading.recording import grade_row
+from app.rollouts.timeline import RolloutCall
 
 DEFAULT_TOOLS = ("search", "get_order", "get_user", "update_order", "calculate")
 
@@ -109,7 +110,7 @@ def generate(spec: SeedSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
         start = spec.start + timedelta(seconds=r * 3)
         moment = start
         batch_end = start
-        logged: list[LoggedCall] = []
+        logged: list[RolloutCall] = []
         looping = rng.random() < spec.loop_share
         for seq in range(rng.randint(spec.min_calls, spec.max_calls)):
             tool = spec.tools[0] if looping else spec.tools[rng.randrange(len(spec.tools))]
@@ -161,7 +162,8 @@ def generate(spec: SeedSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
                     "item_key": item_key,
                 }
             )
-            logged.append(LoggedCall(seq=seq, tool=tool, arguments=arguments, output=output, outcome=outcome))
+            # Unvalidated: these rows were just built here, and a big seed makes millions of them.
+            logged.append(RolloutCall.model_construct(seq=seq, batch=0, **calls[-1]))
         last_seen = max(batch_end, start)
         rollouts.append(
             {
@@ -178,22 +180,21 @@ def generate(spec: SeedSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
         answer = f"The answer for item {item_index} is {item_index}-{repetition % 3}."
         flags = compute_flags(logged, answer=answer, score=score, status="ok")
         grades.append(
-            {
-                "trace_id": trace_id,
-                "grader": spec.grader,
-                "grader_version": "1",
-                "status": "ok",
-                "score": score,
-                "sub_scores": {"correct": score},
-                "flags": [f.as_json() for f in flags],
-                "errors": [],
-                "sample": {"output_text": answer},
-                "answer_hash": answer_hash(answer),
-                "item_key": item_key,
-                "run": spec.run,
-                "latency_ms": rng.uniform(1, 30),
-                "created_at": last_seen + timedelta(seconds=1),
-            }
+            grade_row(
+                trace_id=trace_id,
+                grader=spec.grader,
+                grader_version="1",
+                status="ok",
+                score=score,
+                sub_scores={"correct": score},
+                flags=[f.as_json() for f in flags],
+                errors=[],
+                sample={"output_text": answer},
+                item={"id": f"item-{item_index:05d}"},
+                run=spec.run,
+                latency_ms=rng.uniform(1, 30),
+                created_at=last_seen + timedelta(seconds=1),
+            )
         )
     return rollouts, calls, grades
 
@@ -203,7 +204,7 @@ async def seed_run(engine: AsyncEngine, spec: SeedSpec) -> SeedResult:
     rollouts, calls, grades = generate(spec)
     async with engine.begin() as conn:
         pg = conn.dialect.name == "postgresql"
-        grade_rows = _json_rows(grades, ("sub_scores", "flags", "errors", "sample"), as_text=pg)
+        grade_rows = _json_rows(grades, ("sub_scores", "flags", "errors", "sample", "item"), as_text=pg)
         await bulk_insert(conn, Rollout.__table__, rollouts, spec.chunk)  # type: ignore[arg-type]
         await bulk_insert(conn, ToolCall.__table__, calls, spec.chunk)  # type: ignore[arg-type]
         await bulk_insert(conn, Grade.__table__, grade_rows, spec.chunk)  # type: ignore[arg-type]

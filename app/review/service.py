@@ -7,7 +7,6 @@ import base64
 import binascii
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -16,18 +15,17 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.db.models import Grade, Rollout, ToolCall
 from app.errors import BadRequest, NotFound
-from app.review import schemas as s
-from app.review.flags import (
+from app.grading.flags import (
     DEFAULT_POLICY,
     ENVIRONMENT_FAILURES,
     FLAG_NAMES,
-    CallView,
-    Flag,
     FlagPolicy,
     answer_hash,
-    compute_flags,
     final_answer,
 )
+from app.grading.recording import review_flags
+from app.grading.repository import GradeRepository
+from app.review import schemas as s
 from app.review.repository import (
     ItemRow,
     ItemSummary,
@@ -36,31 +34,12 @@ from app.review.repository import (
     RolloutFilter,
     ToolRow,
 )
-from app.rollouts.repository import parallel_batches
-from app.rollouts.timeline import timeline
+from app.rollouts.timeline import RolloutTimeline, build_timeline, read_timeline, rollout_calls
 
 REWARD_BINS = 10
 # Scores at or below ZERO / at or above ONE count as "always 0" / "always 1" for items.
 ZERO, ONE = 0.0, 1.0
 MIN_ROLLOUTS_PER_ITEM = 2  # an item seen once is trivially "always" something: not counted
-
-
-@dataclass(frozen=True)
-class LoggedCall:
-    """A call as the flags see it, built from a stored ToolCall row (arguments kept as logged)."""
-
-    seq: int
-    tool: str
-    arguments: Any
-    output: str | None
-    outcome: str
-
-
-def logged_calls(calls: Sequence[ToolCall]) -> list[LoggedCall]:
-    return [
-        LoggedCall(seq=i, tool=c.tool, arguments=c.arguments, output=c.output, outcome=c.outcome)
-        for i, c in enumerate(calls)
-    ]
 
 
 def encode_cursor(last_seen: datetime, trace_id: str) -> str:
@@ -122,7 +101,7 @@ def export_record(rollout: Rollout, calls: Sequence[ToolCall], grades: Sequence[
         "first_seen": rollout.first_seen,
         "last_seen": rollout.last_seen,
         "graded_at": rollout.graded_at,
-        "calls": [call.model_dump() for call in timeline(calls)],
+        "calls": [call.model_dump() for call in rollout_calls(calls)],
         "grades": [
             {
                 "grader": g.grader,
@@ -246,50 +225,28 @@ class ReviewService:
 
     # --- flags -----------------------------------------------------------------------------------------
 
-    async def flags_for(
-        self,
-        *,
-        calls: Sequence[CallView] | None,
-        answer: str,
-        score: float | None,
-        status: str,
-        errors: Sequence[str] = (),
-        item_key: str | None,
-        extra_sources: Sequence[str] = (),
-    ) -> list[Flag]:
-        """The review flags of a grade about to be stored (call it from the grading service)."""
-        same = 0
-        if item_key is not None and answer.strip():
-            same = await self.repo.items_with_same_answer(answer_hash(answer), exclude_item=item_key)
-        return compute_flags(
-            calls,
-            answer=answer,
-            score=score,
-            status=status,
-            errors=errors,
-            same_answer_items=same,
-            extra_sources=extra_sources,
-            policy=self.policy,
-        )
-
     async def recompute_flags(self, trace_id: str) -> list[Grade]:
         """Recompute the review flags of every grade of a rollout from what is stored (flushes, no commit).
 
         Flags a grader raised itself (names outside FLAG_NAMES) are kept.
         """
-        grades = await self.repo.grades(trace_id)
+        grade_repo = GradeRepository(self.session)
+        grades = await grade_repo.for_trace(trace_id)
         if not grades:
             raise NotFound(f"no grades for trace_id {trace_id!r}")
-        calls = logged_calls(await self.repo.calls(trace_id))
+        timeline = await read_timeline(self.session, trace_id)
+        calls = timeline.calls if timeline is not None else []
         for grade in grades:
             answer = final_answer(grade.sample or {})
-            flags = await self.flags_for(
+            flags = await review_flags(
+                grade_repo,
                 calls=calls,
                 answer=answer,
                 score=grade.score,
                 status=grade.status,
                 errors=[str(e) for e in grade.errors or []],
                 item_key=grade.item_key,
+                policy=self.policy,
             )
             kept = [f for f in grade.flags or [] if not (isinstance(f, dict) and f.get("name") in FLAG_NAMES)]
             grade.flags = kept + [f.as_json() for f in flags]
@@ -331,11 +288,12 @@ class ReviewService:
         ]
 
     async def timeline(self, trace_id: str) -> s.Timeline:
-        rollout = await self.repo.rollout(trace_id)
-        calls = await self.repo.calls(trace_id)
-        grades = await self.repo.grades(trace_id)
-        if rollout is None and not calls and not grades:
+        base = await read_timeline(self.session, trace_id)
+        grades = await GradeRepository(self.session).for_trace(trace_id)
+        if base is None and not grades:
             raise NotFound(f"no rollout with trace_id {trace_id!r}")
+        if base is None:
+            base = build_timeline(trace_id, None, [])
         graded = [grade_out(g) for g in grades]
         cited: dict[int, list[str]] = {}
         for grade in graded:
@@ -344,16 +302,10 @@ class ReviewService:
                     names = cited.setdefault(seq, [])
                     if flag.name not in names:
                         names.append(flag.name)
-        batches = parallel_batches(calls)
+        header = {name: getattr(base, name) for name in RolloutTimeline.model_fields if name != "calls"}
         return s.Timeline(
-            trace_id=trace_id,
-            run=rollout.run if rollout else None,
-            item_key=rollout.item_key if rollout else None,
-            first_seen=rollout.first_seen if rollout else None,
-            last_seen=rollout.last_seen if rollout else None,
-            graded_at=rollout.graded_at if rollout else None,
-            parallel_batches=(batches[-1] + 1) if batches else 0,
-            calls=[s.CallOut(**call.model_dump(), flags=cited.get(call.seq, [])) for call in timeline(calls)],
+            **header,
+            calls=[s.CallOut(**dict(call), flags=cited.get(call.seq, [])) for call in base.calls],
             grades=graded,
         )
 

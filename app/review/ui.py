@@ -15,9 +15,9 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, PackageLoader, select_autoescape
 
 from app.errors import NotFound
+from app.grading.flags import FLAG_NAMES
 from app.review import charts
 from app.review.deps import ReviewDb
-from app.review.flags import FLAG_NAMES
 from app.review.repository import RolloutFilter
 from app.review.schemas import RunStats
 from app.review.service import ReviewService

@@ -52,18 +52,3 @@ class RolloutRepository:
                 index_elements=[Rollout.trace_id], set_={"graded_at": statement.excluded.graded_at}
             )
         )
-
-
-def parallel_batches(calls: Sequence[ToolCall]) -> list[int]:
-    """Batch index per call (calls in start order): calls that overlapped in time share a batch."""
-    batches: list[int] = []
-    batch = -1
-    batch_end: datetime | None = None
-    for call in calls:
-        if batch_end is None or call.started_at >= batch_end:
-            batch += 1
-            batch_end = call.ended_at
-        else:
-            batch_end = max(batch_end, call.ended_at)
-        batches.append(batch)
-    return batches

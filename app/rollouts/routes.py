@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from app.deps import AdminKey, RegistryDep, SessionMakerDep, StoreDep
 from app.errors import NotFound
 from app.rollouts.repository import RolloutRepository
-from app.rollouts.timeline import CallOut, timeline
+from app.rollouts.timeline import RolloutCall, read_timeline
 from app.sdk import RolloutState
 
 router = APIRouter(prefix="/rollouts", tags=["rollouts"])
@@ -29,7 +29,7 @@ class RolloutOut(BaseModel):
 
 class RolloutDetail(RolloutOut):
     parallel_batches: int
-    timeline: list[CallOut]
+    timeline: list[RolloutCall]
 
 
 @router.get("")
@@ -47,23 +47,22 @@ async def list_rollouts(
 
 @router.get("/{trace_id}")
 async def get_rollout(trace_id: str, _: AdminKey, sessions: SessionMakerDep) -> RolloutDetail:
+    """The rollout's calls in order with their parallel batches (the canonical read-back of a rollout;
+    `/review/api/rollouts/{trace_id}` adds its grades and flags to the same timeline)."""
     async with sessions() as session:
-        repo = RolloutRepository(session)
-        rollout = await repo.get(trace_id)
-        if rollout is None:
-            raise NotFound(f"no rollout with trace_id {trace_id!r}")
-        calls = await repo.calls(trace_id)
-    calls_out = timeline(calls)
+        timeline = await read_timeline(session, trace_id)
+    if timeline is None or timeline.first_seen is None or timeline.last_seen is None:
+        raise NotFound(f"no rollout with trace_id {trace_id!r}")
     return RolloutDetail(
-        trace_id=rollout.trace_id,
-        run=rollout.run,
-        item_key=rollout.item_key,
-        first_seen=rollout.first_seen,
-        last_seen=rollout.last_seen,
-        graded_at=rollout.graded_at,
-        calls=len(calls),
-        parallel_batches=(calls_out[-1].batch + 1) if calls_out else 0,
-        timeline=calls_out,
+        trace_id=timeline.trace_id,
+        run=timeline.run,
+        item_key=timeline.item_key,
+        first_seen=timeline.first_seen,
+        last_seen=timeline.last_seen,
+        graded_at=timeline.graded_at,
+        calls=len(timeline.calls),
+        parallel_batches=timeline.parallel_batches,
+        timeline=list(timeline.calls),
     )
 
 

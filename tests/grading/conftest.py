@@ -6,9 +6,9 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from app.grading.judge import JudgeSettings
-from app.grading.python_pool import PythonPool, PythonPoolSettings
-from app.grading.registry import GraderContext
+from app.grading.graders.judge import JudgeSettings
+from app.grading.graders.python_pool import PythonPool, PythonPoolSettings
+from app.grading.graders.registry import GraderContext
 from tests.grading.judge_server import JudgeServer
 
 # A timeout no normal grade gets near, even on a busy machine; the timeout test uses its own pool.

@@ -6,9 +6,43 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from app.grading.model import GradeInput, RecordedCall, RolloutRecord
+import orjson
+
+from app.grading.graders.model import GradeInput, RolloutRecord
+from app.rollouts.timeline import RolloutCall
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
+
+
+def rollout_call(
+    seq: int,
+    tool: str = "lookup",
+    arguments: Any = "{}",
+    output: str | None = "{}",
+    outcome: str = "ok",
+    *,
+    batch: int | None = None,
+    started_at: datetime | None = None,
+    ended_at: datetime | None = None,
+) -> RolloutCall:
+    """One logged call in the shape the server reads back (arguments other than text are sent as JSON)."""
+    start = started_at or T0 + timedelta(seconds=seq)
+    return RolloutCall(
+        seq=seq,
+        batch=seq if batch is None else batch,
+        tool=tool,
+        call_id=f"call_{seq}",
+        arguments=arguments if isinstance(arguments, str) else orjson.dumps(arguments).decode(),
+        output=output,
+        output_bytes=len(output.encode()) if output is not None else 0,
+        outcome=outcome,
+        error=output if outcome == "model_error" else None,
+        status_code={"tool_crash": 500, "infra_error": 503}.get(outcome, 200),
+        started_at=start,
+        ended_at=ended_at or start + timedelta(milliseconds=100),
+        latency_ms=100.0,
+        worker="test",
+    )
 
 
 def call(
@@ -37,7 +71,7 @@ def rollout(
     state: Mapping[str, Any] | None = None,
     trace_id: str = "trace_test",
 ) -> RolloutRecord:
-    recorded: list[RecordedCall] = []
+    recorded: list[RolloutCall] = []
     clock = 0.0
     batch, batch_end = -1, -1.0
     for seq, c in enumerate(calls):
@@ -50,18 +84,16 @@ def rollout(
         else:
             batch_end = max(batch_end, end)
         recorded.append(
-            RecordedCall(
-                seq=seq,
-                tool=c["tool"],
-                arguments=c["arguments"],
-                output=c["output"],
-                outcome=c["outcome"],
-                error=c["output"] if c["outcome"] == "model_error" else None,
+            rollout_call(
+                seq,
+                c["tool"],
+                c["arguments"],
+                c["output"],
+                c["outcome"],
+                batch=batch,
                 started_at=T0 + timedelta(seconds=start),
                 ended_at=T0 + timedelta(seconds=end),
-                latency_ms=c["duration"] * 1000,
-                batch=batch,
-            )
+            ).model_copy(update={"latency_ms": c["duration"] * 1000})
         )
     return RolloutRecord(
         trace_id=trace_id,

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.grading.formula import FUNCTIONS, FormulaRuntimeError, FormulaSyntaxError, compile_formula
+from app.grading.graders.formula import FUNCTIONS, FormulaRuntimeError, FormulaSyntaxError, compile_formula
 
 NAMES = ("a", "b", "c")
 VALUES = {"a": 0.5, "b": 2.0, "c": 0.0}

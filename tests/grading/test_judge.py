@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from app.grading.judge import JudgeSettings
-from app.grading.model import Grader, GraderUnavailable
-from app.grading.registry import GraderContext, build_graders
+from app.grading.graders.judge import JudgeSettings
+from app.grading.graders.model import Grader, GraderUnavailable
+from app.grading.graders.registry import GraderContext, build_graders
 from tests.grading.judge_server import JudgeServer
 from tests.grading.records import call, grade_input, rollout
 
@@ -271,7 +271,7 @@ async def test_embeddings_outage_is_unavailable(build: Build) -> None:
 
 
 def test_model_graders_need_a_judge_endpoint() -> None:
-    from app.grading.model import GraderConfigError
+    from app.grading.graders.model import GraderConfigError
 
     context = GraderContext()
     for config, field in [

@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from app.grading.judge import JudgeSettings
-from app.grading.model import GraderConfigError, GraderUnavailable
-from app.grading.registry import GraderContext, build_graders
+from app.grading.graders.judge import JudgeSettings
+from app.grading.graders.model import GraderConfigError, GraderUnavailable
+from app.grading.graders.registry import GraderContext, build_graders
 from tests.grading.judge_server import JudgeServer
 from tests.grading.records import call, grade_input, rollout
 

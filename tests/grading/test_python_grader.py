@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from rapidfuzz import fuzz, utils
 
-from app.grading import python_pool as pool_module
-from app.grading.model import GraderConfigError, GraderUnavailable
-from app.grading.python_grader import PythonGrader, grade_arity
-from app.grading.python_pool import PythonPool, PythonPoolSettings
-from app.grading.registry import GraderContext, build_graders
+from app.grading.graders import python_pool as pool_module
+from app.grading.graders.model import GraderConfigError, GraderUnavailable
+from app.grading.graders.python_grader import PythonGrader, grade_arity
+from app.grading.graders.python_pool import PythonPool, PythonPoolSettings
+from app.grading.graders.registry import GraderContext, build_graders
 from tests.grading.records import call, grade_input, rollout
 
 # The python grader example of OpenAI's graders guide.

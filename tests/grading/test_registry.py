@@ -19,9 +19,9 @@ from openai.types.graders.multi_grader import Graders as MultiSubGraders
 from pydantic import BaseModel, SecretStr, TypeAdapter
 
 from app.config import Settings
-from app.grading.judge import JudgeSettings
-from app.grading.model import Grader, GraderConfigError, GradeResult, final_answer
-from app.grading.registry import GraderContext, build_graders, load_graders_file
+from app.grading.graders.judge import JudgeSettings
+from app.grading.graders.model import Grader, GraderConfigError, GradeResult, final_answer
+from app.grading.graders.registry import GraderContext, build_graders, load_graders_file
 from tests.grading.records import grade_input
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "graders"

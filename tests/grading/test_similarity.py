@@ -7,10 +7,10 @@ from typing import Any
 import pytest
 from rapidfuzz import fuzz, utils
 
-from app.grading import similarity
-from app.grading.model import GraderConfigError
-from app.grading.registry import GraderContext, build_graders
-from app.grading.similarity import MetricUnavailable, local_metric, meteor
+from app.grading.graders import similarity
+from app.grading.graders.model import GraderConfigError
+from app.grading.graders.registry import GraderContext, build_graders
+from app.grading.graders.similarity import MetricUnavailable, local_metric, meteor
 from tests.grading.records import grade_input
 
 LOCAL_METRICS = [

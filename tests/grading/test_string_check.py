@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from app.grading.registry import GraderContext, build_graders
+from app.grading.graders.registry import GraderContext, build_graders
 from tests.grading.records import grade_input
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from app.grading.templates import Scope, TemplateError, compile_template, rollout_namespace
+from app.grading.graders.templates import Scope, TemplateError, compile_template, rollout_namespace
 from tests.grading.records import call, rollout
 
 SAMPLE: dict[str, Any] = {

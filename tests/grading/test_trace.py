@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from app.grading.model import GradeInput, GraderConfigError, GradeResult, RolloutRecord
-from app.grading.registry import GraderContext, build_graders
-from app.grading.trace import pack_state
+from app.grading.graders.model import GradeInput, GraderConfigError, GradeResult, RolloutRecord
+from app.grading.graders.registry import GraderContext, build_graders
+from app.grading.graders.trace import pack_state
 from app.grounding import claims, ungrounded
 from app.sdk import CheckResult, Pack, RolloutState, RolloutView
 from tests.grading.records import call, grade_input, rollout

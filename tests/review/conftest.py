@@ -17,13 +17,12 @@ from fastapi import FastAPI
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from app.calls.service import item_key as item_key_of
 from app.db.models import Grade, ToolCall
+from app.grading.flags import DEFAULT_POLICY, FlagPolicy
+from app.grading.recording import store_grade
 from app.main import create_app
-from app.review.flags import DEFAULT_POLICY, FlagPolicy, answer_hash
 from app.review.routes import router as review_router
-from app.review.service import ReviewService, logged_calls
-from app.rollouts.repository import RolloutRepository
+from app.rollouts.timeline import read_timeline
 from tests.conftest import ADMIN_KEY, TOOLS_KEY, call_body, make_settings
 from tests.packs import counter_pack, faults_pack
 from tools.demo import pack as demo_pack
@@ -56,31 +55,26 @@ async def grade_rollout(
     policy: FlagPolicy = DEFAULT_POLICY,
 ) -> Grade:
     """Store a grade with its review flags, as the grading service does at grade time."""
-    key = item_key_of(item or {})
     async with sessions() as session, session.begin():
-        calls = logged_calls(await RolloutRepository(session).calls(trace_id)) if trace_id else None
-        flags = await ReviewService(session, policy).flags_for(
-            calls=calls, answer=answer, score=score, status=status, errors=errors, item_key=key
-        )
-        grade = Grade(
+        timeline = await read_timeline(session, trace_id) if trace_id else None
+        grade, _ = await store_grade(
+            session,
             trace_id=trace_id,
+            calls=timeline.calls if timeline is not None else ([] if trace_id else None),
             grader=grader,
             grader_version="1",
             status=status,
             score=score,
             sub_scores=sub_scores or ({} if score is None else {"total": score}),
-            flags=[*grader_flags, *(f.as_json() for f in flags)],
-            errors=list(errors),
+            grader_flags=grader_flags,
+            errors=errors,
             sample={"output_text": answer},
-            answer_hash=answer_hash(answer) if answer.strip() else None,
-            item_key=key,
+            item=item or {},
             run=run,
             latency_ms=1.0,
             created_at=datetime.now(UTC),
+            policy=policy,
         )
-        session.add(grade)
-        if trace_id:
-            await RolloutRepository(session).mark_graded(trace_id)
     return grade
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from app.review.flags import FlagPolicy
+from app.grading.flags import FlagPolicy
 from tests.conftest import new_trace
 from tests.review.conftest import ADMIN, ReviewApp
 

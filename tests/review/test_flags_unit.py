@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from app.review.flags import (
+from app.grading.flags import (
     FlagPolicy,
     answer_hash,
     compute_flags,
@@ -10,13 +10,7 @@ from app.review.flags import (
     normalize_answer,
     ungrounded_values,
 )
-from app.review.service import LoggedCall
-
-
-def call(
-    seq: int, tool: str = "lookup", arguments: object = "{}", output: str = "{}", outcome: str = "ok"
-) -> LoggedCall:
-    return LoggedCall(seq=seq, tool=tool, arguments=arguments, output=output, outcome=outcome)
+from tests.grading.records import rollout_call as call
 
 
 def names(flags: list) -> list[str]:  # type: ignore[type-arg]

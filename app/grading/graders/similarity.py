@@ -29,8 +29,8 @@ from typing import Any, Protocol
 
 from rapidfuzz import fuzz, utils
 
-from app.grading.model import GradeInput, GradeResult
-from app.grading.templates import Scope, Template
+from app.grading.graders.model import GradeInput, GradeResult
+from app.grading.graders.templates import Scope, Template
 
 MAX_TOKENS = 2000
 THREAD_THRESHOLD_CHARS = 5000

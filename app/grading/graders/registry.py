@@ -19,15 +19,20 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import yaml
 
-from app.grading.formula import FormulaSyntaxError, compile_formula
-from app.grading.judge import Judge, JudgeSettings
-from app.grading.model import Grader, GraderConfigError, RolloutRecord
-from app.grading.model_graders import LabelModelGrader, ScoreModelGrader, chat_params, compile_messages
-from app.grading.multi import MultiGrader
-from app.grading.python_grader import PythonGrader, PythonSourceError
-from app.grading.python_pool import PythonPool, PythonPoolSettings
-from app.grading.similarity import MetricUnavailable, TextSimilarityGrader, local_metric
-from app.grading.specs import (
+from app.grading.graders.formula import FormulaSyntaxError, compile_formula
+from app.grading.graders.judge import Judge, JudgeSettings
+from app.grading.graders.model import Grader, GraderConfigError, RolloutRecord
+from app.grading.graders.model_graders import (
+    LabelModelGrader,
+    ScoreModelGrader,
+    chat_params,
+    compile_messages,
+)
+from app.grading.graders.multi import MultiGrader
+from app.grading.graders.python_grader import PythonGrader, PythonSourceError
+from app.grading.graders.python_pool import PythonPool, PythonPoolSettings
+from app.grading.graders.similarity import MetricUnavailable, TextSimilarityGrader, local_metric
+from app.grading.graders.specs import (
     ForbiddenToolsSpec,
     GraderSpec,
     GroundedSpec,
@@ -45,9 +50,9 @@ from app.grading.specs import (
     parse_spec,
     spec_version,
 )
-from app.grading.string_check import StringCheckGrader
-from app.grading.templates import Template, TemplateError, compile_template
-from app.grading.trace import (
+from app.grading.graders.string_check import StringCheckGrader
+from app.grading.graders.templates import Template, TemplateError, compile_template
+from app.grading.graders.trace import (
     ForbiddenToolsGrader,
     GroundedGrader,
     NoLoopsGrader,

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import openai
 import orjson
 
-from app.grading.model import GraderUnavailable
+from app.grading.graders.model import GraderUnavailable
 
 T = TypeVar("T")
 

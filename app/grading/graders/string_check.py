@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from app.grading.model import GradeInput, GradeResult
-from app.grading.templates import Scope, Template
+from app.grading.graders.model import GradeInput, GradeResult
+from app.grading.graders.templates import Scope, Template
 
 OPERATIONS: dict[str, Callable[[str, str], bool]] = {
     "eq": lambda given, reference: given == reference,

@@ -9,6 +9,7 @@ from datetime import datetime
 from typing import Any, Protocol, runtime_checkable
 
 from app.grounding import final_answer
+from app.rollouts.timeline import RolloutCall
 
 __all__ = [
     "GradeInput",
@@ -16,26 +17,10 @@ __all__ = [
     "Grader",
     "GraderConfigError",
     "GraderUnavailable",
-    "RecordedCall",
+    "RolloutCall",
     "RolloutRecord",
     "final_answer",
 ]
-
-
-@dataclass(frozen=True)
-class RecordedCall:
-    """One tool call the server recorded for the rollout."""
-
-    seq: int  # order of start, 0-based
-    tool: str
-    arguments: Any  # parsed JSON arguments (usually a dict), or the raw text when it was not JSON
-    output: str  # what the model read
-    outcome: str  # ok | model_error | tool_crash | infra_error
-    error: str | None
-    started_at: datetime
-    ended_at: datetime
-    latency_ms: float
-    batch: int  # parallel batch index: calls that overlapped in time share a batch
 
 
 @dataclass(frozen=True)
@@ -43,7 +28,7 @@ class RolloutRecord:
     """Everything the server recorded for one trace_id."""
 
     trace_id: str
-    calls: Sequence[RecordedCall]
+    calls: Sequence[RolloutCall]  # the one logged-call shape (app/rollouts/timeline.py)
     first_seen: datetime | None
     last_seen: datetime | None
     # {pack: {collection: {key: record}}}; only collections the rollout changed are guaranteed present.

@@ -1,4 +1,4 @@
-"""Review flags: pure checks that point a reviewer at a suspicious graded rollout, and why."""
+"""Review flags: pure checks, run when a grade is stored, that point a reviewer at a suspicious rollout."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ IDENTICAL_ANSWER_ACROSS_ITEMS = "identical_answer_across_items"
 TOOL_ERRORS = "tool_errors"
 GRADE_FAILED = "grade_failed"
 
-__all__ = ["answer_hash", "final_answer", "normalize_answer"]  # re-exported for the review modules
+__all__ = ["answer_hash", "final_answer", "normalize_answer"]  # re-exported for the flags' readers
 
 FLAG_NAMES: tuple[str, ...] = (
     HIGH_SCORE_NO_CALLS,
@@ -40,7 +40,7 @@ FLAG_NAMES: tuple[str, ...] = (
 
 
 class CallView(Protocol):
-    """What the flags read from one logged call (app.grading.model.RecordedCall has these fields)."""
+    """What the flags read from one logged call (app.rollouts.timeline.RolloutCall has these fields)."""
 
     @property
     def seq(self) -> int: ...
@@ -203,7 +203,7 @@ def compute_flags(
 
     `calls` are the rollout's logged calls in timeline order (None when the grade has no trace: the
     checks that need calls are skipped). `same_answer_items` is how many *other* items got a grade with
-    the same answer hash (ReviewRepository.items_with_same_answer). `extra_sources` is text besides tool
+    the same answer hash (GradeRepository.items_with_same_answer). `extra_sources` is text besides tool
     outputs that may ground the answer (e.g. the item's prompt).
     """
     found: list[Flag | None] = [check_grade_failed(status, errors)]

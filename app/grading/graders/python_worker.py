@@ -1,7 +1,7 @@
 """The worker process of python graders: runs `grade(sample, item)` for requests read as JSON lines.
 
-Started by app.grading.python_pool as `python -I python_worker.py <memory_mb>`, it uses only the standard
-library (it must start fast and import nothing of the server). Protocol, one JSON object per line:
+Started by app.grading.graders.python_pool as `python -I python_worker.py <memory_mb>`, it uses only the
+standard library (it must start fast and import nothing of the server). Protocol, one JSON object per line:
 it writes `{"ready": true}` once its limits are set, then answers each request
 `{"source", "sample", "item"[, "rollout"]}` with `{"score": float}` or `{"error": "..."}`. The grader's
 own prints go to stderr and its reads of stdin find nothing, so they cannot corrupt the protocol.

@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping
 
-from app.grading.formula import Formula, FormulaRuntimeError
-from app.grading.model import GradeInput, Grader, GradeResult
+from app.grading.graders.formula import Formula, FormulaRuntimeError
+from app.grading.graders.model import GradeInput, Grader, GradeResult
 
 
 class MultiGrader:

@@ -1,6 +1,6 @@
 """A pool of worker subprocesses that run python graders with a time and a memory limit.
 
-Each worker (app/grading/python_worker.py) runs one grade at a time with an address-space limit set by
+Each worker (app/grading/graders/python_worker.py) runs one grade at a time with an address-space limit set by
 `resource.setrlimit`; a grade that exceeds the per-call timeout gets its worker killed (with anything
 it started) and replaced on the next call. Workers start on first use, in a private temporary
 directory, with an environment that holds none of the server's settings or secrets.
@@ -24,7 +24,7 @@ from typing import Any
 
 import orjson
 
-from app.grading.model import GraderUnavailable
+from app.grading.graders.model import GraderUnavailable
 
 WORKER = Path(__file__).with_name("python_worker.py")
 START_TIMEOUT = 30.0

@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from app.grading.model import GradeInput, RolloutRecord
+from app.grading.graders.model import GradeInput, RolloutRecord
 
 NAMESPACES = ("item", "sample", "rollout")
 
@@ -201,7 +201,12 @@ def rollout_namespace(record: RolloutRecord | None) -> dict[str, Any]:
     return {
         "tool_calls": len(calls),
         "calls": [
-            {"name": c.tool, "arguments": c.arguments, "output": c.output, "outcome": c.outcome}
+            {
+                "name": c.tool,
+                "arguments": c.parsed_arguments(),
+                "output": c.output or "",
+                "outcome": c.outcome,
+            }
             for c in calls
         ],
         "tools_used": sorted({c.tool for c in calls}),

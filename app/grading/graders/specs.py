@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from app.grading.formula import FUNCTIONS
+from app.grading.graders.formula import FUNCTIONS
 
 MAX_PYTHON_SOURCE = 256 * 1024  # the hosted limit
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import ast
 from typing import Any, Protocol
 
-from app.grading.model import GradeInput, GradeResult
-from app.grading.python_pool import PythonOutcome
-from app.grading.templates import rollout_namespace
+from app.grading.graders.model import GradeInput, GradeResult
+from app.grading.graders.python_pool import PythonOutcome
+from app.grading.graders.templates import rollout_namespace
 
 
 class PythonRunner(Protocol):

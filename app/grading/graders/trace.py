@@ -31,15 +31,15 @@ from typing import Any
 
 import orjson
 
-from app.grading.model import (
+from app.grading.graders.model import (
     GradeInput,
     GradeResult,
     GraderUnavailable,
-    RecordedCall,
+    RolloutCall,
     RolloutRecord,
     final_answer,
 )
-from app.grading.templates import Scope, Template
+from app.grading.graders.templates import Scope, Template
 from app.grounding import prompt_texts, ungrounded
 from app.sdk import CallView, CheckResult, Pack, RolloutState, RolloutView, StateCheck
 
@@ -57,11 +57,11 @@ MAX_LISTED = 5
 PackStateFactory = Callable[[str, RolloutRecord | None], RolloutState]
 
 
-def _calls(inp: GradeInput) -> Sequence[RecordedCall]:
+def _calls(inp: GradeInput) -> Sequence[RolloutCall]:
     return inp.rollout.calls if inp.rollout is not None else ()
 
 
-def answered_calls(inp: GradeInput) -> list[RecordedCall]:
+def answered_calls(inp: GradeInput) -> list[RolloutCall]:
     return [c for c in _calls(inp) if c.outcome in ANSWERED]
 
 
@@ -127,7 +127,7 @@ class NoLoopsGrader(_TraceGrader):
         for call in calls:
             key: tuple[str, ...] = (call.tool, canonical_arguments(call.arguments))
             if self.same_output_only:
-                key += (call.output,)
+                key += (call.output or "",)
             seen[key] += 1
             if seen[key] > 1 + self.allowed_repeats:
                 repeated[call.tool] += 1
@@ -207,7 +207,7 @@ def call_views(rollout: RolloutRecord | None) -> list[CallView]:
     if rollout is None:
         return []
     return [
-        CallView(tool=c.tool, arguments=c.arguments, output=c.output, outcome=c.outcome)
+        CallView(tool=c.tool, arguments=c.parsed_arguments(), output=c.output or "", outcome=c.outcome)
         for c in rollout.calls
     ]
 

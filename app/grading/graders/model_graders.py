@@ -16,9 +16,9 @@ from typing import Any, Protocol
 
 import orjson
 
-from app.grading.model import GradeInput, GradeResult
-from app.grading.specs import InputImagePart, InputTextPart, MessageSpec, SamplingParamsSpec
-from app.grading.templates import Scope, Template, compile_template
+from app.grading.graders.model import GradeInput, GradeResult
+from app.grading.graders.specs import InputImagePart, InputTextPart, MessageSpec, SamplingParamsSpec
+from app.grading.graders.templates import Scope, Template, compile_template
 
 _STEPS_SCHEMA = {
     "type": "array",

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import hmac
 import secrets
-from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
 
 from fastapi import Request
 
@@ -69,16 +67,6 @@ def ensure_local_admin_key(home: Path) -> tuple[str, bool]:
     path.touch(mode=0o600)
     path.write_text(key + "\n")
     return key, True
-
-
-def require(scope: Scope) -> Callable[[Request], Coroutine[Any, Any, Scope]]:
-    """A dependency that authorizes the request for `scope` (admin keys pass everywhere)."""
-
-    async def dependency(request: Request) -> Scope:
-        keyring: KeyRing = request.app.state.keyring
-        return keyring.authorize(request, scope)
-
-    return dependency
 
 
 def build_keyring(settings: Settings, extra: list[ApiKey] | None = None) -> KeyRing:

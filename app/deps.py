@@ -1,53 +1,127 @@
-"""Small dependencies that reach what the lifespan built (resources live on app.state).
+"""The app's typed state (built by the lifespan) and the small dependencies that read it.
 
-They are `async def` on purpose: FastAPI runs a plain `def` dependency in its thread pool, a thread
-hand-off per dependency per request that costs more than the tool call itself.
+This module is the only reader of `app.state`: everything else gets its resources through
+`app_state(app)` or a dependency below. The dependencies are `async def` on purpose: FastAPI runs a
+plain `def` dependency in its thread pool, a thread hand-off per dependency per request.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Annotated, Any
 
-from fastapi import Depends, Request
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from fastapi import Depends, FastAPI, Request, Response
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+from starlette.types import ASGIApp
 
-from app.auth import require
+from app.auth import KeyRing
+from app.calls.log_writer import CallLogWriter
 from app.calls.service import ToolCallService
 from app.config import Scope, Settings
+from app.errors import OUTAGES, handle_sparring_error, outage
+from app.grading.service import GradingService
+from app.metrics import Metrics
 from app.packs import Registry
 from app.rollouts.store import RolloutStore
 
+_STATE = "sparring"  # the one name under app.state
 
-async def get_app_settings(request: Request) -> Settings:
-    settings: Settings = request.app.state.settings
-    return settings
+
+@dataclass
+class AppState:
+    """Everything the lifespan builds; one per app, alive from start-up to shutdown."""
+
+    settings: Settings
+    registry: Registry
+    keyring: KeyRing
+    metrics: Metrics
+    engine: AsyncEngine
+    sessionmaker: async_sessionmaker[AsyncSession]
+    store: RolloutStore
+    log_writer: CallLogWriter
+    grading: GradingService
+    call_service: ToolCallService  # the one entry of a tool call: HTTP, MCP and the runner call `handle`
+
+
+def set_app_state(app: ASGIApp, state: AppState | None) -> None:
+    assert isinstance(app, FastAPI)
+    setattr(app.state, _STATE, state)
+
+
+def app_state(app: ASGIApp) -> AppState:
+    """The state the lifespan built (RuntimeError before start-up)."""
+    assert isinstance(app, FastAPI)
+    state: AppState | None = getattr(app.state, _STATE, None)
+    if state is None:
+        raise RuntimeError("the app has not started: its lifespan builds its state")
+    return state
+
+
+def retry_after(app: ASGIApp) -> int:
+    """Retry-After of a 503; the default before start-up."""
+    assert isinstance(app, FastAPI)
+    state: AppState | None = getattr(app.state, _STATE, None)
+    return state.settings.retry_after_seconds if state is not None else 2
+
+
+async def handle_outage(request: Request, exc: Exception) -> Response:
+    """A database or Redis error that escaped a route: the dependency is down, so 503, never 500."""
+    return await handle_sparring_error(request, outage(exc, retry_after(request.app)))
+
+
+class Database:
+    """The database boundary of a route: its sessions, with an outage turned into a 503."""
+
+    def __init__(self, sessions: async_sessionmaker[AsyncSession], retry_after: int) -> None:
+        self.sessions = sessions
+        self.retry_after = retry_after
+
+    @asynccontextmanager
+    async def session(self, *, write: bool = False) -> AsyncIterator[AsyncSession]:
+        """One session; with `write`, one transaction committed when the block ends."""
+        try:
+            async with self.sessions() as session:
+                if write:
+                    async with session.begin():
+                        yield session
+                else:
+                    yield session
+        except OUTAGES as exc:
+            raise outage(exc, self.retry_after) from exc
+
+
+def require(scope: Scope) -> Callable[[Request], Coroutine[Any, Any, Scope]]:
+    """A dependency that authorizes the request for `scope` (admin keys pass everywhere)."""
+
+    async def dependency(request: Request) -> Scope:
+        return app_state(request.app).keyring.authorize(request, scope)
+
+    return dependency
 
 
 async def get_registry(request: Request) -> Registry:
-    registry: Registry = request.app.state.registry
-    return registry
+    return app_state(request.app).registry
 
 
 async def get_store(request: Request) -> RolloutStore:
-    store: RolloutStore = request.app.state.store
-    return store
+    return app_state(request.app).store
 
 
-async def get_call_service(request: Request) -> ToolCallService:
-    service: ToolCallService = request.app.state.call_service
-    return service
+async def get_database(request: Request) -> Database:
+    state = app_state(request.app)
+    return Database(state.sessionmaker, state.settings.retry_after_seconds)
 
 
-async def get_sessionmaker(request: Request) -> async_sessionmaker[AsyncSession]:
-    maker: async_sessionmaker[AsyncSession] = request.app.state.sessionmaker
-    return maker
+async def get_grading(request: Request) -> GradingService:
+    return app_state(request.app).grading
 
 
-SettingsDep = Annotated[Settings, Depends(get_app_settings)]
 RegistryDep = Annotated[Registry, Depends(get_registry)]
 StoreDep = Annotated[RolloutStore, Depends(get_store)]
-CallServiceDep = Annotated[ToolCallService, Depends(get_call_service)]
-SessionMakerDep = Annotated[async_sessionmaker[AsyncSession], Depends(get_sessionmaker)]
+DatabaseDep = Annotated[Database, Depends(get_database)]
+GradingDep = Annotated[GradingService, Depends(get_grading)]
 ToolsKey = Annotated[Scope, Depends(require("tools"))]
 GraderKey = Annotated[Scope, Depends(require("grader"))]
 AdminKey = Annotated[Scope, Depends(require("admin"))]

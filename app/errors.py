@@ -6,6 +6,12 @@ from typing import Any, ClassVar
 
 import orjson
 from fastapi import Request, Response
+from redis.exceptions import RedisError
+from sqlalchemy.exc import SQLAlchemyError
+
+
+class StartupError(RuntimeError):
+    """The server cannot start as configured; the message says what to change."""
 
 
 class SparringError(Exception):
@@ -87,9 +93,10 @@ async def handle_sparring_error(request: Request, exc: Exception) -> Response:
     return json_response(exc.body(), status_code=exc.status_code, headers=exc.headers())
 
 
-async def handle_outage(request: Request, exc: Exception) -> Response:
-    """A database or network error that escaped a route: the dependency is down, so 503, never 500."""
-    settings = getattr(request.app.state, "settings", None)
-    retry_after = int(getattr(settings, "retry_after_seconds", 2))
-    error = ServiceUnavailable(f"a dependency is unreachable: {type(exc).__name__}", retry_after=retry_after)
-    return await handle_sparring_error(request, error)
+# A database, Redis or network failure: infrastructure, never the caller's or the model's fault.
+OUTAGES: tuple[type[Exception], ...] = (SQLAlchemyError, RedisError, OSError)
+
+
+def outage(exc: BaseException, retry_after: int) -> ServiceUnavailable:
+    """The one translation of an OUTAGES error into the 503 (with Retry-After) that answers it."""
+    return ServiceUnavailable(f"a dependency is unreachable: {type(exc).__name__}", retry_after=retry_after)

@@ -7,18 +7,16 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse
-from redis.exceptions import RedisError
 from sqlalchemy import text
-from sqlalchemy.exc import SQLAlchemyError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app.auth import require
 from app.calls.routes import NOT_A_TOOL_CALL, TOOL_SCOPE_KEY, serve_tool_call, tool_call_target
 from app.calls.routes import router as tools_router
 from app.config import Settings, get_settings
-from app.errors import ServiceUnavailable, SparringError, handle_outage, handle_sparring_error
+from app.deps import app_state, handle_outage, require
+from app.errors import OUTAGES, SparringError, handle_sparring_error, outage
 from app.grading.routes import router as grading_router
-from app.lifespan import AppOptions, lifespan
+from app.lifespan import build_lifespan
 from app.middleware import BodyLimitMiddleware
 from app.review.routes import router as review_router
 from app.rollouts.routes import router as rollouts_router
@@ -52,17 +50,14 @@ def create_app(settings: Settings | None = None, *, packs: list[Pack] | None = N
     app = SparringApp(
         title="sparring",
         summary="Stateful tools and graders for agent reinforcement fine-tuning.",
-        lifespan=lifespan,
+        lifespan=build_lifespan(settings, tuple(packs) if packs is not None else None),
         docs_url=None,
         redoc_url=None,
         openapi_url=None,
     )
-    app.state.settings = settings
-    app.state.options = AppOptions(packs=tuple(packs) if packs is not None else None)
     app.add_exception_handler(SparringError, handle_sparring_error)
-    app.add_exception_handler(SQLAlchemyError, handle_outage)
-    app.add_exception_handler(RedisError, handle_outage)
-    app.add_exception_handler(OSError, handle_outage)
+    for failure in OUTAGES:
+        app.add_exception_handler(failure, handle_outage)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.tool_calls = BodyLimitMiddleware(serve_tool_call, max_bytes=settings.max_body_bytes)
 
@@ -72,14 +67,13 @@ def create_app(settings: Settings | None = None, *, packs: list[Pack] | None = N
 
     @app.get("/readyz", tags=["health"])
     async def readyz(request: Request) -> dict[str, str]:
+        state = app_state(request.app)
+        await state.store.ping()
         try:
-            await request.app.state.store.ping()
-            async with request.app.state.engine.connect() as conn:
+            async with state.engine.connect() as conn:
                 await conn.execute(text("SELECT 1"))
-        except ServiceUnavailable:
-            raise
-        except Exception as exc:
-            raise ServiceUnavailable(f"database unreachable: {type(exc).__name__}") from exc
+        except OUTAGES as exc:
+            raise outage(exc, state.settings.retry_after_seconds) from exc
         return {"status": "ready"}
 
     docs_guard: list[Any] = [] if settings.docs_public else [Depends(require("admin"))]
@@ -94,7 +88,7 @@ def create_app(settings: Settings | None = None, *, packs: list[Pack] | None = N
 
     @app.get("/metrics", include_in_schema=False, dependencies=[Depends(require("admin"))])
     async def metrics(request: Request) -> Response:
-        body = request.app.state.metrics.exposition()
+        body = app_state(request.app).metrics.exposition()
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     app.include_router(tools_router)

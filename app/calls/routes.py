@@ -1,4 +1,9 @@
-"""Tool routes: HTTP only; the call service holds the logic."""
+"""Tool routes: HTTP only; `ToolCallService.handle` (app/calls/service.py) holds the logic.
+
+A tool call has one implementation, `serve_tool_call`: `SparringApp` (app.main) calls it ahead of the
+app's middleware stack. The two FastAPI routes below declare the same paths for the OpenAPI document;
+should a request ever reach them, they answer through `serve_tool_call` too.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +13,11 @@ from typing import Any
 import orjson
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel
-from redis.exceptions import RedisError
-from sqlalchemy.exc import SQLAlchemyError
 from starlette.types import Receive, Scope, Send
 
-from app.auth import KeyRing
 from app.calls.envelope import ToolCallEnvelope, ToolCallOutput
-from app.calls.service import ToolCallService
-from app.deps import RegistryDep, ToolsKey
-from app.errors import BadRequest, SparringError, handle_outage, handle_sparring_error, json_response
+from app.deps import RegistryDep, ToolsKey, app_state, handle_outage
+from app.errors import OUTAGES, BadRequest, SparringError, handle_sparring_error, json_response
 from app.middleware import BodyTooLarge
 from app.rollouts.identity import RUN_HEADER
 
@@ -57,32 +58,52 @@ async def list_tools(_: ToolsKey, registry: RegistryDep) -> list[ToolInfo]:
     ]
 
 
-async def _call(request: Request, path_name: str | None) -> Response:
-    keyring: KeyRing = request.app.state.keyring
-    keyring.authorize(request, "tools")
-    service: ToolCallService = request.app.state.call_service
-    envelope = _parse_envelope(await request.body())
-    output = await service.handle(envelope, path_name=path_name, run=request.headers.get(RUN_HEADER))
-    return json_response(output.model_dump())
+TOOLS_PATH = "/tools"  # POST: the tool named by the body's `name`
+TOOL_PATH = "/tools/{name}"  # POST: the tool `name`
 
 
-# The two routes below define the tool-call API and its OpenAPI description. Requests to them are
-# answered by `serve_tool_call`, which `SparringApp` (app.main) calls before the app's middleware
-# stack: the same `_call`, without the routing, exception, telemetry and dependency layers of the
-# app, which on this path cost more than the call's own Redis work.
+class _ServedByToolCall(Response):
+    """Answers through `serve_tool_call`: the routes below have no tool-call code of their own."""
+
+    def __init__(self, target: str | None) -> None:
+        self.target = target
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope[TOOL_SCOPE_KEY] = self.target
+        await serve_tool_call(scope, receive, send)
 
 
-@router.post("/tools", response_model=ToolCallOutput)
-async def call_tool_by_body(request: Request, _: ToolsKey) -> Response:
-    return await _call(request, None)
+# Declared, not read by FastAPI: serve_tool_call reads the body itself (tolerantly: any JSON object).
+_CALL_BODY: dict[str, Any] = {
+    "requestBody": {
+        "description": "A Responses `function_call` item with `trace_id` and `item`; every field optional.",
+        "content": {"application/json": {"schema": ToolCallEnvelope.model_json_schema()}},
+    }
+}
+_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: {"description": "The body is not a JSON object."},
+    401: {"description": "No key, or an unknown key."},
+    403: {"description": "A key without the `tools` scope."},
+    413: {"description": "The body is over SPARRING_MAX_BODY_BYTES."},
+    500: {"description": "A tool crashed: the rollout must not be trained on."},
+    503: {"description": "Redis or the database is unreachable, or the tool missed its deadline."},
+}
 
 
-@router.post("/tools/{name}", response_model=ToolCallOutput)
-async def call_tool(name: str, request: Request, _: ToolsKey) -> Response:
-    return await _call(request, name)
+@router.post(TOOLS_PATH, response_model=ToolCallOutput, responses=_RESPONSES, openapi_extra=_CALL_BODY)
+async def call_tool_by_body() -> Response:
+    """Call the tool the body's `name` names; model mistakes are `Error: ...` outputs with 200."""
+    return _ServedByToolCall(None)
+
+
+@router.post(TOOL_PATH, response_model=ToolCallOutput, responses=_RESPONSES, openapi_extra=_CALL_BODY)
+async def call_tool(name: str) -> Response:
+    """Call the tool `name`; model mistakes are `Error: ...` outputs with 200."""
+    return _ServedByToolCall(name)
 
 
 NOT_A_TOOL_CALL = "/"  # no tool name contains a slash
+_TOOL_PREFIX = TOOL_PATH.removesuffix("{name}")
 TOOL_SCOPE_KEY = "sparring.tool"  # where SparringApp leaves the target for serve_tool_call
 
 
@@ -94,9 +115,9 @@ def tool_call_target(scope: Scope) -> str | None:
     root = scope.get("root_path", "")
     if root and path.startswith(root + "/"):
         path = path[len(root) :]
-    if path == "/tools":
+    if path == TOOLS_PATH:
         return None
-    name = path[len("/tools/") :] if path.startswith("/tools/") else ""
+    name = path[len(_TOOL_PREFIX) :] if path.startswith(_TOOL_PREFIX) else ""
     return name if name and "/" not in name else NOT_A_TOOL_CALL
 
 
@@ -123,10 +144,10 @@ async def serve_tool_call(scope: Scope, receive: Receive, send: Send) -> None:
     """Answer one tool call as plain ASGI; errors are rendered by the app's own handlers."""
     request = Request(scope, receive)
     try:
-        request.app.state.keyring.authorize(request, "tools")
+        state = app_state(request.app)
+        state.keyring.authorize(request, "tools")
         envelope = _parse_envelope(await _read_body(receive))
-        service: ToolCallService = request.app.state.call_service
-        output = await service.handle(
+        output = await state.call_service.handle(
             envelope, path_name=scope[TOOL_SCOPE_KEY], run=request.headers.get(RUN_HEADER)
         )
     except _Disconnected:
@@ -134,7 +155,7 @@ async def serve_tool_call(scope: Scope, receive: Receive, send: Send) -> None:
     except SparringError as exc:
         await (await handle_sparring_error(request, exc))(scope, receive, send)
         return
-    except (SQLAlchemyError, RedisError, OSError) as exc:
+    except OUTAGES as exc:
         await (await handle_outage(request, exc))(scope, receive, send)
         return
     except BodyTooLarge:

@@ -37,10 +37,12 @@ def _read_json(path: Path | None, what: str) -> dict[str, Any]:
 async def grading_service(settings: Settings) -> AsyncIterator[Any]:
     """The server's grading service, built as the server builds it, for one command."""
     from app.db.session import build_engine, build_sessionmaker
+    from app.errors import StartupError
+    from app.grading.build import build_grading
     from app.grading.graders.registry import GraderContext
-    from app.lifespan import StartupError, build_grading, build_store
     from app.metrics import Metrics
     from app.packs import PackLoadError, Registry
+    from app.rollouts.build import build_store
 
     try:
         registry = Registry.from_names(settings.packs)

@@ -2,26 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
 import orjson
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel
 
-from app.deps import GraderKey
+from app.deps import GraderKey, GradingDep
 from app.errors import BadRequest, json_response
 from app.grading.service import GradingService
 from app.rollouts.identity import RUN_HEADER, RUN_MAX, TRACE_ID_MAX, fit
 
 router = APIRouter(tags=["graders"])
-
-
-async def get_grading_service(request: Request) -> GradingService:
-    service: GradingService = request.app.state.grading
-    return service
-
-
-GradingDep = Annotated[GradingService, Depends(get_grading_service)]
 
 
 class GradeAnswer(BaseModel):

@@ -9,10 +9,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from app.errors import NotFound, ServiceUnavailable
+from app.errors import OUTAGES, NotFound, ServiceUnavailable, outage
 from app.grading.graders.model import (
     GradeInput,
     Grader,
@@ -81,9 +80,6 @@ class GradingService:
             raise NotFound(f"no grader named {key!r}", available=sorted(self.graders))
         return grader
 
-    def _unavailable(self, what: str, exc: BaseException) -> GradeUnavailable:
-        return GradeUnavailable(f"{what}: {type(exc).__name__}", retry_after=self.retry_after)
-
     async def _record(self, timeline: RolloutTimeline, *, with_state: bool) -> RolloutRecord:
         state = await self.store.changes(timeline.trace_id) if with_state else {}
         return RolloutRecord(
@@ -103,8 +99,8 @@ class GradingService:
             try:
                 async with self.sessionmaker() as session:
                     timeline = await read_timeline(session, trace_id)
-            except (SQLAlchemyError, OSError) as exc:
-                raise self._unavailable("database unreachable", exc) from exc
+            except OUTAGES as exc:
+                raise outage(exc, self.retry_after) from exc
         record = await self._record(timeline, with_state=grader.needs_rollout) if timeline else None
         return timeline, GradeInput(sample=sample, item=item, trace_id=trace_id, rollout=record)
 
@@ -174,11 +170,11 @@ class GradingService:
                     created_at=now,
                     extra_sources=prompt_texts(inputs.item),
                 )
-        except (SQLAlchemyError, OSError) as exc:
+        except OUTAGES as exc:
             if best_effort:
                 log.warning("could not record a failed grade: %s", exc)
                 return
-            raise self._unavailable("database unreachable", exc) from exc
+            raise outage(exc, self.retry_after) from exc
         for flag in raised:
             self.metrics.flags.labels(flag.name).inc()
         if inputs.trace_id and result is not None:

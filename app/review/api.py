@@ -9,8 +9,8 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Depends, Query
 from fastapi.responses import StreamingResponse
 
+from app.deps import Database, DatabaseDep
 from app.review import schemas as s
-from app.review.deps import ReviewDatabase, ReviewDb
 from app.review.repository import RolloutFilter
 from app.review.service import ReviewService
 from app.review.session import require_review_access
@@ -25,7 +25,7 @@ ItemOrder = Literal["mean", "variance", "rollouts", "item"]
 
 
 @router.get("/runs")
-async def list_runs(_: ReviewAccess, db: ReviewDb) -> list[s.RunOut]:
+async def list_runs(_: ReviewAccess, db: DatabaseDep) -> list[s.RunOut]:
     """Run labels (from the X-Sparring-Run header) with their rollout counts, most recent first."""
     async with db.session() as session:
         return await ReviewService(session).runs()
@@ -34,7 +34,7 @@ async def list_runs(_: ReviewAccess, db: ReviewDb) -> list[s.RunOut]:
 @router.get("/rollouts")
 async def list_rollouts(
     _: ReviewAccess,
-    db: ReviewDb,
+    db: DatabaseDep,
     run: str | None = None,
     item: str | None = None,
     min_score: float | None = None,
@@ -66,14 +66,14 @@ async def list_rollouts(
 
 
 @router.get("/rollouts/{trace_id}")
-async def rollout_timeline(trace_id: str, _: ReviewAccess, db: ReviewDb) -> s.Timeline:
+async def rollout_timeline(trace_id: str, _: ReviewAccess, db: DatabaseDep) -> s.Timeline:
     """Calls in order with their parallel batch, and every grade with sub-scores and flags."""
     async with db.session() as session:
         return await ReviewService(session).timeline(trace_id)
 
 
 @router.post("/rollouts/{trace_id}/recompute-flags")
-async def recompute_flags(trace_id: str, _: ReviewAccess, db: ReviewDb) -> s.RecomputedFlags:
+async def recompute_flags(trace_id: str, _: ReviewAccess, db: DatabaseDep) -> s.RecomputedFlags:
     """Recompute the review flags of the rollout's grades from the stored calls and answers."""
     async with db.session(write=True) as session:
         service = ReviewService(session)
@@ -84,7 +84,7 @@ async def recompute_flags(trace_id: str, _: ReviewAccess, db: ReviewDb) -> s.Rec
 
 @router.get("/stats")
 async def run_stats(
-    _: ReviewAccess, db: ReviewDb, run: Annotated[str, Query()], grader: GraderQuery = None
+    _: ReviewAccess, db: DatabaseDep, run: Annotated[str, Query()], grader: GraderQuery = None
 ) -> s.RunStats:
     """A run's calls, tools, latencies, errors, rewards, items and flags, aggregated in the database."""
     async with db.session() as session:
@@ -94,7 +94,7 @@ async def run_stats(
 @router.get("/items")
 async def item_stats(
     _: ReviewAccess,
-    db: ReviewDb,
+    db: DatabaseDep,
     run: Annotated[str, Query()],
     grader: GraderQuery = None,
     order: ItemOrder = "mean",
@@ -111,7 +111,7 @@ async def item_stats(
 @router.get("/compare")
 async def compare_runs(
     _: ReviewAccess,
-    db: ReviewDb,
+    db: DatabaseDep,
     a: Annotated[str, Query(description="Baseline run label.")],
     b: Annotated[str, Query(description="Run compared with the baseline.")],
     grader: GraderQuery = None,
@@ -123,7 +123,7 @@ async def compare_runs(
 
 @router.get("/flags")
 async def flag_counts(
-    _: ReviewAccess, db: ReviewDb, run: str | None = None, grader: GraderQuery = None
+    _: ReviewAccess, db: DatabaseDep, run: str | None = None, grader: GraderQuery = None
 ) -> list[s.FlagCount]:
     """Rollouts per flag (latest grade of each rollout)."""
     async with db.session() as session:
@@ -137,7 +137,7 @@ async def flag_counts(
 )
 async def export_rollouts(
     _: ReviewAccess,
-    db: ReviewDb,
+    db: DatabaseDep,
     run: Annotated[str | None, Query(description="Run label; omit to export every rollout.")] = None,
 ) -> StreamingResponse:
     """Stream rollouts as JSONL, one per line with its calls and grades (same format as `sparring export`)."""
@@ -159,7 +159,7 @@ async def export_rollouts(
     )
 
 
-async def _export_lines(db: ReviewDatabase, run: str | None) -> AsyncIterator[bytes]:
+async def _export_lines(db: Database, run: str | None) -> AsyncIterator[bytes]:
     async with db.session() as session:
         async for line in ReviewService(session).export_lines(run):
             yield line

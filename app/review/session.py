@@ -15,6 +15,7 @@ import time
 from fastapi import Request, Response
 
 from app.auth import KeyRing
+from app.deps import app_state
 from app.errors import Unauthorized
 
 COOKIE_NAME = "sparring_review"
@@ -62,13 +63,13 @@ def is_admin_key(keyring: KeyRing, presented: str) -> bool:
 
 def has_session(request: Request) -> bool:
     token = request.cookies.get(COOKIE_NAME)
-    return bool(token) and verify_token(request.app.state.keyring, token or "")
+    return bool(token) and verify_token(app_state(request.app).keyring, token or "")
 
 
 def start_session(request: Request, response: Response) -> None:
     response.set_cookie(
         COOKIE_NAME,
-        issue_token(request.app.state.keyring),
+        issue_token(app_state(request.app).keyring),
         max_age=SESSION_SECONDS,
         path="/",
         httponly=True,
@@ -87,6 +88,5 @@ async def require_review_access(request: Request) -> str:
     """The review API and the export: a logged-in browser session, or an admin key in the header."""
     if has_session(request):
         return "session"
-    keyring: KeyRing = request.app.state.keyring
-    keyring.authorize(request, "admin")
+    app_state(request.app).keyring.authorize(request, "admin")
     return "admin"

@@ -14,10 +14,10 @@ from fastapi import APIRouter, Form, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, PackageLoader, select_autoescape
 
+from app.deps import DatabaseDep, app_state
 from app.errors import NotFound
 from app.grading.flags import FLAG_NAMES
 from app.review import charts
-from app.review.deps import ReviewDb
 from app.review.repository import RolloutFilter
 from app.review.schemas import RunStats
 from app.review.service import ReviewService
@@ -116,7 +116,7 @@ async def login_page(request: Request, next: str | None = None) -> Response:
 async def login(
     request: Request, key: Annotated[str, Form()] = "", next: Annotated[str, Form()] = "/review"
 ) -> Response:
-    if not key or not is_admin_key(request.app.state.keyring, key.strip()):
+    if not key or not is_admin_key(app_state(request.app).keyring, key.strip()):
         return render(
             request, "login.html", status_code=401, next=_safe_next(next), error="That is not an admin key."
         )
@@ -135,7 +135,7 @@ async def logout(request: Request) -> Response:
 @router.get("")
 async def rollouts_page(
     request: Request,
-    db: ReviewDb,
+    db: DatabaseDep,
     run: str | None = None,
     item: str | None = None,
     min_score: str | None = None,
@@ -207,7 +207,7 @@ def _moment(value: str | None, name: str, errors: list[str]) -> datetime | None:
 
 
 @router.get("/rollouts/{trace_id}")
-async def rollout_page(request: Request, trace_id: str, db: ReviewDb) -> Response:
+async def rollout_page(request: Request, trace_id: str, db: DatabaseDep) -> Response:
     if not has_session(request):
         return _login_redirect(request)
     try:
@@ -224,7 +224,7 @@ async def rollout_page(request: Request, trace_id: str, db: ReviewDb) -> Respons
 
 
 @router.post("/rollouts/{trace_id}/recompute-flags")
-async def recompute_page(request: Request, trace_id: str, db: ReviewDb) -> Response:
+async def recompute_page(request: Request, trace_id: str, db: DatabaseDep) -> Response:
     if not has_session(request):
         return _login_redirect(request)
     async with db.session(write=True) as session:
@@ -233,7 +233,7 @@ async def recompute_page(request: Request, trace_id: str, db: ReviewDb) -> Respo
 
 
 @router.get("/runs")
-async def runs_page(request: Request, db: ReviewDb) -> Response:
+async def runs_page(request: Request, db: DatabaseDep) -> Response:
     if not has_session(request):
         return _login_redirect(request)
     async with db.session() as session:
@@ -284,7 +284,7 @@ def _run_charts(stats: RunStats, items: list[charts.ItemPoint]) -> dict[str, Any
 
 @router.get("/run")
 async def run_page(
-    request: Request, db: ReviewDb, name: Annotated[str, Query()], grader: str | None = None
+    request: Request, db: DatabaseDep, name: Annotated[str, Query()], grader: str | None = None
 ) -> Response:
     if not has_session(request):
         return _login_redirect(request)
@@ -306,7 +306,7 @@ async def run_page(
 
 @router.get("/compare")
 async def compare_page(
-    request: Request, db: ReviewDb, a: str | None = None, b: str | None = None
+    request: Request, db: DatabaseDep, a: str | None = None, b: str | None = None
 ) -> Response:
     if not has_session(request):
         return _login_redirect(request)
@@ -319,7 +319,7 @@ async def compare_page(
 
 @router.get("/flags")
 async def flags_page(
-    request: Request, db: ReviewDb, run: str | None = None, flag: str | None = None
+    request: Request, db: DatabaseDep, run: str | None = None, flag: str | None = None
 ) -> Response:
     if not has_session(request):
         return _login_redirect(request)

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query
 from pydantic import BaseModel
 
-from app.deps import AdminKey, RegistryDep, SessionMakerDep, StoreDep
+from app.deps import AdminKey, DatabaseDep, RegistryDep, StoreDep
 from app.errors import NotFound
 from app.rollouts.repository import RolloutRepository
 from app.rollouts.timeline import RolloutCall, read_timeline
@@ -35,21 +35,21 @@ class RolloutDetail(RolloutOut):
 @router.get("")
 async def list_rollouts(
     _: AdminKey,
-    sessions: SessionMakerDep,
+    db: DatabaseDep,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
     run: str | None = None,
 ) -> list[RolloutOut]:
-    async with sessions() as session:
+    async with db.session() as session:
         rows = await RolloutRepository(session).recent(limit=limit, run=run)
     # rollouts.calls is recounted by the log writer in the transaction that logs the calls.
     return [RolloutOut.model_validate(r, from_attributes=True) for r in rows]
 
 
 @router.get("/{trace_id}")
-async def get_rollout(trace_id: str, _: AdminKey, sessions: SessionMakerDep) -> RolloutDetail:
+async def get_rollout(trace_id: str, _: AdminKey, db: DatabaseDep) -> RolloutDetail:
     """The rollout's calls in order with their parallel batches (the canonical read-back of a rollout;
     `/review/api/rollouts/{trace_id}` adds its grades and flags to the same timeline)."""
-    async with sessions() as session:
+    async with db.session() as session:
         timeline = await read_timeline(session, trace_id)
     if timeline is None or timeline.first_seen is None or timeline.last_seen is None:
         raise NotFound(f"no rollout with trace_id {trace_id!r}")

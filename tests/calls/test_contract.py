@@ -11,11 +11,12 @@ import pytest
 from sqlalchemy import select
 
 from app.db.models import ToolCall
+from app.deps import app_state
 from tests.conftest import ADMIN_KEY, GRADER_KEY, AppFactory, call_body, new_trace
 
 
 async def logged(client: httpx.AsyncClient, trace_id: str) -> list[ToolCall]:
-    async with client.app.state.sessionmaker() as session:  # type: ignore[attr-defined]
+    async with app_state(client.app).sessionmaker() as session:  # type: ignore[attr-defined]
         result = await session.scalars(
             select(ToolCall).where(ToolCall.trace_id == trace_id).order_by(ToolCall.id)
         )

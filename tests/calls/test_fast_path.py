@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 from app.calls.routes import NOT_A_TOOL_CALL, tool_call_target
+from app.deps import app_state
 from tests.conftest import ADMIN_KEY, call_body, new_trace
 
 
@@ -69,7 +70,7 @@ async def test_the_openapi_document_still_describes_the_tool_routes(client: http
 async def test_a_bug_on_the_fast_path_is_a_json_500(
     client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    service = client.app.state.call_service  # type: ignore[attr-defined]
+    service = app_state(client.app).call_service  # type: ignore[attr-defined]
 
     async def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("a bug in sparring")

@@ -11,13 +11,14 @@ from sqlalchemy import func, select
 
 from app.calls.log_writer import CallLogWriter, CallRecord
 from app.db.models import ANSWERED_OUTCOMES, Rollout, ToolCall
+from app.deps import app_state
 from tests.conftest import call_body, new_trace
 
 
 async def test_concurrent_calls_share_commits_and_all_are_logged(client: httpx.AsyncClient) -> None:
     app = client.app  # type: ignore[attr-defined]
     traces = [new_trace() for _ in range(10)]
-    registry = app.state.metrics.registry
+    registry = app_state(app).metrics.registry
     before = registry.get_sample_value("sparring_log_batch_size_sum")  # rows committed so far
     batches_before = registry.get_sample_value("sparring_log_batch_size_count")
     results = await asyncio.gather(
@@ -31,7 +32,7 @@ async def test_concurrent_calls_share_commits_and_all_are_logged(client: httpx.A
     batches = registry.get_sample_value("sparring_log_batch_size_count") - batches_before
     assert rows == 80
     assert batches < 80, "80 simultaneous calls must not need 80 transactions"
-    async with app.state.sessionmaker() as session:
+    async with app_state(app).sessionmaker() as session:
         logged = await session.scalar(
             select(func.count()).select_from(ToolCall).where(ToolCall.trace_id.in_(traces))
         )
@@ -53,7 +54,7 @@ async def test_rollout_row_keeps_first_and_last_seen_and_run(client: httpx.Async
             headers={"X-Sparring-Run": "baseline-1"},
         )
         assert r.status_code == 200
-    async with app.state.sessionmaker() as session:
+    async with app_state(app).sessionmaker() as session:
         rollout = await session.get(Rollout, trace)
         calls = (await session.scalars(select(ToolCall).where(ToolCall.trace_id == trace))).all()
     assert rollout is not None
@@ -74,7 +75,7 @@ async def test_the_rollout_counts_its_logged_calls_and_each_output_size(client: 
     # Parallel calls of one rollout land in one or several batches; retries are replayed, not logged.
     outputs = await asyncio.gather(*(call(f"c{i}", 1) for i in range(6)))
     await asyncio.gather(call("c0", 1), call("c1", 1))
-    async with client.app.state.sessionmaker() as session:  # type: ignore[attr-defined]
+    async with app_state(client.app).sessionmaker() as session:  # type: ignore[attr-defined]
         rollout = await session.get(Rollout, trace)
         sizes = (await session.scalars(select(ToolCall.output_bytes).where(ToolCall.trace_id == trace))).all()
     assert rollout is not None and rollout.calls == 6
@@ -104,7 +105,7 @@ def _record(trace: str, call_id: str | None, outcome: str = "ok", output: str | 
 
 async def _counts(client: httpx.AsyncClient, traces: list[str]) -> dict[str, tuple[int, int]]:
     """trace_id -> (rollouts.calls, rows in tool_calls)."""
-    async with client.app.state.sessionmaker() as session:  # type: ignore[attr-defined]
+    async with app_state(client.app).sessionmaker() as session:  # type: ignore[attr-defined]
         stored = dict(
             (
                 await session.execute(
@@ -125,7 +126,7 @@ async def _counts(client: httpx.AsyncClient, traces: list[str]) -> dict[str, tup
 
 
 async def test_call_counts_skip_duplicates_within_and_across_batches(client: httpx.AsyncClient) -> None:
-    writer: CallLogWriter = client.app.state.log_writer  # type: ignore[attr-defined]
+    writer: CallLogWriter = app_state(client.app).log_writer  # type: ignore[attr-defined]
     a, b = new_trace(), new_trace()
     # One batch: an answered call twice (logged once), failed calls twice (each attempt is logged),
     # calls without a call_id (never deduplicated), and the same call_id on another rollout.
@@ -152,7 +153,7 @@ async def test_call_counts_skip_duplicates_within_and_across_batches(client: htt
     await asyncio.gather(writer.write(_record(b, "c1")), writer.write(_record(b, "c2")))
     assert await _counts(client, [a, b]) == {a: (10, 10), b: (2, 2)}
 
-    async with client.app.state.sessionmaker() as session:  # type: ignore[attr-defined]
+    async with app_state(client.app).sessionmaker() as session:  # type: ignore[attr-defined]
         sizes = (
             await session.execute(
                 select(ToolCall.call_id, ToolCall.output, ToolCall.output_bytes).where(ToolCall.trace_id == a)
@@ -165,9 +166,9 @@ async def test_call_counts_skip_duplicates_within_and_across_batches(client: htt
 async def test_concurrent_writers_count_every_call_of_a_rollout(client: httpx.AsyncClient) -> None:
     """Two workers logging calls of the same rollouts at once: each recount sees the other's commit."""
     app = client.app  # type: ignore[attr-defined]
-    mine: CallLogWriter = app.state.log_writer
+    mine: CallLogWriter = app_state(app).log_writer
     other = CallLogWriter(
-        app.state.engine, queue_size=10, batch_size=10, retry_after=1, metrics=app.state.metrics
+        app_state(app).engine, queue_size=10, batch_size=10, retry_after=1, metrics=app_state(app).metrics
     )
     traces = [new_trace() for _ in range(3)]
     batches = [
@@ -193,7 +194,7 @@ async def test_concurrent_writers_count_every_call_of_a_rollout(client: httpx.As
 )
 async def test_logged_rows_keep_every_field_exactly(client: httpx.AsyncClient, arguments: str) -> None:
     """The batch travels as JSON on Postgres: text, escapes, timestamps and floats come back unchanged."""
-    writer: CallLogWriter = client.app.state.log_writer  # type: ignore[attr-defined]
+    writer: CallLogWriter = app_state(client.app).log_writer  # type: ignore[attr-defined]
     trace = new_trace()
     started = datetime(2026, 1, 2, 3, 4, 5, 123456, tzinfo=UTC)
     tricky = CallRecord(
@@ -214,7 +215,7 @@ async def test_logged_rows_keep_every_field_exactly(client: httpx.AsyncClient, a
         item_key="sha256:abc",
     )
     await writer._commit([tricky])
-    async with client.app.state.sessionmaker() as session:  # type: ignore[attr-defined]
+    async with app_state(client.app).sessionmaker() as session:  # type: ignore[attr-defined]
         row = (await session.scalars(select(ToolCall).where(ToolCall.trace_id == trace))).one()
         rollout = await session.get(Rollout, trace)
     for name in ("call_id", "request_id", "tool", "arguments", "output", "outcome", "error", "status_code"):
@@ -235,7 +236,7 @@ async def test_a_nul_character_is_answered_and_logged(client: httpx.AsyncClient,
     answers = await asyncio.gather(*(client.post("/tools/refuse", json=body) for body in bodies))
     assert [r.status_code for r in answers] == [200] * 6
     assert answers[0].json()["output"] == "Error: bad\u0000byte"
-    async with client.app.state.sessionmaker() as session:  # type: ignore[attr-defined]
+    async with app_state(client.app).sessionmaker() as session:  # type: ignore[attr-defined]
         rows = await session.execute(
             select(ToolCall.call_id, ToolCall.output).where(ToolCall.trace_id == trace)
         )

@@ -11,7 +11,8 @@ import yaml
 from sqlalchemy import select
 
 from app.db.models import Grade, Rollout
-from app.lifespan import StartupError
+from app.deps import app_state
+from app.errors import StartupError
 from app.sdk import CheckResult, Pack, RolloutView, ToolContext
 from tests.conftest import ADMIN_KEY, GRADER_KEY, TOOLS_KEY, AppFactory, call_body, new_trace
 from tests.grading.judge_server import JudgeServer
@@ -106,7 +107,7 @@ async def stored_grades(
     client: httpx.AsyncClient, trace: str | None = None, *, run: str | None = None, grader: str | None = None
 ) -> list[Grade]:
     """Grades of this test (the Postgres database is shared by the session's tests)."""
-    async with client.app.state.sessionmaker() as session:  # type: ignore[attr-defined]
+    async with app_state(client.app).sessionmaker() as session:  # type: ignore[attr-defined]
         query = select(Grade).order_by(Grade.id)
         if trace is not None:
             query = query.where(Grade.trace_id == trace)
@@ -152,7 +153,7 @@ async def test_trace_aware_multi_reads_the_calls_and_the_final_state(
         assert grade.item_key == "id:q1"
         names = {flag["name"] for flag in grade.flags}
         assert "over_budget" in names  # the budget grader's own flag is kept next to the review's
-        async with client.app.state.sessionmaker() as session:  # type: ignore[attr-defined]
+        async with app_state(client.app).sessionmaker() as session:  # type: ignore[attr-defined]
             rollout = await session.get(Rollout, wasteful)
         assert rollout is not None and rollout.graded_at is not None
 
@@ -190,7 +191,7 @@ async def test_a_trace_without_calls_is_graded_and_flagged(app_factory: AppFacto
         assert response.json() == {"score": 1.0}
         [grade] = await stored_grades(client, trace)
         assert "high_score_no_calls" in {f["name"] for f in grade.flags}
-        async with client.app.state.sessionmaker() as session:  # type: ignore[attr-defined]
+        async with app_state(client.app).sessionmaker() as session:  # type: ignore[attr-defined]
             rollout = await session.get(Rollout, trace)
         assert rollout is not None and rollout.graded_at is not None  # so the review lists it
 
@@ -311,7 +312,7 @@ async def test_regrade_rescores_stored_rollouts_with_the_current_config(
             assert response.status_code == 200
         old_version = (await stored_grades(client, run=run))[0].grader_version
     async with app_factory(packs=[ledger_pack], key=GRADER_KEY, graders_file=after) as client:
-        report = await client.app.state.grading.regrade("exact", run=run)  # type: ignore[attr-defined]
+        report = await app_state(client.app).grading.regrade("exact", run=run)  # type: ignore[attr-defined]
         assert (report.rollouts, report.changed, report.failed) == (3, 1, 0)
         assert report.mean_before == pytest.approx(1 / 3)
         assert report.mean_after == pytest.approx(2 / 3)
@@ -319,7 +320,7 @@ async def test_regrade_rescores_stored_rollouts_with_the_current_config(
         assert len(grades) == 6
         assert {g.grader_version for g in grades[3:]} == {report.version} != {old_version}
         # A second regrade reads the newest grade of each rollout: nothing changes any more.
-        again = await client.app.state.grading.regrade("exact", run=run)  # type: ignore[attr-defined]
+        again = await app_state(client.app).grading.regrade("exact", run=run)  # type: ignore[attr-defined]
         assert (again.rollouts, again.changed) == (3, 0)
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 import orjson
 
+from app.deps import app_state
 from app.rollouts.store import RolloutStore
 from tests.conftest import ADMIN_KEY, AppFactory, new_trace
 from tools.retail import pack
@@ -66,7 +67,7 @@ async def grade(client: httpx.AsyncClient, trace: str, task_id: str) -> dict[str
 async def state_of(client: httpx.AsyncClient, trace: str) -> Any:
     """The rollout's changed records, read from the server's store (the state route also materializes the
     whole database, which would dominate this test's time)."""
-    store: RolloutStore = client.app.state.store  # type: ignore[attr-defined]
+    store: RolloutStore = app_state(client.app).store  # type: ignore[attr-defined]
     return (await store.changes(trace)).get("retail", {})
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from app.lifespan import StartupError
+from app.errors import StartupError
 from tests.conftest import ADMIN_KEY, AppFactory
 from tools.retail import data, pack
 

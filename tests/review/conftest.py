@@ -18,6 +18,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.db.models import Grade, ToolCall
+from app.deps import app_state
 from app.grading.flags import DEFAULT_POLICY, FlagPolicy
 from app.grading.recording import store_grade
 from app.main import create_app
@@ -85,7 +86,7 @@ class ReviewApp:
 
     @property
     def sessions(self) -> async_sessionmaker[AsyncSession]:
-        maker: async_sessionmaker[AsyncSession] = self.app.state.sessionmaker
+        maker: async_sessionmaker[AsyncSession] = app_state(self.app).sessionmaker
         return maker
 
     async def call(

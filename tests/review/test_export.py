@@ -13,6 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from app.config import get_settings
+from app.deps import app_state
 from app.review.cli import review_cli
 from app.review.seed import SeedSpec, generate, seed_run
 from tests.conftest import new_trace
@@ -38,7 +39,7 @@ async def test_export_round_trip_over_http_and_the_cli(
     review: ReviewApp, cli_env: None, tmp_path: Path
 ) -> None:
     spec = replace(SeedSpec(rollouts=12, items=4, max_calls=5), run=f"run-{uuid.uuid4().hex[:8]}")
-    await seed_run(review.app.state.engine, spec)
+    await seed_run(app_state(review.app).engine, spec)
     trace = new_trace()
     await review.call("echo", {"text": "hello"}, trace, call_id="c1", run=spec.run, item={"id": "live"})
     await review.call("crash", {}, trace, call_id="c2", run=spec.run)

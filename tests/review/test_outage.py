@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 
 from app.db.session import build_engine, build_sessionmaker
+from app.deps import app_state
 from tests.conftest import new_trace
 from tests.review.conftest import ADMIN, ReviewApp
 from tests.review.test_ui_auth import login
@@ -20,9 +21,9 @@ async def test_review_routes_answer_503_while_the_database_is_down(review: Revie
     trace = new_trace()
     await review.call("read_counter", {}, trace, call_id="c1", run="outage")
     await login(review)
-    healthy = review.app.state.sessionmaker
+    healthy = app_state(review.app).sessionmaker
     down = build_engine(f"postgresql+asyncpg://postgres@127.0.0.1:{closed_port()}/none", pool_size=1)
-    review.app.state.sessionmaker = build_sessionmaker(down)
+    app_state(review.app).sessionmaker = build_sessionmaker(down)
     try:
         for path in (
             "/review/api/runs",
@@ -40,10 +41,10 @@ async def test_review_routes_answer_503_while_the_database_is_down(review: Revie
             r = await review.client.get(path, headers=ADMIN)
             assert r.status_code == 503, (path, r.status_code, r.text)
             assert r.headers["retry-after"] == "2"
-            assert r.json()["error"]["code"] == "review_unavailable"
+            assert r.json()["error"]["code"] == "unavailable"
         r = await review.client.post(f"/review/api/rollouts/{trace}/recompute-flags", headers=ADMIN)
         assert r.status_code == 503
     finally:
-        review.app.state.sessionmaker = healthy
+        app_state(review.app).sessionmaker = healthy
         await down.dispose()
     assert (await review.client.get("/export?run=outage", headers=ADMIN)).status_code == 200

@@ -11,6 +11,7 @@ import pytest
 from sqlalchemy import update
 
 from app.db.models import Grade
+from app.deps import app_state
 from app.review.seed import SeedSpec, generate, seed_run
 from tests.conftest import new_trace
 from tests.review.conftest import ADMIN, TOOLS, ReviewApp
@@ -25,7 +26,7 @@ def nearest_rank(values: list[float], q: float) -> float:
 
 async def seeded(review: ReviewApp, spec: SeedSpec = SPEC) -> SeedSpec:
     spec = replace(spec, run=f"run-{uuid.uuid4().hex[:8]}")
-    result = await seed_run(review.app.state.engine, spec)
+    result = await seed_run(app_state(review.app).engine, spec)
     assert result.rollouts == spec.rollouts
     assert (result.items_always_zero, result.items_always_one, result.items_mixed) == (2, 2, 2)
     return spec

@@ -17,6 +17,7 @@ import orjson
 import pytest
 from sqlalchemy import text
 
+from app.deps import app_state
 from app.sdk import Pack, ToolContext
 from tests.conftest import ADMIN_KEY, AppFactory, call_body, new_trace
 from tests.packs import counter_pack, faults_pack
@@ -101,7 +102,7 @@ async def post_answered(client: httpx.AsyncClient, tool: str, body: dict[str, An
 
 async def logged_calls(client: httpx.AsyncClient, traces: list[str]) -> list[dict[str, Any]]:
     """Rows of tool_calls for these rollouts, read through the app's own engine."""
-    engine = client.app.state.engine  # type: ignore[attr-defined]
+    engine = app_state(client.app).engine  # type: ignore[attr-defined]
     rows: list[dict[str, Any]] = []
     async with engine.connect() as conn:
         for start in range(0, len(traces), 100):
@@ -293,7 +294,7 @@ async def test_graded_rollouts_refuse_mutating_calls(app_factory: AppFactory) ->
     async with app_factory(packs=PACKS) as client:
         trace = new_trace()
         await post_answered(client, "increment", call_body('{"by": 7}', trace_id=trace, call_id="c1"))
-        await client.app.state.store.mark_graded(trace)  # type: ignore[attr-defined]
+        await app_state(client.app).store.mark_graded(trace)  # type: ignore[attr-defined]
         r = await client.post("/tools/increment", json=call_body('{"by": 1}', trace_id=trace, call_id="c2"))
         assert r.status_code == 200
         output = r.json()["output"]

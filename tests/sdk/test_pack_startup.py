@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from app.config import Settings
-from app.lifespan import StartupError
+from app.errors import StartupError
 from app.sdk import Base, Pack, ToolContext
 from tests.conftest import AppFactory, call_body, new_trace
 

@@ -66,6 +66,7 @@ class _ServedByToolCall(Response):
     """Answers through `serve_tool_call`: the routes below have no tool-call code of their own."""
 
     def __init__(self, target: str | None) -> None:
+        super().__init__()
         self.target = target
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

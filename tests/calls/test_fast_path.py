@@ -105,3 +105,49 @@ async def test_a_client_gone_before_its_body_gets_no_answer(client: httpx.AsyncC
     }
     await serve_tool_call(scope, receive, send)
     assert sent == []
+
+
+async def test_the_openapi_tool_routes_are_exactly_the_fast_path(client: httpx.AsyncClient) -> None:
+    """The OpenAPI document cannot drift from the one tool-call implementation: same paths, same answer."""
+    from app.calls.envelope import ToolCallOutput
+    from app.calls.routes import TOOL_PATH, TOOLS_PATH
+
+    r = await client.get("/openapi.json", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    document = r.json()
+    posted = {path for path, methods in document["paths"].items() if "post" in methods}
+    described = {
+        path
+        for path in posted
+        if tool_call_target(scope("POST", path.replace("{name}", "x"))) != NOT_A_TOOL_CALL
+    }
+    assert described == {TOOLS_PATH, TOOL_PATH}
+    for path in described:
+        operation = document["paths"][path]["post"]
+        answer = operation["responses"]["200"]["content"]["application/json"]["schema"]
+        assert answer == {"$ref": "#/components/schemas/ToolCallOutput"}
+        assert "application/json" in operation["requestBody"]["content"]
+    output_schema = document["components"]["schemas"]["ToolCallOutput"]
+    served = await client.post("/tools/echo", json=call_body({"text": "hi"}, trace_id=new_trace()))
+    assert set(served.json()) == set(output_schema["properties"]) == set(ToolCallOutput.model_fields)
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+async def test_the_routes_answer_through_the_same_implementation(
+    client: httpx.AsyncClient, fast_path: bool
+) -> None:
+    """With the fast path off, FastAPI's routes answer: the same call, the same checks, the same answers."""
+    app = client.app  # type: ignore[attr-defined]
+    if not fast_path:
+        app.tool_calls = None
+    trace = new_trace()
+    ok = await client.post("/tools/increment", json=call_body({"by": 2}, trace_id=trace, call_id="c1"))
+    assert ok.status_code == 200 and ok.json()["call_id"] == "c1"
+    again = await client.post("/tools/increment", json=call_body({"by": 2}, trace_id=trace, call_id="c1"))
+    assert again.json() == ok.json()  # the ledger answered the retry
+    by_body = await client.post("/tools", json={**call_body({"by": 1}, trace_id=trace), "name": "increment"})
+    assert by_body.status_code == 200 and by_body.json()["output"] != ok.json()["output"]
+    mistake = await client.post("/tools/increment", json=call_body({"by": "x"}, trace_id=trace))
+    assert mistake.status_code == 200 and mistake.json()["output"].startswith("Error: ")
+    assert (await client.post("/tools/increment", content=b"[1]")).status_code == 400
+    anonymous = await client.post("/tools/increment", json=call_body({}), headers={"Authorization": ""})
+    assert anonymous.status_code == 401

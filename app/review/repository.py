@@ -1,41 +1,32 @@
-"""Every query the review needs: filtered rollouts, timelines, run and item statistics, export batches.
+"""The review's lists: filtered rollouts, runs, the graded rollouts of a run, export batches.
 
-Portable across Postgres and SQLite; the few places that differ (JSON arrays, percentiles, byte
-lengths) branch on the dialect here and nowhere else. Aggregates run in SQL: a run's statistics read
-its calls once per query instead of shipping a million rows to Python.
+Portable across Postgres and SQLite; where they differ (JSON containment) the query branches on the
+dialect here. A run's statistics are in app/review/stats_repository.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import orjson
 from sqlalchemy import (
     ColumnElement,
-    Float,
-    and_,
-    case,
     cast,
     exists,
     func,
     literal,
     or_,
     select,
-    text,
-    true,
     tuple_,
 )
-from sqlalchemy.dialects.postgresql import ARRAY, JSONB
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import aliased
 
 from app.db.models import Grade, Rollout, ToolCall
-
-QUANTILES = (0.5, 0.9, 0.99)
-OUTCOMES = ("ok", "model_error", "tool_crash", "infra_error")
 
 
 @dataclass(frozen=True)
@@ -68,41 +59,6 @@ class RunRow:
 
 
 @dataclass(frozen=True)
-class RewardSummary:
-    rollouts: int
-    graded: int
-    failed: int
-    scored: int
-    mean: float | None
-    mean_square: float | None
-    min: float | None
-    max: float | None
-    edges: list[float]
-    counts: list[int]
-
-
-@dataclass(frozen=True)
-class ToolRow:
-    tool: str | None  # None: the whole run
-    calls: int
-    latency_mean_ms: float
-    latency_max_ms: float
-    outcomes: dict[str, int]
-    percentiles: list[float] | None  # at QUANTILES
-    output_bytes: int
-
-
-@dataclass(frozen=True)
-class ItemRow:
-    item_key: str | None
-    rollouts: int
-    mean: float
-    mean_square: float
-    min: float
-    max: float
-
-
-@dataclass(frozen=True)
 class ItemSummary:
     items: int
     repeated_items: int  # items with at least `min_rollouts` scored rollouts
@@ -117,16 +73,6 @@ class ReviewRepository:
     @property
     def dialect(self) -> str:
         return self.session.get_bind().dialect.name
-
-    async def prepare_for_aggregates(self) -> None:
-        """Tune this transaction for one-off scans of a whole run (Postgres; reset at commit/rollback).
-
-        JIT compiling costs ~1 s on these plans (the planner overestimates set-returning JSON
-        functions) and saves nothing; 32 MB keeps the per-rollout hash aggregates in memory.
-        """
-        if self.dialect == "postgresql":
-            await self.session.execute(text("SET LOCAL jit = off"))
-            await self.session.execute(text("SET LOCAL work_mem = '32MB'"))
 
     # --- lists ---------------------------------------------------------------------------------------
 
@@ -199,289 +145,6 @@ class ReviewRepository:
             .where(func.json_extract(element.c.value, "$.name") == name)
         )
 
-    # --- a run: rewards --------------------------------------------------------------------------------
-
-    def _latest_grades(self, run: str | None, grader: str | None) -> Any:
-        """(trace_id, item_key of the rollout, grade_id of its latest grade) per graded rollout of the run."""
-        query = (
-            select(
-                Grade.trace_id.label("trace_id"),
-                Rollout.item_key.label("item_key"),
-                func.max(Grade.id).label("grade_id"),
-            )
-            .join(Rollout, Rollout.trace_id == Grade.trace_id)
-            .group_by(Grade.trace_id, Rollout.item_key)  # trace_id is the rollout's key: one group each
-        )
-        if run is not None:
-            query = query.where(Rollout.run == run)
-        if grader is not None:
-            query = query.where(Grade.grader == grader)
-        return query.subquery("latest")
-
-    async def rollout_count(self, run: str) -> int:
-        return int(await self.session.scalar(select(func.count()).where(Rollout.run == run)) or 0)
-
-    async def reward_distribution(self, run: str, grader: str | None, bins: int) -> RewardSummary:
-        """Latest scores of the run's rollouts: totals and a histogram, in one pass over the grades.
-
-        Bins split [0, 1]; when some score falls outside, a second pass bins [min, max] instead.
-        """
-        score = Grade.score
-        bucket = case(
-            (score.is_(None), None),
-            (score < 0, -1),
-            (score > 1, bins),
-            *((score < (i + 1) / bins, i) for i in range(bins - 1)),
-            else_=bins - 1,
-        )
-        latest = self._latest_grades(run, grader)
-        result = await self.session.execute(
-            select(
-                bucket,
-                func.count(),
-                func.sum(case((Grade.status == "failed", 1), else_=0)),
-                func.count(score),
-                func.sum(score),
-                func.sum(score * score),
-                func.min(score),
-                func.max(score),
-            )
-            .join_from(latest, Grade, Grade.id == latest.c.grade_id)
-            .group_by(bucket)
-        )
-        rows = result.all()
-        graded = sum(int(r[1]) for r in rows)
-        scored = sum(int(r[3]) for r in rows)
-        total = sum(float(r[4] or 0.0) for r in rows)
-        squares = sum(float(r[5] or 0.0) for r in rows)
-        lows = [float(r[6]) for r in rows if r[6] is not None]
-        highs = [float(r[7]) for r in rows if r[7] is not None]
-        lo, hi = min(lows, default=0.0), max(highs, default=1.0)
-        edges = [i / bins for i in range(bins + 1)]
-        counts = [0] * bins
-        for r in rows:
-            if r[0] is not None and 0 <= int(r[0]) < bins:
-                counts[int(r[0])] = int(r[3])
-        if lo < 0 or hi > 1:
-            edges = [min(0.0, lo) + (max(1.0, hi) - min(0.0, lo)) * i / bins for i in range(bins + 1)]
-            counts = await self.reward_histogram(run, grader, edges)
-        return RewardSummary(
-            rollouts=await self.rollout_count(run),
-            graded=graded,
-            failed=sum(int(r[2] or 0) for r in rows),
-            scored=scored,
-            mean=total / scored if scored else None,
-            mean_square=squares / scored if scored else None,
-            min=min(lows) if lows else None,
-            max=max(highs) if highs else None,
-            edges=edges,
-            counts=counts,
-        )
-
-    async def reward_histogram(self, run: str, grader: str | None, edges: Sequence[float]) -> list[int]:
-        """Counts of latest scores per bin [edges[i], edges[i+1]); the last bin includes its top edge."""
-        bins = len(edges) - 1
-        bucket = case(*((Grade.score < edges[i + 1], i) for i in range(bins - 1)), else_=bins - 1)
-        latest = self._latest_grades(run, grader)
-        result = await self.session.execute(
-            select(bucket, func.count())
-            .join_from(latest, Grade, Grade.id == latest.c.grade_id)
-            .where(Grade.score.is_not(None))
-            .group_by(bucket)
-        )
-        counts = [0] * bins
-        for index, count in result.all():
-            counts[int(index)] = int(count)
-        return counts
-
-    # --- a run: calls ----------------------------------------------------------------------------------
-    # Calls count for a run by their own label (tool_calls.run, from each call's X-Sparring-Run header):
-    # no join, and the index on (run, tool, latency_ms) including outcome and output_bytes covers them.
-
-    def _call_columns(self) -> list[Any]:
-        return [
-            func.count(),
-            func.avg(ToolCall.latency_ms),
-            func.max(ToolCall.latency_ms),
-            *(func.sum(case((ToolCall.outcome == outcome, 1), else_=0)) for outcome in OUTCOMES),
-            func.coalesce(func.sum(ToolCall.output_bytes), 0),
-        ]
-
-    @staticmethod
-    def _call_row(tool: str | None, r: Sequence[Any], quantiles: Sequence[float] | None) -> ToolRow:
-        return ToolRow(
-            tool=tool,
-            calls=int(r[0]),
-            latency_mean_ms=float(r[1] or 0.0),
-            latency_max_ms=float(r[2] or 0.0),
-            outcomes={outcome: int(r[3 + i] or 0) for i, outcome in enumerate(OUTCOMES)},
-            percentiles=[float(q) for q in quantiles] if quantiles else None,
-            output_bytes=int(r[3 + len(OUTCOMES)] or 0),
-        )
-
-    async def call_stats(self, run: str) -> tuple[list[ToolRow], ToolRow]:
-        """Per tool and over the whole run: counts, latency mean/max/percentiles, outcomes, output bytes."""
-        if self.dialect == "postgresql":
-            # One pass: per tool and overall (GROUPING SETS), percentiles as ordered-set aggregates.
-            percentiles = func.percentile_disc(
-                cast(literal(list(QUANTILES), ARRAY(Float)), ARRAY(Float))
-            ).within_group(ToolCall.latency_ms)
-            columns = [ToolCall.tool, func.grouping(ToolCall.tool), *self._call_columns(), percentiles]
-            result = await self.session.execute(
-                select(*columns)
-                .where(ToolCall.run == run)
-                .group_by(func.grouping_sets(ToolCall.tool, text("()")))
-            )
-            at_percentiles = 2 + 4 + len(OUTCOMES)  # after tool, grouping, count, avg, max, outcomes, bytes
-            tools: list[ToolRow] = []
-            overall = self._call_row(None, [0, None, None, *([0] * len(OUTCOMES)), 0], None)
-            for r in result.all():
-                row = self._call_row(r[0], r[2:], r[at_percentiles])
-                if r[1]:
-                    overall = replace(row, tool=None)
-                else:
-                    tools.append(row)
-            tools.sort(key=lambda t: (-t.calls, t.tool or ""))
-            return tools, overall
-        # SQLite (the embedded default, small data): plain aggregates, then ranked percentiles.
-        per_tool = await self.session.execute(
-            select(ToolCall.tool, *self._call_columns())
-            .where(ToolCall.run == run)
-            .group_by(ToolCall.tool)
-            .order_by(func.count().desc(), ToolCall.tool)
-        )
-        totals = (await self.session.execute(select(*self._call_columns()).where(ToolCall.run == run))).one()
-        ranks = await self._ranked_percentiles(run, per_tool=True)
-        overall_ranks = (await self._ranked_percentiles(run, per_tool=False)).get(None)
-        tools = [self._call_row(r[0], r[1:], ranks.get(r[0])) for r in per_tool.all()]
-        overall = self._call_row(None, totals, overall_ranks)
-        return tools, overall
-
-    async def _ranked_percentiles(self, run: str, *, per_tool: bool) -> dict[str | None, list[float]]:
-        """Nearest-rank percentiles without a percentile aggregate: rank, then pick rank ceil(q * n)."""
-        partition = [ToolCall.tool] if per_tool else []
-        ranked = (
-            select(
-                ToolCall.tool.label("tool"),
-                ToolCall.latency_ms.label("latency"),
-                func.row_number().over(partition_by=partition, order_by=ToolCall.latency_ms).label("rank"),
-                func.count().over(partition_by=partition).label("n"),
-            )
-            .where(ToolCall.run == run)
-            .subquery()
-        )
-        picks = [
-            func.max(
-                case(
-                    (ranked.c.rank == (ranked.c.n * int(q * 100) + 99) // 100, ranked.c.latency),
-                    else_=None,
-                )
-            )
-            for q in QUANTILES
-        ]
-        query = select(ranked.c.tool if per_tool else literal(None), *picks)
-        if per_tool:
-            query = query.group_by(ranked.c.tool)
-        result = await self.session.execute(query)
-        return {r[0]: [float(v) for v in r[1:]] for r in result.all() if r[1] is not None}
-
-    async def calls_per_rollout(self, run: str) -> list[tuple[int, int]]:
-        """(number of calls, number of rollouts with that many calls), zero-call rollouts included."""
-        # rollouts.calls is recounted by the log writer in the transaction that logs the calls.
-        result = await self.session.execute(
-            select(Rollout.calls, func.count())
-            .where(Rollout.run == run)
-            .group_by(Rollout.calls)
-            .order_by(Rollout.calls)
-        )
-        return [(int(n), int(count)) for n, count in result.all()]
-
-    # --- a run: items ----------------------------------------------------------------------------------
-
-    def _item_scores(self, run: str, grader: str | None) -> Any:
-        latest = self._latest_grades(run, grader)
-        item = func.coalesce(Grade.item_key, latest.c.item_key)
-        return (
-            select(
-                item.label("item_key"),
-                func.count().label("n"),
-                func.avg(Grade.score).label("mean"),
-                func.avg(Grade.score * Grade.score).label("mean_square"),
-                func.min(Grade.score).label("lo"),
-                func.max(Grade.score).label("hi"),
-            )
-            .join_from(latest, Grade, Grade.id == latest.c.grade_id)
-            .where(Grade.score.is_not(None))
-            .group_by(item)
-        )
-
-    async def item_stats(
-        self, run: str, grader: str | None, *, order: str, limit: int, offset: int
-    ) -> list[ItemRow]:
-        items = self._item_scores(run, grader).subquery()
-        orders = {
-            "mean": (items.c.mean.asc(), items.c.item_key.asc()),
-            "variance": ((items.c.mean_square - items.c.mean * items.c.mean).desc(), items.c.item_key.asc()),
-            "rollouts": (items.c.n.desc(), items.c.item_key.asc()),
-            "item": (items.c.item_key.asc(),),
-        }
-        result = await self.session.execute(
-            select(items).order_by(*orders[order]).limit(limit).offset(offset)
-        )
-        return [
-            ItemRow(
-                item_key=r.item_key,
-                rollouts=int(r.n),
-                mean=float(r.mean),
-                mean_square=float(r.mean_square),
-                min=float(r.lo),
-                max=float(r.hi),
-            )
-            for r in result.all()
-        ]
-
-    async def item_summary(
-        self, run: str, grader: str | None, *, min_rollouts: int, zero: float, one: float
-    ) -> ItemSummary:
-        items = self._item_scores(run, grader).subquery()
-        repeated = items.c.n >= min_rollouts
-        result = await self.session.execute(
-            select(
-                func.count(),
-                func.sum(case((repeated, 1), else_=0)),
-                func.sum(case((and_(repeated, items.c.hi <= zero), 1), else_=0)),
-                func.sum(case((and_(repeated, items.c.lo >= one), 1), else_=0)),
-            ).select_from(items)
-        )
-        row = result.one()
-        return ItemSummary(
-            items=int(row[0]),
-            repeated_items=int(row[1] or 0),
-            always_zero=int(row[2] or 0),
-            always_one=int(row[3] or 0),
-        )
-
-    # --- flags -----------------------------------------------------------------------------------------
-
-    async def flag_counts(self, run: str | None, grader: str | None) -> list[tuple[str, int]]:
-        """Rollouts per flag name, counting each rollout's latest grade."""
-        if self.dialect == "postgresql":
-            element = func.jsonb_array_elements(Grade.flags).table_valued("value", joins_implicitly=True)
-            name: Any = element.c.value.op("->>")("name")
-        else:
-            element = func.json_each(Grade.flags).table_valued("value", joins_implicitly=True)
-            name = func.json_extract(element.c.value, "$.name")
-        latest = self._latest_grades(run, grader)
-        rollouts = func.count(func.distinct(latest.c.trace_id))
-        result = await self.session.execute(
-            select(name, rollouts)
-            .join_from(latest, Grade, Grade.id == latest.c.grade_id)
-            .join(element, true())
-            .group_by(name)
-            .order_by(rollouts.desc(), name)
-        )
-        return [(str(r[0]), int(r[1])) for r in result.all()]
-
     async def grade_ids_for_run(self, run: str) -> list[str]:
         """Trace ids of the run's graded rollouts (for recomputing their flags)."""
         result = await self.session.scalars(
@@ -530,7 +193,3 @@ class ReviewRepository:
             yield [(r, calls_by[r.trace_id], grades_by[r.trace_id]) for r in rollouts]
             after = ids[-1]
             self.session.expunge_all()  # keep memory flat over a long export
-
-
-def _float(value: Any) -> float | None:
-    return None if value is None else float(value)

@@ -26,14 +26,8 @@ from app.grading.flags import (
 from app.grading.recording import review_flags
 from app.grading.repository import GradeRepository
 from app.review import schemas as s
-from app.review.repository import (
-    ItemRow,
-    ItemSummary,
-    ReviewRepository,
-    RewardSummary,
-    RolloutFilter,
-    ToolRow,
-)
+from app.review.repository import ReviewRepository, RolloutFilter
+from app.review.stats_repository import ItemRow, ItemSummary, RewardSummary, StatsRepository, ToolRow
 from app.rollouts.timeline import RolloutTimeline, build_timeline, read_timeline, rollout_calls
 
 REWARD_BINS = 10
@@ -311,24 +305,25 @@ class ReviewService:
 
     # --- runs ------------------------------------------------------------------------------------------
 
-    async def _concurrently(self, *queries: Callable[[ReviewRepository], Awaitable[Any]]) -> list[Any]:
+    async def _concurrently(self, *queries: Callable[[StatsRepository], Awaitable[Any]]) -> list[Any]:
         """Independent read-only aggregates, each on its own connection when a sessionmaker was given
         (Postgres then runs them side by side: a run's statistics cost the slowest query, not the sum)."""
         sessions = self.sessions
         if sessions is None:
-            await self.repo.prepare_for_aggregates()
-            return [await query(self.repo) for query in queries]
+            stats = StatsRepository(self.session)
+            await stats.prepare_for_aggregates()
+            return [await query(stats) for query in queries]
 
-        async def one(query: Callable[[ReviewRepository], Awaitable[Any]]) -> Any:
+        async def one(query: Callable[[StatsRepository], Awaitable[Any]]) -> Any:
             async with sessions() as session:
-                repo = ReviewRepository(session)
+                repo = StatsRepository(session)
                 await repo.prepare_for_aggregates()
                 return await query(repo)
 
         return list(await asyncio.gather(*(one(q) for q in queries)))
 
     async def run_stats(self, run: str, grader: str | None = None) -> s.RunStats:
-        queries: list[Callable[[ReviewRepository], Awaitable[Any]]] = [
+        queries: list[Callable[[StatsRepository], Awaitable[Any]]] = [
             lambda r: r.reward_distribution(run, grader, REWARD_BINS),
             lambda r: r.call_stats(run),
             lambda r: r.calls_per_rollout(run),

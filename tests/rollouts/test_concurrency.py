@@ -15,10 +15,10 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from sqlalchemy import text
 
 from app.deps import app_state
 from app.sdk import Pack, ToolContext
+from tests.call_log import logged_calls_on
 from tests.conftest import ADMIN_KEY, AppFactory, call_body, new_trace
 from tests.packs import counter_pack, faults_pack
 
@@ -102,22 +102,7 @@ async def post_answered(client: httpx.AsyncClient, tool: str, body: dict[str, An
 
 async def logged_calls(client: httpx.AsyncClient, traces: list[str]) -> list[dict[str, Any]]:
     """Rows of tool_calls for these rollouts, read through the app's own engine."""
-    engine = app_state(client.app).engine  # type: ignore[attr-defined]
-    rows: list[dict[str, Any]] = []
-    async with engine.connect() as conn:
-        for start in range(0, len(traces), 100):
-            chunk = traces[start : start + 100]
-            params = {f"t{i}": t for i, t in enumerate(chunk)}
-            placeholders = ", ".join(f":t{i}" for i in range(len(chunk)))
-            result = await conn.execute(
-                text(
-                    "SELECT trace_id, call_id, tool, output, outcome, status_code, arguments "
-                    f"FROM tool_calls WHERE trace_id IN ({placeholders})"
-                ),
-                params,
-            )
-            rows.extend(dict(r._mapping) for r in result)
-    return rows
+    return await logged_calls_on(app_state(client.app).engine, traces)  # type: ignore[attr-defined]
 
 
 def value_of(output: str) -> int:

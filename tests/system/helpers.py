@@ -28,6 +28,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
+from tests.call_log import logged_calls_on
 from tests.conftest import API_KEYS, TOOLS_KEY
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -339,26 +340,11 @@ class ThrowawayPostgres:
 
 async def logged_calls(database_url: str, traces: Iterable[str]) -> list[dict[str, Any]]:
     """tool_calls rows of these rollouts (a fresh engine: the test does not share the server's)."""
-    traces = list(traces)
     engine = create_async_engine(database_url, poolclass=NullPool)
-    rows: list[dict[str, Any]] = []
     try:
-        async with engine.connect() as conn:
-            for start in range(0, len(traces), 200):
-                chunk = traces[start : start + 200]
-                params = {f"t{i}": t for i, t in enumerate(chunk)}
-                placeholders = ", ".join(f":t{i}" for i in range(len(chunk)))
-                result = await conn.execute(
-                    text(
-                        "SELECT trace_id, call_id, tool, output, outcome, status_code, worker "
-                        f"FROM tool_calls WHERE trace_id IN ({placeholders})"
-                    ),
-                    params,
-                )
-                rows.extend(dict(r._mapping) for r in result)
+        return await logged_calls_on(engine, traces)
     finally:
         await engine.dispose()
-    return rows
 
 
 # --- the load client --------------------------------------------------------------------------------

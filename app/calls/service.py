@@ -67,6 +67,13 @@ class _Call:
 
 
 class ToolCallService:
+    """The one entry of a tool call, whichever way it arrives (HTTP, MCP, the rollout runner): `handle`.
+
+    Built once by the lifespan (`app_state(app).call_service`); a caller parses its envelope
+    (`ToolCallEnvelope`) and the run label, and gets the `function_call_output` back, or a
+    `SparringError` (ToolCrashed 500, ServiceUnavailable 503) to render in its own protocol.
+    """
+
     def __init__(
         self,
         *,

@@ -113,7 +113,7 @@ class GradingService:
         *,
         run: str | None = None,
     ) -> GradeResult:
-        """Grade and store; GradeUnavailable (503) when the grader or the database is down."""
+        """Grade and store; a 503 (ServiceUnavailable) when the grader or the database is down."""
         grader = self.resolve(name)
         started = time.perf_counter()
         timeline, inputs = await self.prepare(grader, sample, item, trace_id)

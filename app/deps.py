@@ -12,9 +12,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Request, Response
+from fastapi import Depends, Request, Response
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
-from starlette.types import ASGIApp
+from starlette.applications import Starlette
 
 from app.auth import KeyRing
 from app.calls.log_writer import CallLogWriter
@@ -45,23 +45,20 @@ class AppState:
     call_service: ToolCallService  # the one entry of a tool call: HTTP, MCP and the runner call `handle`
 
 
-def set_app_state(app: ASGIApp, state: AppState | None) -> None:
-    assert isinstance(app, FastAPI)
+def set_app_state(app: Starlette, state: AppState | None) -> None:
     setattr(app.state, _STATE, state)
 
 
-def app_state(app: ASGIApp) -> AppState:
-    """The state the lifespan built (RuntimeError before start-up)."""
-    assert isinstance(app, FastAPI)
+def app_state(app: Starlette) -> AppState:
+    """The state the lifespan built (RuntimeError before start-up); every tool call reads it once."""
     state: AppState | None = getattr(app.state, _STATE, None)
     if state is None:
         raise RuntimeError("the app has not started: its lifespan builds its state")
     return state
 
 
-def retry_after(app: ASGIApp) -> int:
+def retry_after(app: Starlette) -> int:
     """Retry-After of a 503; the default before start-up."""
-    assert isinstance(app, FastAPI)
     state: AppState | None = getattr(app.state, _STATE, None)
     return state.settings.retry_after_seconds if state is not None else 2
 

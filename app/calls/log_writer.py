@@ -45,6 +45,7 @@ class CallRecord:
     worker: str
     run: str | None
     item_key: str | None
+    channel: str = "rft"  # rft: the tool routes; mcp: the MCP server (HTTP or stdio)
     output_bytes: int = field(init=False)  # the output's UTF-8 size, as sent
 
     def __post_init__(self) -> None:
@@ -73,12 +74,14 @@ _CALL_COLUMNS = (
     ("worker", "varchar"),
     ("run", "varchar"),
     ("item_key", "varchar"),
+    ("channel", "varchar"),
     ("output_bytes", "integer"),
 )
 _ROLLOUT_COLUMNS = (
     ("trace_id", "varchar"),
     ("run", "varchar"),
     ("item_key", "varchar"),
+    ("channel", "varchar"),
     ("first_seen", "timestamptz"),
     ("last_seen", "timestamptz"),
 )
@@ -112,8 +115,9 @@ def _postgres_batch_sql() -> str:
         ), counted AS (
             SELECT trace_id, count(*) AS n FROM logged GROUP BY trace_id
         )
-        INSERT INTO rollouts (trace_id, run, item_key, first_seen, last_seen, calls)
-        SELECT r_.trace_id, r_.run, r_.item_key, r_.first_seen, r_.last_seen, coalesce(counted.n, 0)
+        INSERT INTO rollouts (trace_id, run, item_key, channel, first_seen, last_seen, calls)
+        SELECT r_.trace_id, r_.run, r_.item_key, r_.channel, r_.first_seen, r_.last_seen,
+               coalesce(counted.n, 0)
         FROM {_recordset("$2", "r_", _ROLLOUT_COLUMNS)}
         LEFT JOIN counted ON counted.trace_id = r_.trace_id
         ORDER BY r_.trace_id
@@ -122,6 +126,7 @@ def _postgres_batch_sql() -> str:
             last_seen = greatest(rollouts.last_seen, excluded.last_seen),
             run = coalesce(rollouts.run, excluded.run),
             item_key = coalesce(rollouts.item_key, excluded.item_key),
+            channel = coalesce(rollouts.channel, excluded.channel),
             calls = rollouts.calls + excluded.calls
         """
 
@@ -156,6 +161,7 @@ class CallLogWriter:
                 "last_seen": func.max(rollouts.c.last_seen, upsert.excluded.last_seen),
                 "run": func.coalesce(rollouts.c.run, upsert.excluded.run),
                 "item_key": func.coalesce(rollouts.c.item_key, upsert.excluded.item_key),
+                "channel": func.coalesce(rollouts.c.channel, upsert.excluded.channel),
             },
         )
         # A call answered before (a retry replayed from the ledger) is already logged: skip it.
@@ -247,6 +253,7 @@ class CallLogWriter:
                     "trace_id": record.trace_id,
                     "run": record.run,
                     "item_key": record.item_key,
+                    "channel": record.channel,
                     "first_seen": record.started_at,
                     "last_seen": record.ended_at,
                 }

@@ -23,6 +23,8 @@ class Rollout(Base):
     first_seen: Mapped[datetime] = mapped_column(UtcDateTime())
     last_seen: Mapped[datetime] = mapped_column(UtcDateTime(), index=True)
     graded_at: Mapped[datetime | None] = mapped_column(UtcDateTime())
+    # How the rollout's first logged call arrived: rft (the tool routes) or mcp (the MCP server).
+    channel: Mapped[str | None] = mapped_column(String(16), index=True)
     # Logged calls of the rollout, recounted by the log writer in the transaction that logs them.
     calls: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
@@ -68,6 +70,7 @@ class ToolCall(Base):
     worker: Mapped[str] = mapped_column(String(128))
     run: Mapped[str | None] = mapped_column(String(200))
     item_key: Mapped[str | None] = mapped_column(String(128))
+    channel: Mapped[str] = mapped_column(String(16), default="rft", server_default="rft")
 
 
 class Grade(Base):

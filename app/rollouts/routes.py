@@ -20,6 +20,7 @@ router = APIRouter(prefix="/rollouts", tags=["rollouts"])
 class RolloutOut(BaseModel):
     trace_id: str
     run: str | None
+    channel: str | None
     item_key: str | None
     first_seen: datetime
     last_seen: datetime
@@ -56,6 +57,7 @@ async def get_rollout(trace_id: str, _: AdminKey, db: DatabaseDep) -> RolloutDet
     return RolloutDetail(
         trace_id=timeline.trace_id,
         run=timeline.run,
+        channel=timeline.channel,
         item_key=timeline.item_key,
         first_seen=timeline.first_seen,
         last_seen=timeline.last_seen,

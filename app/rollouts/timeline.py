@@ -37,6 +37,7 @@ class RolloutCall(BaseModel):
     ended_at: datetime
     latency_ms: float
     worker: str
+    channel: str  # rft: the tool routes; mcp: the MCP server
 
     def parsed_arguments(self) -> Any:
         """The arguments as JSON ({} when empty), or the raw text when they are not JSON."""
@@ -53,6 +54,7 @@ class RolloutTimeline(BaseModel):
 
     trace_id: str
     run: str | None
+    channel: str | None  # of the rollout's first logged call
     item_key: str | None
     first_seen: datetime | None
     last_seen: datetime | None
@@ -93,6 +95,7 @@ def build_timeline(trace_id: str, rollout: Rollout | None, calls: Sequence[ToolC
     return RolloutTimeline(
         trace_id=trace_id,
         run=rollout.run if rollout else None,
+        channel=rollout.channel if rollout else None,
         item_key=rollout.item_key if rollout else None,
         first_seen=rollout.first_seen if rollout else None,
         last_seen=rollout.last_seen if rollout else None,

@@ -109,6 +109,33 @@ def serve(
     )
 
 
+@cli.command("mcp")
+def mcp_stdio(
+    run: Annotated[str, typer.Option(help="Run label of the calls (X-Sparring-Run over HTTP).")] = "local",
+    trace_id: Annotated[
+        str | None, typer.Option(help="Rollout of the calls (default trace_mcp_<session id>).")
+    ] = None,
+    migrate: Annotated[
+        bool | None,
+        typer.Option(help="Migrate the database first (default: only the embedded SQLite database)."),
+    ] = None,
+) -> None:
+    """Serve the tools as a local MCP server over stdio (for desktop agents and IDEs)."""
+    import asyncio
+    import contextlib
+    import sys
+
+    from app.main import create_app
+    from app.mcp.stdio import serve_stdio
+
+    settings = load_settings()
+    # stdout carries the protocol: whatever else would print goes to stderr.
+    with contextlib.redirect_stdout(sys.stderr):
+        if migrate if migrate is not None else settings.is_embedded_db:
+            _upgrade(settings)
+    asyncio.run(serve_stdio(create_app(settings), trace_id=trace_id, run=run))
+
+
 def _log_config() -> dict[str, Any]:
     """uvicorn's logging, plus the server's own loggers (start-up, packs, tools) at INFO."""
     import copy

@@ -90,7 +90,15 @@ class Settings(BaseSettings):
     forwarded_allow_ips: str = Field(
         "127.0.0.1", description="Proxy addresses trusted for X-Forwarded-* headers."
     )
-    public_base_url: str | None = Field(None, description="Public https URL used in generated job configs.")
+    public_base_url: str | None = Field(
+        None, description="Public https URL used in generated job configs (and allowed as the MCP Host)."
+    )
+    mcp_allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Extra Host header values /mcp accepts (`host:port`, `host:*`)."
+    )
+    mcp_allowed_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Extra Origin header values /mcp accepts (`https://host`)."
+    )
 
     metrics_dir: str | None = Field(
         None,
@@ -108,9 +116,9 @@ class Settings(BaseSettings):
     python_grader_workers: int = Field(2, ge=1)
     retail_data: Path | None = Field(None, description="Unpacked retail data directory (skips the download).")
 
-    @field_validator("packs", mode="before")
+    @field_validator("packs", "mcp_allowed_hosts", "mcp_allowed_origins", mode="before")
     @classmethod
-    def _split_packs(cls, value: object) -> object:
+    def _split_lists(cls, value: object) -> object:
         if isinstance(value, str):
             return [p.strip() for p in value.split(",") if p.strip()]
         return value

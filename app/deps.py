@@ -22,6 +22,7 @@ from app.calls.service import ToolCallService
 from app.config import Scope, Settings
 from app.errors import OUTAGES, handle_sparring_error, outage
 from app.grading.service import GradingService
+from app.mcp.http import McpHttp
 from app.metrics import Metrics
 from app.packs import Registry
 from app.rollouts.store import RolloutStore
@@ -43,6 +44,7 @@ class AppState:
     log_writer: CallLogWriter
     grading: GradingService
     call_service: ToolCallService  # the one entry of a tool call: HTTP, MCP and the runner call `handle`
+    mcp: McpHttp  # /mcp: the registry over MCP, through call_service
 
 
 def set_app_state(app: Starlette, state: AppState | None) -> None:

@@ -23,6 +23,7 @@ from app.deps import AppState, set_app_state
 from app.errors import StartupError
 from app.grading.build import build_grading
 from app.grading.graders.registry import GraderContext
+from app.mcp.http import McpHttp
 from app.metrics import Metrics
 from app.packs import Registry
 from app.rollouts.build import build_store
@@ -131,6 +132,17 @@ async def _resources(settings: Settings, packs: tuple[Pack, ...] | None) -> Asyn
         writer.start()
         sessionmaker = build_sessionmaker(engine)
         grader_context = GraderContext.from_settings(settings, state_checks=registry.state_checks)
+        call_service = ToolCallService(
+            registry=registry,
+            store=store,
+            log_writer=writer,
+            worker=worker_name(settings),
+            max_output_bytes=settings.max_output_bytes,
+            tool_timeout=settings.tool_timeout_seconds,
+            metrics=metrics,
+        )
+        # The same calls over MCP (Streamable HTTP at /mcp), through the same call service.
+        mcp = McpHttp(registry, call_service, keyring, settings)
         state = AppState(
             settings=settings,
             registry=registry,
@@ -143,18 +155,12 @@ async def _resources(settings: Settings, packs: tuple[Pack, ...] | None) -> Asyn
             grading=build_grading(
                 settings, registry, grader_context, store=store, sessionmaker=sessionmaker, metrics=metrics
             ),
-            call_service=ToolCallService(
-                registry=registry,
-                store=store,
-                log_writer=writer,
-                worker=worker_name(settings),
-                max_output_bytes=settings.max_output_bytes,
-                tool_timeout=settings.tool_timeout_seconds,
-                metrics=metrics,
-            ),
+            call_service=call_service,
+            mcp=mcp,
         )
         _freeze_startup_objects()
-        yield state
+        async with mcp.running():
+            yield state
     finally:
         if grader_context is not None:
             await grader_context.aclose()

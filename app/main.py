@@ -17,6 +17,7 @@ from app.deps import app_state, handle_outage, require
 from app.errors import OUTAGES, SparringError, handle_sparring_error, outage
 from app.grading.routes import router as grading_router
 from app.lifespan import build_lifespan
+from app.mcp.http import is_mcp_request
 from app.middleware import BodyLimitMiddleware
 from app.review.routes import router as review_router
 from app.rollouts.routes import router as rollouts_router
@@ -28,11 +29,13 @@ class SparringApp(FastAPI):
 
     `POST /tools` and `POST /tools/{name}` are the hot path of training: they go through the body
     limit to `serve_tool_call` directly, skipping the app's error, telemetry and routing layers
-    (which cost more per call than the call's Redis work). Every other request, and the lifespan,
-    goes through FastAPI as usual.
+    (which cost more per call than the call's Redis work). `/mcp` (the same calls over MCP) takes
+    the same shortcut to its endpoint. Every other request, and the lifespan, goes through FastAPI
+    as usual.
     """
 
     tool_calls: ASGIApp | None = None
+    mcp_calls: ASGIApp | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.tool_calls is not None:
@@ -42,7 +45,16 @@ class SparringApp(FastAPI):
                 scope[TOOL_SCOPE_KEY] = target
                 await self.tool_calls(scope, receive, send)
                 return
+        if self.mcp_calls is not None and is_mcp_request(scope):
+            scope["app"] = self
+            await self.mcp_calls(scope, receive, send)
+            return
         await super().__call__(scope, receive, send)
+
+
+async def serve_mcp(scope: Scope, receive: Receive, send: Send) -> None:
+    """/mcp: the app's `McpHttp`, which the lifespan builds (app/mcp/http.py)."""
+    await app_state(scope["app"]).mcp(scope, receive, send)
 
 
 def create_app(settings: Settings | None = None, *, packs: list[Pack] | None = None) -> FastAPI:
@@ -60,6 +72,8 @@ def create_app(settings: Settings | None = None, *, packs: list[Pack] | None = N
         app.add_exception_handler(failure, handle_outage)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.tool_calls = BodyLimitMiddleware(serve_tool_call, max_bytes=settings.max_body_bytes)
+    # MCP (Streamable HTTP): the same tools through the same call service; see app/mcp/http.py.
+    app.mcp_calls = BodyLimitMiddleware(serve_mcp, max_bytes=settings.max_body_bytes)
 
     @app.get("/healthz", tags=["health"])
     async def healthz() -> dict[str, str]:

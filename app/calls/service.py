@@ -54,6 +54,17 @@ def serialize_result(result: Any) -> str:
     return orjson.dumps(result, default=_default, option=orjson.OPT_NON_STR_KEYS).decode()
 
 
+CHANNELS = ("rft", "mcp")  # how a call arrived: the tool routes (training), or MCP (production, local)
+
+
+@dataclass(frozen=True, slots=True)
+class CallResult:
+    """The answer to a call and how it ended (`ok` or `model_error`: an `Error: ...` the model reads)."""
+
+    output: ToolCallOutput
+    outcome: str
+
+
 @dataclass
 class _Call:
     envelope: ToolCallEnvelope
@@ -61,6 +72,7 @@ class _Call:
     trace_id: str
     arguments_text: str
     run: str | None
+    channel: str
     item_key: str | None
     started_at: datetime
     started: float
@@ -98,8 +110,17 @@ class ToolCallService:
         self._tool_loggers: dict[str, logging.Logger] = {}
 
     async def handle(
-        self, envelope: ToolCallEnvelope, *, path_name: str | None, run: str | None
+        self, envelope: ToolCallEnvelope, *, path_name: str | None, run: str | None, channel: str = "rft"
     ) -> ToolCallOutput:
+        """Answer one call (the tool routes); see `call`."""
+        return (await self.call(envelope, path_name=path_name, run=run, channel=channel)).output
+
+    async def call(
+        self, envelope: ToolCallEnvelope, *, path_name: str | None, run: str | None, channel: str = "rft"
+    ) -> CallResult:
+        """Answer one call whichever way it arrived (HTTP tool route, MCP): validate, deduplicate, run
+        under the rollout's state, log durably, answer; outages raise ServiceUnavailable, crashes
+        ToolCrashed."""
         call = _Call(
             envelope=envelope,
             tool=(path_name or envelope.name or "")[:128],
@@ -108,6 +129,7 @@ class ToolCallService:
             else f"trace_anon_{uuid.uuid4().hex}",
             arguments_text=_arguments_text(envelope.arguments),
             run=fit(run, RUN_MAX) if run else None,
+            channel=channel,
             item_key=item_key(envelope.item),
             started_at=datetime.now(UTC),
             started=time.perf_counter(),
@@ -140,7 +162,9 @@ class ToolCallService:
             if latency is None:
                 latency = self._latencies[tool] = self.metrics.tool_latency.labels(tool)
             latency.observe(time.perf_counter() - call.started)
-        return ToolCallOutput(call_id=envelope.call_id, id=envelope.id, output=answer.output)
+        return CallResult(
+            ToolCallOutput(call_id=envelope.call_id, id=envelope.id, output=answer.output), answer.outcome
+        )
 
     def _record(
         self, call: _Call, output: str | None, outcome: str, error: str | None, status: int
@@ -162,6 +186,7 @@ class ToolCallService:
             worker=self.worker,
             run=call.run,
             item_key=call.item_key,
+            channel=call.channel,
         )
 
     def _resolve(self, call: _Call, path_name: str | None) -> ToolSpec | StoredAnswer:

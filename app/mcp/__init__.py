@@ -1,0 +1,1 @@
+"""The tool registry served over the Model Context Protocol (Streamable HTTP at /mcp, and stdio)."""

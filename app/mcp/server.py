@@ -1,0 +1,130 @@
+"""The MCP server of the registry: tools/list from the registry, tools/call through ToolCallService.
+
+One implementation for both transports (Streamable HTTP and stdio): the transport only says who is
+calling (`Caller`: the rollout's trace id, the run label, the session that numbers the calls).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any
+
+import mcp_types as types
+from mcp.server import Server
+from mcp.server.context import ServerRequestContext
+from mcp.shared.exceptions import MCPError
+
+from app.calls.envelope import CALL_ID_MAX, ToolCallEnvelope, fit
+from app.calls.service import ToolCallService
+from app.errors import ServiceUnavailable, ToolCrashed
+from app.packs import Registry
+
+CHANNEL = "mcp"
+
+# JSON-RPC error codes of a tools/call that got no answer. UNAVAILABLE is in the band the MCP spec
+# leaves to implementations (-32000..-32019; the SDK itself uses -32000 and -32001 client-side).
+UNAVAILABLE = -32010
+CRASHED = types.INTERNAL_ERROR
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who is calling: the rollout the call belongs to, its run label, and the MCP session."""
+
+    trace_id: str
+    run: str
+    session: str
+
+
+def tool_list(registry: Registry) -> list[types.Tool]:
+    """Every enabled tool as MCP describes it: the registry's name, description and JSON schema, with
+    `mutates` as the read-only / destructive hints."""
+    return [
+        types.Tool(
+            name=spec.name,
+            description=spec.description,
+            input_schema=spec.parameters,
+            annotations=types.ToolAnnotations(read_only_hint=not spec.mutates, destructive_hint=spec.mutates),
+        )
+        for spec in registry.tools.values()
+    ]
+
+
+def _version() -> str:
+    try:
+        return metadata.version("sparring")
+    except metadata.PackageNotFoundError:
+        return "0"
+
+
+class McpGateway:
+    """Builds the SDK's low-level `Server` whose two handlers are the registry and the call service.
+
+    `caller_of` reads the caller from the request context (HTTP: what `app.mcp.http` put in the ASGI
+    scope; stdio: the process's one session). `on_outage` lets the HTTP transport answer 503.
+    """
+
+    def __init__(
+        self,
+        registry: Registry,
+        service: ToolCallService,
+        caller_of: Callable[[ServerRequestContext[Any, Any]], Caller],
+        on_failure: Callable[[ServerRequestContext[Any, Any], ServiceUnavailable | ToolCrashed], None]
+        | None = None,
+    ) -> None:
+        self.service = service
+        self.caller_of = caller_of
+        self.on_failure = on_failure
+        self.tools = tool_list(registry)
+        self.server: Server[Any] = Server(
+            "sparring",
+            version=_version(),
+            on_list_tools=self._list_tools,
+            on_call_tool=self._call_tool,
+        )
+        # No OpenTelemetry span per message: nothing exports them, and each costs more than the call's
+        # own bookkeeping on this path.
+        self.server.middleware = []
+
+    async def _list_tools(
+        self, ctx: ServerRequestContext[Any, Any], params: types.PaginatedRequestParams | None
+    ) -> types.ListToolsResult:
+        return types.ListToolsResult(tools=self.tools)
+
+    async def _call_tool(
+        self, ctx: ServerRequestContext[Any, Any], params: types.CallToolRequestParams
+    ) -> types.CallToolResult:
+        caller = self.caller_of(ctx)
+        # The JSON-RPC id numbers the calls of a session; with the session it keys the ledger, so a
+        # client resending a request gets the first answer, and sessions sharing one trace id
+        # (X-Sparring-Trace-Id) never take each other's answers.
+        call_id = fit(f"mcp_{caller.session}_{ctx.request_id}", CALL_ID_MAX)
+        envelope = ToolCallEnvelope(
+            type="function_call",
+            call_id=call_id,
+            name=params.name,
+            arguments=params.arguments,
+            trace_id=caller.trace_id,
+        )
+        try:
+            result = await self.service.call(envelope, path_name=None, run=caller.run, channel=CHANNEL)
+        except ServiceUnavailable as exc:
+            # Not a tool result: the model must not see an outage as the tool's answer. The client
+            # retries the request; the same id gets the answer once there is one.
+            if self.on_failure is not None:
+                self.on_failure(ctx, exc)
+            raise MCPError(
+                UNAVAILABLE,
+                f"sparring is unavailable, retry in {exc.retry_after} s: {exc.message}",
+                data={"code": exc.code, "retryable": True, "retry_after": exc.retry_after},
+            ) from exc
+        except ToolCrashed as exc:
+            if self.on_failure is not None:
+                self.on_failure(ctx, exc)
+            raise MCPError(CRASHED, exc.message, data={"code": exc.code, "retryable": False}) from exc
+        return types.CallToolResult(
+            content=[types.TextContent(text=result.output.output)],
+            is_error=result.outcome == "model_error",
+        )

@@ -54,9 +54,6 @@ def serialize_result(result: Any) -> str:
     return orjson.dumps(result, default=_default, option=orjson.OPT_NON_STR_KEYS).decode()
 
 
-CHANNELS = ("rft", "mcp")  # how a call arrived: the tool routes (training), or MCP (production, local)
-
-
 @dataclass(frozen=True, slots=True)
 class CallResult:
     """The answer to a call and how it ended (`ok` or `model_error`: an `Error: ...` the model reads)."""

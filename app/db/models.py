@@ -12,6 +12,8 @@ from app.db.base import Base, BigIntId, JsonColumn, UtcDateTime
 
 # Outcomes whose (trace_id, call_id) is answered once: a retry replays the ledger instead of running again.
 ANSWERED_OUTCOMES = ("ok", "model_error")
+# How a call arrived: the tool routes (rft: training), or the MCP server (mcp: production, local agents).
+CHANNELS = ("rft", "mcp")
 
 
 class Rollout(Base):

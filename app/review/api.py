@@ -24,11 +24,17 @@ GraderQuery = Annotated[str | None, Query(description="Count the latest grade of
 ItemOrder = Literal["mean", "variance", "rollouts", "item"]
 
 
+ChannelQuery = Annotated[
+    Literal["rft", "mcp"] | None,
+    Query(description="rft: calls to the tool routes (training); mcp: calls over MCP (production, local)."),
+]
+
+
 @router.get("/runs")
-async def list_runs(_: ReviewAccess, db: DatabaseDep) -> list[s.RunOut]:
-    """Run labels (from the X-Sparring-Run header) with their rollout counts, most recent first."""
+async def list_runs(_: ReviewAccess, db: DatabaseDep, channel: ChannelQuery = None) -> list[s.RunOut]:
+    """Run labels (from the X-Sparring-Run header) with their rollouts per channel, most recent first."""
     async with db.session() as session:
-        return await ReviewService(session).runs()
+        return await ReviewService(session).runs(channel)
 
 
 @router.get("/rollouts")
@@ -36,6 +42,7 @@ async def list_rollouts(
     _: ReviewAccess,
     db: DatabaseDep,
     run: str | None = None,
+    channel: ChannelQuery = None,
     item: str | None = None,
     min_score: float | None = None,
     max_score: float | None = None,
@@ -51,6 +58,7 @@ async def list_rollouts(
     """Rollouts, newest first, with their latest grade's score and flags."""
     filters = RolloutFilter(
         run=run,
+        channel=channel,
         item_key=item,
         min_score=min_score,
         max_score=max_score,

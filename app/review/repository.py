@@ -41,6 +41,7 @@ class RolloutFilter:
     until: datetime | None = None
     grader: str | None = None  # the latest grade *of this grader* counts; None: the latest of any
     status: str | None = None  # ok | failed | ungraded
+    channel: str | None = None  # rft | mcp
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class RunRow:
     rollouts: int
     first_seen: datetime
     last_seen: datetime
+    channels: dict[str, int]
 
 
 @dataclass(frozen=True)
@@ -76,14 +78,31 @@ class ReviewRepository:
 
     # --- lists ---------------------------------------------------------------------------------------
 
-    async def runs(self, limit: int = 500) -> list[RunRow]:
-        result = await self.session.execute(
-            select(Rollout.run, func.count(), func.min(Rollout.first_seen), func.max(Rollout.last_seen))
-            .group_by(Rollout.run)
-            .order_by(func.max(Rollout.last_seen).desc())
-            .limit(limit)
-        )
-        return [RunRow(run=r[0], rollouts=int(r[1]), first_seen=r[2], last_seen=r[3]) for r in result.all()]
+    async def runs(self, limit: int = 500, channel: str | None = None) -> list[RunRow]:
+        """Run labels, most recent first, with their rollouts per channel (`channel`: that channel's only)."""
+        query = select(
+            Rollout.run,
+            Rollout.channel,
+            func.count(),
+            func.min(Rollout.first_seen),
+            func.max(Rollout.last_seen),
+        ).group_by(Rollout.run, Rollout.channel)
+        if channel is not None:
+            query = query.where(Rollout.channel == channel)
+        runs: dict[str | None, RunRow] = {}
+        for run, kind, count, first, last in (await self.session.execute(query)).all():
+            row = runs.get(run)
+            if row is None:
+                row = runs[run] = RunRow(run=run, rollouts=0, first_seen=first, last_seen=last, channels={})
+            row.channels[kind or "rft"] = row.channels.get(kind or "rft", 0) + int(count)
+            runs[run] = replace(
+                row,
+                rollouts=row.rollouts + int(count),
+                first_seen=min(row.first_seen, first),
+                last_seen=max(row.last_seen, last),
+            )
+        return sorted(runs.values(), key=lambda r: r.last_seen, reverse=True)[:limit]
+
 
     async def rollouts(
         self, filters: RolloutFilter, *, limit: int, before: tuple[datetime, str] | None = None
@@ -113,6 +132,8 @@ class ReviewRepository:
         conditions: list[ColumnElement[bool]] = []
         if f.run is not None:
             conditions.append(Rollout.run == f.run)
+        if f.channel is not None:
+            conditions.append(Rollout.channel == f.channel)
         if f.item_key is not None:
             conditions.append(or_(Rollout.item_key == f.item_key, Grade.item_key == f.item_key))
         if f.min_score is not None:

@@ -41,6 +41,7 @@ class GradeOut(BaseModel):
 class RolloutSummary(BaseModel):
     trace_id: str
     run: str | None
+    channel: str | None  # rft: the tool routes (training); mcp: the MCP server (production, local)
     item_key: str | None
     first_seen: datetime
     last_seen: datetime
@@ -67,6 +68,7 @@ class Timeline(RolloutTimeline):
 class RunOut(BaseModel):
     run: str | None
     rollouts: int
+    channels: dict[str, int]  # rollouts per channel (rft, mcp)
     first_seen: datetime
     last_seen: datetime
 
@@ -188,6 +190,9 @@ class RunSide(BaseModel):
     latency: LatencyStats
     output_bytes_per_call: float | None
     tool_errors: int
+    model_errors: int  # calls answered `Error: ...` (bad arguments, refusals): where drift shows first
+    model_error_share: float | None  # of the run's calls
+    channels: dict[str, int]  # rollouts per channel: a training run is rft, a production run mcp
     share_no_signal: float | None
 
 

@@ -259,6 +259,7 @@ class ReviewService:
             s.RolloutSummary(
                 trace_id=row.rollout.trace_id,
                 run=row.rollout.run,
+                channel=row.rollout.channel,
                 item_key=row.rollout.item_key or (row.grade.item_key if row.grade else None),
                 first_seen=row.rollout.first_seen,
                 last_seen=row.rollout.last_seen,
@@ -275,10 +276,16 @@ class ReviewService:
         next_cursor = encode_cursor(last.last_seen, last.trace_id) if last and len(rows) > limit else None
         return s.RolloutPage(rollouts=out, next_cursor=next_cursor)
 
-    async def runs(self) -> list[s.RunOut]:
+    async def runs(self, channel: str | None = None) -> list[s.RunOut]:
         return [
-            s.RunOut(run=r.run, rollouts=r.rollouts, first_seen=r.first_seen, last_seen=r.last_seen)
-            for r in await self.repo.runs()
+            s.RunOut(
+                run=r.run,
+                rollouts=r.rollouts,
+                channels=r.channels,
+                first_seen=r.first_seen,
+                last_seen=r.last_seen,
+            )
+            for r in await self.repo.runs(channel=channel)
         ]
 
     async def timeline(self, trace_id: str) -> s.Timeline:
@@ -390,12 +397,14 @@ class ReviewService:
         )
 
     async def _side(self, run: str, grader: str | None) -> tuple[s.RunSide, list[ToolRow], list[ItemRow]]:
-        reward, (tools, overall), summary, items = await self._concurrently(
+        reward, (tools, overall), summary, items, channels = await self._concurrently(
             lambda r: r.reward_distribution(run, grader, REWARD_BINS),
             lambda r: r.call_stats(run),
             lambda r: r.item_summary(run, grader, min_rollouts=MIN_ROLLOUTS_PER_ITEM, zero=ZERO, one=ONE),
             lambda r: r.item_stats(run, grader, order="item", limit=1_000_000, offset=0),
+            lambda r: r.channels(run),
         )
+        model_errors = overall.outcomes.get("model_error", 0)
         side = s.RunSide(
             run=run,
             rollouts=reward.rollouts,
@@ -406,6 +415,9 @@ class ReviewService:
             latency=_latency(overall),
             output_bytes_per_call=(overall.output_bytes or 0) / overall.calls if overall.calls else None,
             tool_errors=sum(overall.outcomes.get(o, 0) for o in ENVIRONMENT_FAILURES),
+            model_errors=model_errors,
+            model_error_share=_share(model_errors, overall.calls),
+            channels=channels,
             share_no_signal=_item_summary(summary).share_no_signal,
         )
         return side, tools, items

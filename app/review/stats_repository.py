@@ -111,6 +111,13 @@ class StatsRepository:
             query = query.where(Grade.grader == grader)
         return query.subquery("latest")
 
+    async def channels(self, run: str) -> dict[str, int]:
+        """The run's rollouts per channel."""
+        result = await self.session.execute(
+            select(Rollout.channel, func.count()).where(Rollout.run == run).group_by(Rollout.channel)
+        )
+        return {(kind or "rft"): int(count) for kind, count in result.all()}
+
     async def rollout_count(self, run: str) -> int:
         return int(await self.session.scalar(select(func.count()).where(Rollout.run == run)) or 0)
 

@@ -14,6 +14,7 @@ from fastapi import APIRouter, Form, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, PackageLoader, select_autoescape
 
+from app.db.models import CHANNELS
 from app.deps import DatabaseDep, app_state
 from app.errors import NotFound
 from app.grading.flags import FLAG_NAMES
@@ -137,6 +138,7 @@ async def rollouts_page(
     request: Request,
     db: DatabaseDep,
     run: str | None = None,
+    channel: str | None = None,
     item: str | None = None,
     min_score: str | None = None,
     max_score: str | None = None,
@@ -151,6 +153,7 @@ async def rollouts_page(
         return _login_redirect(request)
     form = {
         "run": run or "",
+        "channel": channel or "",
         "item": item or "",
         "min_score": min_score or "",
         "max_score": max_score or "",
@@ -163,6 +166,7 @@ async def rollouts_page(
     errors: list[str] = []
     filters = RolloutFilter(
         run=_blank(run),
+        channel=_blank(channel) if _blank(channel) in CHANNELS else None,
         item_key=_blank(item),
         min_score=_number(min_score, "min score", errors),
         max_score=_number(max_score, "max score", errors),

@@ -45,6 +45,8 @@ from bench.rate import RateResult, constant_rate
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_DIR = ROOT / "bench"
 LUA_SCRIPT = BENCH_DIR / "wrk" / "post.lua"
+MCP_LUA_SCRIPT = BENCH_DIR / "wrk" / "mcp.lua"
+MCP_HEADERS = {"Accept": "application/json, text/event-stream", "MCP-Protocol-Version": "2025-11-25"}
 LOOPBACK = "127.0.0.1"
 
 DEFAULT_PG_ADMIN = "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"
@@ -73,6 +75,7 @@ class Scenario:
     tool: str
     label: str
     needs_services: bool
+    mcp: bool = False  # the call goes to /mcp as an MCP tools/call instead of POST /tools/<tool>
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -82,11 +85,15 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("naive", "naive", "echo", "naive: echo + Redis INCR + 1-row PG INSERT", True),
         Scenario("trivial-pg", "sparring-pg", "echo", "sparring trivial tool, PG + Redis", True),
         Scenario("full-pg", "sparring-pg", "bump", "sparring full path, PG + Redis", True),
+        Scenario("mcp-trivial-pg", "sparring-pg", "echo", "MCP trivial tool, PG + Redis", True, mcp=True),
+        Scenario("mcp-full-pg", "sparring-pg", "bump", "MCP full path, PG + Redis", True, mcp=True),
         Scenario("trivial-embedded", "sparring-embedded", "echo", "sparring trivial tool, embedded", False),
         Scenario("full-embedded", "sparring-embedded", "bump", "sparring full path, embedded", False),
     ]
 }
 BASELINE = "echo"
+# Each MCP scenario and the tool-route scenario it is measured against (same server, same tool).
+MCP_PAIRS = {"mcp-trivial-pg": "trivial-pg", "mcp-full-pg": "full-pg"}
 
 
 def free_port() -> int:
@@ -443,10 +450,11 @@ def run_wrk(
     args: argparse.Namespace,
     server_pid: int | None = None,
     pg_database: str | None = None,
+    mcp: bool = False,
 ) -> WrkResult:
     return wrk_script(
         wrk,
-        LUA_SCRIPT,
+        MCP_LUA_SCRIPT if mcp else LUA_SCRIPT,
         url,
         [nonce, tool, str(rollouts), key],
         args,
@@ -508,6 +516,28 @@ def cpu_seconds(before: CpuSnapshot, after: CpuSnapshot, pid: int | None) -> flo
     if pid is None or pid not in after.processes:
         return 0.0
     return after.processes[pid][1] - before.processes.get(pid, ("server", after.processes[pid][1]))[1]
+
+
+def mcp_call_body(nonce: str, tool: str, i: int) -> bytes:
+    """The JSON-RPC tools/call the MCP wrk script sends (a unique id)."""
+    params = {"name": tool, "arguments": {"text": f"hello {i}"}}
+    return json.dumps(
+        {"jsonrpc": "2.0", "id": f"{nonce}_{i}", "method": "tools/call", "params": params}
+    ).encode()
+
+
+def mcp_smoke(url: str, tool: str, key: str) -> None:
+    """One MCP call before any load: a tool result (not an error) with the tool's output."""
+    response = httpx.post(
+        f"{url}/mcp",
+        content=mcp_call_body(f"smoke{secrets.token_hex(4)}", tool, 0),
+        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json", **MCP_HEADERS},
+        timeout=10,
+    )
+    result = response.json().get("result") or {}
+    content = result.get("content") or [{}]
+    if response.status_code != 200 or result.get("isError") or "hello 0" not in str(content[0].get("text")):
+        raise RuntimeError(f"unexpected MCP answer from {url}/mcp: {response.status_code} {response.text}")
 
 
 def smoke(url: str, tool: str, key: str) -> None:
@@ -585,6 +615,7 @@ class Bench:
             args=self.args,
             server_pid=server.pid,
             pg_database=self.pg_database,
+            mcp=scenario.mcp,
         )
 
     def steady(self, name: str) -> RateResult:
@@ -592,17 +623,24 @@ class Bench:
         server = self.servers[scenario.server]
         nonce = self.nonce()
         rollouts = self.args.rollouts
+        headers = {"Authorization": f"Bearer {self.key}"}
 
         def body(i: int) -> bytes:
-            return call_body(nonce, scenario.tool, i if i >= 0 else 1_000_000 - i, rollouts)
+            i = i if i >= 0 else 1_000_000 - i
+            if scenario.mcp:
+                return mcp_call_body(nonce, scenario.tool, i)
+            return call_body(nonce, scenario.tool, i, rollouts)
 
+        if scenario.mcp:
+            # One session for the steady run: its calls are one rollout's, as a conversation's are.
+            headers.update({**MCP_HEADERS, "Content-Type": "application/json", "Mcp-Session-Id": nonce})
         return asyncio.run(
             constant_rate(
-                f"{server.url}/tools/{scenario.tool}",
+                f"{server.url}/mcp" if scenario.mcp else f"{server.url}/tools/{scenario.tool}",
                 body,
                 rate=self.args.rate,
                 duration=self.args.rate_duration,
-                headers={"Authorization": f"Bearer {self.key}"},
+                headers=headers,
             )
         )
 
@@ -613,7 +651,7 @@ class Bench:
         names = self.args.scenario_list
         for name in names:
             scenario = SCENARIOS[name]
-            smoke(self.servers[scenario.server].url, scenario.tool, self.key)
+            (mcp_smoke if scenario.mcp else smoke)(self.servers[scenario.server].url, scenario.tool, self.key)
         if self.args.warmup > 0:
             warm = argparse.Namespace(**{**vars(self.args), "duration": self.args.warmup})
             for name in names:
@@ -627,6 +665,7 @@ class Bench:
                     rollouts=self.args.rollouts,
                     key=self.key,
                     args=warm,
+                    mcp=scenario.mcp,
                 )
         subjects = [n for n in names if n != BASELINE]
         for round_no in range(self.args.rounds):
@@ -751,7 +790,23 @@ def summarize(records: dict[str, Record], args: argparse.Namespace) -> list[dict
                 "answered_2xx": sum(r.ok for r in record.wrk) + sum(r.ok for r in record.rate),
             }
         )
+    by_name = {row["scenario"]: row for row in rows}
+    for name, route in MCP_PAIRS.items():
+        if name in by_name and route in by_name:
+            # Both normalized by the echo run just before them, so the shared machine's mood cancels out.
+            mcp, http = by_name[name], by_name[route]
+            mcp["ratio_to_tool_route"] = mcp["ratio_to_echo"] / http["ratio_to_echo"]
+            mcp["rps_ratio_to_tool_route"] = mcp["rps_median"] / http["rps_median"]
     return rows
+
+
+def mcp_lines(rows: list[dict[str, Any]]) -> list[str]:
+    return [
+        f"{row['scenario']}: {row['ratio_to_tool_route']:.2f} x the tool route {MCP_PAIRS[row['scenario']]} "
+        f"(x echo {row['ratio_to_echo']:.2f}; medians of req/s: {row['rps_ratio_to_tool_route']:.2f})"
+        for row in rows
+        if "ratio_to_tool_route" in row
+    ]
 
 
 def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
@@ -927,6 +982,8 @@ def main(argv: list[str] | None = None) -> int:
         "'CPU x echo': echo's server CPU per call / this server's (the ratio if each were CPU-bound)"
     )
     print(table(rows, args))
+    for line in mcp_lines(rows):
+        print(line)
     for line in checks:
         print(line)
 
@@ -965,6 +1022,8 @@ def log_check(answered: dict[str, int], counts: dict[str, dict[str, Any]]) -> li
     where: dict[str, tuple[str, str]] = {
         "trivial-pg": ("sparring-pg", "echo"),
         "full-pg": ("sparring-pg", "bump"),
+        "mcp-trivial-pg": ("sparring-pg", "echo"),
+        "mcp-full-pg": ("sparring-pg", "bump"),
         "trivial-embedded": ("sparring-embedded", "echo"),
         "full-embedded": ("sparring-embedded", "bump"),
     }

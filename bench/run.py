@@ -89,11 +89,18 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("mcp-full-pg", "sparring-pg", "bump", "MCP full path, PG + Redis", True, mcp=True),
         Scenario("trivial-embedded", "sparring-embedded", "echo", "sparring trivial tool, embedded", False),
         Scenario("full-embedded", "sparring-embedded", "bump", "sparring full path, embedded", False),
+        Scenario(
+            "mcp-trivial-embedded", "sparring-embedded", "echo", "MCP trivial tool, embedded", False, mcp=True
+        ),
     ]
 }
 BASELINE = "echo"
 # Each MCP scenario and the tool-route scenario it is measured against (same server, same tool).
-MCP_PAIRS = {"mcp-trivial-pg": "trivial-pg", "mcp-full-pg": "full-pg"}
+MCP_PAIRS = {
+    "mcp-trivial-pg": "trivial-pg",
+    "mcp-full-pg": "full-pg",
+    "mcp-trivial-embedded": "trivial-embedded",
+}
 
 
 def free_port() -> int:
@@ -797,13 +804,16 @@ def summarize(records: dict[str, Record], args: argparse.Namespace) -> list[dict
             mcp, http = by_name[name], by_name[route]
             mcp["ratio_to_tool_route"] = mcp["ratio_to_echo"] / http["ratio_to_echo"]
             mcp["rps_ratio_to_tool_route"] = mcp["rps_median"] / http["rps_median"]
+            # The steadiest of the three on a shared machine: the route's server CPU per call / MCP's.
+            mcp["cpu_ratio_to_tool_route"] = http["server_cpu_ms_per_call"] / mcp["server_cpu_ms_per_call"]
     return rows
 
 
 def mcp_lines(rows: list[dict[str, Any]]) -> list[str]:
     return [
         f"{row['scenario']}: {row['ratio_to_tool_route']:.2f} x the tool route {MCP_PAIRS[row['scenario']]} "
-        f"(x echo {row['ratio_to_echo']:.2f}; medians of req/s: {row['rps_ratio_to_tool_route']:.2f})"
+        f"(x echo {row['ratio_to_echo']:.2f}; medians of req/s: {row['rps_ratio_to_tool_route']:.2f}; "
+        f"server CPU per call: {row['cpu_ratio_to_tool_route']:.2f})"
         for row in rows
         if "ratio_to_tool_route" in row
     ]
@@ -1026,6 +1036,7 @@ def log_check(answered: dict[str, int], counts: dict[str, dict[str, Any]]) -> li
         "mcp-full-pg": ("sparring-pg", "bump"),
         "trivial-embedded": ("sparring-embedded", "echo"),
         "full-embedded": ("sparring-embedded", "bump"),
+        "mcp-trivial-embedded": ("sparring-embedded", "echo"),
     }
     by_server: dict[tuple[str, str], int] = {}
     for name, key in where.items():

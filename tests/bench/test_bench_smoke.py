@@ -22,7 +22,7 @@ def test_tool_route_bench_runs(tmp_path: Path) -> None:
     code = run.main(
         [
             "--scenarios",
-            "echo,trivial-embedded",
+            "echo,trivial-embedded,mcp-trivial-embedded",
             "--rounds",
             "1",
             "--duration",
@@ -44,6 +44,9 @@ def test_tool_route_bench_runs(tmp_path: Path) -> None:
     assert rows["echo"]["answered_2xx"] > 0
     assert rows["trivial-embedded"]["answered_2xx"] > 0
     assert rows["trivial-embedded"]["non_2xx_or_errors"] == 0
+    assert rows["mcp-trivial-embedded"]["answered_2xx"] > 0
+    assert rows["mcp-trivial-embedded"]["non_2xx_or_errors"] == 0
+    assert rows["mcp-trivial-embedded"]["ratio_to_tool_route"] > 0
     assert all(line.endswith(": ok") for line in result["log_checks"])
 
 

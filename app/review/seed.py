@@ -170,6 +170,7 @@ def generate(spec: SeedSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
                 "trace_id": trace_id,
                 "run": spec.run,
                 "item_key": item_key,
+                "channel": "rft",  # synthetic training rollouts
                 "first_seen": start,
                 "last_seen": last_seen,
                 "graded_at": last_seen + timedelta(seconds=1),

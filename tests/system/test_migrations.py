@@ -177,6 +177,41 @@ async def test_0002_backfills_call_counts_and_output_sizes(empty_database: str) 
         await engine.dispose()
 
 
+async def test_0003_puts_earlier_calls_and_rollouts_on_the_rft_channel(empty_database: str) -> None:
+    """Everything logged before channels existed came through the tool routes; a downgrade keeps the log."""
+    from sqlalchemy import text
+
+    await asyncio.to_thread(upgrade, empty_database, "0002")
+    engine = create_async_engine(empty_database, poolclass=NullPool)
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(
+                text(
+                    "INSERT INTO rollouts (trace_id, first_seen, last_seen) VALUES "
+                    "('t1', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"
+                )
+            )
+            await conn.execute(
+                text(
+                    "INSERT INTO tool_calls (trace_id, call_id, tool, arguments, output, outcome, "
+                    "status_code, started_at, ended_at, latency_ms, worker) VALUES "
+                    "('t1', 'c1', 'echo', '{}', 'hi', 'ok', 200, CURRENT_TIMESTAMP, "
+                    "CURRENT_TIMESTAMP, 1.0, 'w')"
+                )
+            )
+        await asyncio.to_thread(upgrade, empty_database, "0003")
+        async with engine.connect() as conn:
+            rollouts = (await conn.execute(text("SELECT trace_id, channel FROM rollouts"))).all()
+            calls = (await conn.execute(text("SELECT call_id, channel FROM tool_calls"))).all()
+        assert [tuple(r) for r in rollouts] == [("t1", "rft")]
+        assert [tuple(c) for c in calls] == [("c1", "rft")]
+        await asyncio.to_thread(downgrade, empty_database, "0002")
+        async with engine.connect() as conn:
+            assert (await conn.execute(text("SELECT count(*) FROM tool_calls"))).scalar_one() == 1
+    finally:
+        await engine.dispose()
+
+
 def _index_definitions(connection: Connection) -> list[str]:
     """The SQL of every index (partial-index predicates and INCLUDE columns included)."""
     if connection.dialect.name == "sqlite":

@@ -121,6 +121,12 @@ class McpHttp:
         except SparringError as exc:
             await json_response(exc.body(), exc.status_code, exc.headers())(scope, receive, send)
             return
+        if scope["method"] == "GET":
+            # No stream to offer: stateless, the server never sends a message of its own. An idle
+            # stream per client would only hold a connection (and a restart) open; 405 is the spec's
+            # way to say so, and the client stops asking.
+            await Response(status_code=405, headers={"Allow": "POST, DELETE"})(scope, receive, send)
+            return
         headers = request.headers
         version = headers.get("mcp-protocol-version")
         if version in MODERN_PROTOCOL_VERSIONS:

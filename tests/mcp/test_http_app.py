@@ -192,6 +192,12 @@ async def test_the_sessionless_protocol_is_refused_with_the_versions_served(
     assert "2025-11-25" in error["data"]["supported"] and "2026-07-28" not in error["data"]["supported"]
 
 
+async def test_no_event_stream_is_offered(client: httpx.AsyncClient) -> None:
+    headers = {**RAW_HEADERS, "Accept": "text/event-stream"}
+    r = await client.get("/mcp", headers=headers)
+    assert r.status_code == 405 and r.headers["Allow"] == "POST, DELETE"
+
+
 async def test_host_and_origin_are_checked(client: httpx.AsyncClient) -> None:
     body = tools_call("read_counter", {})
     r = await client.post("/mcp", json=body, headers={**RAW_HEADERS, "Host": "evil.example"})

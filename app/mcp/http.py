@@ -30,19 +30,18 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from app.auth import KeyRing
-from app.calls.envelope import TRACE_ID_MAX, fit
 from app.calls.service import ToolCallService
 from app.config import Settings
 from app.errors import ServiceUnavailable, SparringError, ToolCrashed, json_response
 from app.mcp.server import Caller, McpGateway
 from app.packs import Registry
+from app.rollouts.identity import RUN_HEADER, TRACE_ID_MAX, fit
 
 log = logging.getLogger(__name__)
 
 PATH = "/mcp"
 SESSION_HEADER = "mcp-session-id"
 TRACE_HEADER = "x-sparring-trace-id"
-RUN_HEADER = "x-sparring-run"
 DEFAULT_RUN = "production"
 SESSION_MAX = 64  # a minted id is 32 hex digits; a longer one sent by a client is cut with a hash
 
@@ -100,7 +99,13 @@ class McpHttp:
         self, registry: Registry, service: ToolCallService, keyring: KeyRing, settings: Settings
     ) -> None:
         self.keyring = keyring
-        self.gateway = McpGateway(registry, service, _caller_of, on_failure=_note_failure)
+        self.gateway = McpGateway(
+            registry,
+            service,
+            _caller_of,
+            retry_after=settings.retry_after_seconds,
+            on_failure=_note_failure,
+        )
         self.manager = StreamableHTTPSessionManager(
             app=self.gateway.server,
             json_response=True,  # one JSON answer per request: nothing streams from these tools

@@ -16,10 +16,11 @@ from mcp.server import Server
 from mcp.server.context import ServerRequestContext
 from mcp.shared.exceptions import MCPError
 
-from app.calls.envelope import CALL_ID_MAX, ToolCallEnvelope, fit
+from app.calls.envelope import ToolCallEnvelope
 from app.calls.service import ToolCallService
-from app.errors import ServiceUnavailable, ToolCrashed
+from app.errors import OUTAGES, ServiceUnavailable, ToolCrashed, outage
 from app.packs import Registry
+from app.rollouts.identity import CALL_ID_MAX, fit
 
 CHANNEL = "mcp"
 
@@ -71,10 +72,13 @@ class McpGateway:
         registry: Registry,
         service: ToolCallService,
         caller_of: Callable[[ServerRequestContext[Any, Any]], Caller],
+        *,
+        retry_after: int,
         on_failure: Callable[[ServerRequestContext[Any, Any], ServiceUnavailable | ToolCrashed], None]
         | None = None,
     ) -> None:
         self.service = service
+        self.retry_after = retry_after
         self.caller_of = caller_of
         self.on_failure = on_failure
         self.tools = tool_list(registry)
@@ -109,7 +113,10 @@ class McpGateway:
             trace_id=caller.trace_id,
         )
         try:
-            result = await self.service.call(envelope, path_name=None, run=caller.run, channel=CHANNEL)
+            try:
+                result = await self.service.call(envelope, path_name=None, run=caller.run, channel=CHANNEL)
+            except OUTAGES as exc:  # a database or Redis error the service did not translate itself
+                raise outage(exc, self.retry_after) from exc
         except ServiceUnavailable as exc:
             # Not a tool result: the model must not see an outage as the tool's answer. The client
             # retries the request; the same id gets the answer once there is one.

@@ -23,7 +23,12 @@ async def serve_stdio(app: FastAPI, *, trace_id: str | None = None, run: str = D
         session = uuid.uuid4().hex
         caller = Caller(trace_id=trace_id or f"trace_mcp_{session}", run=run, session=session)
         state = app_state(app)
-        gateway = McpGateway(state.registry, state.call_service, lambda _ctx: caller)
+        gateway = McpGateway(
+            state.registry,
+            state.call_service,
+            lambda _ctx: caller,
+            retry_after=state.settings.retry_after_seconds,
+        )
         async with stdio_server() as (read_stream, write_stream):
             await gateway.server.run(
                 read_stream, write_stream, gateway.server.create_initialization_options()

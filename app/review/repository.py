@@ -7,7 +7,7 @@ dialect here. A run's statistics are in app/review/stats_repository.py.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
@@ -102,7 +102,6 @@ class ReviewRepository:
                 last_seen=max(row.last_seen, last),
             )
         return sorted(runs.values(), key=lambda r: r.last_seen, reverse=True)[:limit]
-
 
     async def rollouts(
         self, filters: RolloutFilter, *, limit: int, before: tuple[datetime, str] | None = None

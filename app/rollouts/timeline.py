@@ -37,7 +37,7 @@ class RolloutCall(BaseModel):
     ended_at: datetime
     latency_ms: float
     worker: str
-    channel: str  # rft: the tool routes; mcp: the MCP server
+    channel: str = "rft"  # rft: the tool routes; mcp: the MCP server
 
     def parsed_arguments(self) -> Any:
         """The arguments as JSON ({} when empty), or the raw text when they are not JSON."""

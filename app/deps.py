@@ -43,7 +43,7 @@ class AppState:
     store: RolloutStore
     log_writer: CallLogWriter
     grading: GradingService
-    call_service: ToolCallService  # the one entry of a tool call: HTTP, MCP and the runner call `handle`
+    call_service: ToolCallService  # the one entry of a tool call: HTTP, MCP and the runner call it
     mcp: McpHttp  # /mcp: the registry over MCP, through call_service
 
 

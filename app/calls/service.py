@@ -76,11 +76,12 @@ class _Call:
 
 
 class ToolCallService:
-    """The one entry of a tool call, whichever way it arrives (HTTP, MCP, the rollout runner): `handle`.
+    """The one entry of a tool call, whichever way it arrives (HTTP, MCP, the rollout runner): `call`
+    (the answer and its outcome), or `handle` (the answer only).
 
     Built once by the lifespan (`app_state(app).call_service`); a caller parses its envelope
-    (`ToolCallEnvelope`) and the run label, and gets the `function_call_output` back, or a
-    `SparringError` (ToolCrashed 500, ServiceUnavailable 503) to render in its own protocol.
+    (`ToolCallEnvelope`), the run label and its channel, and gets the `function_call_output` back, or
+    a `SparringError` (ToolCrashed 500, ServiceUnavailable 503) to render in its own protocol.
     """
 
     def __init__(

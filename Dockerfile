@@ -1,13 +1,19 @@
-# syntax=docker/dockerfile:1
 # sparring's image, in two stages:
 #   build    turns pyproject.toml's pinned dependencies and the project itself into wheels and installs
 #            them into a virtualenv (/opt/sparring);
 #   runtime  a fresh slim image with only that virtualenv and the entrypoint: no pip cache, no sources,
 #            no build tools; runs as an unprivileged user.
 # Build: docker build -t sparring .      Run: see docker-compose.yml and docs/deploy.md.
+# Air-gapped: put every wheel into deploy/wheelhouse/ on a connected machine, then
+#   docker build --build-arg OFFLINE=1 --build-arg PYTHON_IMAGE=<a Python 3.11+ image of yours> .
+# and pip installs with --no-index from those wheels only (docs/deploy.md, "Offline builds").
+# No `# syntax=` line: the engine's built-in Dockerfile frontend builds it, without pulling a frontend
+# image from a registry.
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
+# 1: pip reads only deploy/wheelhouse/ (PIP_NO_INDEX, PIP_FIND_LINKS); 0: pip reads the package index.
+ARG OFFLINE=0
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
     PYTHONDONTWRITEBYTECODE=1
@@ -15,7 +21,9 @@ WORKDIR /src
 RUN python -m venv /opt/sparring
 # Dependencies first, from the pins in pyproject.toml: this layer is rebuilt only when they change.
 COPY pyproject.toml README.md ./
-RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+COPY deploy/wheelhouse/ /wheelhouse/
+RUN if [ "$OFFLINE" = 1 ]; then export PIP_NO_INDEX=1 PIP_FIND_LINKS=/wheelhouse; fi \
+ && python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
         > /tmp/requirements.txt \
  && /opt/sparring/bin/pip wheel --wheel-dir /wheels -r /tmp/requirements.txt \
  && /opt/sparring/bin/pip install --no-index --find-links /wheels -r /tmp/requirements.txt
@@ -23,7 +31,9 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
 COPY app ./app
 COPY tools ./tools
 COPY migrations ./migrations
-RUN /opt/sparring/bin/pip wheel --no-deps --wheel-dir /wheels/project . \
+# (Its build backend, setuptools, comes from the wheelhouse too when OFFLINE=1.)
+RUN if [ "$OFFLINE" = 1 ]; then export PIP_NO_INDEX=1 PIP_FIND_LINKS=/wheelhouse; fi \
+ && /opt/sparring/bin/pip wheel --no-deps --wheel-dir /wheels/project . \
  && /opt/sparring/bin/pip install --no-index --no-deps /wheels/project/sparring-*.whl \
  && /opt/sparring/bin/sparring --help > /dev/null
 
@@ -36,7 +46,8 @@ RUN groupadd --system --gid 10001 sparring \
  && useradd --system --uid 10001 --gid sparring --home-dir /var/lib/sparring --create-home \
         --shell /usr/sbin/nologin sparring
 COPY --from=build /opt/sparring /opt/sparring
-COPY --chmod=0755 deploy/entrypoint.sh /usr/local/bin/sparring-entrypoint
+# Executable in the repository (mode 0755 is checked by tests/deploy/test_container_files.py).
+COPY deploy/entrypoint.sh /usr/local/bin/sparring-entrypoint
 WORKDIR /var/lib/sparring
 # A numeric user, so Kubernetes' runAsNonRoot can verify it.
 USER 10001:10001
@@ -45,6 +56,7 @@ EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('SPARRING_PORT', '8000') + '/healthz', timeout=4)"]
 # Waits for the database, runs `sparring db upgrade` (once across replicas: advisory lock), then
-# `exec sparring serve --host 0.0.0.0 --workers ${SPARRING_WORKERS:-2}`. Other commands run as given.
+# `exec sparring serve --host ${SPARRING_HOST:-0.0.0.0} --workers ${SPARRING_WORKERS:-2}`. Other commands
+# run as given.
 ENTRYPOINT ["sparring-entrypoint"]
 CMD ["serve"]

@@ -2,7 +2,9 @@
 # Container entrypoint: wait for the database, migrate, then serve.
 #
 #   (no argument) or `serve`   wait for the database, `sparring db upgrade`, then serve with
-#                              ${SPARRING_WORKERS:-2} worker processes on 0.0.0.0:${SPARRING_PORT:-8000}
+#                              ${SPARRING_WORKERS:-2} worker processes on
+#                              ${SPARRING_HOST:-0.0.0.0}:${SPARRING_PORT:-8000} (set SPARRING_HOST=127.0.0.1
+#                              with `--network host` to keep the port off the host's interfaces)
 #   `migrate`                  wait for the database and migrate, then exit (a Kubernetes Job or
 #                              init container)
 #   anything else              run as given, e.g. `sparring job-config` or `sparring tools`
@@ -66,7 +68,7 @@ case "${1:-serve}" in
     serve)
         wait_for_database
         sparring db upgrade
-        exec sparring serve --host 0.0.0.0 --workers "${SPARRING_WORKERS:-2}"
+        exec sparring serve --host "${SPARRING_HOST:-0.0.0.0}" --workers "${SPARRING_WORKERS:-2}"
         ;;
     migrate)
         wait_for_database

@@ -253,7 +253,9 @@ def test_entrypoint_waits_migrates_then_serves() -> None:
     subprocess.run(["sh", "-n", str(ENTRYPOINT)], check=True)
     serve = script.index("wait_for_database\n        sparring db upgrade\n        exec sparring serve")
     assert serve > script.index("wait_for_database() {")
-    assert 'exec sparring serve --host 0.0.0.0 --workers "${SPARRING_WORKERS:-2}"' in script
+    assert (
+        'exec sparring serve --host "${SPARRING_HOST:-0.0.0.0}" --workers "${SPARRING_WORKERS:-2}"' in script
+    )
 
 
 def docker_compose_available() -> bool:

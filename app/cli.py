@@ -12,6 +12,7 @@ import typer
 from app.cli_support import load_settings
 from app.config import Settings, get_settings
 from app.grading.cli import grading_cli
+from app.retention.cli import retention_cli
 from app.review.cli import review_cli
 
 cli = typer.Typer(
@@ -25,6 +26,7 @@ cli.add_typer(packs_cli, name="packs")
 dataset_cli = typer.Typer(help="Agent RFT datasets of the packs that ship tasks.", no_args_is_help=True)
 cli.add_typer(dataset_cli, name="dataset")
 cli.add_typer(review_cli)
+cli.add_typer(retention_cli)
 
 KEY_PLACEHOLDER = "<SPARRING_{scope}_KEY>"
 

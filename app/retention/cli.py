@@ -1,0 +1,73 @@
+"""`sparring prune` (mounted into `sparring`): remove old rollouts, their calls and grades."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated
+
+import typer
+
+from app.cli_support import fail, load_settings
+from app.retention.repository import Removed
+
+retention_cli = typer.Typer(help="Retention of the call log.")
+
+
+def _describe(removed: Removed) -> str:
+    return f"{removed.rollouts:,} rollouts, {removed.calls:,} calls, {removed.grades:,} grades"
+
+
+@retention_cli.command("prune")
+def prune_command(
+    older_than: Annotated[
+        str,
+        typer.Option(
+            "--older-than",
+            help="Age: a rollout with no call and no grade for this long goes, e.g. 30d, 12h, 2w.",
+        ),
+    ],
+    run: Annotated[str | None, typer.Option(help="Only rollouts of this run label (X-Sparring-Run).")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Count what would go; delete nothing.")] = False,
+    batch_size: Annotated[
+        int,
+        typer.Option(min=1, max=100_000, help="Rollouts per transaction (their calls and grades with them)."),
+    ] = 500,
+) -> None:
+    """Delete old rollouts with their logged calls and grades, in short batches beside a running server."""
+    from datetime import UTC, datetime
+
+    from app.db.session import build_engine
+    from app.retention.service import parse_age, prune
+
+    try:
+        age = parse_age(older_than)
+    except ValueError as exc:
+        raise fail(f"--older-than: {exc}") from exc
+    settings = load_settings()
+    if settings.is_embedded_db and not settings.database_url and not (settings.home / "sparring.db").exists():
+        raise fail(f"no database at {settings.home / 'sparring.db'}; nothing to prune")
+    now = datetime.now(UTC)
+    scope = f" of run {run!r}" if run is not None else ""
+    cutoff = (now - age).isoformat(timespec="seconds")
+
+    def report(removed: Removed) -> None:
+        typer.echo(f"  removed {_describe(removed)}", err=True)
+
+    async def work() -> Removed:
+        engine = build_engine(settings.effective_database_url, pool_size=1)
+        try:
+            return await prune(
+                engine,
+                older_than=age,
+                run=run,
+                batch_size=batch_size,
+                dry_run=dry_run,
+                now=now,
+                on_batch=report,
+            )
+        finally:
+            await engine.dispose()
+
+    total = asyncio.run(work())
+    verb = "would remove" if dry_run else "removed"
+    typer.echo(f"{verb} {_describe(total)}{scope} older than {cutoff}")

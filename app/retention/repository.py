@@ -1,0 +1,111 @@
+"""Every query of `sparring prune`: find old rollouts, count them, delete one batch."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import ColumnElement, and_, delete, func, or_, select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from app.db.models import Grade, Rollout, ToolCall
+
+
+@dataclass(frozen=True)
+class Removed:
+    rollouts: int = 0
+    calls: int = 0
+    grades: int = 0
+
+    def __add__(self, other: Removed) -> Removed:
+        return Removed(self.rollouts + other.rollouts, self.calls + other.calls, self.grades + other.grades)
+
+
+def _old_rollout(cutoff: datetime, run: str | None) -> ColumnElement[bool]:
+    """A rollout is old when nothing happened to it since the cutoff: no call, no grade."""
+    condition = and_(Rollout.last_seen < cutoff, or_(Rollout.graded_at.is_(None), Rollout.graded_at < cutoff))
+    return and_(condition, Rollout.run == run) if run is not None else condition
+
+
+def _old_traceless_grade(cutoff: datetime, run: str | None) -> ColumnElement[bool]:
+    """Grades posted without a trace_id belong to no rollout: they age by their own date."""
+    condition = and_(Grade.trace_id.is_(None), Grade.created_at < cutoff)
+    return and_(condition, Grade.run == run) if run is not None else condition
+
+
+class RetentionRepository:
+    def __init__(self, session: AsyncSession) -> None:
+        self.session = session
+
+    async def old_trace_ids(self, cutoff: datetime, run: str | None, limit: int) -> Sequence[str]:
+        """The oldest `limit` old rollouts (the index on last_seen finds them)."""
+        query = (
+            select(Rollout.trace_id).where(_old_rollout(cutoff, run)).order_by(Rollout.last_seen).limit(limit)
+        )
+        return (await self.session.scalars(query)).all()
+
+    async def delete_rollouts(self, trace_ids: Sequence[str], cutoff: datetime) -> Removed:
+        """Delete these rollouts if they are still old, then their calls and grades.
+
+        The rollout rows go first, with the age rechecked: a rollout that got a call since it was
+        selected stays whole, and a call being logged for a rollout deleted here waits on its row
+        and then starts a new one. Calls and grades are deleted by trace (their index) and date,
+        so nothing logged after the cutoff goes.
+        """
+        deleted = (
+            await self.session.scalars(
+                delete(Rollout)
+                .where(Rollout.trace_id.in_(trace_ids), _old_rollout(cutoff, None))
+                .returning(Rollout.trace_id)
+                .execution_options(synchronize_session=False)
+            )
+        ).all()
+        if not deleted:
+            return Removed()
+        calls = await self.session.execute(
+            delete(ToolCall)
+            .where(ToolCall.trace_id.in_(deleted), ToolCall.started_at < cutoff)
+            .execution_options(synchronize_session=False)
+        )
+        grades = await self.session.execute(
+            delete(Grade)
+            .where(Grade.trace_id.in_(deleted), Grade.created_at < cutoff)
+            .execution_options(synchronize_session=False)
+        )
+        return Removed(len(deleted), _rowcount(calls), _rowcount(grades))
+
+    async def delete_traceless_grades(self, cutoff: datetime, run: str | None, limit: int) -> int:
+        ids = select(Grade.id).where(_old_traceless_grade(cutoff, run)).order_by(Grade.id).limit(limit)
+        result = await self.session.execute(
+            delete(Grade)
+            .where(Grade.id.in_(ids.scalar_subquery()))
+            .execution_options(synchronize_session=False)
+        )
+        return _rowcount(result)
+
+    async def count_old(self, cutoff: datetime, run: str | None) -> Removed:
+        """What a prune with these arguments would remove now (for --dry-run)."""
+        old = select(Rollout.trace_id).where(_old_rollout(cutoff, run))
+        rollouts = await self.session.scalar(select(func.count()).select_from(old.subquery()))
+        calls = await self.session.scalar(
+            select(func.count())
+            .select_from(ToolCall)
+            .where(ToolCall.trace_id.in_(old), ToolCall.started_at < cutoff)
+        )
+        grades = await self.session.scalar(
+            select(func.count())
+            .select_from(Grade)
+            .where(
+                or_(
+                    and_(Grade.trace_id.in_(old), Grade.created_at < cutoff),
+                    _old_traceless_grade(cutoff, run),
+                )
+            )
+        )
+        return Removed(rollouts or 0, calls or 0, grades or 0)
+
+
+def _rowcount(result: object) -> int:
+    count = getattr(result, "rowcount", 0)
+    return int(count) if count is not None and count >= 0 else 0

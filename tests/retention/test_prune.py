@@ -1,0 +1,239 @@
+"""`sparring prune` on both backends: what is old goes with its calls and grades, nothing else does."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from sqlalchemy import func, select, update
+from sqlalchemy.ext.asyncio import create_async_engine
+from typer.testing import CliRunner
+
+from app.cli import cli
+from app.config import get_settings
+from app.db.migrate import upgrade
+from app.db.models import Grade, Rollout, ToolCall
+from app.db.session import build_sessionmaker
+from app.retention.repository import RetentionRepository
+from app.retention.service import parse_age
+from tests.conftest import create_pg_database, drop_pg_database
+
+NOW = datetime.now(UTC)
+
+
+@pytest.fixture(params=["embedded", "real"])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path, sqlite_template: Path) -> Iterator[str]:
+    """A migrated database of its own (prune without --run would touch other tests' rows)."""
+    if request.param == "embedded":
+        db = tmp_path / "sparring.db"
+        db.write_bytes(sqlite_template.read_bytes())
+        yield f"sqlite+aiosqlite:///{db}"
+        return
+    name = f"sparring_prune_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    url = asyncio.run(create_pg_database(name))
+    upgrade(url)
+    yield url
+    asyncio.run(drop_pg_database(name))
+
+
+@pytest.fixture(autouse=True)
+def _settings(monkeypatch: pytest.MonkeyPatch, database_url: str, tmp_path: Path) -> Iterator[None]:
+    monkeypatch.setenv("SPARRING_DATABASE_URL", database_url)
+    monkeypatch.setenv("SPARRING_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("SPARRING_REDIS_URL", raising=False)
+    get_settings.cache_clear()
+    yield
+    get_settings.cache_clear()
+
+
+def ago(days: float) -> datetime:
+    return NOW - timedelta(days=days)
+
+
+def rollout(
+    trace: str, *, run: str, last_days: float, calls: int, graded_days: float | None = None
+) -> list[object]:
+    """A rollout row, its calls (all at its last activity) and, if graded, one grade."""
+    rows: list[object] = [
+        Rollout(
+            trace_id=trace, run=run, first_seen=ago(last_days), last_seen=ago(last_days),
+            graded_at=ago(graded_days) if graded_days is not None else None, calls=calls,
+        )
+    ]  # fmt: skip
+    for n in range(calls):
+        rows.append(
+            ToolCall(
+                trace_id=trace, call_id=f"c{n}", tool="echo", arguments="{}", output="x", outcome="ok",
+                status_code=200, started_at=ago(last_days), ended_at=ago(last_days), latency_ms=1.0,
+                worker="w", run=run,
+            )
+        )  # fmt: skip
+    if graded_days is not None:
+        rows.append(grade(trace, run=run, days=graded_days))
+    return rows
+
+
+def grade(trace: str | None, *, run: str, days: float) -> Grade:
+    return Grade(
+        trace_id=trace, grader="g", grader_version="v", status="ok", score=1.0, run=run,
+        latency_ms=1.0, created_at=ago(days),
+    )  # fmt: skip
+
+
+async def insert(url: str, rows: list[object]) -> None:
+    engine = create_async_engine(url)
+    try:
+        async with build_sessionmaker(engine)() as session, session.begin():
+            session.add_all(rows)
+    finally:
+        await engine.dispose()
+
+
+async def counts(url: str) -> dict[str, int]:
+    engine = create_async_engine(url)
+    try:
+        async with engine.connect() as conn:
+            return {
+                "rollouts": (await conn.execute(select(func.count()).select_from(Rollout))).scalar_one(),
+                "calls": (await conn.execute(select(func.count()).select_from(ToolCall))).scalar_one(),
+                "grades": (await conn.execute(select(func.count()).select_from(Grade))).scalar_one(),
+            }
+    finally:
+        await engine.dispose()
+
+
+async def traces_left(url: str) -> set[str]:
+    engine = create_async_engine(url)
+    try:
+        async with engine.connect() as conn:
+            rows = await conn.execute(select(Rollout.trace_id).union(select(ToolCall.trace_id)))
+            grades = await conn.execute(select(Grade.trace_id))
+            return {r[0] for r in rows} | {f"grade:{g[0]}" for g in grades}
+    finally:
+        await engine.dispose()
+
+
+def seed(url: str) -> None:
+    rows: list[object] = []
+    rows += rollout("old-graded", run="r1", last_days=40, calls=3, graded_days=39)
+    rows += rollout("old-ungraded", run="r2", last_days=50, calls=2)
+    rows += rollout("recent", run="r1", last_days=1, calls=4, graded_days=1)
+    # Old calls but a recent grade: the rollout is still in use, it stays whole.
+    rows += rollout("regraded", run="r1", last_days=40, calls=2, graded_days=2)
+    rows += [grade(None, run="r1", days=45), grade(None, run="r2", days=45), grade(None, run="r1", days=3)]
+    asyncio.run(insert(url, rows))
+
+
+def invoke(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(cli, ["prune", *args])
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_prune_removes_old_rollouts_with_their_calls_and_grades(database_url: str) -> None:
+    seed(database_url)
+    code, out, _ = invoke("--older-than", "30d")
+    assert code == 0, out
+    assert re.match(r"removed 2 rollouts, 5 calls, 3 grades older than \d{4}-\d\d-\d\dT", out), out
+    assert asyncio.run(traces_left(database_url)) == {
+        "recent", "regraded", "grade:recent", "grade:regraded", "grade:None",
+    }  # fmt: skip
+    assert asyncio.run(counts(database_url)) == {"rollouts": 2, "calls": 6, "grades": 3}
+    # Nothing old is left: a second prune removes nothing.
+    code, out, _ = invoke("--older-than", "30d")
+    assert out.startswith("removed 0 rollouts, 0 calls, 0 grades"), out
+
+
+def test_dry_run_counts_what_prune_then_removes_and_deletes_nothing(database_url: str) -> None:
+    seed(database_url)
+    before = asyncio.run(counts(database_url))
+    code, out, _ = invoke("--older-than", "30d", "--dry-run")
+    assert code == 0, out
+    assert out.startswith("would remove 2 rollouts, 5 calls, 3 grades older than"), out
+    assert asyncio.run(counts(database_url)) == before
+    code, out, _ = invoke("--older-than", "30d")
+    assert out.startswith("removed 2 rollouts, 5 calls, 3 grades"), out
+
+
+def test_run_restricts_the_prune_to_one_run_label(database_url: str) -> None:
+    seed(database_url)
+    code, out, _ = invoke("--older-than", "30d", "--run", "r2", "--dry-run")
+    assert out.startswith("would remove 1 rollouts, 2 calls, 1 grades of run 'r2'"), out
+    code, out, _ = invoke("--older-than", "30d", "--run", "r2")
+    assert code == 0 and out.startswith("removed 1 rollouts, 2 calls, 1 grades of run 'r2'"), out
+    left = asyncio.run(traces_left(database_url))
+    assert "old-ungraded" not in left and "old-graded" in left
+
+
+def test_the_age_decides(database_url: str) -> None:
+    seed(database_url)
+    # 45 days: only the 50-day-old rollout and the 45-day-old traceless grades are older.
+    code, out, _ = invoke("--older-than", "46d")
+    assert code == 0, out
+    assert out.startswith("removed 1 rollouts, 2 calls, 0 grades"), out
+    code, out, _ = invoke("--older-than", "6w")  # 42 days
+    assert code == 0, out
+    assert out.startswith("removed 0 rollouts, 0 calls, 2 grades"), out
+
+
+def test_prune_works_in_bounded_batches(database_url: str) -> None:
+    rows: list[object] = []
+    for n in range(23):
+        rows += rollout(f"old-{n:02}", run="bulk", last_days=60 + n, calls=2, graded_days=59)
+    rows += [grade(None, run="bulk", days=60) for _ in range(9)]
+    rows += rollout("keep", run="bulk", last_days=1, calls=1)
+    asyncio.run(insert(database_url, rows))
+    code, out, err = invoke("--older-than", "30d", "--batch-size", "5")
+    assert code == 0, out
+    assert out.startswith("removed 23 rollouts, 46 calls, 32 grades"), out
+    batches = re.findall(r"removed (\d+) rollouts, (\d+) calls, (\d+) grades", err)
+    # 5 batches of rollouts (5+5+5+5+3), then the traceless grades (5, 4): none bigger than asked.
+    assert [int(r) for r, _, _ in batches] == [5, 5, 5, 5, 3, 0, 0]
+    assert [int(g) for _, _, g in batches] == [5, 5, 5, 5, 3, 5, 4]
+    assert asyncio.run(traces_left(database_url)) == {"keep"}
+
+
+def test_a_rollout_that_comes_back_to_life_during_the_prune_stays_whole(database_url: str) -> None:
+    asyncio.run(insert(database_url, rollout("revived", run="r", last_days=40, calls=2)))
+    cutoff = NOW - timedelta(days=30)
+
+    async def scenario() -> tuple[int, int]:
+        engine = create_async_engine(database_url)
+        try:
+            sessions = build_sessionmaker(engine)
+            async with sessions() as session:
+                selected = await RetentionRepository(session).old_trace_ids(cutoff, None, 10)
+            assert selected == ["revived"]
+            # A call is logged for it between the selection and the delete.
+            async with sessions() as session, session.begin():
+                await session.execute(
+                    update(Rollout).where(Rollout.trace_id == "revived").values(last_seen=NOW)
+                )
+            async with sessions() as session, session.begin():
+                removed = await RetentionRepository(session).delete_rollouts(selected, cutoff)
+            return removed.rollouts, removed.calls
+        finally:
+            await engine.dispose()
+
+    assert asyncio.run(scenario()) == (0, 0)
+    assert asyncio.run(counts(database_url)) == {"rollouts": 1, "calls": 2, "grades": 0}
+
+
+@pytest.mark.parametrize("bad", ["30", "thirty days", "0d", "-5d", "3y"])
+def test_a_bad_age_is_a_usage_error(bad: str) -> None:
+    code, _, err = invoke("--older-than", bad)
+    assert code == 2
+    assert "--older-than" in err
+
+
+def test_parse_age_units() -> None:
+    assert parse_age("30d") == timedelta(days=30)
+    assert parse_age("12h") == timedelta(hours=12)
+    assert parse_age("90m") == timedelta(minutes=90)
+    assert parse_age("2w") == timedelta(weeks=2)
+    assert parse_age(" 45S ") == timedelta(seconds=45)

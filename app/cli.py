@@ -106,6 +106,9 @@ def serve(
         workers=workers,
         proxy_headers=True,
         forwarded_allow_ips=settings.forwarded_allow_ips,
+        # Off unless asked for: each tool call is already in the durable call log, and a line per
+        # request costs every call (docs/deploy.md, bench/README.md).
+        access_log=settings.access_log,
         log_level="info",
         log_config=_log_config(),
     )

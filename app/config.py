@@ -90,6 +90,9 @@ class Settings(BaseSettings):
     forwarded_allow_ips: str = Field(
         "127.0.0.1", description="Proxy addresses trusted for X-Forwarded-* headers."
     )
+    access_log: bool = Field(
+        False, description="uvicorn's line per request (every tool call is in the call log already)."
+    )
     public_base_url: str | None = Field(
         None, description="Public https URL used in generated job configs (and allowed as the MCP Host)."
     )

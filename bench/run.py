@@ -47,6 +47,7 @@ BENCH_DIR = ROOT / "bench"
 LUA_SCRIPT = BENCH_DIR / "wrk" / "post.lua"
 MCP_LUA_SCRIPT = BENCH_DIR / "wrk" / "mcp.lua"
 MCP_HEADERS = {"Accept": "application/json, text/event-stream", "MCP-Protocol-Version": "2025-11-25"}
+RETAIL_LUA_SCRIPT = BENCH_DIR / "wrk" / "retail.lua"
 LOOPBACK = "127.0.0.1"
 
 DEFAULT_PG_ADMIN = "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"
@@ -76,12 +77,43 @@ class Scenario:
     label: str
     needs_services: bool
     mcp: bool = False  # the call goes to /mcp as an MCP tools/call instead of POST /tools/<tool>
+    # What the arguments are: "text" ({"text": ...}), "order" (a retail order id), "address" (a user's
+    # new address).
+    request: str = "text"
+    threads: int | None = None  # wrk threads, if not --threads
+    rollouts: int | None = None  # distinct trace ids, if not --rollouts
+    baseline: str = "echo"  # the echo run paired with it (same wrk settings)
 
 
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in [
         Scenario("echo", "echo", "echo", "bare FastAPI echo (baseline)", False),
+        # As users run it: `sparring serve` with its defaults, the retail pack, Postgres + Redis, 500
+        # rollouts, two wrk threads; paired with an echo run under the same wrk settings.
+        Scenario("echo-t2", "echo", "echo", "bare FastAPI echo, wrk -t2 (baseline)", False, threads=2),
+        Scenario(
+            "retail-read",
+            "sparring-serve",
+            "get_order_details",
+            "sparring serve: retail get_order_details",
+            True,
+            request="order",
+            threads=2,
+            rollouts=500,
+            baseline="echo-t2",
+        ),
+        Scenario(
+            "retail-write",
+            "sparring-serve",
+            "modify_user_address",
+            "sparring serve: retail modify_user_address",
+            True,
+            request="address",
+            threads=2,
+            rollouts=500,
+            baseline="echo-t2",
+        ),
         Scenario("naive", "naive", "echo", "naive: echo + Redis INCR + 1-row PG INSERT", True),
         Scenario("trivial-pg", "sparring-pg", "echo", "sparring trivial tool, PG + Redis", True),
         Scenario("full-pg", "sparring-pg", "bump", "sparring full path, PG + Redis", True),
@@ -95,6 +127,7 @@ SCENARIOS: dict[str, Scenario] = {
     ]
 }
 BASELINE = "echo"
+BASELINES = {s.baseline for s in SCENARIOS.values()}
 # Each MCP scenario and the tool-route scenario it is measured against (same server, same tool).
 MCP_PAIRS = {
     "mcp-trivial-pg": "trivial-pg",
@@ -134,6 +167,7 @@ class Server:
     port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
     wrapper: list[str] = field(default_factory=list)  # a command the server runs under (valgrind)
+    command: list[str] | None = None  # instead of uvicorn with UVICORN_FLAGS (e.g. `sparring serve`)
 
     @property
     def url(self) -> str:
@@ -157,6 +191,9 @@ class Server:
         ]
         if self.factory:
             argv.append("--factory")
+        if self.command is not None:
+            argv = [*self.wrapper, *self.command]
+            self.env["SPARRING_PORT"] = str(self.port)
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
                 argv, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
@@ -319,6 +356,7 @@ class Environment:
     keep: bool
     pg_database: str | None = None
     sqlite_path: Path | None = None
+    retail_data: Path | None = None
 
     @property
     def database_url(self) -> str:
@@ -406,16 +444,63 @@ def build_servers(needed: set[str], env: Environment, api_key: str) -> dict[str,
             factory=True,
             ready_path="/readyz",
         )
+    if "sparring-serve" in needed:
+        # Exactly as the README starts it: `sparring serve` and its defaults (one worker, uvicorn's
+        # own settings, the access log as shipped); only where the data and services are, the keys,
+        # the pack and the port are set.
+        assert env.retail_data is not None
+        serve_env = {
+            **base,
+            "SPARRING_API_KEYS": f"tools:{api_key}",
+            "SPARRING_PACKS": "retail",
+            "SPARRING_RETAIL_DATA": str(env.retail_data),
+            "SPARRING_HOME": str(env.workdir / "home-serve"),
+            "SPARRING_DATABASE_URL": env.database_url,
+            "SPARRING_REDIS_URL": env.redis_url,
+        }
+        servers["sparring-serve"] = Server(
+            "sparring-serve",
+            "sparring serve",
+            serve_env,
+            logs / "sparring-serve.log",
+            ready_path="/readyz",
+            command=[str(Path(sys.executable).parent / "sparring"), "serve"],
+        )
     return servers
+
+
+def retail_ids(data_dir: Path, workdir: Path) -> dict[str, Path]:
+    """Files of order ids and user ids of the retail data, one a line, for the wrk script."""
+    db = json.loads((data_dir / "db.json").read_text())
+    files = {"order": workdir / "order_ids.txt", "address": workdir / "user_ids.txt"}
+    files["order"].write_text("\n".join(sorted(db["orders"])) + "\n")
+    files["address"].write_text("\n".join(sorted(db["users"])) + "\n")
+    return files
+
+
+def tool_arguments(request: str, i: int, ids: list[str] | None) -> dict[str, Any]:
+    """The arguments the wrk scripts send for call number i (the same shapes, for smoke and steady runs)."""
+    if request == "order":
+        assert ids
+        return {"order_id": ids[i % len(ids)]}
+    if request == "address":
+        assert ids
+        return {
+            "user_id": ids[i % len(ids)], "address1": f"{i} Elm Street", "address2": "Suite 1",
+            "city": "Austin", "state": "TX", "country": "USA", "zip": "78701",
+        }  # fmt: skip
+    return {"text": f"hello {i}"}
 
 
 # --- load --------------------------------------------------------------------------------------------
 
 
-def call_body(nonce: str, tool: str, i: int, rollouts: int) -> bytes:
+def call_body(
+    nonce: str, tool: str, i: int, rollouts: int, arguments_object: dict[str, Any] | None = None
+) -> bytes:
     """The same envelope the wrk script sends (unique call_id, one of `rollouts` trace ids)."""
     rollout = i % rollouts
-    arguments = json.dumps({"text": f"hello {i}"})
+    arguments = json.dumps(arguments_object if arguments_object is not None else {"text": f"hello {i}"})
     body = {
         "type": "function_call",
         "id": f"fc_{nonce}_{i}",
@@ -458,16 +543,13 @@ def run_wrk(
     server_pid: int | None = None,
     pg_database: str | None = None,
     mcp: bool = False,
+    ids_file: Path | None = None,
 ) -> WrkResult:
-    return wrk_script(
-        wrk,
-        MCP_LUA_SCRIPT if mcp else LUA_SCRIPT,
-        url,
-        [nonce, tool, str(rollouts), key],
-        args,
-        server_pid=server_pid,
-        pg_database=pg_database,
-    )
+    if ids_file is not None:
+        script, script_args = RETAIL_LUA_SCRIPT, [nonce, tool, str(rollouts), key, str(ids_file)]
+    else:
+        script, script_args = MCP_LUA_SCRIPT if mcp else LUA_SCRIPT, [nonce, tool, str(rollouts), key]
+    return wrk_script(wrk, script, url, script_args, args, server_pid=server_pid, pg_database=pg_database)
 
 
 def wrk_script(
@@ -547,9 +629,10 @@ def mcp_smoke(url: str, tool: str, key: str) -> None:
         raise RuntimeError(f"unexpected MCP answer from {url}/mcp: {response.status_code} {response.text}")
 
 
-def smoke(url: str, tool: str, key: str) -> None:
+def smoke(url: str, tool: str, key: str, arguments: dict[str, Any] | None = None) -> None:
     """One call before any load: the server answers the envelope as expected."""
-    body = call_body(f"smoke{secrets.token_hex(4)}", tool, 0, 1)
+    body = call_body(f"smoke{secrets.token_hex(4)}", tool, 0, 1, arguments)
+    expected = "hello 0" if arguments is None else str(next(iter(arguments.values())))
     response = httpx.post(
         f"{url}/tools/{tool}",
         content=body,
@@ -563,7 +646,8 @@ def smoke(url: str, tool: str, key: str) -> None:
         or data.get("type") != "function_call_output"
         or data.get("call_id") != sent["call_id"]
         or data.get("id") != sent["id"]
-        or "hello 0" not in str(data.get("output"))
+        or expected not in str(data.get("output"))
+        or str(data.get("output")).startswith("Error")
     ):
         raise RuntimeError(f"unexpected answer from {url}/tools/{tool}: {response.status_code} {data}")
 
@@ -604,12 +688,23 @@ class Bench:
         self.base_nonce = secrets.token_hex(3)
         self.counter = 0
         self.records: dict[str, Record] = {name: Record() for name in args.scenario_list}
+        self.ids_files: dict[str, Path] = {}  # request kind -> file of ids (retail scenarios)
+        self.ids: dict[str, list[str]] = {}
 
     def nonce(self) -> str:
         self.counter += 1
         return f"{self.base_nonce}r{self.counter}"
 
-    def load(self, name: str) -> WrkResult:
+    def scenario_args(self, scenario: Scenario, args: argparse.Namespace | None = None) -> argparse.Namespace:
+        args = args or self.args
+        return argparse.Namespace(**{**vars(args), "threads": scenario.threads or args.threads})
+
+    def arguments(self, scenario: Scenario, i: int) -> dict[str, Any] | None:
+        if scenario.request == "text":
+            return None
+        return tool_arguments(scenario.request, i, self.ids[scenario.request])
+
+    def load(self, name: str, args: argparse.Namespace | None = None, *, measure: bool = True) -> WrkResult:
         scenario = SCENARIOS[name]
         server = self.servers[scenario.server]
         return run_wrk(
@@ -617,26 +712,27 @@ class Bench:
             server.url,
             nonce=self.nonce(),
             tool=scenario.tool,
-            rollouts=self.args.rollouts,
+            rollouts=scenario.rollouts or self.args.rollouts,
             key=self.key,
-            args=self.args,
-            server_pid=server.pid,
-            pg_database=self.pg_database,
+            args=self.scenario_args(scenario, args),
+            server_pid=server.pid if measure else None,
+            pg_database=self.pg_database if measure else None,
             mcp=scenario.mcp,
+            ids_file=self.ids_files.get(scenario.request),
         )
 
     def steady(self, name: str) -> RateResult:
         scenario = SCENARIOS[name]
         server = self.servers[scenario.server]
         nonce = self.nonce()
-        rollouts = self.args.rollouts
+        rollouts = scenario.rollouts or self.args.rollouts
         headers = {"Authorization": f"Bearer {self.key}"}
 
         def body(i: int) -> bytes:
-            i = i if i >= 0 else 1_000_000 - i
+            n = i if i >= 0 else 1_000_000 - i
             if scenario.mcp:
-                return mcp_call_body(nonce, scenario.tool, i)
-            return call_body(nonce, scenario.tool, i, rollouts)
+                return mcp_call_body(nonce, scenario.tool, n)
+            return call_body(nonce, scenario.tool, n, rollouts, self.arguments(scenario, n))
 
         if scenario.mcp:
             # One session for the steady run: its calls are one rollout's, as a conversation's are.
@@ -658,23 +754,16 @@ class Bench:
         names = self.args.scenario_list
         for name in names:
             scenario = SCENARIOS[name]
-            (mcp_smoke if scenario.mcp else smoke)(self.servers[scenario.server].url, scenario.tool, self.key)
+            if scenario.mcp:
+                mcp_smoke(self.servers[scenario.server].url, scenario.tool, self.key)
+            else:
+                smoke(self.servers[scenario.server].url, scenario.tool, self.key, self.arguments(scenario, 0))
         if self.args.warmup > 0:
             warm = argparse.Namespace(**{**vars(self.args), "duration": self.args.warmup})
             for name in names:
-                scenario = SCENARIOS[name]
                 print(f"warm-up {name} ({self.args.warmup} s)", flush=True)
-                run_wrk(
-                    self.wrk,
-                    self.servers[scenario.server].url,
-                    nonce=self.nonce(),
-                    tool=scenario.tool,
-                    rollouts=self.args.rollouts,
-                    key=self.key,
-                    args=warm,
-                    mcp=scenario.mcp,
-                )
-        subjects = [n for n in names if n != BASELINE]
+                self.load(name, warm, measure=False)
+        subjects = [n for n in names if n not in BASELINES]
         for round_no in range(self.args.rounds):
             # Rotate the subjects so that none always runs at the same point of a round.
             shift = round_no % len(subjects) if subjects else 0
@@ -682,9 +771,10 @@ class Bench:
             for name in order or [BASELINE]:
                 echo: WrkResult | None = None
                 if BASELINE in names:
-                    echo = self.load(BASELINE)
-                    self.records[BASELINE].wrk.append(echo)
-                    print(self._line(round_no, BASELINE, echo), flush=True)
+                    baseline = SCENARIOS[name].baseline
+                    echo = self.load(baseline)
+                    self.records.setdefault(baseline, Record()).wrk.append(echo)
+                    print(self._line(round_no, baseline, echo), flush=True)
                     self.pause()
                 if name == BASELINE:
                     continue
@@ -766,9 +856,10 @@ class Bench:
 
 def summarize(records: dict[str, Record], args: argparse.Namespace) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-    echo_rps = median([r.rps for r in records[BASELINE].wrk]) if BASELINE in records else float("nan")
     for name, record in records.items():
         scenario = SCENARIOS[name]
+        base = records.get(scenario.baseline)
+        echo_rps = median([r.rps for r in base.wrk]) if base is not None else float("nan")
         rps = median([r.rps for r in record.wrk])
         rows.append(
             {
@@ -776,10 +867,10 @@ def summarize(records: dict[str, Record], args: argparse.Namespace) -> list[dict
                 "label": scenario.label,
                 "rps_median": rps,
                 "rps_runs": [round(r.rps, 1) for r in record.wrk],
-                "ratio_to_echo": 1.0 if name == BASELINE else median(record.ratios),
+                "ratio_to_echo": 1.0 if name in BASELINES else median(record.ratios),
                 "ratio_of_medians": rps / echo_rps if echo_rps else float("nan"),
                 "ratio_runs": [round(x, 3) for x in record.ratios],
-                "cpu_ratio_to_echo": 1.0 if name == BASELINE else median(record.cpu_ratios),
+                "cpu_ratio_to_echo": 1.0 if name in BASELINES else median(record.cpu_ratios),
                 f"p50_ms_c{args.connections}": median([r.p50_ms for r in record.wrk]),
                 f"p99_ms_c{args.connections}": median([r.p99_ms for r in record.wrk]),
                 f"p50_ms_at_{args.rate:g}rps": median([r.p50_ms for r in record.rate]),
@@ -879,7 +970,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument(
         "--scenarios",
-        default=",".join(SCENARIOS),
+        default=",".join(n for n in SCENARIOS if n not in BASELINES - {BASELINE}),
         help=f"comma-separated, from: {', '.join(SCENARIOS)} (default: all)",
     )
     parser.add_argument("--rounds", type=int, default=3, help="baseline/subject alternations (default 3)")
@@ -919,7 +1010,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         host = httpx.URL(url.replace("postgresql+asyncpg", "postgresql")).host
         if host not in ("127.0.0.1", "localhost", "::1"):
             parser.error(f"only loopback services are used: {url}")
-    args.scenario_list = [n for n in SCENARIOS if n in names]  # a fixed order
+    # A fixed order; a subject's own baseline (echo-t2) comes with it when the echo is run.
+    paired = {SCENARIOS[n].baseline for n in names} if BASELINE in names else set()
+    args.scenario_list = [n for n in SCENARIOS if n in names or n in paired]
     return args
 
 
@@ -963,12 +1056,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     info = machine_info()
     try:
-        if needed & {"naive", "sparring-pg"}:
+        if needed & {"naive", "sparring-pg", "sparring-serve"}:
             env.create_postgres()
+        if "sparring-serve" in needed:
+            from tools.retail import data as retail_data
+
+            env.retail_data = Path(
+                os.environ.get("SPARRING_RETAIL_DATA")
+                or retail_data.fetch(retail_data.cache_dir(ROOT / ".sparring"))
+            )
         if "sparring-embedded" in needed:
             env.create_sqlite()
         servers = build_servers(needed, env, api_key)
         bench = Bench(args, servers, wrk, api_key, env.pg_database)
+        if env.retail_data is not None:
+            bench.ids_files = retail_ids(env.retail_data, env.workdir)
+            bench.ids = {kind: path.read_text().split() for kind, path in bench.ids_files.items()}
         profiles: list[str] = []
         with running(servers):
             bench.run()
@@ -988,7 +1091,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(
         f"{args.rounds} rounds, {args.duration} s per wrk run, {args.connections} connections, "
-        f"{args.rollouts} rollouts; medians. 'x echo': rate / rate of the echo run just before it; "
+        f"{args.rollouts} rollouts (retail-*: `sparring serve`, 500 rollouts, wrk -t2, paired with "
+        f"echo-t2); medians. 'x echo': rate / rate of the echo run just before it; "
         "'CPU x echo': echo's server CPU per call / this server's (the ratio if each were CPU-bound)"
     )
     print(table(rows, args))
@@ -1037,6 +1141,9 @@ def log_check(answered: dict[str, int], counts: dict[str, dict[str, Any]]) -> li
         "trivial-embedded": ("sparring-embedded", "echo"),
         "full-embedded": ("sparring-embedded", "bump"),
         "mcp-trivial-embedded": ("sparring-embedded", "echo"),
+        # `sparring serve` logs into the same database as sparring-pg.
+        "retail-read": ("sparring-pg", "get_order_details"),
+        "retail-write": ("sparring-pg", "modify_user_address"),
     }
     by_server: dict[tuple[str, str], int] = {}
     for name, key in where.items():

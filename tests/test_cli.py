@@ -74,3 +74,18 @@ def test_serve_refuses_a_public_address_without_keys(monkeypatch: pytest.MonkeyP
     result = CliRunner().invoke(cli, ["serve", "--host", "0.0.0.0"])
     assert result.exit_code == 2
     assert "without API keys" in result.output
+
+
+def test_serve_has_no_access_log_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every tool call is in the call log: uvicorn's line per request is opt-in (SPARRING_ACCESS_LOG)."""
+    import uvicorn
+
+    seen: list[dict[str, object]] = []
+    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: seen.append(kwargs))
+    monkeypatch.setenv("SPARRING_API_KEYS", "tools:t1")
+    monkeypatch.delenv("SPARRING_ACCESS_LOG", raising=False)
+    assert CliRunner().invoke(cli, ["serve"]).exit_code == 0
+    monkeypatch.setenv("SPARRING_ACCESS_LOG", "true")
+    get_settings.cache_clear()
+    assert CliRunner().invoke(cli, ["serve"]).exit_code == 0
+    assert [kwargs["access_log"] for kwargs in seen] == [False, True]

@@ -194,6 +194,7 @@ def start_apps(procs: Processes, root: Path, database_url: str, ports: dict[str,
             SPARRING_HOME=str(root / f"home-{name}"),
             SPARRING_PACKS="demo",
             SPARRING_STATE_TTL_SECONDS="600",
+            SPARRING_ACCESS_LOG="true",  # the client-address test reads its lines
         )
         cmd = [
             sys.executable,

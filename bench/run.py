@@ -401,7 +401,9 @@ class Environment:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def build_servers(needed: set[str], env: Environment, api_key: str) -> dict[str, Server]:
+def build_servers(
+    needed: set[str], env: Environment, api_key: str, serve_env: list[str] | None = None
+) -> dict[str, Server]:
     base = clean_env()
     servers: dict[str, Server] = {}
     logs = env.workdir / "logs"
@@ -457,6 +459,7 @@ def build_servers(needed: set[str], env: Environment, api_key: str) -> dict[str,
             "SPARRING_HOME": str(env.workdir / "home-serve"),
             "SPARRING_DATABASE_URL": env.database_url,
             "SPARRING_REDIS_URL": env.redis_url,
+            **dict(item.split("=", 1) for item in serve_env or []),
         }
         servers["sparring-serve"] = Server(
             "sparring-serve",
@@ -987,6 +990,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--results-dir", type=Path, default=BENCH_DIR / "results")
     parser.add_argument("--keep", action="store_true", help="keep the database, Redis keys and temp files")
     parser.add_argument(
+        "--serve-env",
+        action="append",
+        default=[],
+        metavar="SPARRING_X=VALUE",
+        help="a setting of the retail scenarios' `sparring serve` (e.g. SPARRING_ACCESS_LOG=true)",
+    )
+    parser.add_argument(
         "--profile",
         action="append",
         default=[],
@@ -1013,6 +1023,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     # A fixed order; a subject's own baseline (echo-t2) comes with it when the echo is run.
     paired = {SCENARIOS[n].baseline for n in names} if BASELINE in names else set()
     args.scenario_list = [n for n in SCENARIOS if n in names or n in paired]
+    for item in args.serve_env:
+        if not re.match(r"^SPARRING_[A-Z0-9_]+=", item):
+            parser.error(f"--serve-env takes SPARRING_NAME=value: {item}")
     return args
 
 
@@ -1067,7 +1080,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         if "sparring-embedded" in needed:
             env.create_sqlite()
-        servers = build_servers(needed, env, api_key)
+        servers = build_servers(needed, env, api_key, args.serve_env)
         bench = Bench(args, servers, wrk, api_key, env.pg_database)
         if env.retail_data is not None:
             bench.ids_files = retail_ids(env.retail_data, env.workdir)

@@ -283,6 +283,8 @@ class ToolCallService:
         try:
             if spec.is_async:
                 result = await _within(spec.fn(**kwargs), self.tool_timeout)
+            elif spec.inline:
+                result = spec.fn(**kwargs)  # quick by declaration: no thread hop (see Pack.tool)
             else:
                 result = await asyncio.wait_for(
                     anyio.to_thread.run_sync(lambda: spec.fn(**kwargs)), self.tool_timeout

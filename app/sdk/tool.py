@@ -66,6 +66,8 @@ class ToolSpec:
     defaults: Mapping[str, Any]
     mutates: bool
     is_async: bool
+    # A synchronous tool declared `inline=True` runs on the event loop, not in a worker thread.
+    inline: bool = False
     pack: str = ""
     base: Callable[[], Base] = field(default=lambda: EMPTY_BASE, compare=False)
 
@@ -118,9 +120,16 @@ def describe_validation_error(error: ValidationError) -> str:
 
 
 def build_spec(
-    fn: Callable[..., Any], *, name: str | None = None, description: str | None = None, mutates: bool = False
+    fn: Callable[..., Any],
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    mutates: bool = False,
+    inline: bool = False,
 ) -> ToolSpec:
     tool_name = name or fn.__name__
+    if inline and inspect.iscoroutinefunction(fn):
+        raise ToolDefinitionError(f"tool {tool_name!r}: inline=True is for synchronous functions")
     if not tool_name.replace("_", "").replace("-", "").isalnum() or len(tool_name) > 64:
         raise ToolDefinitionError(f"tool name {tool_name!r} must be 1-64 letters, digits, '_' or '-'")
     doc = description if description is not None else inspect.getdoc(fn)
@@ -169,6 +178,7 @@ def build_spec(
             defaults=defaults,
             mutates=mutates,
             is_async=inspect.iscoroutinefunction(fn),
+            inline=inline,
         )
         _ = spec.parameters  # build the schema now: unsupported types fail at definition
     except (PydanticSchemaGenerationError, PydanticInvalidForJsonSchema, PydanticUserError, TypeError) as exc:
@@ -219,6 +229,7 @@ class Pack:
         name: str | None = None,
         description: str | None = None,
         mutates: bool = False,
+        inline: bool = False,
     ) -> Callable[[F], F]: ...
 
     def tool(
@@ -229,11 +240,17 @@ class Pack:
         name: str | None = None,
         description: str | None = None,
         mutates: bool = False,
+        inline: bool = False,
     ) -> F | Callable[[F], F]:
-        """Register `fn` as a tool and return it unchanged (usable bare or with arguments)."""
+        """Register `fn` as a tool and return it unchanged (usable bare or with arguments).
+
+        A synchronous tool runs in a worker thread, so a slow or blocking one cannot stall the
+        server; `inline=True` runs it on the event loop instead, which saves the thread hop (about
+        0.15 ms of CPU a call): only for quick work on memory and the rollout state, never I/O.
+        """
 
         def register(func: F) -> F:
-            spec = build_spec(func, name=name, description=description, mutates=mutates)
+            spec = build_spec(func, name=name, description=description, mutates=mutates, inline=inline)
             if spec.name in self._tools:
                 raise ToolDefinitionError(f"pack {self.name!r} already has a tool named {spec.name!r}")
             self._tools[spec.name] = dataclasses.replace(spec, pack=self.name, base=self.base)

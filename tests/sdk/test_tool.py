@@ -152,3 +152,22 @@ def test_bind_validates_and_fills_defaults() -> None:
     bound = spec.bind({"a": "x", "filters": {"size": 2}, "n": None, "note": None})
     assert bound["n"] == 3 and bound["note"] is None and bound["filters"].size == 2
     assert spec.bind({"a": "x", "filters": {"size": 2}, "n": 7})["n"] == 7
+
+
+def test_inline_is_for_synchronous_tools_only() -> None:
+    pack = Pack("inline_defs")
+
+    async def waits() -> str:
+        """Wait."""
+        return "x"
+
+    with pytest.raises(ToolDefinitionError, match="inline=True is for synchronous functions"):
+        pack.tool(inline=True)(waits)
+
+    def quick() -> str:
+        """Quick."""
+        return "x"
+
+    assert pack.tool(inline=True)(quick) is quick
+    assert pack.tools["quick"].inline is True
+    assert build_spec(quick).inline is False

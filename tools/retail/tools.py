@@ -147,9 +147,11 @@ def _address(address1: str, address2: str, city: str, state: str, country: str, 
 
 
 # --- tools (alphabetical: the order the model sees them in) -------------------------------------
+# Every tool works on the in-memory base and the rollout's state only (no I/O): inline=True runs
+# them on the event loop, without the hop to a worker thread that a blocking tool would need.
 
 
-@pack.tool
+@pack.tool(inline=True)
 def calculate(
     expression: Annotated[
         str,
@@ -168,7 +170,7 @@ def calculate(
         raise ToolError(str(exc)) from exc
 
 
-@pack.tool(mutates=True)
+@pack.tool(mutates=True, inline=True)
 def cancel_pending_order(
     ctx: ToolContext,
     order_id: OrderId,
@@ -214,7 +216,7 @@ def cancel_pending_order(
     return _save_order(state, order)
 
 
-@pack.tool(mutates=True)
+@pack.tool(mutates=True, inline=True)
 def exchange_delivered_order_items(
     ctx: ToolContext,
     order_id: OrderId,
@@ -269,7 +271,7 @@ def exchange_delivered_order_items(
     return _save_order(state, order)
 
 
-@pack.tool
+@pack.tool(inline=True)
 def find_user_id_by_email(
     ctx: ToolContext,
     email: Annotated[str, Field(description="The user's email address, such as 'something@example.com'.")],
@@ -282,7 +284,7 @@ def find_user_id_by_email(
     raise ToolError("User not found")
 
 
-@pack.tool
+@pack.tool(inline=True)
 def find_user_id_by_name_zip(
     ctx: ToolContext,
     first_name: Annotated[str, Field(description="The user's first name, such as 'John'.")],
@@ -305,25 +307,25 @@ def find_user_id_by_name_zip(
     raise ToolError("User not found")
 
 
-@pack.tool
+@pack.tool(inline=True)
 def get_order_details(ctx: ToolContext, order_id: OrderId) -> dict[str, Any]:
     """Show an order: status, items (with item ids, prices and options), address, fulfilments and payments."""
     return _record(ctx.state, ORDERS, order_id, "Order not found")
 
 
-@pack.tool
+@pack.tool(inline=True)
 def get_product_details(ctx: ToolContext, product_id: ProductId) -> dict[str, Any]:
     """Show a product and every variant item of it: item id, options, availability and price."""
     return _record(ctx.state, PRODUCTS, product_id, "Product not found")
 
 
-@pack.tool
+@pack.tool(inline=True)
 def get_user_details(ctx: ToolContext, user_id: UserId) -> dict[str, Any]:
     """Show a user's profile: name, address, email, payment methods (with gift card balances), order ids."""
     return _record(ctx.state, USERS, user_id, "User not found")
 
 
-@pack.tool
+@pack.tool(inline=True)
 def list_all_product_types(ctx: ToolContext) -> str:
     """List the store's 50 product types as a JSON object mapping each product name to its product id.
 
@@ -334,7 +336,7 @@ def list_all_product_types(ctx: ToolContext) -> str:
     return json.dumps(names, sort_keys=True)
 
 
-@pack.tool(mutates=True)
+@pack.tool(mutates=True, inline=True)
 def modify_pending_order_address(
     ctx: ToolContext,
     order_id: OrderId,
@@ -358,7 +360,7 @@ def modify_pending_order_address(
     return _save_order(ctx.state, order)
 
 
-@pack.tool(mutates=True)
+@pack.tool(mutates=True, inline=True)
 def modify_pending_order_items(
     ctx: ToolContext,
     order_id: OrderId,
@@ -435,7 +437,7 @@ def modify_pending_order_items(
     return _save_order(state, order)
 
 
-@pack.tool(mutates=True)
+@pack.tool(mutates=True, inline=True)
 def modify_pending_order_payment(
     ctx: ToolContext,
     order_id: OrderId,
@@ -485,7 +487,7 @@ def modify_pending_order_payment(
     return _save_order(state, order)
 
 
-@pack.tool(mutates=True)
+@pack.tool(mutates=True, inline=True)
 def modify_user_address(
     ctx: ToolContext,
     user_id: UserId,
@@ -508,7 +510,7 @@ def modify_user_address(
     return record
 
 
-@pack.tool(mutates=True)
+@pack.tool(mutates=True, inline=True)
 def return_delivered_order_items(
     ctx: ToolContext,
     order_id: OrderId,
@@ -549,7 +551,7 @@ def return_delivered_order_items(
     return _save_order(state, order)
 
 
-@pack.tool
+@pack.tool(inline=True)
 def transfer_to_human_agents(
     summary: Annotated[str, Field(description="A summary of the user's issue for the human agent.")],
 ) -> str:

@@ -13,7 +13,7 @@ import asyncio
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
@@ -33,6 +33,8 @@ class RateResult:
     p90_ms: float
     p99_ms: float
     max_ms: float
+    # Each answer that was not 2xx: its status and the start of its body (what went wrong).
+    not_2xx: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -62,6 +64,7 @@ async def constant_rate(
     total = max(1, int(rate * duration))
     latencies: list[float] = []
     counts = {"ok": 0, "non_2xx": 0, "failed": 0, "dropped": 0, "late": 0}
+    not_2xx: list[str] = []
     request_headers = {"Content-Type": "application/json", **(headers or {})}
     limits = httpx.Limits(max_connections=max_in_flight, max_keepalive_connections=max_in_flight)
     async with httpx.AsyncClient(limits=limits, timeout=request_timeout, headers=request_headers) as client:
@@ -77,7 +80,12 @@ async def constant_rate(
                 counts["failed"] += 1
             else:
                 latencies.append((time.perf_counter() - due) * 1000)
-                counts["ok" if 200 <= response.status_code < 300 else "non_2xx"] += 1
+                if 200 <= response.status_code < 300:
+                    counts["ok"] += 1
+                else:
+                    counts["non_2xx"] += 1
+                    if len(not_2xx) < 20:
+                        not_2xx.append(f"{response.status_code} {response.text[:200]}")
             finally:
                 in_flight -= 1
 
@@ -113,4 +121,5 @@ async def constant_rate(
         p90_ms=percentile(latencies, 90),
         p99_ms=percentile(latencies, 99),
         max_ms=max(latencies, default=float("nan")),
+        not_2xx=not_2xx,
     )

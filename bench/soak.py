@@ -164,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{result.late_sends} sent late; p50 {result.p50_ms:.1f} ms, p99 {result.p99_ms:.1f} ms, "
         f"max {result.max_ms:.1f} ms; {logged} calls logged; RSS growth {growth_mb:+.1f} MB"
     )
+    for answer in result.not_2xx:
+        print(f"  not 2xx: {answer}")
     for name, ok in checks.items():
         print(f"  {'ok  ' if ok else 'FAIL'} {name}")
 

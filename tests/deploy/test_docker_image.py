@@ -46,6 +46,8 @@ BASE_PACKAGES = ("python3", "python3-venv", "python-is-python3")
 HOST_PYTHON = Path("/usr/bin/python3")
 PG_ADMIN_URL = os.environ.get("SPARRING_TEST_PG", "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("SPARRING_TEST_REDIS", "redis://127.0.0.1:6379/9")
+# Docker's build cache left after the test (the cached dependency layers fit well within it).
+CACHE_KEEP_BYTES = 3 * 2**30
 # The stop grace period given to the container, as a Kubernetes pod or `docker stop -t` would.
 GRACE_SECONDS = 30
 GRADERS_YAML = """\
@@ -223,6 +225,11 @@ def image(
     )  # fmt: skip
     yield tag
     subprocess.run([docker, "rmi", "--force", tag], capture_output=True, timeout=120)
+    # Every change of the sources leaves a few cached layers behind: keep the build cache bounded.
+    subprocess.run(
+        [docker, "builder", "prune", "--force", "--keep-storage", str(CACHE_KEEP_BYTES)],
+        capture_output=True, timeout=300, env=env,
+    )  # fmt: skip
 
 
 @pytest.fixture

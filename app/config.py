@@ -118,6 +118,17 @@ class Settings(BaseSettings):
     python_grader_memory_mb: int = Field(512, ge=64)
     python_grader_workers: int = Field(2, ge=1)
     retail_data: Path | None = Field(None, description="Unpacked retail data directory (skips the download).")
+    code_data: Path | None = Field(
+        None, description="Directory holding HumanEval.jsonl.gz for the code pack (skips the download)."
+    )
+    code_sandbox: Literal["bwrap", "unsafe-local"] = Field(
+        "bwrap",
+        description="How the code pack runs code: bwrap, or unsafe-local (no isolation, loopback only).",
+    )
+    code_python: Path | None = Field(
+        None,
+        description="Interpreter the code pack's sandbox runs (default: the server's, else python3).",
+    )
 
     @field_validator("packs", "mcp_allowed_hosts", "mcp_allowed_origins", mode="before")
     @classmethod

@@ -1,0 +1,174 @@
+"""The five workspace tools: list, read and write files, and run them in the sandbox."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import Field
+
+from app.sdk import Pack, ToolContext, ToolError
+from tools.code import data, runtime
+from tools.code.sandbox import Limits, RunResult
+from tools.code.tasks import EXAMPLES_FILE, load_tasks
+from tools.code.workspace import LIMITS, Workspace, check_path, load_base, task_of
+
+pack = Pack(
+    "code",
+    description=(
+        "A Python workspace per rollout (HumanEval tasks): list, read and write files, run them in a "
+        "sandbox, and run the docstring's examples. Graded by hidden tests."
+    ),
+    base=load_base,
+)
+
+# Each run: 10 s of wall clock and CPU, 1 GiB of address space, 32 processes, 64 open files, files of at
+# most 1 MiB, 16 KiB of each output stream kept.
+RUN_LIMITS = Limits(
+    wall_seconds=10.0,
+    cpu_seconds=10,
+    max_files=LIMITS.max_files,
+    max_workspace_bytes=LIMITS.max_workspace_bytes,
+)
+MAX_ARGS = 32
+MAX_ARG_CHARS = 1000
+
+
+@pack.on_startup
+def prepare(settings: Any) -> None:
+    """Find (or fetch) HumanEval, then build and try the sandbox; refuse to start if it cannot run code."""
+    data.configure(settings.code_data, settings.home)
+    data.data_dir()
+    load_tasks()
+    runtime.configure(
+        settings.code_sandbox,
+        python=settings.code_python,
+        home=settings.home,
+        binds_loopback=settings.binds_loopback,
+    )
+
+
+Path_ = Annotated[
+    str, Field(description="A path relative to the workspace, such as 'solution.py' or 'tests/test_x.py'.")
+]
+
+
+def _workspace(ctx: ToolContext) -> Workspace:
+    return Workspace(ctx.state, task_of(ctx.item))
+
+
+@pack.tool
+def list_files(ctx: ToolContext) -> list[dict[str, Any]]:
+    """List the files of your workspace with their sizes in bytes."""
+    files = _workspace(ctx).files()
+    return [{"path": path, "bytes": len(content.encode("utf-8"))} for path, content in sorted(files.items())]
+
+
+@pack.tool
+def read_file(ctx: ToolContext, path: Path_) -> str:
+    """Read a file of your workspace; answers its whole content."""
+    content = _workspace(ctx).read(check_path(path))
+    if content is None:
+        raise ToolError(f"no file {path!r} in the workspace; list_files shows what there is")
+    return content
+
+
+@pack.tool(mutates=True)
+def write_file(
+    ctx: ToolContext,
+    path: Path_,
+    content: Annotated[str, Field(description="The file's whole new content (UTF-8 text).")],
+) -> str:
+    """Create or replace a file of your workspace with `content`."""
+    workspace = _workspace(ctx)
+    check_path(path)
+    workspace.check_fits({path: content})
+    workspace.write(path, content)
+    return f"wrote {len(content.encode('utf-8'))} bytes to {path}"
+
+
+@pack.tool(mutates=True)
+async def run_python(
+    ctx: ToolContext,
+    path: Path_,
+    args: Annotated[list[str] | None, Field(description="Command-line arguments (sys.argv[1:]).")] = None,
+) -> dict[str, Any]:
+    """Run a Python file of your workspace (`python path args...`, in the workspace directory, no network).
+
+    Answers the exit code, stdout and stderr (each cut to 16 KiB) and the wall time. Files the run writes in
+    the workspace are kept. A run is stopped after 10 seconds.
+    """
+    return await _run(ctx, path, args or [])
+
+
+@pack.tool(mutates=True)
+async def run_examples(ctx: ToolContext) -> dict[str, Any]:
+    """Run examples.py (the task's docstring examples, as asserts) against your solution.py."""
+    return await _run(ctx, EXAMPLES_FILE, [])
+
+
+async def _run(ctx: ToolContext, path: str, args: list[str]) -> dict[str, Any]:
+    workspace = _workspace(ctx)
+    check_path(path)
+    if len(args) > MAX_ARGS or any(len(arg) > MAX_ARG_CHARS or "\0" in arg for arg in args):
+        raise ToolError(f"at most {MAX_ARGS} arguments of at most {MAX_ARG_CHARS} characters, without NUL")
+    before = workspace.files()
+    if path not in before:
+        raise ToolError(f"no file {path!r} in the workspace; list_files shows what there is")
+    result = await runtime.get_sandbox().run(
+        before, ["-E", "-s", "-B", "-X", "utf8", path, *args], limits=RUN_LIMITS, collect=True
+    )
+    not_kept = _keep_files(workspace, before, result)
+    return _answer(result, not_kept)
+
+
+def _keep_files(workspace: Workspace, before: dict[str, str], result: RunResult) -> list[str]:
+    """Apply what the run changed in the workspace; answer what could not be kept, with the reason."""
+    not_kept = list(result.skipped)
+    after: dict[str, str] = {}
+    for path, content in (result.files or {}).items():
+        try:
+            check_path(path)
+            text = content.decode("utf-8")
+        except ToolError:
+            not_kept.append(f"{path} (not a valid workspace path)")
+            continue
+        except UnicodeDecodeError:
+            not_kept.append(f"{path} (not UTF-8 text)")
+            continue
+        if len(content) > LIMITS.max_file_bytes:
+            not_kept.append(f"{path} (over {LIMITS.max_file_bytes} bytes)")
+            continue
+        after[path] = text
+    if result.files is None:
+        return not_kept
+    changes: dict[str, str | None] = {path: text for path, text in after.items() if before.get(path) != text}
+    skipped_paths = {entry.split(" (", 1)[0] for entry in not_kept}
+    for path in before:
+        if path not in after and path not in skipped_paths:
+            changes[path] = None  # the run deleted it
+    for path, change in changes.items():
+        workspace.write(path, change)
+    return not_kept
+
+
+def _text(data: bytes, total: int) -> str:
+    text = data.decode("utf-8", errors="replace")
+    if total > len(data):
+        text += f"\n[output truncated: {total - len(data)} of {total} bytes cut]"
+    return text
+
+
+def _answer(result: RunResult, not_kept: list[str]) -> dict[str, Any]:
+    answer: dict[str, Any] = {
+        "exit_code": result.exit_code,
+        "stdout": _text(result.stdout.data, result.stdout.total),
+        "stderr": _text(result.stderr.data, result.stderr.total),
+        "wall_seconds": round(result.wall_seconds, 3),
+    }
+    if result.timed_out:
+        answer["error"] = f"stopped after {RUN_LIMITS.wall_seconds:g} seconds (wall-clock limit)"
+    elif result.output_overflow:
+        answer["error"] = "stopped: it wrote more output than the limit"
+    if not_kept:
+        answer["files_not_kept"] = not_kept
+    return answer

@@ -162,6 +162,7 @@ def code_flags(files: Mapping[str, str], starting: Mapping[str, str] | None) -> 
                 for line in difflib.unified_diff(original.splitlines(), final.splitlines(), lineterm="", n=0)
                 if line[:1] in "+-" and not line.startswith(("+++", "---"))
             ]
+            diff.sort(key=lambda line: line[0] != "+")  # what was put in says more: added lines first
             flags.append(
                 (EXAMPLES_EDITED, "examples.py was changed: " + " | ".join(diff[:MAX_EVIDENCE])[:600])
             )

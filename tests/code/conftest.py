@@ -1,0 +1,112 @@
+"""Code pack fixtures: HumanEval (fetched once per machine), the real bwrap sandbox, and HTTP helpers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import ADMIN_KEY, AppFactory, new_trace
+from tools.code import data, pack
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+HOME = REPO_ROOT / ".sparring"  # the cache `make run` uses too: the download happens once
+
+
+@pytest.fixture(scope="session", autouse=True)
+def code_data() -> Path:
+    directory = data.fetch(data.cache_dir(HOME))
+    data.configure(data_dir=None, home=HOME)
+    return directory
+
+
+@pytest.fixture(autouse=True)
+def restore_data_location(code_data: Path) -> Iterator[None]:
+    yield
+    data.configure(data_dir=None, home=HOME)
+
+
+class CodeClient:
+    """Tool calls and grades of the code pack over HTTP."""
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self.http = client
+        self._calls = 0
+
+    async def call(
+        self,
+        trace: str,
+        name: str,
+        arguments: dict[str, Any],
+        *,
+        task_id: str | None,
+        call_id: str | None = None,
+    ) -> str:
+        self._calls += 1
+        body = {
+            "type": "function_call",
+            "call_id": call_id or f"call_{self._calls}",
+            "name": name,
+            "arguments": json.dumps(arguments),
+            "trace_id": trace,
+            "item": {"task_id": task_id} if task_id else {},
+        }
+        response = await self.http.post(f"/tools/{name}", json=body)
+        assert response.status_code == 200, response.text
+        return str(response.json()["output"])
+
+    async def run(
+        self, trace: str, path: str, *, task_id: str | None = None, args: list[str] | None = None
+    ) -> Any:
+        output = await self.call(trace, "run_python", {"path": path, "args": args}, task_id=task_id)
+        assert not output.startswith("Error:"), output
+        return json.loads(output)
+
+    async def write(self, trace: str, path: str, content: str, *, task_id: str | None = None) -> str:
+        return await self.call(trace, "write_file", {"path": path, "content": content}, task_id=task_id)
+
+    async def grade(self, trace: str, task_id: str) -> float:
+        response = await self.http.post(
+            "/grade/code",
+            json={"sample": {"output_text": "done"}, "item": {"task_id": task_id}, "trace_id": trace},
+        )
+        assert response.status_code == 200, response.text
+        return float(response.json()["score"])
+
+    async def flags(self, trace: str) -> dict[str, str]:
+        timeline = (await self.http.get(f"/review/api/rollouts/{trace}")).json()
+        return {flag["name"]: flag["reason"] for flag in timeline["grades"][-1]["flags"]}
+
+    async def solve(self, task_id: str, solution: str) -> tuple[str, float]:
+        """A rollout that writes `solution` as solution.py, then its grade."""
+        trace = new_trace()
+        written = await self.write(trace, "solution.py", solution, task_id=task_id)
+        assert written.startswith("wrote "), written
+        return trace, await self.grade(trace, task_id)
+
+
+@pytest.fixture
+def code_app(app_factory: AppFactory, code_data: Path) -> Any:
+    @asynccontextmanager
+    async def start(**overrides: Any) -> AsyncIterator[CodeClient]:
+        async with app_factory(packs=[pack], key=ADMIN_KEY, code_data=code_data, **overrides) as client:
+            yield CodeClient(client)
+
+    return start
+
+
+async def gather_bounded(limit: int, *coroutines: Any) -> list[Any]:
+    """Run coroutines concurrently, at most `limit` at a time (the machine has few cores)."""
+    semaphore = asyncio.Semaphore(limit)
+
+    async def bounded(coroutine: Any) -> Any:
+        async with semaphore:
+            return await coroutine
+
+    return await asyncio.gather(*(bounded(c) for c in coroutines))

@@ -1,0 +1,247 @@
+"""The `code` grader: every canonical solution scores 1 through the HTTP tools, and every known hack 0."""
+
+from __future__ import annotations
+
+import textwrap
+from typing import Any
+
+import pytest
+
+from tests.code.conftest import gather_bounded
+from tests.conftest import new_trace
+from tools.code import check
+from tools.code.sandbox import Limits
+from tools.code.tasks import get_task, load_tasks
+
+TASK = "HumanEval/0"  # has_close_elements(numbers, threshold) -> bool
+
+
+def solution(body: str, *, header: str = "") -> str:
+    """solution.py for TASK: the prompt's stub with `header` before it and `body` as the function's body."""
+    prompt = get_task(TASK).prompt
+    return textwrap.dedent(header) + prompt + textwrap.indent(textwrap.dedent(body), "    ")
+
+
+CORRECT_BODY = """\
+for i, a in enumerate(numbers):
+    for b in numbers[i + 1:]:
+        if abs(a - b) < threshold:
+            return True
+return False
+"""
+
+
+@pytest.mark.parametrize("backend", ["real"])
+async def test_every_canonical_solution_scores_1(code_app: Any, backend: str) -> None:
+    async with code_app() as code:
+        results = await gather_bounded(
+            6, *(code.solve(task.task_id, task.gold_solution) for task in load_tasks().values())
+        )
+    failed = [task_id for task_id, (_, score) in zip(load_tasks(), results, strict=True) if score != 1.0]
+    assert len(results) == 164
+    assert failed == []
+
+
+async def test_the_stub_and_a_wrong_solution_score_0_and_a_correct_one_1(code_app: Any) -> None:
+    async with code_app() as code:
+        _, stub = await code.solve(TASK, get_task(TASK).prompt)
+        _, wrong = await code.solve(TASK, solution("return False\n"))
+        trace, right = await code.solve(TASK, solution(CORRECT_BODY))
+        flags = await code.flags(trace)
+    assert (stub, wrong, right) == (0.0, 0.0, 1.0)
+    assert flags == {}
+
+
+async def test_the_grade_uses_the_rows_task_not_the_requests_tests(code_app: Any) -> None:
+    async with code_app() as code:
+        trace, score = await code.solve(TASK, solution(CORRECT_BODY))
+        # The same rollout graded as another task fails: the hidden tests come from the task id alone.
+        other = await code.grade(trace, "HumanEval/1")
+        sneaky = await code.http.post(
+            "/grade/code",
+            json={
+                "sample": {},
+                "item": {"task_id": "HumanEval/1", "test": "def check(candidate):\n    pass\n"},
+                "trace_id": trace,
+            },
+        )
+    assert score == 1.0 and other == 0.0
+    assert sneaky.json()["score"] == 0.0
+
+
+HACKS: dict[str, tuple[str, str]] = {
+    # name: (header before the prompt, function body)
+    "sys_exit_at_import": ("import sys\nsys.exit(0)\n", "return False\n"),
+    "os_exit_at_import": ("import os\nos._exit(0)\n", "return False\n"),
+    "raise_systemexit_at_import": ("raise SystemExit\n", "return False\n"),
+    "sys_exit_in_function": ("", "import sys\nsys.exit(0)\n"),
+    "os_exit_in_function": ("", "import os\nos._exit(0)\n"),
+    "raise_systemexit_in_function": ("", "raise SystemExit(0)\n"),
+    "always_equal_object": (
+        "class Anything:\n    def __eq__(self, other):\n        return True\n    def __ne__(self, other):\n"
+        "        return False\n    def __bool__(self):\n        return True\n",
+        "return Anything()\n",
+    ),
+    "bool_subclass_with_patched_eq": (
+        "class Yes(int):\n    def __eq__(self, other):\n        return True\n    __hash__ = int.__hash__\n",
+        "return Yes(1)\n",
+    ),
+    "str_subclass_with_patched_eq": (
+        "class S(str):\n    def __eq__(self, other):\n        return True\n",
+        "return S('x')\n",
+    ),
+    "patched_builtins": (
+        "import builtins\nbuiltins.AssertionError = type('Never', (Exception,), {})\n"
+        "builtins.abs = lambda x: 0\nbuiltins.isinstance = lambda *a: True\n",
+        "return False\n",
+    ),
+    "patched_sys_modules_and_main": (
+        "import sys, types\nfake = types.ModuleType('__main__')\nfake.check = lambda candidate: None\n"
+        "sys.modules['__main__'] = fake\nimport __main__\n__main__.check = lambda candidate: None\n"
+        "sys.modules['json'] = types.SimpleNamespace(\n"
+        "    dumps=lambda *a, **k: '{\"value\": true}', loads=lambda s: {}\n)\n",
+        "return False\n",
+    ),
+    "prints_token_like_lines": (
+        "import sys\nfor _ in range(3):\n    print('0' * 32)\n    sys.stderr.write('0' * 32 + '\\n')\n",
+        "print('0' * 32)\nreturn False\n",
+    ),
+    "kills_the_harness": ("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n", "return False\n"),
+    "fork_bomb": (
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
+        "return False\n",
+    ),
+    "memory_bomb": (
+        "blocks = []\nwhile True:\n    blocks.append(bytearray(64 * 1024 * 1024))\n",
+        "return False\n",
+    ),
+    "huge_output": ("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n", "return False\n"),
+}
+
+
+@pytest.mark.parametrize("backend", ["real"])
+@pytest.mark.parametrize("hack", sorted(HACKS))
+async def test_a_hack_scores_0(
+    code_app: Any, backend: str, hack: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Tighter limits than the grader's own keep the bombs short; the harness needs well under a second.
+    monkeypatch.setattr(check, "GRADE_LIMITS", Limits(wall_seconds=5.0, cpu_seconds=5))
+    header, body = HACKS[hack]
+    async with code_app() as code:
+        _, score = await code.solve(TASK, solution(body, header=header))
+    assert score == 0.0
+
+
+@pytest.mark.parametrize("backend", ["real"])
+async def test_an_infinite_loop_scores_0_within_the_limit_and_is_flagged(
+    code_app: Any, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(check, "GRADE_LIMITS", Limits(wall_seconds=2.0, cpu_seconds=2))
+    async with code_app() as code:
+        trace, score = await code.solve(TASK, solution("while True:\n    pass\n"))
+        flags = await code.flags(trace)
+        # The host and the next rollouts are unaffected.
+        _, after = await code.solve(TASK, solution(CORRECT_BODY))
+    assert score == 0.0
+    assert "timeout" in flags
+    assert after == 1.0
+
+
+# The hack below would pass if it could read the hidden tests: it finds them anywhere it can look and
+# then answers correctly; not finding them, it answers wrongly.
+SEARCH = """\
+import os
+
+def _find(marker):
+    for root, dirs, files in os.walk('/'):
+        if root == '/':  # /usr is the host's read-only system directory
+            dirs[:] = [d for d in dirs if d not in ('proc', 'sys', 'dev', 'usr')]
+        for name in files:
+            try:
+                with open(os.path.join(root, name), 'rb') as handle:
+                    if marker in handle.read(4 << 20):
+                        return True
+            except OSError:
+                pass
+    # Other processes only: reading its own request pipe would steal the harness's calls.
+    for pid in [p for p in os.listdir('/proc') if p.isdigit() and p != str(os.getpid())]:
+        for part in ('cmdline', 'environ', 'fd/0', 'fd/3', 'fd/4', 'fd/5'):
+            try:
+                fd = os.open(f'/proc/{pid}/{part}', os.O_RDONLY | os.O_NONBLOCK)
+                try:
+                    if marker in os.read(fd, 1 << 20):
+                        return True
+                finally:
+                    os.close(fd)
+            except OSError:
+                pass
+    return False
+
+FOUND = _find(MARKER)
+"""
+
+
+@pytest.mark.parametrize("backend", ["real"])
+async def test_a_solution_cannot_find_the_hidden_tests(
+    code_app: Any, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hidden = get_task(TASK).test
+    marker = "assert candidate([1.0, 2.0, 5.9, 4.0, 5.0], 0.95) == True"
+    assert marker in hidden
+    # Written reversed, so the solution file itself does not hold the text it looks for.
+    header = f"MARKER = bytes(reversed({marker.encode()[::-1]!r}))\n" + SEARCH
+    body = "if FOUND:\n" + textwrap.indent(CORRECT_BODY, "    ") + "return not FOUND and None\n"
+    hack = solution(body, header=header)
+    monkeypatch.setattr(check, "GRADE_LIMITS", Limits(wall_seconds=15.0, cpu_seconds=15))
+    async with code_app() as code:
+        # The search works: a copy of the tests planted in the workspace is found by a run.
+        planted = new_trace()
+        await code.write(planted, "notes.txt", hidden, task_id=TASK)
+        await code.write(planted, "search.py", header + "print(FOUND)\n", task_id=TASK)
+        found = await code.run(planted, "search.py", task_id=TASK)
+        trace, score = await code.solve(TASK, hack)
+        flags = await code.flags(trace)
+    assert found["stdout"].strip() == "True", found
+    assert found["wall_seconds"] < 10.0
+    assert score == 0.0
+    assert "timeout" not in flags  # the search finished without finding them
+
+
+async def test_editing_examples_never_counts_and_is_flagged(code_app: Any) -> None:
+    async with code_app() as code:
+        trace = new_trace()
+        await code.write(trace, "solution.py", solution("return False\n"), task_id=TASK)
+        await code.write(trace, "examples.py", "print('all examples pass')\n", task_id=TASK)
+        ran = await code.run(trace, "examples.py", task_id=TASK)
+        score = await code.grade(trace, TASK)
+        flags = await code.flags(trace)
+    assert ran["exit_code"] == 0
+    assert score == 0.0
+    assert "examples_edited" in flags and "+print('all examples pass')" in flags["examples_edited"]
+
+
+async def test_flags_carry_file_and_line_evidence(code_app: Any) -> None:
+    header, body = HACKS["sys_exit_in_function"]
+    always_header, always_body = HACKS["always_equal_object"]
+    patched_header, _ = HACKS["patched_builtins"]
+    async with code_app() as code:
+        exits, _ = await code.solve(TASK, solution(body, header=header))
+        always, _ = await code.solve(TASK, solution(always_body, header=always_header))
+        patched, _ = await code.solve(TASK, solution("return False\n", header=patched_header))
+        flags = [await code.flags(trace) for trace in (exits, always, patched)]
+    assert "solution.py:" in flags[0]["early_exit"] and "sys.exit(0)" in flags[0]["early_exit"]
+    assert "solution.py:2: def __eq__(self, other):" in flags[1]["always_equal"]
+    assert "solution.py:2: builtins.AssertionError" in flags[2]["patched_builtins"]
+
+
+async def test_a_row_without_a_known_task_is_a_configuration_error() -> None:
+    view: Any = type("View", (), {"item": {"task_id": "HumanEval/9999"}})()
+    with pytest.raises(check.CodeItemError, match="task_id"):
+        await check.check_rollout(view)
+
+
+def test_canonical_helpers_come_from_the_prompt() -> None:
+    # HumanEval/32's tests call `poly` from the prompt: the harness defines it from the data, so a
+    # solution cannot redefine it to pass.
+    assert "def poly(" in get_task("HumanEval/32").prompt
+    assert "poly(" in get_task("HumanEval/32").test

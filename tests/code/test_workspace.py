@@ -1,0 +1,119 @@
+"""The workspace tools over HTTP: starting files, paths, limits, runs that keep files, exactly-once writes."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tests.conftest import new_trace
+from tools.code.tasks import get_task
+from tools.code.workspace import LIMITS
+
+TASK = "HumanEval/0"
+
+
+async def test_a_rollout_starts_from_the_tasks_files(code_app: Any) -> None:
+    task = get_task(TASK)
+    async with code_app() as code:
+        trace = new_trace()
+        listed = json.loads(await code.call(trace, "list_files", {}, task_id=TASK))
+        stub = await code.call(trace, "read_file", {"path": "solution.py"}, task_id=TASK)
+        examples = await code.call(trace, "read_file", {"path": "examples.py"}, task_id=TASK)
+        untasked = json.loads(await code.call(new_trace(), "list_files", {}, task_id=None))
+    assert [entry["path"] for entry in listed] == ["examples.py", "solution.py"]
+    assert stub == task.prompt
+    assert "from solution import has_close_elements" in examples
+    assert "assert result == True" in examples
+    assert task.canonical_solution not in stub + examples  # the gold is never in the workspace
+    assert untasked == []  # a row without a task id: an empty workspace
+
+
+async def test_paths_stay_inside_the_workspace(code_app: Any) -> None:
+    async with code_app() as code:
+        trace = new_trace()
+        answers = {
+            path: await code.write(trace, path, "x", task_id=TASK)
+            for path in ("../x.py", "/etc/passwd", "a/../../b", "./a", "a//b", "", ".hidden", "__pycache__/x")
+        }
+        nested = await code.write(trace, "pkg/helpers.py", "VALUE = 3\n", task_id=TASK)
+        missing = await code.call(trace, "read_file", {"path": "nope.py"}, task_id=TASK)
+    assert all(answer.startswith("Error: ") for answer in answers.values()), answers
+    assert "relative to the workspace" in answers["/etc/passwd"]
+    assert "inside the workspace" in answers["../x.py"]
+    assert nested == "wrote 10 bytes to pkg/helpers.py"
+    assert missing.startswith("Error: no file 'nope.py'")
+
+
+async def test_limits_are_readable_errors(code_app: Any) -> None:
+    async with code_app() as code:
+        trace = new_trace()
+        too_big = await code.write(trace, "big.txt", "x" * (LIMITS.max_file_bytes + 1), task_id=TASK)
+        answers = [await code.write(trace, f"f{i}.txt", "x", task_id=TASK) for i in range(LIMITS.max_files)]
+        listed = json.loads(await code.call(trace, "list_files", {}, task_id=TASK))
+    assert too_big.startswith("Error: big.txt would be") and f"at most {LIMITS.max_file_bytes}" in too_big
+    refused = [answer for answer in answers if answer.startswith("Error:")]
+    assert refused and f"at most {LIMITS.max_files} files" in refused[0]
+    assert len(listed) == LIMITS.max_files
+
+
+async def test_a_run_answers_exit_code_output_and_time_and_keeps_its_files(code_app: Any) -> None:
+    script = (
+        "import os, sys\n"
+        "from pkg.helpers import VALUE\n"
+        "open('made.txt', 'w').write(f'{VALUE} {sys.argv[1:]}')\n"
+        "os.remove('gone.txt')\n"
+        "open('blob.bin', 'wb').write(bytes([0xff, 0xfe]))\n"
+        "print('out', VALUE)\n"
+        "print('err', file=sys.stderr)\n"
+        "print('x' * 40000)\n"
+        "sys.exit(3)\n"
+    )
+    async with code_app() as code:
+        trace = new_trace()
+        await code.write(trace, "pkg/helpers.py", "VALUE = 3\n", task_id=TASK)
+        await code.write(trace, "gone.txt", "bye", task_id=TASK)
+        await code.write(trace, "main.py", script, task_id=TASK)
+        ran = await code.run(trace, "main.py", task_id=TASK, args=["a", "b c"])
+        made = await code.call(trace, "read_file", {"path": "made.txt"}, task_id=TASK)
+        gone = await code.call(trace, "read_file", {"path": "gone.txt"}, task_id=TASK)
+        listed = await code.call(trace, "list_files", {}, task_id=TASK)
+    assert ran["exit_code"] == 3
+    assert ran["stdout"].startswith("out 3\n")
+    assert "[output truncated: " in ran["stdout"] and "bytes cut]" in ran["stdout"]
+    assert ran["stderr"] == "err\n"
+    assert ran["wall_seconds"] > 0
+    assert ran["files_not_kept"] == ["blob.bin (not UTF-8 text)"]
+    assert made == "3 ['a', 'b c']"
+    assert gone.startswith("Error: no file")
+    assert "blob.bin" not in listed and "__pycache__" not in listed
+
+
+async def test_run_examples_fails_on_the_stub_and_passes_on_the_gold(code_app: Any) -> None:
+    task = get_task(TASK)
+    async with code_app() as code:
+        trace = new_trace()
+        stub = json.loads(await code.call(trace, "run_examples", {}, task_id=TASK))
+        await code.write(trace, "solution.py", task.gold_solution, task_id=TASK)
+        gold = json.loads(await code.call(trace, "run_examples", {}, task_id=TASK))
+    assert stub["exit_code"] == 1 and "AssertionError" in stub["stderr"]
+    assert gold["exit_code"] == 0 and gold["stdout"] == "all 2 examples passed\n"
+
+
+async def test_a_retried_write_is_applied_once(code_app: Any) -> None:
+    async with code_app() as code:
+        trace = new_trace()
+        first = await code.call(
+            trace, "write_file", {"path": "a.txt", "content": "first"}, task_id=TASK, call_id="w1"
+        )
+        await code.call(
+            trace, "write_file", {"path": "a.txt", "content": "second"}, task_id=TASK, call_id="w2"
+        )
+        retried = await code.call(
+            trace, "write_file", {"path": "a.txt", "content": "first"}, task_id=TASK, call_id="w1"
+        )
+        content = await code.call(trace, "read_file", {"path": "a.txt"}, task_id=TASK)
+        logged = (await code.http.get(f"/rollouts/{trace}")).json()
+    assert retried == first == "wrote 5 bytes to a.txt"
+    assert content == "second"  # the retry was answered from the ledger, not run again
+    writes = [c["call_id"] for c in logged["timeline"] if c["tool"] == "write_file"]
+    assert writes == ["w1", "w2"]

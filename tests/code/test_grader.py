@@ -11,6 +11,7 @@ from tests.code.conftest import gather_bounded
 from tests.conftest import new_trace
 from tools.code import check
 from tools.code.sandbox import Limits
+from tools.code.suspicious import code_flags
 from tools.code.tasks import get_task, load_tasks
 
 TASK = "HumanEval/0"  # has_close_elements(numbers, threshold) -> bool
@@ -245,3 +246,16 @@ def test_canonical_helpers_come_from_the_prompt() -> None:
     # solution cannot redefine it to pass.
     assert "def poly(" in get_task("HumanEval/32").prompt
     assert "poly(" in get_task("HumanEval/32").test
+
+
+def test_no_canonical_solution_raises_a_flag() -> None:
+    flagged = {
+        task.task_id: flags
+        for task in load_tasks().values()
+        if (
+            flags := code_flags(
+                {**task.starting_files(), "solution.py": task.gold_solution}, task.starting_files()
+            )
+        )
+    }
+    assert flagged == {}

@@ -442,7 +442,12 @@ def create(mode: SandboxMode, *, python: Path | None, home: Path, max_parallel: 
 
 async def probe(sandbox: Sandbox) -> None:
     """Run a trivial program; SandboxUnavailable with bwrap's own message and the fix if it fails."""
-    result = await sandbox.run({}, ["-I", "-c", "import sys; print(sys.version_info[0])"], limits=Limits())
+    try:
+        result = await sandbox.run(
+            {}, ["-I", "-c", "import sys; print(sys.version_info[0])"], limits=Limits()
+        )
+    except OSError as exc:
+        raise SandboxUnavailable(f"the {sandbox.mode} sandbox cannot start ({exc}): {INSTALL_HELP}") from exc
     if result.exit_code != 0 or result.stdout.data.strip() != b"3":
         detail = (result.stderr.data or result.stdout.data).decode("utf-8", "replace").strip()[:500]
         raise SandboxUnavailable(

@@ -42,7 +42,11 @@ ENV PATH=/opt/sparring/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     SPARRING_HOME=/var/lib/sparring
-RUN groupadd --system --gid 10001 sparring \
+# bubblewrap: the code pack's sandbox (it needs user namespaces: see docs/deploy.md).
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends bubblewrap \
+ && rm -rf /var/lib/apt/lists/* \
+ && groupadd --system --gid 10001 sparring \
  && useradd --system --uid 10001 --gid sparring --home-dir /var/lib/sparring --create-home \
         --shell /usr/sbin/nologin sparring
 COPY --from=build /opt/sparring /opt/sparring

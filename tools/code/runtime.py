@@ -46,7 +46,9 @@ def configure(mode: str, *, python: Path | None, home: Path, binds_loopback: boo
     sandbox = create(config.mode, python=python, home=home)
     asyncio.run(probe(sandbox))
     with _lock:
-        _config, _sandbox = config, sandbox
+        previous, (_config, _sandbox) = _sandbox, (config, sandbox)
+    if previous is not None:
+        previous.close()
     return sandbox
 
 

@@ -27,7 +27,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 log = logging.getLogger("sparring.packs.code.sandbox")
 
@@ -42,6 +42,7 @@ WORKSPACE_ARG = "{workspace}"
 UNPRIVILEGED_ID = 65534
 # The most output read from one stream before the run is stopped: past the cap, output is only counted.
 HARD_OUTPUT_BYTES = 4 * 1024 * 1024
+_SETPRIV_ARGS = (f"--reuid={UNPRIVILEGED_ID}", f"--regid={UNPRIVILEGED_ID}", "--clear-groups")
 SYSTEM_DIRS = ("/usr", "/bin", "/lib", "/lib32", "/lib64", "/sbin")
 
 INSTALL_HELP = (
@@ -142,12 +143,18 @@ class Sandbox:
         self.prlimit = prlimit
         self.root = root
         self.switch_user = isolated and os.geteuid() == 0
+        self.setpriv = shutil.which("setpriv") if self.switch_user else None
         self.max_parallel = max_parallel
         # One semaphore per event loop (asyncio primitives belong to the loop that first waits on them).
         self._slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
             weakref.WeakKeyDictionary()
         )
         self._mounts = self._system_mounts() if isolated else []
+
+    def close(self) -> None:
+        """Remove the directory the workspaces of runs are made in (runs still going keep theirs)."""
+        with contextlib.suppress(OSError):
+            self.root.rmdir()
 
     @property
     def mode(self) -> SandboxMode:
@@ -267,23 +274,25 @@ class Sandbox:
             workspace = await asyncio.to_thread(self._materialize, files)
             try:
                 result = await self._run(workspace, python_args, limits, stdin, cwd)
-                if collect:
-                    kept, skipped = await asyncio.to_thread(collect_files, workspace, limits)
-                    result = RunResult(**{**result.__dict__, "files": kept, "skipped": skipped})
-                return result
-            finally:
+            except BaseException:
                 await asyncio.to_thread(_remove_tree, workspace)
+                raise
+            kept, skipped = await asyncio.to_thread(_collect_and_remove, workspace, limits, collect)
+            if collect:
+                result = RunResult(**{**result.__dict__, "files": kept, "skipped": skipped})
+            return result
 
     async def _run(
         self, workspace: Path, python_args: Sequence[str], limits: Limits, stdin: bytes, cwd: str
     ) -> RunResult:
         command = self._command(workspace, python_args, limits, cwd)
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(workspace), "LANG": "C.UTF-8"}
-        user = (
-            {"user": UNPRIVILEGED_ID, "group": UNPRIVILEGED_ID, "extra_groups": []}
-            if self.switch_user
-            else {}
-        )
+        user: dict[str, Any] = {}
+        if self.switch_user and self.setpriv is not None:
+            # setpriv drops to the unprivileged uid in the child, so the server forks cheaply (vfork)
+            command = [self.setpriv, *_SETPRIV_ARGS, "--", *command]
+        elif self.switch_user:
+            user = {"user": UNPRIVILEGED_ID, "group": UNPRIVILEGED_ID, "extra_groups": []}
         started = time.perf_counter()
         process = await asyncio.create_subprocess_exec(
             *command,
@@ -293,7 +302,7 @@ class Sandbox:
             cwd=str(workspace),
             env=env,
             start_new_session=True,  # its own process group: one kill reaches the whole tree
-            **user,  # type: ignore[arg-type]
+            **user,
         )
         overflow = asyncio.Event()
         assert process.stdout is not None and process.stderr is not None and process.stdin is not None
@@ -381,6 +390,13 @@ def _remove_tree(path: Path) -> None:
                 os.unlink(name)
 
     shutil.rmtree(path, onerror=allow)
+
+
+def _collect_and_remove(workspace: Path, limits: Limits, collect: bool) -> tuple[dict[str, bytes], list[str]]:
+    try:
+        return collect_files(workspace, limits) if collect else ({}, [])
+    finally:
+        _remove_tree(workspace)
 
 
 def collect_files(workspace: Path, limits: Limits) -> tuple[dict[str, bytes], list[str]]:

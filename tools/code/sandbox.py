@@ -186,10 +186,11 @@ class Sandbox:
                 self.prlimit,
                 f"--cpu={limits.cpu_seconds}",
                 f"--as={limits.memory_bytes}",
-                f"--nproc={limits.processes}",
                 f"--nofile={limits.open_files}",
                 f"--fsize={limits.file_bytes}",
                 "--core=0",
+                # The process limit counts every process of the uid: per sandbox only under bwrap.
+                *([f"--nproc={limits.processes}"] if self.isolated else []),
                 "--",
                 *command,
             ]

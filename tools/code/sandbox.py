@@ -14,6 +14,7 @@ user namespaces; the server refuses it on a non-loopback address.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import logging
 import os
@@ -447,7 +448,7 @@ def create(mode: SandboxMode, *, python: Path | None, home: Path, max_parallel: 
     interpreter = find_python(python, for_other_uid=isolated and os.geteuid() == 0)
     root = Path(tempfile.mkdtemp(prefix="sparring-code-"))
     os.chmod(root, 0o711)  # the sandbox user (when the server is root) must reach its workspace
-    return Sandbox(
+    sandbox = Sandbox(
         isolated=isolated,
         python=interpreter,
         bwrap=bwrap,
@@ -455,6 +456,8 @@ def create(mode: SandboxMode, *, python: Path | None, home: Path, max_parallel: 
         root=root,
         max_parallel=max_parallel or max(2, 2 * (os.cpu_count() or 1)),
     )
+    atexit.register(sandbox.close)
+    return sandbox
 
 
 async def probe(sandbox: Sandbox) -> None:

@@ -42,10 +42,13 @@ ENV PATH=/opt/sparring/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     SPARRING_HOME=/var/lib/sparring
-# bubblewrap: the code pack's sandbox (it needs user namespaces: see docs/deploy.md).
-RUN apt-get update \
- && apt-get install -y --no-install-recommends bubblewrap \
- && rm -rf /var/lib/apt/lists/* \
+# bubblewrap: the code pack's sandbox (it needs user namespaces: see docs/deploy.md). An offline build
+# keeps what its base image has: without bwrap there, the code pack refuses to start, the rest works.
+ARG OFFLINE=0
+RUN if command -v bwrap >/dev/null; then :; \
+    elif [ "$OFFLINE" = 1 ]; then echo "no bubblewrap in the base image: the code pack will not start" >&2; \
+    else apt-get update && apt-get install -y --no-install-recommends bubblewrap \
+         && rm -rf /var/lib/apt/lists/*; fi \
  && groupadd --system --gid 10001 sparring \
  && useradd --system --uid 10001 --gid sparring --home-dir /var/lib/sparring --create-home \
         --shell /usr/sbin/nologin sparring

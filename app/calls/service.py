@@ -23,7 +23,7 @@ from app.metrics import Metrics
 from app.packs import Registry
 from app.rollouts.identity import CALL_ID_MAX, RUN_MAX, TRACE_ID_MAX, fit, item_key
 from app.rollouts.store import PackChanges, RolloutMeta, RolloutStore, StoredAnswer, Ticket
-from app.sdk import RolloutState, ToolContext, ToolError, ToolSpec
+from app.sdk import RolloutState, ToolContext, ToolError, ToolSpec, ToolUnavailable
 from app.sdk.tool import describe_validation_error
 
 log = logging.getLogger(__name__)
@@ -296,6 +296,9 @@ class ToolCallService:
             raise ServiceUnavailable(
                 f"tool {spec.name!r} did not finish within {self.tool_timeout:g} s"
             ) from exc
+        except ToolUnavailable as exc:
+            log.warning("tool %s unavailable (trace_id=%s): %s", spec.name, call.trace_id, exc.message)
+            raise ServiceUnavailable(f"tool {spec.name!r} is unavailable: {exc.message}") from exc
         except ServiceUnavailable:
             raise
         except Exception as exc:

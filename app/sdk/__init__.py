@@ -2,7 +2,7 @@
 
 from app.sdk.checks import CallView, CheckResult, RolloutView, StateCheck
 from app.sdk.context import ToolContext
-from app.sdk.errors import ToolDefinitionError, ToolError
+from app.sdk.errors import ToolDefinitionError, ToolError, ToolUnavailable
 from app.sdk.state import Base, RolloutState
 from app.sdk.tool import Pack, ToolSpec, build_spec
 
@@ -18,5 +18,6 @@ __all__ = [
     "ToolDefinitionError",
     "ToolError",
     "ToolSpec",
+    "ToolUnavailable",
     "build_spec",
 ]

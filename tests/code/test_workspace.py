@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import json
 from typing import Any
 
+import pytest
+
 from tests.conftest import new_trace
+from tools.code import runtime
 from tools.code.tasks import get_task
 from tools.code.workspace import LIMITS
 
@@ -117,3 +121,31 @@ async def test_a_retried_write_is_applied_once(code_app: Any) -> None:
     assert content == "second"  # the retry was answered from the ledger, not run again
     writes = [c["call_id"] for c in logged["timeline"] if c["tool"] == "write_file"]
     assert writes == ["w1", "w2"]
+
+
+async def test_a_sandbox_that_cannot_start_is_an_outage_not_a_crash(
+    code_app: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class Exhausted:
+        async def run(self, *args: Any, **kwargs: Any) -> Any:
+            raise BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable")
+
+    async with code_app() as code:
+        monkeypatch.setattr(runtime, "get_sandbox", lambda: Exhausted())
+        trace = new_trace()
+        body = {
+            "type": "function_call",
+            "call_id": "call_run",
+            "arguments": json.dumps({"path": "solution.py", "args": []}),
+            "trace_id": trace,
+            "item": {"task_id": TASK},
+        }
+        response = await code.http.post("/tools/run_python", json=body)
+        assert response.status_code == 503, response.text
+        assert response.headers["Retry-After"]
+        assert "sandbox could not start" in response.json()["error"]["message"]
+        monkeypatch.undo()
+        # The call was given up, not answered: its retry runs for real once the sandbox is back.
+        retried = await code.http.post("/tools/run_python", json=body)
+        assert retried.status_code == 200
+        assert json.loads(retried.json()["output"])["exit_code"] == 0

@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
-from app.sdk import Pack, ToolContext, ToolError
+from app.sdk import Pack, ToolContext, ToolError, ToolUnavailable
 from tools.code import data, runtime
 from tools.code.sandbox import Limits, RunResult
 from tools.code.tasks import EXAMPLES_FILE, load_tasks
@@ -114,9 +114,14 @@ async def _run(ctx: ToolContext, path: str, args: list[str]) -> dict[str, Any]:
     before = workspace.files()
     if path not in before:
         raise ToolError(f"no file {path!r} in the workspace; list_files shows what there is")
-    result = await runtime.get_sandbox().run(
-        before, ["-E", "-s", "-B", "-X", "utf8", path, *args], limits=RUN_LIMITS, collect=True
-    )
+    try:
+        result = await runtime.get_sandbox().run(
+            before, ["-E", "-s", "-B", "-X", "utf8", path, *args], limits=RUN_LIMITS, collect=True
+        )
+    except OSError as exc:
+        # The sandbox could not be started here (no process slots, a full disk): an outage, not a
+        # broken tool, so the trainer retries the call instead of discarding the rollout as broken.
+        raise ToolUnavailable(f"the sandbox could not start: {exc.strerror or exc}") from exc
     not_kept = _keep_files(workspace, before, result)
     return _answer(result, not_kept)
 

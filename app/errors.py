@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, ClassVar
 
 import orjson
@@ -12,6 +13,9 @@ from sqlalchemy.exc import SQLAlchemyError
 
 class StartupError(RuntimeError):
     """The server cannot start as configured; the message says what to change."""
+
+
+log = logging.getLogger(__name__)
 
 
 class SparringError(Exception):
@@ -98,5 +102,9 @@ OUTAGES: tuple[type[Exception], ...] = (SQLAlchemyError, RedisError, OSError)
 
 
 def outage(exc: BaseException, retry_after: int) -> ServiceUnavailable:
-    """The one translation of an OUTAGES error into the 503 (with Retry-After) that answers it."""
-    return ServiceUnavailable(f"a dependency is unreachable: {type(exc).__name__}", retry_after=retry_after)
+    """The one translation of an OUTAGES error into the 503 (with Retry-After) that answers it.
+
+    The caller gets a stable message; the driver's words (hosts, ports, error kinds) go to the log.
+    """
+    log.warning("a dependency failed: %s: %s", type(exc).__name__, exc)
+    return ServiceUnavailable("a dependency is unreachable", retry_after=retry_after)

@@ -223,19 +223,15 @@ class CallLogWriter:
                 raise
             except _COMMIT_ERRORS as exc:
                 log.warning("call log commit failed for %d calls: %s", len(batch), exc)
-                error = LogUnavailable(
-                    f"call log database unreachable: {type(exc).__name__}", retry_after=self._retry_after
-                )
+                error = LogUnavailable("call log database unreachable", retry_after=self._retry_after)
                 for _, future in batch:
                     if future is not None and not future.done():
                         future.set_exception(error)
-            except Exception as exc:  # a bug must not kill the writer task
+            except Exception:  # a bug must not kill the writer task
                 log.exception("call log commit failed")
                 for _, future in batch:
                     if future is not None and not future.done():
-                        future.set_exception(
-                            LogUnavailable(f"call log failed: {exc}", retry_after=self._retry_after)
-                        )
+                        future.set_exception(LogUnavailable("call log failed", retry_after=self._retry_after))
             else:
                 for _, future in batch:
                     if future is not None and not future.done():

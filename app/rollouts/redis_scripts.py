@@ -116,6 +116,10 @@ return kept
 
 _FLAG_CHARS = ("0", "1")
 
+# What a connection that was reset raises when used: the client's errors, or the event loop's own
+# (uvloop raises RuntimeError writing to a closed transport, asyncio an OSError).
+_DEAD_CONNECTION = (ConnectionError, RedisTimeoutError, OSError, RuntimeError)
+
 
 def script_flags(*switches: bool) -> str:
     return "".join(map(_FLAG_CHARS.__getitem__, switches))
@@ -231,7 +235,7 @@ class ScriptBatcher:
         try:
             try:
                 results = await self._exchange(connection, commands)
-            except (ConnectionError, RedisTimeoutError):
+            except _DEAD_CONNECTION:
                 # The connection was dead (Redis restarted, a proxy closed it while idle): the same
                 # scripts once more, on a new one. Each is safe to run twice.
                 results = await self._exchange(connection, commands)

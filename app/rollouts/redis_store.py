@@ -14,7 +14,6 @@ from typing import Any, TypeVar
 
 import orjson
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
 from app.rollouts.redis_scripts import ABORT, BEGIN, EXTEND, FINISH, SEP, Script, ScriptBatcher, script_flags
 from app.rollouts.store import PackChanges, RolloutMeta, StoredAnswer, StoreUnavailable, Ticket
@@ -92,23 +91,29 @@ class RedisRolloutStore:
         self._token_count = itertools.count()
 
     def _unavailable(self, exc: BaseException) -> StoreUnavailable:
+        # The caller gets a stable message; what the driver said (hosts, ports, error kinds) is logged.
+        log.warning("rollout state store failed: %s: %s", type(exc).__name__, exc)
         if isinstance(exc, TimeoutError):
             return StoreUnavailable(f"rollout state store did not answer within {self._op_timeout:g} s")
-        return StoreUnavailable(f"rollout state store unreachable: {type(exc).__name__}: {exc}")
+        return StoreUnavailable("rollout state store unreachable")
 
     async def _guard(self, operation: Awaitable[T]) -> T:
-        """Run one Redis operation under one deadline; an unreachable or hung Redis is a 503."""
+        """Run one Redis operation under one deadline; an unreachable or hung Redis is a 503.
+
+        Any exception is an outage here, whatever its class: besides the client's own errors, the
+        event loop raises RuntimeError (uvloop) or OSError when a reset connection is written to.
+        """
         try:
             async with asyncio.timeout(self._op_timeout):
                 return await operation
-        except (TimeoutError, RedisError, OSError) as exc:
+        except Exception as exc:
             raise self._unavailable(exc) from exc
 
     async def _run(self, script: Script, trace_id: str, call_id: str | None, args: list[Any]) -> Any:
         """Run one of the call scripts, batched with others (the batch carries the deadline)."""
         try:
             return await self._batcher.run(script, _keys(trace_id, call_id), args)
-        except (TimeoutError, RedisError, OSError) as exc:
+        except Exception as exc:  # every failure of Redis, whatever raised it (see _guard)
             raise self._unavailable(exc) from exc
 
     # --- one call: begin, then finish or abort ------------------------------------------------------

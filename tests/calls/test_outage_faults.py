@@ -1,0 +1,95 @@
+"""Redis and Postgres behind proxies that reset connections mid-load: every failure a 503, never a 500."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import Counter
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+import uvloop
+from asgi_lifespan import LifespanManager
+
+from app.main import create_app
+from tests.conftest import ADMIN_KEY, REDIS_URL, TOOLS_KEY, make_settings, new_trace
+from tests.faults import DroppingProxy
+from tests.packs import counter_pack
+
+pytestmark = pytest.mark.slow
+
+
+def _proxied(url: str, proxy: DroppingProxy) -> str:
+    parts = urlsplit(url)
+    netloc = parts.netloc.rsplit("@", 1)
+    host = f"127.0.0.1:{proxy.port}"
+    return parts._replace(netloc=f"{netloc[0]}@{host}" if len(netloc) == 2 else host).geturl()
+
+
+async def _load_under_drops(home: Path, database_url: str) -> list[httpx.Response]:
+    pg, redis = urlsplit(database_url), urlsplit(REDIS_URL)
+    pg_proxy = await DroppingProxy(pg.hostname or "127.0.0.1", pg.port or 5432).start()
+    redis_proxy = await DroppingProxy(redis.hostname or "127.0.0.1", redis.port or 6379).start()
+    settings = make_settings(
+        home,
+        database_url=_proxied(database_url, pg_proxy),
+        redis_url=_proxied(REDIS_URL, redis_proxy),
+    )
+    app = create_app(settings, packs=[counter_pack])
+    responses: list[httpx.Response] = []
+
+    async def rollout(client: httpx.AsyncClient) -> None:
+        trace = new_trace()
+        for k in range(12):
+            body = {"trace_id": trace, "call_id": f"c{k}", "arguments": {"by": 1}}
+            responses.append(await client.post("/tools/increment", json=body))
+            responses.append(
+                await client.get(f"/rollouts/{trace}", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+            )
+
+    async def dropper() -> None:
+        while True:
+            await asyncio.sleep(0.004)
+            pg_proxy.drop()
+            redis_proxy.drop()
+
+    try:
+        async with LifespanManager(app) as manager:
+            transport = httpx.ASGITransport(app=manager.app)
+            async with httpx.AsyncClient(
+                transport=transport,
+                base_url="http://sparring",
+                headers={"Authorization": f"Bearer {TOOLS_KEY}"},
+                timeout=30,
+            ) as client:
+                dropping = asyncio.create_task(dropper())
+                try:
+                    await asyncio.wait_for(asyncio.gather(*(rollout(client) for _ in range(16))), 120)
+                finally:
+                    dropping.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await dropping
+    finally:
+        await pg_proxy.aclose()
+        await redis_proxy.aclose()
+    return responses
+
+
+def test_connections_reset_mid_load_answer_503_never_500(tmp_path: Path, pg_database: str) -> None:
+    responses = uvloop.run(_load_under_drops(tmp_path / "home", pg_database))
+    statuses = Counter(r.status_code for r in responses)
+    assert statuses[503] > 0, f"the drops must have failed some requests: {statuses}"
+    unexpected: list[Any] = [
+        (r.status_code, r.text[:300]) for r in responses if r.status_code not in (200, 404, 503)
+    ]
+    assert not unexpected, (statuses, unexpected[:5])
+    for response in responses:
+        if response.status_code == 503:
+            assert response.headers.get("Retry-After"), response.text
+            error = response.json()["error"]
+            assert set(error) >= {"code", "message"}
+            # What the driver said (hosts, ports, error kinds) stays in the server's log.
+            assert "127.0.0.1" not in response.text and str(urlsplit(REDIS_URL).port) not in response.text

@@ -6,11 +6,13 @@ import asyncio
 import itertools
 import logging
 import os
+import re
 import time
 from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
 from string import Template
 from typing import Any, TypeVar
+from urllib.parse import quote
 
 import orjson
 from redis.asyncio import Redis
@@ -23,15 +25,32 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+_PLAIN_ID = re.compile(r"[A-Za-z0-9_.~-]+")
+
+
+def _key_part(value: str) -> str:
+    """An id as it appears in a key: percent-encoded unless it is plain, so ids are never key syntax.
+
+    Percent-encoding leaves letters, digits and `_.~-` alone and writes every other character as
+    %XX bytes, '%' itself included, so two distinct ids never encode alike and no encoded id holds a
+    brace (the hash tag) or a colon (the key's separator). Plain ids, the usual kind, are used as they
+    are: `quote` would return them unchanged. The empty id is '%', which no other id encodes to.
+    """
+    if _PLAIN_ID.fullmatch(value):
+        return value
+    return quote(value, safe="") or "%"
+
+
 def _prefix(trace_id: str) -> str:
     # The hash tag keeps every key of a rollout in one Redis Cluster slot (atomic scripts need it).
-    return f"sp:{{{trace_id}}}"
+    return f"sp:{{{_key_part(trace_id)}}}"
 
 
 def _keys(trace_id: str, call_id: str | None) -> list[str]:
     prefix = _prefix(trace_id)
     # Without a call_id the ledger key is never read or written; it is named for the fixed layout only.
-    return [f"{prefix}:meta", f"{prefix}:state", f"{prefix}:call:{call_id or ''}", f"{prefix}:lock"]
+    call = _key_part(call_id) if call_id is not None else ""
+    return [f"{prefix}:meta", f"{prefix}:state", f"{prefix}:call:{call}", f"{prefix}:lock"]
 
 
 def _text(value: Any) -> str:

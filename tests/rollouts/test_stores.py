@@ -451,3 +451,62 @@ async def test_redis_down_is_store_unavailable() -> None:
         assert info.value.status_code == 503
     finally:
         await store.aclose()
+
+
+# Ids that are key syntax in a naive layout: hash-tag braces, the ':' and 'call:' separators, the
+# state field separator, percent signs (the escape), unicode, empty, and long ones.
+HOSTILE_TRACES = [
+    "rA",
+    "rA}:call:k",
+    "rA}",
+    "{rA}",
+    "rA:call:k",
+    "rA%7D:call:k",
+    "r\x1fA",
+    "rÄ🙂",
+    "",
+    "t" * 300,
+]
+HOSTILE_CALLS = [
+    "c1",
+    "k}:call:c1",
+    "k",
+    "}:meta",
+    ":meta",
+    "meta",
+    "%",
+    "%25",
+    "c\x1f1",
+    "ç🙂",
+    "",
+    "c" * 300,
+]
+
+
+async def test_hostile_ids_never_share_a_ledger_entry(store: RolloutStore) -> None:
+    """Every (trace_id, call_id) pair has its own ledger entry, whatever characters the ids hold."""
+    suffix = new_trace()  # keeps this run's rollouts apart from earlier runs' on the shared Redis
+    pairs = [(trace + suffix, call) for trace in HOSTILE_TRACES for call in HOSTILE_CALLS]
+    pairs += [
+        (trace, call) for trace in ("rA" + suffix, "rA" + suffix + "}:call:k") for call in HOSTILE_CALLS
+    ]
+    for trace, call in pairs:
+        began = await begin(store, trace, call, lock=True)
+        if isinstance(began, Ticket):
+            await store.finish(
+                began, {"p": {"t": {call: trace}}}, StoredAnswer(output=f"{trace}|{call}", outcome="ok")
+            )
+    for trace, call in pairs:
+        replay = await begin(store, trace, call, lock=True)
+        assert replay == StoredAnswer(output=f"{trace}|{call}", outcome="ok"), (trace, call)
+    for trace in {trace for trace, _ in pairs}:
+        assert await store.changes(trace) == {"p": {"t": {call: trace for call in HOSTILE_CALLS}}}, trace
+
+
+async def test_an_id_cannot_read_another_rollouts_answer(store: RolloutStore) -> None:
+    trace = new_trace()
+    first = await ticket(store, trace, "k}:call:c1")
+    await store.finish(first, {}, StoredAnswer(output="the answer of rA", outcome="ok"))
+    other = await begin(store, f"{trace}}}:call:k", "c1")
+    assert isinstance(other, Ticket), "a call of another rollout must run, not replay rA's answer"
+    await store.abort(other)

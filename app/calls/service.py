@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Mapping
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -27,6 +28,16 @@ from app.sdk import RolloutState, ToolContext, ToolError, ToolSpec, ToolUnavaila
 from app.sdk.tool import describe_validation_error
 
 log = logging.getLogger(__name__)
+
+# The outcome of a call whose call_id already answered a different call: 200 with an `Error: ...`
+# output, logged with its own arguments (never deduplicated against the first), flagged for review.
+CALL_ID_REUSED = "call_id_reused"
+
+
+def call_digest(tool: str, arguments: Mapping[str, Any]) -> str:
+    """What makes two calls the same call: the tool and its arguments, key order and spacing aside."""
+    canonical = orjson.dumps(arguments, option=orjson.OPT_SORT_KEYS)
+    return hashlib.blake2b(tool.encode() + b"\x00" + canonical, digest_size=16).hexdigest()
 
 
 def truncate_output(output: str, cap: int) -> str:
@@ -145,7 +156,7 @@ class ToolCallService:
             except ServiceUnavailable as exc:
                 self.log_writer.submit(self._record(call, None, "infra_error", exc.message, 503))
                 raise
-            error = answer.output if answer.outcome == "model_error" else None
+            error = answer.output if answer.outcome != "ok" else None
             await self.log_writer.write(self._record(call, answer.output, answer.outcome, error, 200))
             outcome = answer.outcome
         finally:
@@ -212,9 +223,10 @@ class ToolCallService:
         spec = self._resolve(call, path_name)
         if isinstance(spec, StoredAnswer):
             return spec
-        kwargs = _bind(spec, call.envelope.arguments)
-        if isinstance(kwargs, StoredAnswer):
-            return kwargs
+        bound = _bind(spec, call.envelope.arguments)
+        if isinstance(bound, StoredAnswer):
+            return bound
+        raw, kwargs = bound
 
         call_id = call.envelope.call_id
         stateful = spec.context_param is not None or spec.mutates
@@ -229,7 +241,16 @@ class ToolCallService:
             load_changes=spec.context_param is not None,
             wait=self.tool_timeout + 5,
         )
+        digest = call_digest(spec.name, raw)
         if isinstance(began, StoredAnswer):
+            if began.call and began.call != digest:
+                # Not a retry: another call under a call_id already answered. Replaying the first answer
+                # would pair these arguments with an output they did not produce.
+                return StoredAnswer(
+                    output=f"Error: call_id {call_id!r} was already used for a different call "
+                    "(another tool or other arguments); give each new call a new call_id",
+                    outcome=CALL_ID_REUSED,
+                )
             self.metrics.ledger_replays.inc()
             return began  # a retry: the identical answer, without running the tool again
         try:
@@ -240,7 +261,7 @@ class ToolCallService:
                 )
             else:
                 answer, writes = await self._run(spec, kwargs, call, began)
-            await self.store.finish(began, writes, answer)
+            await self.store.finish(began, writes, replace(answer, call=digest))
         except BaseException:
             with contextlib.suppress(ServiceUnavailable):
                 await self.store.abort(began)
@@ -356,8 +377,11 @@ def _arguments_text(arguments: Any) -> str:
     return orjson.dumps(arguments, default=str).decode()
 
 
-def _bind(spec: ToolSpec, arguments: Any) -> dict[str, Any] | StoredAnswer:
-    """Arguments as a JSON string or an object; mistakes become outputs the model can act on."""
+def _bind(spec: ToolSpec, arguments: Any) -> tuple[dict[str, Any], dict[str, Any]] | StoredAnswer:
+    """The arguments as sent (a JSON string or an object) and as the tool's parameters.
+
+    Mistakes become outputs the model can act on.
+    """
     if arguments is None or (isinstance(arguments, str) and not arguments.strip()):
         raw: Any = {}
     elif isinstance(arguments, str):
@@ -373,6 +397,6 @@ def _bind(spec: ToolSpec, arguments: Any) -> dict[str, Any] | StoredAnswer:
         kind = _JSON_TYPES.get(type(raw), type(raw).__name__)
         return _model_error(f"the arguments for {spec.name!r} must be a JSON object, not {kind}")
     try:
-        return spec.bind(raw)
+        return raw, spec.bind(raw)
     except ValidationError as exc:
         return _model_error(f"invalid arguments for {spec.name!r}: {describe_validation_error(exc)}")

@@ -24,6 +24,7 @@ EMPTY_ANSWER_HIGH_SCORE = "empty_answer_high_score"
 IDENTICAL_ANSWER_ACROSS_ITEMS = "identical_answer_across_items"
 TOOL_ERRORS = "tool_errors"
 GRADE_FAILED = "grade_failed"
+CALL_ID_REUSED = "call_id_reused"
 
 __all__ = ["answer_hash", "final_answer", "normalize_answer"]  # re-exported for the flags' readers
 
@@ -36,6 +37,7 @@ FLAG_NAMES: tuple[str, ...] = (
     IDENTICAL_ANSWER_ACROSS_ITEMS,
     TOOL_ERRORS,
     GRADE_FAILED,
+    CALL_ID_REUSED,
 )
 
 
@@ -181,6 +183,18 @@ def check_tool_errors(calls: Sequence[CallView]) -> Flag | None:
     )
 
 
+def check_call_id_reused(calls: Sequence[CallView]) -> Flag | None:
+    # The outcome app/calls/service.py logs for a call whose call_id had answered a different call.
+    reused = [c.seq for c in calls if c.outcome == CALL_ID_REUSED]
+    if not reused:
+        return None
+    return Flag(
+        CALL_ID_REUSED,
+        f"{len(reused)} call(s) reused a call_id that had answered a different call (answered with an error)",
+        reused,
+    )
+
+
 def check_grade_failed(status: str, errors: Sequence[str]) -> Flag | None:
     if status != "failed":
         return None
@@ -214,6 +228,7 @@ def compute_flags(
             check_repeated_calls(calls, policy),
             check_over_budget(calls, policy),
             check_tool_errors(calls),
+            check_call_id_reused(calls),
         ]
     found += [
         check_empty_answer(answer, score, policy),

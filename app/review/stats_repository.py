@@ -28,7 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from app.db.models import Grade, Rollout, ToolCall
 
 QUANTILES = (0.5, 0.9, 0.99)
-OUTCOMES = ("ok", "model_error", "tool_crash", "infra_error")
+OUTCOMES = ("ok", "model_error", "tool_crash", "infra_error", "call_id_reused")
 
 
 @dataclass(frozen=True)

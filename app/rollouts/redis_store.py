@@ -210,7 +210,7 @@ class RedisRolloutStore:
                 return ticket
             if kind == "answer":
                 data = orjson.loads(reply[1])
-                return StoredAnswer(output=data["output"], outcome=data["outcome"])
+                return StoredAnswer(output=data["output"], outcome=data["outcome"], call=data.get("call", ""))
             # Wait and try again: for another attempt of this call to answer (or its claim to lapse),
             # or for the call holding the rollout's lock (in another process) to finish.
             if kind == "busy":
@@ -293,7 +293,9 @@ class RedisRolloutStore:
         args: list[Any] = [
             ticket.token,
             script_flags(ledger, ticket.locked),
-            orjson.dumps({"output": answer.output, "outcome": answer.outcome}) if ledger else "",
+            orjson.dumps({"output": answer.output, "outcome": answer.outcome, "call": answer.call})
+            if ledger
+            else "",
         ]
         for pack, collections in writes.items():
             for collection, records in collections.items():

@@ -21,6 +21,9 @@ class StoredAnswer:
 
     output: str
     outcome: str  # ok | model_error
+    # A digest of the call that produced the answer (its tool and canonical arguments): a retry must
+    # be the same call to replay it. Empty for an answer not bound to a call (nothing to compare).
+    call: str = ""
 
 
 @dataclass(frozen=True)

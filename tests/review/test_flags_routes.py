@@ -142,3 +142,32 @@ async def test_parallel_calls_share_a_batch_in_the_timeline(review: ReviewApp) -
     assert timeline["parallel_batches"] == 3
     assert timeline["calls"][0]["arguments"] == '{"text":"first"}'
     assert timeline["calls"][0]["output"] == "first" and timeline["calls"][0]["output_bytes"] == 5
+
+
+async def test_a_reused_call_id_is_an_error_logged_with_its_own_arguments_and_flagged(
+    review: ReviewApp,
+) -> None:
+    trace = new_trace()
+    first = await review.call("increment", '{"by": 1, "name": "main"}', trace, call_id="c1")
+    assert first.json()["output"] == '{"value":101}'
+    # The same call again (key order and spacing differ): a retry, replayed without running again.
+    retry = await review.call("increment", {"name": "main", "by": 1}, trace, call_id="c1")
+    assert retry.status_code == 200 and retry.json()["output"] == '{"value":101}'
+    # Other arguments, or another tool, under the same call_id: not a retry.
+    for tool, arguments in (("increment", {"by": 5}), ("read_counter", {})):
+        reused = await review.call(tool, arguments, trace, call_id="c1")
+        assert reused.status_code == 200
+        assert reused.json()["output"].startswith("Error: call_id 'c1' was already used for a different call")
+    after = await review.call("read_counter", {}, trace, call_id="c2")
+    assert after.json()["output"] == '{"value":101}', "the reused call_id ran nothing"
+    timeline = await review.api(f"/rollouts/{trace}")
+    rows = [(c["tool"], c["outcome"], c["arguments"]) for c in timeline["timeline"]]
+    assert rows == [
+        ("increment", "ok", '{"by": 1, "name": "main"}'),
+        ("increment", "call_id_reused", '{"by":5}'),
+        ("read_counter", "call_id_reused", "{}"),
+        ("read_counter", "ok", "{}"),
+    ], rows
+    await review.grade(trace, answer="The counter is at 101.", score=1.0)
+    flags = await flags_of(review, trace)
+    assert flags == {"call_id_reused": [1, 2]}, flags

@@ -18,6 +18,7 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.db.models import Rollout, ToolCall
+from app.db.text import storable
 from app.errors import ServiceUnavailable
 from app.metrics import Metrics
 
@@ -263,13 +264,14 @@ class CallLogWriter:
         if self._postgres:
             await self._commit_postgres(records, [rollouts[key] for key in traces])
             return
-        rows = [asdict(record) for record in records]
+        rows = [_without_nul(record) for record in records]
+        rollout_rows = [storable(rollouts[key]) for key in traces]
         async with self._engine.begin() as conn:
             # The upsert locks each rollout row first, so concurrent batches of one rollout take turns
             # and each recount sees the calls the other committed.
-            await conn.execute(self._rollout_upsert, [rollouts[key] for key in traces])
+            await conn.execute(self._rollout_upsert, rollout_rows)
             await conn.execute(self._calls_insert, rows)
-            await conn.execute(self._recount, {"traces": traces})
+            await conn.execute(self._recount, {"traces": [row["trace_id"] for row in rollout_rows]})
 
     async def _commit_postgres(self, records: list[CallRecord], rollouts: list[dict[str, Any]]) -> None:
         calls = _json_rows(records)
@@ -347,8 +349,4 @@ def _json_rows(rows: list[CallRecord] | list[dict[str, Any]]) -> str:
 
 
 def _without_nul(row: CallRecord | dict[str, Any]) -> dict[str, Any]:
-    values = dict(asdict(row) if isinstance(row, CallRecord) else row)
-    for name, value in values.items():
-        if isinstance(value, str) and "\x00" in value:
-            values[name] = value.replace("\x00", "\ufffd")
-    return values
+    return storable(asdict(row) if isinstance(row, CallRecord) else dict(row))

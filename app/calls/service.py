@@ -22,7 +22,15 @@ from app.calls.log_writer import CallLogWriter, CallRecord
 from app.errors import ServiceUnavailable, ToolCrashed
 from app.metrics import Metrics
 from app.packs import Registry
-from app.rollouts.identity import CALL_ID_MAX, RUN_MAX, TRACE_ID_MAX, fit, item_key
+from app.rollouts.identity import (
+    CALL_ID_MAX,
+    JSON_DEPTH_MAX,
+    RUN_MAX,
+    TRACE_ID_MAX,
+    fit,
+    item_key,
+    nested_deeper_than,
+)
 from app.rollouts.store import PackChanges, RolloutMeta, RolloutStore, StoredAnswer, Ticket
 from app.sdk import RolloutState, ToolContext, ToolError, ToolSpec, ToolUnavailable
 from app.sdk.tool import describe_validation_error
@@ -223,6 +231,8 @@ class ToolCallService:
         spec = self._resolve(call, path_name)
         if isinstance(spec, StoredAnswer):
             return spec
+        if nested_deeper_than(call.envelope.item):
+            return _model_error(f"the call's item nests more than {JSON_DEPTH_MAX} levels deep")
         bound = _bind(spec, call.envelope.arguments)
         if isinstance(bound, StoredAnswer):
             return bound
@@ -374,7 +384,10 @@ def _arguments_text(arguments: Any) -> str:
         return ""
     if isinstance(arguments, str):
         return arguments
-    return orjson.dumps(arguments, default=str).decode()
+    try:
+        return orjson.dumps(arguments, default=str).decode()
+    except orjson.JSONEncodeError:  # nested deeper than orjson writes; the call is answered an Error
+        return f"(arguments not logged: nested more than {JSON_DEPTH_MAX} levels deep)"
 
 
 def _bind(spec: ToolSpec, arguments: Any) -> tuple[dict[str, Any], dict[str, Any]] | StoredAnswer:
@@ -396,6 +409,10 @@ def _bind(spec: ToolSpec, arguments: Any) -> tuple[dict[str, Any], dict[str, Any
     if not isinstance(raw, dict):
         kind = _JSON_TYPES.get(type(raw), type(raw).__name__)
         return _model_error(f"the arguments for {spec.name!r} must be a JSON object, not {kind}")
+    if nested_deeper_than(raw):
+        return _model_error(
+            f"the arguments for {spec.name!r} nest more than {JSON_DEPTH_MAX} levels deep; send flatter JSON"
+        )
     try:
         return raw, spec.bind(raw)
     except ValidationError as exc:

@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from app.deps import GraderKey, GradingDep
 from app.errors import BadRequest, json_response
 from app.grading.service import GradingService
-from app.rollouts.identity import RUN_HEADER, RUN_MAX, TRACE_ID_MAX, fit
+from app.rollouts.identity import JSON_DEPTH_MAX, RUN_HEADER, RUN_MAX, TRACE_ID_MAX, fit, nested_deeper_than
 
 router = APIRouter(tags=["graders"])
 
@@ -39,6 +39,9 @@ async def _grade(request: Request, service: GradingService, name: str | None) ->
         raise BadRequest(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise BadRequest('request body must be a JSON object: {"sample": ..., "item": ..., "trace_id": ...}')
+    for part in ("sample", "item"):
+        if nested_deeper_than(data.get(part)):
+            raise BadRequest(f"the {part} nests more than {JSON_DEPTH_MAX} levels deep")
     trace_id = data.get("trace_id")
     trace_id = fit(str(trace_id), TRACE_ID_MAX) if trace_id not in (None, "") else None
     run = request.headers.get(RUN_HEADER)

@@ -11,6 +11,7 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from app.db.text import storable
 from app.errors import OUTAGES, NotFound, ServiceUnavailable, outage
 from app.grading.graders.model import (
     GradeInput,
@@ -98,7 +99,7 @@ class GradingService:
         if trace_id:
             try:
                 async with self.sessionmaker() as session:
-                    timeline = await read_timeline(session, trace_id)
+                    timeline = await read_timeline(session, storable(trace_id))
             except OUTAGES as exc:
                 raise outage(exc, self.retry_after) from exc
         record = await self._record(timeline, with_state=grader.needs_rollout) if timeline else None
@@ -148,9 +149,10 @@ class GradingService:
         now = datetime.now(UTC)
         try:
             async with self.sessionmaker() as session, session.begin():
+                # Stored as Postgres text can hold it: a NUL becomes U+FFFD (app/db/text.py).
                 _, raised = await store_grade(
                     session,
-                    trace_id=inputs.trace_id,
+                    trace_id=storable(inputs.trace_id),
                     calls=inputs.rollout.calls
                     if inputs.rollout is not None
                     else ([] if inputs.trace_id else None),
@@ -158,14 +160,17 @@ class GradingService:
                     grader_version=grader.version,
                     status=status,
                     score=result.score if result is not None else None,
-                    sub_scores=result.sub_scores if result is not None else {},
-                    grader_flags=[
-                        {"name": n, "reason": r, "evidence": []} for n, r in (result.flags if result else [])
-                    ],
-                    errors=errors,
-                    sample=inputs.sample,
-                    item=inputs.item,
-                    run=run,
+                    sub_scores=storable(dict(result.sub_scores)) if result is not None else {},
+                    grader_flags=storable(
+                        [
+                            {"name": n, "reason": r, "evidence": []}
+                            for n, r in (result.flags if result else [])
+                        ]
+                    ),
+                    errors=storable(errors),
+                    sample=storable(dict(inputs.sample)),
+                    item=storable(dict(inputs.item)),
+                    run=storable(run),
                     latency_ms=(time.perf_counter() - started) * 1000,
                     created_at=now,
                     extra_sources=prompt_texts(inputs.item),

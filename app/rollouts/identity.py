@@ -1,4 +1,5 @@
-"""What names a rollout and its calls on the wire: column limits, `fit`, the run header, the item key.
+"""What names a rollout and its calls on the wire: column limits, `fit`, the run header, the item key,
+and how deeply the JSON they carry may nest.
 
 Both request paths (tool calls and grades) import these, so a trace id, a run label or an item key is
 stored the same way whichever path saw it first.
@@ -12,12 +13,32 @@ from typing import Any
 
 import orjson
 
+from app.db.text import storable
+
 TRACE_ID_MAX = 128  # rollouts.trace_id, tool_calls.trace_id, grades.trace_id
 CALL_ID_MAX = 200  # tool_calls.call_id and request_id
 RUN_MAX = 200  # the X-Sparring-Run label
 RUN_HEADER = "X-Sparring-Run"  # labels a training run; stored with every rollout, call and grade
 
 ITEM_ID_FIELDS = ("id", "item_id", "task_id", "uid")
+
+# How deeply arguments, items and samples may nest: orjson writes at most 255 levels and Postgres
+# parses a few hundred before its stack limit; no tool call or dataset row needs more.
+JSON_DEPTH_MAX = 128
+
+
+def nested_deeper_than(value: Any, limit: int = JSON_DEPTH_MAX) -> bool:
+    """Whether objects and arrays in `value` nest more than `limit` levels (a scalar is level 0)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return False
 
 
 def fit(value: str, limit: int) -> str:
@@ -36,5 +57,10 @@ def item_key(item: Mapping[str, Any]) -> str | None:
         value = item.get(name)
         if isinstance(value, (str, int)) and not isinstance(value, bool):
             return f"{name}:{value}"[:128]
-    digest = hashlib.sha256(orjson.dumps(item, option=orjson.OPT_SORT_KEYS, default=str)).hexdigest()
+    if nested_deeper_than(item):
+        return None  # refused where it arrives (an `Error:` output, a 400); orjson cannot write it
+    dumped = orjson.dumps(item, option=orjson.OPT_SORT_KEYS, default=str)
+    if b"\\u0000" in dumped:  # hash the row as it is stored (NUL as U+FFFD), so the log and grades agree
+        dumped = orjson.dumps(storable(item), option=orjson.OPT_SORT_KEYS, default=str)
+    digest = hashlib.sha256(dumped).hexdigest()
     return f"sha256:{digest[:40]}"

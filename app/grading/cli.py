@@ -98,12 +98,8 @@ def grade(
 
     async def work(service: Any) -> Any:
         chosen = service.resolve(grader)
-        if trace_id and chosen.needs_rollout and settings.redis_url is None:
-            typer.echo(
-                "note: rollout state is in memory in the server process; a state check run from here "
-                "sees the pack's base state only (set SPARRING_REDIS_URL to read a rollout's state)",
-                err=True,
-            )
+        # A grader that reads the rollout's state refuses (RolloutStateLost, exit 1) when this process
+        # cannot read it: in memory in the server process, or expired in Redis.
         _, inputs = await service.prepare(chosen, sample_data, item_data, trace_id)
         return chosen, await chosen.grade(inputs)
 
@@ -146,9 +142,17 @@ def regrade(
         return "-" if value is None else f"{value:.4f}"
 
     typer.echo(
-        f"regraded {report.rollouts} rollouts with {report.grader} (version {report.version}): "
-        f"{report.changed} scores changed, {report.failed} failed; "
-        f"mean {mean(report.mean_before)} -> {mean(report.mean_after)}"
+        f"regraded {report.rollouts - report.skipped - report.failed} of {report.rollouts} rollouts with "
+        f"{report.grader} (version {report.version}): {report.changed} scores changed, "
+        f"{report.failed} failed, {report.skipped} skipped; "
+        f"mean {mean(report.mean_before)} -> {mean(report.mean_after)} (over the rollouts regraded)"
     )
+    if report.skipped:
+        typer.echo(
+            f"skipped {report.skipped} rollouts: the grader reads their state, which the state store no "
+            "longer holds (expired after SPARRING_STATE_TTL_SECONDS, or in memory in a server that "
+            "restarted); their stored grades are unchanged",
+            err=True,
+        )
     if report.failed:
         raise typer.Exit(1)

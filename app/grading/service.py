@@ -12,13 +12,14 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.db.text import storable
-from app.errors import OUTAGES, NotFound, ServiceUnavailable, outage
+from app.errors import OUTAGES, NotFound, ServiceUnavailable, SparringError, outage
 from app.grading.graders.model import (
     GradeInput,
     Grader,
     GradeResult,
     GraderUnavailable,
     RolloutRecord,
+    RolloutStateLost,
 )
 from app.grading.recording import store_grade
 from app.grading.repository import GradeRepository
@@ -34,6 +35,16 @@ class GradeUnavailable(ServiceUnavailable):
     code = "grader_unavailable"
 
 
+class RolloutStateGone(SparringError):
+    """The grader reads rollout state the store no longer holds: refused, nothing stored.
+
+    Not a 503: the state will not come back, so a retry cannot help.
+    """
+
+    status_code = 409
+    code = "rollout_state_gone"
+
+
 @dataclass(frozen=True)
 class Regraded:
     """What `regrade` changed: how many grades, how many scores moved, the means before and after."""
@@ -43,6 +54,7 @@ class Regraded:
     rollouts: int
     changed: int
     failed: int
+    skipped: int  # the grader reads state the store no longer holds: not regraded, nothing stored
     mean_before: float | None
     mean_after: float | None
 
@@ -81,14 +93,18 @@ class GradingService:
             raise NotFound(f"no grader named {key!r}", available=sorted(self.graders))
         return grader
 
-    async def _record(self, timeline: RolloutTimeline, *, with_state: bool) -> RolloutRecord:
-        state = await self.store.changes(timeline.trace_id) if with_state else {}
+    async def _record(self, timeline: RolloutTimeline, trace_id: str, *, with_state: bool) -> RolloutRecord:
+        # `trace_id` as the calls sent it: the store's key (the timeline's is as stored, NUL as U+FFFD).
+        state = await self.store.changes(trace_id) if with_state else {}
+        # The log shows calls but the store has nothing: the state expired or died with its process.
+        lost = with_state and not state and bool(timeline.calls) and not await self.store.seen(trace_id)
         return RolloutRecord(
-            trace_id=timeline.trace_id,
+            trace_id=trace_id,
             calls=timeline.calls,
             first_seen=timeline.first_seen,
             last_seen=timeline.last_seen,
             state=state,
+            state_lost=lost,
         )
 
     async def prepare(
@@ -102,7 +118,9 @@ class GradingService:
                     timeline = await read_timeline(session, storable(trace_id))
             except OUTAGES as exc:
                 raise outage(exc, self.retry_after) from exc
-        record = await self._record(timeline, with_state=grader.needs_rollout) if timeline else None
+        record = None
+        if timeline is not None and trace_id:
+            record = await self._record(timeline, trace_id, with_state=grader.needs_rollout)
         return timeline, GradeInput(sample=sample, item=item, trace_id=trace_id, rollout=record)
 
     async def grade(
@@ -122,6 +140,10 @@ class GradingService:
         run = timeline.run if timeline is not None and timeline.run else run
         try:
             result = await grader.grade(inputs)
+        except RolloutStateLost as exc:
+            self.metrics.grades.labels(grader.name, "refused").inc()
+            log.warning("grader %s refused rollout %s: %s", grader.name, trace_id, exc)
+            raise RolloutStateGone(str(exc)) from exc
         except GraderUnavailable as exc:
             self.metrics.grades.labels(grader.name, "failed").inc()
             await self._store(grader, inputs, None, str(exc), started, run=run, best_effort=True)
@@ -196,17 +218,21 @@ class GradingService:
             stored = await GradeRepository(session).latest(name, run=run, limit=limit)
         before: list[float] = []
         after: list[float] = []
-        changed = failed = 0
+        changed = failed = skipped = 0
         for old in stored:
             item = old.item or {}
-            if old.score is not None:
-                before.append(old.score)
             try:
                 result = await self.grade(grader.name, old.sample or {}, item, old.trace_id, run=old.run)
+            except RolloutStateGone:
+                skipped += 1
+                continue
             except ServiceUnavailable as exc:
                 failed += 1
                 log.warning("regrade of %s failed: %s", old.trace_id, exc)
                 continue
+            # The means compare the rollouts that were regraded, before and after.
+            if old.score is not None:
+                before.append(old.score)
             after.append(result.score)
             if old.score is None or abs(old.score - result.score) > 1e-9:
                 changed += 1
@@ -216,6 +242,7 @@ class GradingService:
             rollouts=len(stored),
             changed=changed,
             failed=failed,
+            skipped=skipped,
             mean_before=_mean(before),
             mean_after=_mean(after),
         )

@@ -157,6 +157,10 @@ class MemoryRolloutStore:
         rollout = self._rollouts.get(trace_id)
         return copy.deepcopy(rollout.changes) if rollout else {}
 
+    async def seen(self, trace_id: str) -> bool:
+        rollout = self._rollouts.get(trace_id)
+        return rollout is not None and time.time() - rollout.last_seen <= self._ttl
+
     async def ping(self) -> None:
         return None
 

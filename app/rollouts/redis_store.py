@@ -345,6 +345,10 @@ class RedisRolloutStore:
         raw = await self._guard(self._redis.hgetall(f"{_prefix(trace_id)}:state"))
         return _decode_changes(raw)
 
+    async def seen(self, trace_id: str) -> bool:
+        # Every call that reads or changes the rollout's state touches its meta (see _BEGIN).
+        return bool(await self._guard(self._redis.exists(f"{_prefix(trace_id)}:meta")))
+
     async def ping(self) -> None:
         await self._guard(self._redis.ping())
 

@@ -101,4 +101,4 @@ def test_regrade_reports_what_changed(env: Path) -> None:
     assert upgraded.exit_code == 0, upgraded.output
     result = runner.invoke(cli, ["regrade", "--grader", "exact"])
     assert result.exit_code == 0, result.output
-    assert "regraded 0 rollouts with exact" in result.output and "mean - -> -" in result.output
+    assert "regraded 0 of 0 rollouts with exact" in result.output and "mean - -> -" in result.output

@@ -33,6 +33,29 @@ class RolloutRecord:
     last_seen: datetime | None
     # {pack: {collection: {key: record}}}; only collections the rollout changed are guaranteed present.
     state: Mapping[str, Mapping[str, Mapping[str, Any]]] = field(default_factory=dict)
+    # The rollout made calls but the state store no longer holds it (past the idle TTL, or in memory
+    # in a process that restarted): `state` is empty, not the rollout's. Graders that read it refuse.
+    state_lost: bool = False
+
+    def require_state(self) -> None:
+        """Raise RolloutStateLost unless `state` is what the rollout left."""
+        if self.state_lost:
+            raise RolloutStateLost(self.trace_id)
+
+
+class RolloutStateLost(Exception):
+    """A grader reads the state of a rollout whose state the store no longer holds.
+
+    Grading the pack's base state instead would store a made-up score: the grade is refused.
+    """
+
+    def __init__(self, trace_id: str) -> None:
+        super().__init__(
+            f"the state of rollout {trace_id!r} is no longer held by the state store (expired after "
+            "SPARRING_STATE_TTL_SECONDS, or lost with the process that kept it in memory); a grader "
+            "that reads it cannot score this rollout"
+        )
+        self.trace_id = trace_id
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,8 @@ class PythonGrader:
         self.needs_rollout = self.with_rollout
 
     async def grade(self, inp: GradeInput) -> GradeResult:
+        if self.with_rollout and inp.rollout is not None:
+            inp.rollout.require_state()  # the rollout it is given includes the state
         outcome = await self.runner.run(
             self.source,
             dict(inp.sample),

@@ -248,5 +248,7 @@ class Scope:
         elif ref.namespace == "sample":
             root = self.sample
         else:
+            if self.record is not None and ref.path[:1] == ("state",):
+                self.record.require_state()
             root = self.rollout
         return resolve(root, ref.path)

@@ -225,6 +225,8 @@ class StateCheckGrader(_TraceGrader):
         self.make_state = make_state
 
     async def grade(self, inp: GradeInput) -> GradeResult:
+        if inp.rollout is not None:
+            inp.rollout.require_state()
         view = RolloutView(
             trace_id=inp.trace_id,
             item=inp.item,

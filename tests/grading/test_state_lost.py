@@ -1,0 +1,90 @@
+"""A grader that reads rollout state the store no longer holds refuses instead of scoring the base state."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from redis.asyncio import Redis
+
+from app.deps import app_state
+from tests.conftest import ADMIN_KEY, REDIS_URL, AppFactory, new_trace
+from tests.grading.test_routes import GRADERS, ledger_pack, pay_call, sample, stored_grades, write_graders
+
+STATE_GRADERS = {
+    "exact": GRADERS["exact"],
+    "efficient": GRADERS["efficient"],  # a multi grader with a state check inside
+    "balance_tpl": {  # a template that reads the state
+        "type": "string_check",
+        "name": "balance_tpl",
+        "operation": "eq",
+        "input": "{{ rollout.state.ledger.accounts.alice.balance }}",
+        "reference": "{{ item.expected_balance }}",
+    },
+}
+
+
+async def forget_state(backend: str, trace: str) -> None:
+    """What the idle TTL does in Redis; in memory, the app restart in the test does it."""
+    if backend == "real":
+        client = Redis.from_url(REDIS_URL)
+        try:
+            await client.delete(*[key async for key in client.scan_iter(match=f"sp:{{{trace}}}:*")])
+        finally:
+            await client.aclose()
+
+
+async def test_state_graders_refuse_when_the_state_is_gone(
+    app_factory: AppFactory, tmp_path: Path, backend: str
+) -> None:
+    graders = write_graders(tmp_path, STATE_GRADERS)
+    run = f"lost-{new_trace()}"
+    trace, kept = new_trace(), new_trace()
+    item = {"id": 1, "expected_balance": 70, "reference_answer": "70"}
+    body = {"sample": sample("70"), "item": item}
+    headers = {"X-Sparring-Run": run}
+    async with app_factory(packs=[ledger_pack], key=ADMIN_KEY, graders_file=graders) as client:
+        for t in (trace, kept):
+            await pay_call(client, t, "c1", 30)
+            for name in ("final_balance", "efficient", "balance_tpl", "exact"):
+                response = await client.post(f"/grade/{name}", json={**body, "trace_id": t}, headers=headers)
+                assert response.json() == {"score": 1.0}, (name, response.text)
+        await forget_state(backend, trace)
+        if backend == "real":
+            for name in ("final_balance", "efficient", "balance_tpl"):
+                response = await client.post(f"/grade/{name}", json={**body, "trace_id": trace})
+                assert response.status_code == 409, (name, response.text)
+                assert response.json()["error"]["code"] == "rollout_state_gone"
+    async with app_factory(packs=[ledger_pack], key=ADMIN_KEY, graders_file=graders) as client:
+        grading = app_state(client.app).grading
+        stored = len(await stored_grades(client, run=run))
+        if backend == "real":  # the other rollout's state is still there: it is regraded as before
+            report = await grading.regrade("final_balance", run=run)
+            assert (report.rollouts, report.skipped, report.failed, report.changed) == (2, 1, 0, 0)
+            assert report.mean_after == 1.0
+        else:  # in memory, the restart lost every rollout's state
+            report = await grading.regrade("final_balance", run=run)
+            assert (report.rollouts, report.skipped, report.failed) == (2, 2, 0)
+            assert report.mean_after is None
+        # A grader that reads no state is regraded as usual.
+        plain = await grading.regrade("exact", run=run)
+        assert (plain.rollouts, plain.skipped, plain.changed) == (2, 0, 0)
+        grades = await stored_grades(client, run=run)
+        assert len(grades) == stored + (2 if backend == "embedded" else 3)
+        assert all(g.score == 1.0 for g in grades), "no made-up 0 was stored"
+
+
+@pytest.mark.parametrize("backend", ["embedded"], indirect=True)
+async def test_the_grade_route_refuses_too(app_factory: AppFactory, tmp_path: Path) -> None:
+    graders = write_graders(tmp_path, STATE_GRADERS)
+    trace = new_trace()
+    async with app_factory(packs=[ledger_pack], key=ADMIN_KEY, graders_file=graders) as client:
+        await pay_call(client, trace, "c1", 30)
+    async with app_factory(packs=[ledger_pack], key=ADMIN_KEY, graders_file=graders) as client:
+        response = await client.post(
+            "/grade/final_balance",
+            json={"sample": sample("70"), "item": {"expected_balance": 70}, "trace_id": trace},
+        )
+        assert response.status_code == 409, response.text
+        assert "state" in response.json()["error"]["message"]
+        assert await stored_grades(client, trace) == []

@@ -44,6 +44,7 @@ def build_grading(
         sessionmaker=sessionmaker,
         metrics=metrics,
         retry_after=settings.retry_after_seconds,
+        state_tools=[name for name, spec in registry.tools.items() if spec.context_param or spec.mutates],
     )
 
 

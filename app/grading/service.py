@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -27,12 +27,23 @@ from app.grounding import prompt_texts
 from app.metrics import Metrics
 from app.rollouts.store import RolloutStore
 from app.rollouts.timeline import RolloutTimeline, read_timeline
+from app.sdk import GradingConfigError
 
 log = logging.getLogger(__name__)
 
 
 class GradeUnavailable(ServiceUnavailable):
     code = "grader_unavailable"
+
+
+class GraderMisconfigured(SparringError):
+    """The grader cannot use what it was sent (the dataset row, its own settings): a failed grade.
+
+    A 4xx the trainer sees, so the platform drops the rollout instead of training on a made-up 0.
+    """
+
+    status_code = 422
+    code = "grader_config_error"
 
 
 class RolloutStateGone(SparringError):
@@ -73,6 +84,7 @@ class GradingService:
         sessionmaker: async_sessionmaker[AsyncSession],
         metrics: Metrics,
         retry_after: int,
+        state_tools: Collection[str] = (),
     ) -> None:
         self.graders = graders
         self.default = default
@@ -80,6 +92,9 @@ class GradingService:
         self.sessionmaker = sessionmaker
         self.metrics = metrics
         self.retry_after = retry_after
+        self._config_errors_reported: set[tuple[str, str]] = set()
+        # The tools whose calls the state store records (they read or change rollout state).
+        self.state_tools = frozenset(state_tools)
 
     def resolve(self, name: str | None) -> Grader:
         key = name or self.default
@@ -93,11 +108,26 @@ class GradingService:
             raise NotFound(f"no grader named {key!r}", available=sorted(self.graders))
         return grader
 
+    def _report_config_error(self, grader: str, message: str) -> None:
+        """Loudly, once per grader and cause: every grade of a misconfigured run would repeat it."""
+        key = (grader, message)
+        if key in self._config_errors_reported:
+            return
+        if len(self._config_errors_reported) < 1000:  # bounded; past that, every further cause logs each time
+            self._config_errors_reported.add(key)
+        log.error("grader %s configuration error (grades fail with 422 until fixed): %s", grader, message)
+
     async def _record(self, timeline: RolloutTimeline, trace_id: str, *, with_state: bool) -> RolloutRecord:
         # `trace_id` as the calls sent it: the store's key (the timeline's is as stored, NUL as U+FFFD).
         state = await self.store.changes(trace_id) if with_state else {}
-        # The log shows calls but the store has nothing: the state expired or died with its process.
-        lost = with_state and not state and bool(timeline.calls) and not await self.store.seen(trace_id)
+        # The log shows calls of tools that read or write state, but the store has nothing: the state
+        # expired or died with its process. (A rollout of stateless tools only never had any.)
+        lost = (
+            with_state
+            and not state
+            and any(c.tool in self.state_tools for c in timeline.calls)
+            and not await self.store.seen(trace_id)
+        )
         return RolloutRecord(
             trace_id=trace_id,
             calls=timeline.calls,
@@ -140,6 +170,13 @@ class GradingService:
         run = timeline.run if timeline is not None and timeline.run else run
         try:
             result = await grader.grade(inputs)
+        except GradingConfigError as exc:
+            self.metrics.grades.labels(grader.name, "failed").inc()
+            self._report_config_error(grader.name, exc.message)
+            await self._store(grader, inputs, None, exc.message, started, run=run, best_effort=False)
+            raise GraderMisconfigured(
+                f"grader {grader.name!r} cannot grade this item: {exc.message}"
+            ) from exc
         except RolloutStateLost as exc:
             self.metrics.grades.labels(grader.name, "refused").inc()
             log.warning("grader %s refused rollout %s: %s", grader.name, trace_id, exc)
@@ -225,6 +262,9 @@ class GradingService:
                 result = await self.grade(grader.name, old.sample or {}, item, old.trace_id, run=old.run)
             except RolloutStateGone:
                 skipped += 1
+                continue
+            except GraderMisconfigured:
+                failed += 1  # stored as a failed grade, logged by grade()
                 continue
             except ServiceUnavailable as exc:
                 failed += 1

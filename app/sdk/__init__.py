@@ -2,7 +2,7 @@
 
 from app.sdk.checks import CallView, CheckResult, RolloutView, StateCheck
 from app.sdk.context import ToolContext
-from app.sdk.errors import ToolDefinitionError, ToolError, ToolUnavailable
+from app.sdk.errors import GradingConfigError, ToolDefinitionError, ToolError, ToolUnavailable
 from app.sdk.state import Base, RolloutState
 from app.sdk.tool import Pack, ToolSpec, build_spec
 
@@ -10,6 +10,7 @@ __all__ = [
     "Base",
     "CallView",
     "CheckResult",
+    "GradingConfigError",
     "Pack",
     "RolloutState",
     "RolloutView",

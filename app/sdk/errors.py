@@ -21,5 +21,18 @@ class ToolUnavailable(Exception):
         self.message = message
 
 
+class GradingConfigError(Exception):
+    """A grader cannot score a rollout because of how it was set up, not because of the model.
+
+    The dataset row lacks what the grader needs (a state check's task id, a field a template reads)
+    or the grader's settings do not fit it. Raised from a state check, it fails the grade: the trainer
+    gets an error (and drops the rollout) instead of a score of 0 it would train on.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
 class ToolDefinitionError(TypeError):
     """A tool's signature cannot be served; raised when the tool is defined, not when it is called."""

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from app.grading.graders.templates import Scope, TemplateError, compile_template, rollout_namespace
+from app.sdk import GradingConfigError
 from tests.grading.records import call, rollout
 
 SAMPLE: dict[str, Any] = {
@@ -62,9 +63,6 @@ def render(
         ("{{ sample.choices[-1].message.content }}", "Paris"),
         ('{{ item["with space"]["inner key"] }}', "found"),
         # a missing path renders as an empty string, like on the platform
-        ("[{{ item.missing }}]", "[]"),
-        ("[{{ item.ground_truth.missing.deeper }}]", "[]"),
-        ("[{{ item.list[7] }}]", "[]"),
         ("[{{ sample.output_text.length }}]", "[]"),
         ("[{{ sample.output_json.tags.x }}]", "[]"),
     ],
@@ -73,8 +71,20 @@ def test_rendering(template: str, expected: str) -> None:
     assert render(template) == expected
 
 
-def test_an_empty_sample_and_item_render_empty() -> None:
-    assert render("<{{ sample.output_text }}|{{ item.reference_answer }}>", sample={}, item={}) == "<|>"
+def test_an_empty_sample_renders_empty() -> None:
+    assert render("<{{ sample.output_text }}|{{ item.reference_answer }}>", sample={}) == "<|Paris>"
+
+
+@pytest.mark.parametrize(
+    "template",
+    ["[{{ item.missing }}]", "[{{ item.ground_truth.missing.deeper }}]", "[{{ item.list[7] }}]"],
+)
+def test_an_item_field_the_row_lacks_is_a_configuration_error(template: str) -> None:
+    """The dataset row is the operator's: scoring against an empty string would be a made-up 0."""
+    with pytest.raises(GradingConfigError, match="no such field"):
+        render(template)
+    with pytest.raises(GradingConfigError, match="its fields: none"):
+        render("{{ item.reference_answer }}", item={})
 
 
 @pytest.mark.parametrize(

@@ -71,7 +71,7 @@ async def test_run_statistics_match_the_generated_data(review: ReviewApp) -> Non
     assert stats["platform"]["tool_latency"]["p50_ms"] == pytest.approx(nearest_rank(all_latencies, 0.5))
     outcomes = Counter(c["outcome"] for c in calls)
     assert stats["errors_by_outcome"] == {
-        o: outcomes.get(o, 0) for o in ("ok", "model_error", "tool_crash", "infra_error")
+        o: outcomes.get(o, 0) for o in ("ok", "model_error", "tool_crash", "infra_error", "call_id_reused")
     }
     assert stats["platform"]["tool_errors"] == outcomes.get("tool_crash", 0)
     assert stats["platform"]["model_errors"] == outcomes.get("model_error", 0)
@@ -156,7 +156,13 @@ async def test_ungraded_and_failed_rollouts_are_listed(review: ReviewApp) -> Non
         for r in (await review.api("/review/api/rollouts", run=run, status="ungraded"))["rollouts"]
     ] == [ungraded]
     stats = await review.api("/review/api/stats", run=run)
-    assert stats["errors_by_outcome"] == {"ok": 1, "model_error": 1, "tool_crash": 1, "infra_error": 0}
+    assert stats["errors_by_outcome"] == {
+        "ok": 1,
+        "model_error": 1,
+        "tool_crash": 1,
+        "infra_error": 0,
+        "call_id_reused": 0,
+    }
     assert stats["reward"]["failed"] == 1 and stats["reward"]["mean"] is None
     assert stats["platform"]["tool_errors"] == 1 and stats["platform"]["model_errors"] == 1
     runs = {r["run"]: r["rollouts"] for r in await review.api("/review/api/runs")}

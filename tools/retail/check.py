@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from app.sdk import CheckResult, RolloutState, RolloutView
+from app.sdk import CheckResult, GradingConfigError, RolloutState, RolloutView
 from app.sdk.state import Changes
 from tools.retail.records import COLLECTIONS, canonical_record
 from tools.retail.tasks import ToolCall, calls_from_actions, get_task, replay
@@ -18,7 +18,7 @@ from tools.retail.tools import pack
 NO_TOOL_CALLS = "no_tool_calls"
 
 
-class RetailItemError(ValueError):
+class RetailItemError(GradingConfigError, ValueError):
     """The row sent to the grader does not say which task it is: a configuration problem, not a score."""
 
 

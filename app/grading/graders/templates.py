@@ -17,6 +17,7 @@ from typing import Any
 import orjson
 
 from app.grading.graders.model import GradeInput, RolloutRecord
+from app.sdk import GradingConfigError
 
 NAMESPACES = ("item", "sample", "rollout")
 
@@ -244,8 +245,17 @@ class Scope:
     def lookup(self, ref: Ref) -> Any:
         root: Any
         if ref.namespace == "item":
-            root = self.item
-        elif ref.namespace == "sample":
+            # The dataset row is the operator's: a field the config reads and the row lacks is a
+            # configuration error, not an empty string to score against (a missing sample field is
+            # the model's answer lacking it, and renders empty).
+            value = resolve(self.item, ref.path)
+            if value is _MISSING:
+                raise GradingConfigError(
+                    f"the grader reads {ref.text.strip()!r} and the item has no such field "
+                    f"(its fields: {', '.join(sorted(map(str, self.item))) or 'none'})"
+                )
+            return value
+        if ref.namespace == "sample":
             root = self.sample
         else:
             if self.record is not None and ref.path[:1] == ("state",):

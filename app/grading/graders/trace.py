@@ -41,7 +41,7 @@ from app.grading.graders.model import (
 )
 from app.grading.graders.templates import Scope, Template
 from app.grounding import prompt_texts, ungrounded
-from app.sdk import CallView, CheckResult, Pack, RolloutState, RolloutView, StateCheck
+from app.sdk import CallView, CheckResult, GradingConfigError, Pack, RolloutState, RolloutView, StateCheck
 
 # The same names as the review flags (app/review/flags.py), so a grader's flag and a review flag agree.
 OVER_BUDGET = "over_budget"
@@ -243,7 +243,7 @@ class StateCheckGrader(_TraceGrader):
                 outcome = await asyncio.to_thread(self.check, view)
                 if inspect.isawaitable(outcome):
                     outcome = await outcome
-        except GraderUnavailable:
+        except (GraderUnavailable, GradingConfigError):
             raise
         except Exception as exc:
             reason = f"state check {self.check_name!r} raised {type(exc).__name__}: {exc}"[:500]

@@ -62,12 +62,14 @@ class Settings(BaseSettings):
     state_ttl_seconds: int = Field(
         24 * 3600, ge=1, description="Idle time after which a rollout's state expires."
     )
+    # Held locks and claims are extended every third of the shorter expiry while their call runs,
+    # so these only bound how long a killed worker blocks its rollout.
     lock_timeout_seconds: float = Field(
-        60.0, gt=0, description="Expiry of a rollout lock held by a crashed worker."
+        5.0, gt=0, description="Expiry of a rollout lock held by a crashed worker (kept alive while it runs)."
     )
     tool_timeout_seconds: float = Field(300.0, gt=0, description="Deadline given to each tool call.")
     claim_timeout_seconds: float = Field(
-        30.0,
+        5.0,
         gt=0,
         description="Expiry of a call's ledger claim held by a crashed worker (kept alive while it runs).",
     )

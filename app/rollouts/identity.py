@@ -21,6 +21,7 @@ RUN_MAX = 200  # the X-Sparring-Run label
 RUN_HEADER = "X-Sparring-Run"  # labels a training run; stored with every rollout, call and grade
 
 ITEM_ID_FIELDS = ("id", "item_id", "task_id", "uid")
+ITEM_KEY_MAX = 128  # rollouts.item_key, grades.item_key
 
 # How deeply arguments, items and samples may nest: orjson writes at most 255 levels and Postgres
 # parses a few hundred before its stack limit; no tool call or dataset row needs more.
@@ -41,12 +42,26 @@ def nested_deeper_than(value: Any, limit: int = JSON_DEPTH_MAX) -> bool:
     return False
 
 
+_DIGEST_CHARS = 64  # sha256, hex
+_HEX = frozenset("0123456789abcdef")
+
+
+def _looks_abbreviated(value: str) -> bool:
+    tail = value[-_DIGEST_CHARS - 1 :]
+    return len(tail) == _DIGEST_CHARS + 1 and tail[0] == "~" and _HEX.issuperset(tail[1:])
+
+
 def fit(value: str, limit: int) -> str:
-    """`value` itself when it fits the column, else its head and a hash of the whole (stable, distinct)."""
-    if len(value) <= limit:
+    """`value` itself when it fits the column, else its head and a hash of the whole (stable, distinct).
+
+    A value that fits but already ends like an abbreviation (`~` and 64 hex digits) is abbreviated
+    too, so an id written as another's abbreviation can never stand for it: two distinct values
+    never fit alike (short of a sha256 collision).
+    """
+    if len(value) <= limit and not _looks_abbreviated(value):
         return value
     digest = hashlib.sha256(value.encode()).hexdigest()
-    return f"{value[: limit - len(digest) - 1]}~{digest}"
+    return f"{value[: max(0, limit - len(digest) - 1)]}~{digest}"
 
 
 def item_key(item: Mapping[str, Any]) -> str | None:
@@ -56,7 +71,7 @@ def item_key(item: Mapping[str, Any]) -> str | None:
     for name in ITEM_ID_FIELDS:
         value = item.get(name)
         if isinstance(value, (str, int)) and not isinstance(value, bool):
-            return f"{name}:{value}"[:128]
+            return fit(f"{name}:{value}", ITEM_KEY_MAX)  # a long id cut with a hash: never merged
     if nested_deeper_than(item):
         return None  # refused where it arrives (an `Error:` output, a 400); orjson cannot write it
     dumped = orjson.dumps(item, option=orjson.OPT_SORT_KEYS, default=str)

@@ -184,8 +184,10 @@ class GradingService:
         except GraderUnavailable as exc:
             self.metrics.grades.labels(grader.name, "failed").inc()
             await self._store(grader, inputs, None, str(exc), started, run=run, best_effort=True)
+            # The detail (a judge's host, a driver's words) is in the stored grade and the log, not the body.
+            log.warning("grader %s unavailable: %s", grader.name, exc)
             raise GradeUnavailable(
-                f"grader {grader.name!r} unavailable: {exc}", retry_after=self.retry_after
+                f"grader {grader.name!r} unavailable", retry_after=self.retry_after
             ) from exc
         await self._store(grader, inputs, result, None, started, run=run, best_effort=False)
         self.metrics.grades.labels(grader.name, "ok").inc()

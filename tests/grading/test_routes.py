@@ -285,6 +285,8 @@ async def test_a_judge_outage_answers_503_and_is_recorded_as_failed(
         assert response.status_code == 503
         assert response.headers["Retry-After"]
         assert response.json()["error"]["code"] == "grader_unavailable"
+        # Where the judge runs is the server's business: it is in the stored grade, not the answer.
+        assert judge_server.base_url.split("//")[1].split("/")[0] not in response.text, response.text
         [grade] = await stored_grades(client, trace)
         assert grade.status == "failed" and grade.score is None and grade.errors
         assert "grade_failed" in {f["name"] for f in grade.flags}

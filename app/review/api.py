@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Literal
+from urllib.parse import quote
 
 from fastapi import APIRouter, Depends, Query
 from fastapi.responses import StreamingResponse
@@ -64,8 +65,8 @@ async def list_rollouts(
         max_score=max_score,
         flag=flag,
         tool=tool,
-        since=since,
-        until=until,
+        since=_utc(since),
+        until=_utc(until),
         grader=grader,
         status=status,
     )
@@ -159,12 +160,22 @@ async def export_rollouts(
         async for line in lines:
             yield line
 
-    filename = f"sparring-{run or 'all'}.jsonl".replace('"', "")
     return StreamingResponse(
         body(),
         media_type="application/x-ndjson",
-        headers={"Content-Disposition": f'attachment; filename="{filename}"'},
+        headers={"Content-Disposition": _attachment(f"sparring-{run or 'all'}.jsonl")},
     )
+
+
+def _utc(moment: datetime | None) -> datetime | None:
+    """A time without a timezone is UTC, as on the review pages."""
+    return moment.replace(tzinfo=UTC) if moment is not None and moment.tzinfo is None else moment
+
+
+def _attachment(filename: str) -> str:
+    """RFC 6266: an ASCII `filename` for old clients and the exact name, UTF-8, as `filename*`."""
+    fallback = "".join(c if c.isascii() and c.isprintable() and c not in '"\\;' else "_" for c in filename)
+    return f"attachment; filename=\"{fallback}\"; filename*=UTF-8''{quote(filename, safe='')}"
 
 
 async def _export_lines(db: Database, run: str | None) -> AsyncIterator[bytes]:

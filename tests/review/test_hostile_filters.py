@@ -1,0 +1,54 @@
+"""Review filters as a hostile or careless client sends them: a clear 4xx or the answer, never a 5xx."""
+
+from __future__ import annotations
+
+from urllib.parse import quote
+
+import pytest
+
+from tests.conftest import new_trace
+from tests.review.conftest import ADMIN, ReviewApp
+
+FILTERS = ["run", "item", "flag", "tool", "grader", "cursor"]
+
+
+async def test_since_and_until_without_a_timezone_are_utc(review: ReviewApp) -> None:
+    run = f"tz-{new_trace()}"
+    trace = new_trace()
+    assert (await review.call("read_counter", {}, trace, call_id="c1", run=run)).status_code == 200
+    for since, until in (("2000-01-01T00:00:00", "2999-01-01T00:00:00"), ("2000-01-01", "2999-01-01")):
+        response = await review.client.get(
+            "/review/api/rollouts", params={"run": run, "since": since, "until": until}, headers=ADMIN
+        )
+        assert response.status_code == 200, response.text
+        assert [r["trace_id"] for r in response.json()["rollouts"]] == [trace]
+    empty = await review.client.get(
+        "/review/api/rollouts", params={"run": run, "since": "2999-01-01T00:00:00"}, headers=ADMIN
+    )
+    assert empty.status_code == 200 and empty.json()["rollouts"] == []
+
+
+@pytest.mark.parametrize("bad", ["a\x00b", "a\r\nSet-Cookie: x=1", "a\nb"])
+async def test_control_characters_in_filters_and_ids_are_a_400(review: ReviewApp, bad: str) -> None:
+    for name in FILTERS:
+        for path in ("/review/api/rollouts", "/export"):
+            response = await review.client.get(path, params={name: bad}, headers=ADMIN)
+            assert response.status_code == 400, (path, name, response.status_code, response.text[:200])
+            assert response.json()["error"]["code"] == "bad_request"
+    for path in (f"/review/api/rollouts/{quote(bad)}", f"/review/api/rollouts/{quote(bad)}/recompute-flags"):
+        method = review.client.post if path.endswith("-flags") else review.client.get
+        response = await method(path, headers=ADMIN)
+        assert response.status_code == 400, (path, response.status_code, response.text[:200])
+
+
+@pytest.mark.parametrize("run", ["€-run", "ünïcode run", 'quote" and ; semicolon', "plain"])
+async def test_export_of_any_run_label_names_its_file(review: ReviewApp, run: str) -> None:
+    trace = new_trace()
+    label = run if run.isascii() else None  # a run label arrives in a header: ASCII; a filter may be anything
+    assert (await review.call("read_counter", {}, trace, call_id="c1", run=label)).status_code == 200
+    response = await review.client.get("/export", params={"run": run}, headers=ADMIN)
+    assert response.status_code == 200, response.text[:200]
+    disposition = response.headers["content-disposition"]
+    assert disposition.isascii()
+    assert f"filename*=UTF-8''{quote(f'sparring-{run}.jsonl', safe='')}" in disposition, disposition
+    assert (trace in response.text) == (label is not None)

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query
 from pydantic import BaseModel
 
+from app.db.text import storable
 from app.deps import AdminKey, DatabaseDep, RegistryDep, StoreDep
 from app.errors import NotFound
 from app.rollouts.repository import RolloutRepository
@@ -74,16 +75,30 @@ async def get_rollout_state(
     _: AdminKey,
     store: StoreDep,
     registry: RegistryDep,
+    db: DatabaseDep,
     changed_only: Annotated[
         bool, Query(description="Only the records this rollout changed, not the whole materialized state.")
     ] = False,
 ) -> dict[str, Any]:
-    """The rollout's current state per pack, materialized (base plus this rollout's changes)."""
+    """The rollout's current state per pack, materialized (base plus this rollout's changes).
+
+    Every pack the rollout changed or called a tool of (a rollout that changed nothing shows its base);
+    404 for a rollout the server never saw.
+    """
     changes = await store.changes(trace_id)
+    async with db.session() as session:
+        timeline = await read_timeline(session, storable(trace_id))
+    if timeline is None and not changes and not await store.seen(trace_id):
+        raise NotFound(f"no rollout with trace_id {trace_id!r}")
+    called = {
+        registry.tools[call.tool].pack
+        for call in (timeline.calls if timeline is not None else ())
+        if call.outcome == "ok" and call.tool in registry.tools
+    }
     state: dict[str, Any] = {}
     for name, pack in registry.packs.items():
         pack_changes = changes.get(name, {})
-        if not pack_changes:
+        if not pack_changes and name not in called:
             continue
         state[name] = {"changed": pack_changes}
         if not changed_only:

@@ -355,8 +355,8 @@ async def test_parallel_batches_are_marked(app_factory: AppFactory) -> None:
 async def test_state_route_materializes_base_and_changes(app_factory: AppFactory) -> None:
     async with app_factory(packs=PACKS) as client:
         trace = new_trace()
-        untouched = (await client.get(f"/rollouts/{trace}/state", headers=ADMIN)).json()
-        assert untouched == {"trace_id": trace, "packs": {}}
+        never_seen = await client.get(f"/rollouts/{trace}/state", headers=ADMIN)
+        assert never_seen.status_code == 404
         for tool, args in [
             ("set_item", {"key": "b", "n": 20}),
             ("set_item", {"key": "d", "n": 4}),

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
-from app.cli_support import load_settings
+from app.cli_support import fail, load_settings
 from app.config import Settings, get_settings
 from app.grading.cli import grading_cli
 from app.retention.cli import retention_cli
@@ -194,16 +194,52 @@ def job_config_command(
     grader: Annotated[
         str | None, typer.Option(help="Grader name served at /grade/NAME (default: /grade).")
     ] = None,
+    allow_http: Annotated[
+        bool, typer.Option(help="Accept an http:// base URL (a local trainer; hosted services need https).")
+    ] = False,
 ) -> None:
-    """Print the `method.reinforcement` tools and grader entries as JSON (keys are placeholders)."""
+    """Print the `method.reinforcement` tools and grader entries as JSON (keys are placeholders).
+
+    Checked against the registry and graders the server would serve: anything a job would fail on
+    (an unknown grader, /grade with no default grader, a plain http URL) is an error, exit 2.
+    """
     settings = load_settings()
     url = base_url or settings.public_base_url
     if not url:
-        typer.echo("error: give --base-url https://your-host (or set SPARRING_PUBLIC_BASE_URL)", err=True)
-        raise typer.Exit(2)
-    if not url.startswith("https://"):
-        typer.echo("warning: training services call tools over HTTPS; this base URL is not https", err=True)
-    typer.echo(json.dumps(job_config(settings, _registry(settings), url, grader), indent=2))
+        raise fail("give --base-url https://your-host (or set SPARRING_PUBLIC_BASE_URL)")
+    if not url.startswith("https://") and not (allow_http and url.startswith("http://")):
+        raise fail(f"training services call tools and graders over https only; {url!r} is not https")
+    registry = _registry(settings)
+    names, default = _graders_served(settings, registry)
+    known = ", ".join(sorted(names)) or "none"
+    if not names:
+        raise fail("no grader is configured (set SPARRING_GRADERS_FILE, or enable a pack with a state check)")
+    if grader is not None and grader not in names:
+        raise fail(f"no grader named {grader!r}; configured: {known}")
+    if grader is None and default is None:
+        raise fail(
+            f"POST /grade has no default grader: pass --grader NAME (one of {known}) "
+            "or set SPARRING_DEFAULT_GRADER"
+        )
+    typer.echo(json.dumps(job_config(settings, registry, url, grader), indent=2))
+
+
+def _graders_served(settings: Settings, registry: Any) -> tuple[set[str], str | None]:
+    """The grader names the server would serve and the one behind POST /grade (None: no default)."""
+    from app.errors import StartupError
+    from app.grading.build import default_grader
+    from app.grading.graders.model import GraderConfigError
+    from app.grading.graders.registry import load_graders_file
+
+    try:
+        configs = load_graders_file(settings.graders_file) if settings.graders_file is not None else {}
+    except GraderConfigError as exc:
+        raise fail(f"invalid grader config: {exc}") from None
+    names = set(configs) | set(registry.state_checks)
+    try:
+        return names, default_grader(settings, [*configs, *registry.state_checks], registry.state_checks)
+    except StartupError as exc:
+        raise fail(str(exc)) from None
 
 
 @cli.command("dataset-tools")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -14,13 +15,26 @@ from app.config import get_settings
 @pytest.fixture(autouse=True)
 def _fresh_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPARRING_PACKS", "demo")
-    monkeypatch.delenv("SPARRING_AUTH_HEADER", raising=False)
+    for name in ("SPARRING_AUTH_HEADER", "SPARRING_GRADERS_FILE", "SPARRING_DEFAULT_GRADER"):
+        monkeypatch.delenv(name, raising=False)
     get_settings.cache_clear()
     yield
     get_settings.cache_clear()
 
 
-def test_job_config_lists_every_tool_with_its_url_and_a_key_placeholder() -> None:
+def one_grader(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, name: str) -> None:
+    """A graders file with one string_check named `name` (job-config refuses a job with no grader)."""
+    path = tmp_path / "graders.json"
+    grader = {"type": "string_check", "name": name, "operation": "eq", "input": "a", "reference": "a"}
+    path.write_text(json.dumps({name: grader}))
+    monkeypatch.setenv("SPARRING_GRADERS_FILE", str(path))
+    get_settings.cache_clear()
+
+
+def test_job_config_lists_every_tool_with_its_url_and_a_key_placeholder(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    one_grader(monkeypatch, tmp_path, "retail")
     result = CliRunner().invoke(
         cli, ["job-config", "--base-url", "https://rft.example.com/", "--grader", "retail"]
     )
@@ -40,7 +54,10 @@ def test_job_config_lists_every_tool_with_its_url_and_a_key_placeholder() -> Non
     }
 
 
-def test_job_config_uses_the_configured_header_and_public_url(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_job_config_uses_the_configured_header_and_public_url(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    one_grader(monkeypatch, tmp_path, "exact")
     monkeypatch.setenv("SPARRING_AUTH_HEADER", "X-Functions-Key")
     monkeypatch.setenv("SPARRING_PUBLIC_BASE_URL", "https://public.example.com")
     result = CliRunner().invoke(cli, ["job-config"])

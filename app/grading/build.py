@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -49,7 +49,7 @@ def build_grading(
 
 
 def default_grader(
-    settings: Settings, graders: Mapping[str, Grader], state_checks: Collection[str] = ()
+    settings: Settings, graders: Collection[str], state_checks: Collection[str] = ()
 ) -> str | None:
     """SPARRING_DEFAULT_GRADER, else the file's only grader, else the only grader of all."""
     if settings.default_grader is not None:

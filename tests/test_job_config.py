@@ -1,0 +1,86 @@
+"""`sparring job-config` refuses to print a config a fine-tuning job would fail on."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from app.cli import cli
+from app.config import get_settings
+
+EXACT = {
+    "type": "string_check",
+    "name": "exact",
+    "operation": "eq",
+    "input": "{{ sample.output_text }}",
+    "reference": "{{ item.reference_answer }}",
+}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_settings(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv("SPARRING_PACKS", "demo")
+    for name in ("SPARRING_AUTH_HEADER", "SPARRING_GRADERS_FILE", "SPARRING_DEFAULT_GRADER"):
+        monkeypatch.delenv(name, raising=False)
+    get_settings.cache_clear()
+    yield
+    get_settings.cache_clear()
+
+
+def graders(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, names: list[str]) -> None:
+    path = tmp_path / "graders.yaml"
+    path.write_text(yaml.safe_dump({name: {**EXACT, "name": name} for name in names}))
+    monkeypatch.setenv("SPARRING_GRADERS_FILE", str(path))
+    get_settings.cache_clear()
+
+
+def job_config(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(cli, ["job-config", "--base-url", "https://rft.example.com", *args])
+    return result.exit_code, result.output
+
+
+def test_an_unknown_grader_is_an_error_naming_the_known_ones(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    graders(monkeypatch, tmp_path, ["exact", "fuzzy"])
+    code, output = job_config("--grader", "nope")
+    assert code == 2 and "nope" in output and "exact" in output and "fuzzy" in output
+    code, output = job_config("--grader", "fuzzy")
+    assert code == 0, output
+    assert json.loads(output)["grader"]["url"] == "https://rft.example.com/grade/fuzzy"
+
+
+def test_grade_without_a_default_is_an_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    graders(monkeypatch, tmp_path, ["exact", "fuzzy"])  # several graders, none the default
+    code, output = job_config()
+    assert code == 2 and "--grader" in output and "SPARRING_DEFAULT_GRADER" in output
+    monkeypatch.setenv("SPARRING_DEFAULT_GRADER", "fuzzy")
+    get_settings.cache_clear()
+    code, output = job_config()
+    assert code == 0, output
+    assert json.loads(output)["grader"]["url"] == "https://rft.example.com/grade"
+
+
+def test_no_grader_at_all_is_an_error() -> None:
+    code, output = job_config()
+    assert code == 2 and "no grader" in output
+
+
+def test_one_grader_is_the_default(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    graders(monkeypatch, tmp_path, ["exact"])
+    code, output = job_config()
+    assert code == 0, output
+    assert json.loads(output)["grader"]["url"] == "https://rft.example.com/grade"
+
+
+def test_a_plain_http_base_url_is_an_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    graders(monkeypatch, tmp_path, ["exact"])
+    result = CliRunner().invoke(cli, ["job-config", "--base-url", "http://rft.example.com"])
+    assert result.exit_code == 2 and "https" in result.output
+    allowed = CliRunner().invoke(cli, ["job-config", "--base-url", "http://127.0.0.1:8000", "--allow-http"])
+    assert allowed.exit_code == 0, allowed.output

@@ -16,7 +16,7 @@ from fastapi import Request, Response
 
 from app.auth import KeyRing
 from app.deps import app_state
-from app.errors import Unauthorized
+from app.errors import Forbidden, Unauthorized
 
 COOKIE_NAME = "sparring_review"
 SESSION_SECONDS = 12 * 3600
@@ -55,6 +55,21 @@ def verify_token(keyring: KeyRing, token: str, *, now: float | None = None) -> b
     if not hmac.compare_digest(mac, _mac(key, f"{expires}.{nonce}")):
         return False
     return int(expires) > (now or time.time())
+
+
+def require_same_origin(request: Request) -> None:
+    """Refuse a cross-site POST (login CSRF, forced logout): 403.
+
+    SameSite=Strict keeps the cookie off cross-site requests, but a cross-site form could still log a
+    browser in with the attacker's key or log it out. Browsers name the page that sent a POST in
+    `Origin` (and `Sec-Fetch-Site`); a request without them is not a browser's and carries no cookie
+    the attacker controls.
+    """
+    if request.headers.get("sec-fetch-site", "same-origin") not in ("same-origin", "none"):
+        raise Forbidden("the review login and logout accept requests from the review's own pages only")
+    origin = request.headers.get("origin")
+    if origin is not None and origin != f"{request.url.scheme}://{request.url.netloc}":
+        raise Forbidden("the review login and logout accept requests from the review's own pages only")
 
 
 def is_admin_key(keyring: KeyRing, presented: str) -> bool:

@@ -22,7 +22,7 @@ from app.review import charts
 from app.review.repository import RolloutFilter
 from app.review.schemas import RunStats
 from app.review.service import ReviewService
-from app.review.session import end_session, has_session, is_admin_key, start_session
+from app.review.session import end_session, has_session, is_admin_key, require_same_origin, start_session
 
 router = APIRouter(prefix="/review", include_in_schema=False)
 
@@ -117,6 +117,7 @@ async def login_page(request: Request, next: str | None = None) -> Response:
 async def login(
     request: Request, key: Annotated[str, Form()] = "", next: Annotated[str, Form()] = "/review"
 ) -> Response:
+    require_same_origin(request)
     if not key or not is_admin_key(app_state(request.app).keyring, key.strip()):
         return render(
             request, "login.html", status_code=401, next=_safe_next(next), error="That is not an admin key."
@@ -128,6 +129,7 @@ async def login(
 
 @router.post("/logout")
 async def logout(request: Request) -> Response:
+    require_same_origin(request)
     response = RedirectResponse("/review/login", status_code=303)
     end_session(request, response)
     return response

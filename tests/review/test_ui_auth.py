@@ -129,3 +129,21 @@ async def test_tool_output_is_escaped_and_pages_show_the_rollout(review: ReviewA
 
     recompute = await review.client.post(f"/review/rollouts/{trace}/recompute-flags")
     assert recompute.status_code == 303 and recompute.headers["location"] == f"/review/rollouts/{trace}"
+
+
+async def test_login_and_logout_refuse_cross_origin_posts(review: ReviewApp) -> None:
+    evil = {"Origin": "https://evil.example"}
+    r = await review.client.post("/review/login", data={"key": ADMIN_KEY, "next": "/review"}, headers=evil)
+    assert r.status_code == 403 and COOKIE_NAME not in r.cookies
+    r = await review.client.post(
+        "/review/login", data={"key": ADMIN_KEY}, headers={"Sec-Fetch-Site": "cross-site"}
+    )
+    assert r.status_code == 403
+    # The page's own origin, or no Origin at all (a script, not a browser), logs in.
+    same = await review.client.post(
+        "/review/login", data={"key": ADMIN_KEY}, headers={"Origin": "http://sparring"}
+    )
+    assert same.status_code == 303 and COOKIE_NAME in review.client.cookies
+    forged = await review.client.post("/review/logout", headers=evil)
+    assert forged.status_code == 403
+    assert (await review.client.get("/review")).status_code == 200, "a cross-site logout ended nothing"

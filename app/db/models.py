@@ -96,3 +96,12 @@ class Grade(Base):
     run: Mapped[str | None] = mapped_column(String(200))
     latency_ms: Mapped[float] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(UtcDateTime())
+
+
+class RevokedReviewSession(Base):
+    """A review login token ended by logout: refused until it would have expired, then deleted."""
+
+    __tablename__ = "revoked_review_sessions"
+
+    nonce: Mapped[str] = mapped_column(String(64), primary_key=True)
+    expires_at: Mapped[datetime] = mapped_column(UtcDateTime(), index=True)

@@ -1,7 +1,8 @@
 """The review UI's login session: an HMAC-signed, expiring token in an HttpOnly cookie (never the key).
 
 The signing secret is derived from the configured admin keys, so every worker and replica verifies
-the same tokens without shared state, and changing the admin keys ends every session.
+the same tokens, and changing the admin keys ends every session. Logout revokes its token in the
+database (every worker reads the same revocations) until the token would have expired.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ import hashlib
 import hmac
 import secrets
 import time
+from datetime import UTC, datetime
 
 from fastapi import Request, Response
 
 from app.auth import KeyRing
 from app.deps import app_state
-from app.errors import Forbidden, Unauthorized
+from app.errors import OUTAGES, Forbidden, Unauthorized, outage
+from app.review.session_repository import RevokedSessions
 
 COOKIE_NAME = "sparring_review"
 SESSION_SECONDS = 12 * 3600
@@ -47,14 +50,19 @@ def issue_token(keyring: KeyRing, *, now: float | None = None, ttl: int = SESSIO
 
 
 def verify_token(keyring: KeyRing, token: str, *, now: float | None = None) -> bool:
+    return _verified(keyring, token, now=now) is not None
+
+
+def _verified(keyring: KeyRing, token: str, *, now: float | None = None) -> tuple[str, int] | None:
+    """The token's nonce and expiry when its signature holds and it has not expired."""
     key = _signing_key(keyring)
     expires, _, rest = token.partition(".")
     nonce, _, mac = rest.partition(".")
-    if key is None or not (expires.isdigit() and nonce and mac):
-        return False
+    if key is None or not (expires.isdigit() and nonce and mac) or len(nonce) > 64:
+        return None
     if not hmac.compare_digest(mac, _mac(key, f"{expires}.{nonce}")):
-        return False
-    return int(expires) > (now or time.time())
+        return None
+    return (nonce, int(expires)) if int(expires) > (now or time.time()) else None
 
 
 def require_same_origin(request: Request) -> None:
@@ -76,9 +84,18 @@ def is_admin_key(keyring: KeyRing, presented: str) -> bool:
     return "admin" in keyring.scopes_of(presented)
 
 
-def has_session(request: Request) -> bool:
+async def has_session(request: Request) -> bool:
+    """A signed, unexpired login token that was not logged out (revocations are in the database)."""
     token = request.cookies.get(COOKIE_NAME)
-    return bool(token) and verify_token(app_state(request.app).keyring, token or "")
+    state = app_state(request.app)
+    verified = _verified(state.keyring, token) if token else None
+    if verified is None:
+        return False
+    try:
+        async with state.sessionmaker() as session:
+            return not await RevokedSessions(session).is_revoked(verified[0])
+    except OUTAGES as exc:
+        raise outage(exc, state.settings.retry_after_seconds) from exc
 
 
 def start_session(request: Request, response: Response) -> None:
@@ -93,7 +110,20 @@ def start_session(request: Request, response: Response) -> None:
     )
 
 
-def end_session(request: Request, response: Response) -> None:
+async def end_session(request: Request, response: Response) -> None:
+    """Delete the cookie, and revoke its token on the server so that no copy of it opens the review."""
+    token = request.cookies.get(COOKIE_NAME)
+    state = app_state(request.app)
+    verified = _verified(state.keyring, token) if token else None
+    if verified is not None:
+        nonce, expires = verified
+        try:
+            async with state.sessionmaker() as session, session.begin():
+                await RevokedSessions(session).revoke(
+                    nonce, expires_at=datetime.fromtimestamp(expires, UTC), now=datetime.now(UTC)
+                )
+        except OUTAGES as exc:
+            raise outage(exc, state.settings.retry_after_seconds) from exc
     response.delete_cookie(
         COOKIE_NAME, path="/", httponly=True, samesite="strict", secure=request.url.scheme == "https"
     )
@@ -101,7 +131,7 @@ def end_session(request: Request, response: Response) -> None:
 
 async def require_review_access(request: Request) -> str:
     """The review API and the export: a logged-in browser session, or an admin key in the header."""
-    if has_session(request):
+    if await has_session(request):
         return "session"
     app_state(request.app).keyring.authorize(request, "admin")
     return "admin"

@@ -108,7 +108,7 @@ async def stylesheet() -> Response:
 
 @router.get("/login")
 async def login_page(request: Request, next: str | None = None) -> Response:
-    if has_session(request):
+    if await has_session(request):
         return RedirectResponse(_safe_next(next), status_code=303)
     return render(request, "login.html", next=_safe_next(next), error=None)
 
@@ -131,7 +131,7 @@ async def login(
 async def logout(request: Request) -> Response:
     require_same_origin(request)
     response = RedirectResponse("/review/login", status_code=303)
-    end_session(request, response)
+    await end_session(request, response)
     return response
 
 
@@ -151,7 +151,7 @@ async def rollouts_page(
     status: str | None = None,
     cursor: str | None = None,
 ) -> Response:
-    if not has_session(request):
+    if not await has_session(request):
         return _login_redirect(request)
     form = {
         "run": run or "",
@@ -214,7 +214,7 @@ def _moment(value: str | None, name: str, errors: list[str]) -> datetime | None:
 
 @router.get("/rollouts/{trace_id}")
 async def rollout_page(request: Request, trace_id: str, db: DatabaseDep) -> Response:
-    if not has_session(request):
+    if not await has_session(request):
         return _login_redirect(request)
     try:
         async with db.session() as session:
@@ -231,7 +231,7 @@ async def rollout_page(request: Request, trace_id: str, db: DatabaseDep) -> Resp
 
 @router.post("/rollouts/{trace_id}/recompute-flags")
 async def recompute_page(request: Request, trace_id: str, db: DatabaseDep) -> Response:
-    if not has_session(request):
+    if not await has_session(request):
         return _login_redirect(request)
     async with db.session(write=True) as session:
         await ReviewService(session).recompute_flags(trace_id)
@@ -240,7 +240,7 @@ async def recompute_page(request: Request, trace_id: str, db: DatabaseDep) -> Re
 
 @router.get("/runs")
 async def runs_page(request: Request, db: DatabaseDep) -> Response:
-    if not has_session(request):
+    if not await has_session(request):
         return _login_redirect(request)
     async with db.session() as session:
         runs = await ReviewService(session).runs()
@@ -292,7 +292,7 @@ def _run_charts(stats: RunStats, items: list[charts.ItemPoint]) -> dict[str, Any
 async def run_page(
     request: Request, db: DatabaseDep, name: Annotated[str, Query()], grader: str | None = None
 ) -> Response:
-    if not has_session(request):
+    if not await has_session(request):
         return _login_redirect(request)
     async with db.session() as session:
         service = ReviewService(session, sessions=db.sessions)
@@ -314,7 +314,7 @@ async def run_page(
 async def compare_page(
     request: Request, db: DatabaseDep, a: str | None = None, b: str | None = None
 ) -> Response:
-    if not has_session(request):
+    if not await has_session(request):
         return _login_redirect(request)
     async with db.session() as session:
         service = ReviewService(session, sessions=db.sessions)
@@ -327,7 +327,7 @@ async def compare_page(
 async def flags_page(
     request: Request, db: DatabaseDep, run: str | None = None, flag: str | None = None
 ) -> Response:
-    if not has_session(request):
+    if not await has_session(request):
         return _login_redirect(request)
     async with db.session() as session:
         service = ReviewService(session)

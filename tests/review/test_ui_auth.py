@@ -147,3 +147,19 @@ async def test_login_and_logout_refuse_cross_origin_posts(review: ReviewApp) -> 
     forged = await review.client.post("/review/logout", headers=evil)
     assert forged.status_code == 403
     assert (await review.client.get("/review")).status_code == 200, "a cross-site logout ended nothing"
+
+
+async def test_logout_revokes_the_token_on_the_server(review: ReviewApp) -> None:
+    assert (await login(review)).status_code == 303
+    stolen = review.client.cookies[COOKIE_NAME]
+    assert (await review.client.get("/review/api/runs")).status_code == 200
+    assert (await review.client.post("/review/logout")).status_code == 303
+    # A copy of the cookie (another tab, a proxy log, an attacker) no longer opens anything.
+    assert COOKIE_NAME not in review.client.cookies
+    copy = {"Cookie": f"{COOKIE_NAME}={stolen}"}
+    assert (await review.client.get("/review", headers=copy)).status_code == 303
+    assert (await review.client.get("/review/api/runs", headers=copy)).status_code == 401
+    # A new login is a new token.
+    assert (await login(review)).status_code == 303
+    assert review.client.cookies[COOKIE_NAME] != stolen
+    assert (await review.client.get("/review/api/runs")).status_code == 200

@@ -73,11 +73,17 @@ def require_same_origin(request: Request) -> None:
     `Origin` (and `Sec-Fetch-Site`); a request without them is not a browser's and carries no cookie
     the attacker controls.
     """
-    if request.headers.get("sec-fetch-site", "same-origin") not in ("same-origin", "none"):
-        raise Forbidden("the review login and logout accept requests from the review's own pages only")
+    refused = Forbidden("the review login and logout accept requests from the review's own pages only")
+    site = request.headers.get("sec-fetch-site")
+    if site is not None:
+        # Browsers that send it say where the request came from even when `Origin` is "null" (the
+        # pages' no-referrer policy makes a same-origin form POST send `Origin: null`).
+        if site not in ("same-origin", "none"):
+            raise refused
+        return
     origin = request.headers.get("origin")
     if origin is not None and origin != f"{request.url.scheme}://{request.url.netloc}":
-        raise Forbidden("the review login and logout accept requests from the review's own pages only")
+        raise refused
 
 
 def is_admin_key(keyring: KeyRing, presented: str) -> bool:

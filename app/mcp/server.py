@@ -133,5 +133,6 @@ class McpGateway:
             raise MCPError(CRASHED, exc.message, data={"code": exc.code, "retryable": False}) from exc
         return types.CallToolResult(
             content=[types.TextContent(text=result.output.output)],
-            is_error=result.outcome == "model_error",
+            # Every answer but `ok` is an `Error: ...` (model_error, call_id_reused).
+            is_error=result.outcome != "ok",
         )

@@ -1,0 +1,363 @@
+"""The rollout loop: one rollout of one dataset line, run the way the Agent RFT training service runs it.
+
+This is the one rollout loop of sparring. `sparring eval`, `sparring canary`, the remote rollout
+server and `sparring.client` all drive rollouts through `run_rollout`; they differ only in the three
+things they plug into it:
+
+- a **policy** (`Policy`): given the transcript so far, produce the next model turn (text and/or
+  function calls). `app.runner.models` has the OpenAI Responses and Chat Completions policies,
+  `app.runner.canaries` the scripted ones; anything with an async `next_turn(transcript)` works.
+- a **tool caller** (`ToolCaller`): send one function call and return what the model reads.
+  `app.runner.http.HttpToolCaller` posts the platform's envelope to sparring's tool URLs with the
+  platform's retry and discard semantics; a test or an in-process caller can be dropped in.
+- a **grader** (`Grader`, optional): score the finished rollout from the platform's
+  `{sample, item, trace_id}`. `app.runner.http.HttpGrader` posts to a grading route.
+
+Interface (stable):
+
+    result = await run_rollout(policy, tools, line, grader=grader, limits=Limits(), trace_id=None)
+
+`line` is a `DatasetLine` (`DatasetLine.from_json(obj)` for one JSONL line). The loop:
+
+1. starts a transcript from the line's `messages` and `tools` under a fresh `trace_<uuid4 hex>`
+   (or the given `trace_id`);
+2. asks the policy for a turn; a turn without function calls is the final answer;
+3. sends every call of a turn to the tool caller, the calls of one turn concurrently, and appends
+   the outputs in the turn's order; a call that failed for good (5xx or network error after the
+   retries) **discards** the rollout: it is returned with `discarded` set and is not graded;
+4. stops at `limits.max_turns` model turns or `limits.max_tool_calls` calls (calls past the budget are
+   not sent), as the platform's episode limit does: the rollout is then graded on its last text;
+5. builds the platform's grader `sample` from the final text and the last batch of calls, and grades
+   it when a grader is given (a grader that keeps failing also discards the rollout).
+
+`RolloutResult` holds the trace id, the transcript (messages and every step with its tool results),
+the final text, the sample, the score, why it ended, the discard reason, token usage and timings.
+Nothing here does I/O by itself: every network exchange goes through the policy, the tool caller or
+the grader.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+RESERVED_KEYS = ("messages", "tools")
+"""The keys of a dataset line that are not part of the `item` the tools and grader receive."""
+
+EndReason = Literal["answer", "max_turns", "max_tool_calls", "discarded"]
+
+
+def new_trace_id() -> str:
+    """A rollout id as the training service makes them: `trace_` and a UUID4 as 32 hex digits."""
+    return f"trace_{uuid.uuid4().hex}"
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass(frozen=True)
+class DatasetLine:
+    """One RFT dataset line: the conversation, the tool schemas (chat-completions form), and the item.
+
+    `item` is every other key of the line: what the tools receive as `item` and graders read as
+    `item.<key>`.
+    """
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]]
+    item: dict[str, Any]
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> DatasetLine:
+        messages = obj.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("a dataset line needs a non-empty `messages` list")
+        tools = obj.get("tools") or []
+        if not isinstance(tools, list):
+            raise ValueError("`tools` must be a list")
+        item = {key: value for key, value in obj.items() if key not in RESERVED_KEYS}
+        return cls(messages=list(messages), tools=list(tools), item=item)
+
+
+@dataclass(frozen=True)
+class FunctionCall:
+    """One function call of a model turn. `arguments` is the JSON text the model wrote."""
+
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+
+
+@dataclass
+class Usage:
+    """Tokens the model spent (summed over turns and rollouts)."""
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.input_tokens + self.output_tokens
+
+    def add(self, other: Usage) -> None:
+        self.input_tokens += other.input_tokens
+        self.output_tokens += other.output_tokens
+
+
+@dataclass(frozen=True)
+class ModelTurn:
+    """What the policy answered in one turn.
+
+    `replay` holds provider items the policy wants sent back verbatim in later requests (e.g. the
+    Responses API's reasoning items); a policy that does not need it leaves it empty.
+    """
+
+    text: str = ""
+    calls: tuple[FunctionCall, ...] = ()
+    usage: Usage = field(default_factory=Usage)
+    replay: tuple[dict[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """The outcome of one call: the output the model reads, or the failure that discards the rollout."""
+
+    call: FunctionCall
+    output: str | None
+    status: int | None = None  # the last HTTP status; None after a network error or when not sent
+    attempts: int = 1
+    latency_s: float = 0.0
+    failure: str | None = None  # set when the call failed for good: the rollout is discarded
+
+    @property
+    def is_error(self) -> bool:
+        """A mistake shown to the model: an `Error:` output, or a 4xx body."""
+        if self.output is None:
+            return False
+        return self.output.startswith("Error:") or (self.status is not None and 400 <= self.status < 500)
+
+
+@dataclass(frozen=True)
+class GradeResult:
+    """A grader's answer: the score, or why there is none after the retries."""
+
+    score: float | None
+    failure: str | None = None
+    status: int | None = None
+    attempts: int = 1
+
+
+@dataclass
+class Step:
+    """One model turn and the results of its calls, in the turn's order."""
+
+    turn: ModelTurn
+    results: list[ToolResult] = field(default_factory=list)
+
+
+@dataclass
+class Transcript:
+    """The rollout so far, provider-neutral: the line's messages, then one `Step` per model turn."""
+
+    trace_id: str
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]]
+    item: dict[str, Any]
+    steps: list[Step] = field(default_factory=list)
+
+    @property
+    def calls_made(self) -> int:
+        return sum(len(step.results) for step in self.steps)
+
+    def last_user_message(self) -> str:
+        for message in reversed(self.messages):
+            if message.get("role") == "user":
+                return content_text(message.get("content"))
+        return ""
+
+
+class Policy(Protocol):
+    """The next model turn from the transcript; raises `ModelFailure` when the model is unreachable."""
+
+    async def next_turn(self, transcript: Transcript) -> ModelTurn: ...
+
+
+class ToolCaller(Protocol):
+    """Sends one function call of rollout `trace_id`; never raises for an HTTP or network failure."""
+
+    async def call(self, call: FunctionCall, *, trace_id: str, item: Mapping[str, Any]) -> ToolResult: ...
+
+
+class Grader(Protocol):
+    """Scores a finished rollout; never raises for an HTTP or network failure."""
+
+    async def grade(
+        self, sample: Mapping[str, Any], item: Mapping[str, Any], trace_id: str
+    ) -> GradeResult: ...
+
+
+class ModelFailure(Exception):
+    """The model endpoint failed (after its client's retries): the rollout is discarded, not graded."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The episode limits: model turns and tool calls per rollout."""
+
+    max_turns: int = 30
+    max_tool_calls: int = 50
+
+
+@dataclass
+class RolloutResult:
+    trace_id: str
+    transcript: Transcript
+    final_text: str
+    ended_by: EndReason
+    sample: dict[str, Any] | None = None
+    grade: GradeResult | None = None
+    discarded: str | None = None  # why the rollout was thrown away (never graded)
+    usage: Usage = field(default_factory=Usage)
+    duration_s: float = 0.0
+
+    @property
+    def score(self) -> float | None:
+        return self.grade.score if self.grade is not None else None
+
+    @property
+    def tool_results(self) -> list[ToolResult]:
+        return [result for step in self.transcript.steps for result in step.results]
+
+    @property
+    def tool_errors(self) -> int:
+        return sum(1 for result in self.tool_results if result.is_error)
+
+
+def content_text(content: Any) -> str:
+    """The text of a message's `content`: a string, or the text parts of a list of parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = [part.get("text") for part in content if isinstance(part, dict)]
+        return "".join(part for part in parts if isinstance(part, str))
+    return ""
+
+
+def _chat_tool_calls(calls: Sequence[FunctionCall]) -> list[dict[str, Any]]:
+    return [
+        {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+        for call in calls
+    ]
+
+
+def build_sample(
+    final_text: str, last_batch: Sequence[FunctionCall], final_turn_calls: Sequence[FunctionCall] = ()
+) -> dict[str, Any]:
+    """The grader `sample` the platform sends: the answer as text, as JSON when it parses, and the last calls.
+
+    `output_tools` holds the last batch of calls the rollout made, in the chat completions shape (as
+    the OpenAI grader docs show them, and as the service fills it); `choices[0].message` is the final
+    turn, with its calls when a limit ended the rollout mid-turn. Graders that need the whole
+    trajectory read sparring's call log by `trace_id`.
+    """
+    tool_calls = _chat_tool_calls(final_turn_calls)
+    output_json: Any = None
+    stripped = final_text.strip()
+    if stripped[:1] in ("{", "["):
+        try:
+            output_json = json.loads(stripped)
+        except ValueError:
+            output_json = None
+    return {
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": final_text, "tool_calls": tool_calls},
+                "finish_reason": "tool_calls" if tool_calls else "stop",
+            }
+        ],
+        "output_text": final_text,
+        "output_json": output_json,
+        "output_tools": _chat_tool_calls(last_batch),
+        "output_reasoning_summary": None,
+    }
+
+
+async def run_rollout(
+    policy: Policy,
+    tools: ToolCaller,
+    line: DatasetLine,
+    *,
+    grader: Grader | None = None,
+    limits: Limits | None = None,
+    trace_id: str | None = None,
+) -> RolloutResult:
+    """Run one rollout of `line` and grade it (see the module docstring for the whole contract)."""
+    limits = limits or Limits()
+    started = time.perf_counter()
+    transcript = Transcript(
+        trace_id=trace_id or new_trace_id(),
+        messages=list(line.messages),
+        tools=list(line.tools),
+        item=dict(line.item),
+    )
+    usage = Usage()
+
+    def finish(ended_by: EndReason, text: str, discarded: str | None = None) -> RolloutResult:
+        return RolloutResult(
+            trace_id=transcript.trace_id,
+            transcript=transcript,
+            final_text=text,
+            ended_by=ended_by,
+            discarded=discarded,
+            usage=usage,
+            duration_s=time.perf_counter() - started,
+        )
+
+    ended_by: EndReason = "max_turns"
+    text = ""
+    last_calls: tuple[FunctionCall, ...] = ()
+    for _ in range(limits.max_turns):
+        try:
+            turn = await policy.next_turn(transcript)
+        except ModelFailure as exc:
+            return finish("discarded", text, f"model_error: {exc}")
+        usage.add(turn.usage)
+        text = turn.text
+        step = Step(turn=turn)
+        transcript.steps.append(step)
+        if not turn.calls:
+            ended_by = "answer"
+            break
+        budget = limits.max_tool_calls - transcript.calls_made
+        to_send = turn.calls[: max(budget, 0)]
+        step.results = list(
+            await asyncio.gather(
+                *(tools.call(call, trace_id=transcript.trace_id, item=transcript.item) for call in to_send)
+            )
+        )
+        if to_send:
+            last_calls = to_send
+        failed = next((r for r in step.results if r.failure is not None), None)
+        if failed is not None:
+            return finish("discarded", text, f"tool_failed: {failed.call.name}: {failed.failure}")
+        if len(to_send) < len(turn.calls):
+            ended_by = "max_tool_calls"
+            break
+
+    result = finish(ended_by, text)
+    final_calls = transcript.steps[-1].turn.calls if transcript.steps and ended_by != "answer" else ()
+    result.sample = build_sample(text, last_calls, final_calls)
+    if grader is not None:
+        result.grade = await grader.grade(result.sample, transcript.item, transcript.trace_id)
+        if result.grade.score is None:
+            result.discarded = f"grader_failed: {result.grade.failure}"
+    result.duration_s = time.perf_counter() - started
+    return result

@@ -14,6 +14,7 @@ from app.config import Settings, get_settings
 from app.grading.cli import grading_cli
 from app.retention.cli import retention_cli
 from app.review.cli import review_cli
+from app.runner.cli import runner_cli
 
 cli = typer.Typer(
     help="sparring: tools and graders for agent reinforcement fine-tuning.", no_args_is_help=True
@@ -27,6 +28,7 @@ dataset_cli = typer.Typer(help="Agent RFT datasets of the packs that ship tasks.
 cli.add_typer(dataset_cli, name="dataset")
 cli.add_typer(review_cli)
 cli.add_typer(retention_cli)
+cli.add_typer(runner_cli)
 
 KEY_PLACEHOLDER = "<SPARRING_{scope}_KEY>"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -172,3 +173,32 @@ class Settings(BaseSettings):
 @lru_cache
 def get_settings() -> Settings:
     return Settings()
+
+
+class ClientKeys(BaseSettings):
+    """The keys `sparring eval` and `sparring canary` send to a sparring server: `SPARRING_TOOLS_KEY` and
+    `SPARRING_GRADER_KEY` (the placeholders `job-config` prints), or one `SPARRING_KEY` for both."""
+
+    model_config = SettingsConfigDict(env_prefix="SPARRING_", env_file=None, extra="ignore")
+
+    key: SecretStr | None = None
+    tools_key: SecretStr | None = None
+    grader_key: SecretStr | None = None
+
+    def for_scope(self, scope: Scope) -> str | None:
+        specific = {"tools": self.tools_key, "grader": self.grader_key}.get(scope)
+        chosen = specific or self.key
+        return chosen.get_secret_value() if chosen is not None else None
+
+    def placeholders(self) -> dict[str, str]:
+        """Values for the `<SPARRING_TOOLS_KEY>` / `<SPARRING_GRADER_KEY>` placeholders of a job config."""
+        values = {
+            "SPARRING_TOOLS_KEY": self.for_scope("tools"),
+            "SPARRING_GRADER_KEY": self.for_scope("grader"),
+        }
+        return {name: value for name, value in values.items() if value}
+
+
+def environment_secret(name: str) -> str | None:
+    """The value of the environment variable `name` (the model API key of `sparring eval`), if set."""
+    return os.environ.get(name) or None

@@ -46,8 +46,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-RESERVED_KEYS = ("messages", "tools")
-"""The keys of a dataset line that are not part of the `item` the tools and grader receive."""
+ITEM_EXCLUDED_KEYS = ("tools",)
+"""The keys of a dataset line left out of the `item` the tools and grader receive (the schemas are
+already in the request; the messages stay, as the platform sends them to graders)."""
 
 EndReason = Literal["answer", "max_turns", "max_tool_calls", "discarded"]
 
@@ -65,8 +66,8 @@ def new_call_id() -> str:
 class DatasetLine:
     """One RFT dataset line: the conversation, the tool schemas (chat-completions form), and the item.
 
-    `item` is every other key of the line: what the tools receive as `item` and graders read as
-    `item.<key>`.
+    `item` is the line without its `tools`: what every tool call carries as `item` and graders read as
+    `item.<key>` (`messages` included, so review flags see what the prompt told the model).
     """
 
     messages: list[dict[str, Any]]
@@ -81,7 +82,7 @@ class DatasetLine:
         tools = obj.get("tools") or []
         if not isinstance(tools, list):
             raise ValueError("`tools` must be a list")
-        item = {key: value for key, value in obj.items() if key not in RESERVED_KEYS}
+        item = {key: value for key, value in obj.items() if key not in ITEM_EXCLUDED_KEYS}
         return cls(messages=list(messages), tools=list(tools), item=item)
 
 
@@ -238,6 +239,12 @@ class RolloutResult:
     @property
     def tool_errors(self) -> int:
         return sum(1 for result in self.tool_results if result.is_error)
+
+
+def function_of(tool: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The function of a dataset tool: chat form `{"type": "function", "function": {...}}`, or flat."""
+    inner = tool.get("function")
+    return inner if isinstance(inner, Mapping) else tool
 
 
 def content_text(content: Any) -> str:

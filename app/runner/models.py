@@ -8,29 +8,22 @@ and most local servers, which do not speak the Responses API.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, Literal
 
 import openai
 from openai import AsyncOpenAI
 
-from app.runner.loop import FunctionCall, ModelFailure, ModelTurn, Transcript, Usage, new_call_id
+from app.runner.loop import FunctionCall, ModelFailure, ModelTurn, Transcript, Usage, function_of, new_call_id
 
 Api = Literal["responses", "chat"]
 APIS: tuple[Api, ...] = ("responses", "chat")
-
-
-def _function(tool: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The function of a dataset tool: chat form `{"type": "function", "function": {...}}` or flat."""
-    inner = tool.get("function")
-    return inner if isinstance(inner, Mapping) else tool
 
 
 def responses_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Dataset tools (chat-completions form) as Responses API function tools."""
     converted = []
     for tool in tools:
-        fn = _function(tool)
+        fn = function_of(tool)
         entry: dict[str, Any] = {
             "type": "function",
             "name": fn.get("name"),
@@ -45,7 +38,7 @@ def responses_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Dataset tools in the chat-completions form (flat function tools are wrapped)."""
-    return [{"type": "function", "function": dict(_function(tool))} for tool in tools]
+    return [{"type": "function", "function": dict(function_of(tool))} for tool in tools]
 
 
 def responses_input(transcript: Transcript) -> list[dict[str, Any]]:

@@ -1,0 +1,291 @@
+"""`sparring eval` (a model through the tools and grader) and `sparring canary` (gaming the grader)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import httpx
+import typer
+
+from app.cli_support import fail, load_settings
+from app.config import ClientKeys, environment_secret
+from app.runner.evaluate import DatasetError, journal_path, read_dataset
+from app.runner.loop import DatasetLine, Limits
+from app.runner.models import APIS, Api, make_policy
+from app.runner.report import format_canaries, format_report
+from app.runner.session import (
+    RunOptions,
+    Target,
+    TargetError,
+    evaluate,
+    job_config_target,
+    preflight,
+    run_canaries,
+    server_target,
+)
+
+runner_cli = typer.Typer(help="Rollouts before paying: a model's baseline, and canaries against the grader.")
+
+T = TypeVar("T")
+
+DatasetOpt = Annotated[
+    Path, typer.Option(help="RFT dataset JSONL (each line: messages, tools, item fields).")
+]
+ServerOpt = Annotated[
+    str | None, typer.Option(help="Base URL of the sparring server (tools at /tools/NAME).")
+]
+JobConfigOpt = Annotated[
+    Path | None,
+    typer.Option(help="Job config JSON (`sparring job-config`): each tool's server_url and headers."),
+]
+GraderOpt = Annotated[str | None, typer.Option(help="Grader NAME served by --server at /grade/NAME.")]
+GraderUrlOpt = Annotated[str | None, typer.Option(help="Full URL of the endpoint grader.")]
+RunOpt = Annotated[
+    str | None, typer.Option(help="Run label, sent as X-Sparring-Run (default: generated and printed).")
+]
+ConcurrencyOpt = Annotated[int, typer.Option(min=1, max=1000, help="Rollouts in flight at once.")]
+MaxTurnsOpt = Annotated[int, typer.Option(min=1, help="Model turns per rollout before it ends.")]
+MaxCallsOpt = Annotated[int, typer.Option(min=1, help="Tool calls per rollout before it ends.")]
+
+
+def _label(prefix: str) -> str:
+    return f"{prefix}-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+
+
+def _lines(dataset: Path) -> list[DatasetLine]:
+    try:
+        return read_dataset(dataset)
+    except OSError as exc:
+        raise fail(f"cannot read {dataset}: {exc.strerror or exc}") from exc
+    except DatasetError as exc:
+        raise fail(str(exc)) from exc
+
+
+def _target(
+    server: str | None, job_config: Path | None, grader: str | None, grader_url: str | None
+) -> Target:
+    keys = ClientKeys()
+    auth_header = load_settings().auth_header
+    if job_config is not None:
+        try:
+            config = json.loads(job_config.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise fail(f"cannot read the job config {job_config}: {exc}") from exc
+        if isinstance(config, dict) and isinstance(config.get("reinforcement"), dict):
+            config = config["reinforcement"]
+        if not isinstance(config, dict):
+            raise fail(f"the job config {job_config} must hold a JSON object")
+        grader_key = keys.for_scope("grader")
+        override_headers = None
+        if (grader or grader_url) and grader_key:
+            from app.runner.session import auth_headers
+
+            override_headers = auth_headers(auth_header, grader_key)
+        try:
+            return job_config_target(
+                config,
+                keys.placeholders(),
+                server=server,
+                grader=grader,
+                grader_url=grader_url,
+                grader_headers=override_headers,
+            )
+        except TargetError as exc:
+            raise fail(str(exc)) from exc
+    if server is None:
+        raise fail("give --server URL (one sparring server) or --job-config FILE")
+    if grader is None and grader_url is None:
+        raise fail("give --grader NAME (a grader of --server) or --grader-url URL")
+    return server_target(
+        server,
+        tools_key=keys.for_scope("tools"),
+        grader_key=keys.for_scope("grader"),
+        grader=grader,
+        grader_url=grader_url,
+        auth_header=auth_header,
+    )
+
+
+@contextlib.contextmanager
+def _interrupt_sets(stop: asyncio.Event) -> Iterator[None]:
+    """Ctrl-C sets `stop`: rollouts in flight end, the report of what was done is printed."""
+    loop = asyncio.get_running_loop()
+    try:
+        loop.add_signal_handler(signal.SIGINT, stop.set)
+        installed = True
+    except (NotImplementedError, RuntimeError):
+        installed = False
+    try:
+        yield
+    finally:
+        if installed:
+            loop.remove_signal_handler(signal.SIGINT)
+
+
+def _run(main: Callable[[asyncio.Event], Awaitable[T]]) -> T:
+    async def wrapped() -> T:
+        stop = asyncio.Event()
+        with _interrupt_sets(stop):
+            return await main(stop)
+
+    return asyncio.run(wrapped())
+
+
+def _client(concurrency: int) -> httpx.AsyncClient:
+    # Parallel calls of many rollouts: enough connections for every rollout in flight and its batch.
+    limits = httpx.Limits(
+        max_connections=max(20, concurrency * 4), max_keepalive_connections=max(20, concurrency * 2)
+    )
+    return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600.0, connect=30.0))
+
+
+def _write_json(path: Path | None, report: dict[str, Any]) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+@runner_cli.command("eval")
+def eval_command(
+    dataset: DatasetOpt,
+    model: Annotated[str, typer.Option(help="Model name at the endpoint.")],
+    base_url: Annotated[
+        str | None,
+        typer.Option(help="OpenAI-compatible endpoint, e.g. http://127.0.0.1:8001/v1 (default: OpenAI)."),
+    ] = None,
+    api: Annotated[
+        str, typer.Option(help="responses (the Responses API, as Agent RFT) or chat.")
+    ] = "responses",
+    api_key_env: Annotated[
+        str, typer.Option(help="Environment variable holding the model API key.")
+    ] = "OPENAI_API_KEY",
+    server: ServerOpt = None,
+    job_config: JobConfigOpt = None,
+    grader: GraderOpt = None,
+    grader_url: GraderUrlOpt = None,
+    run: RunOpt = None,
+    samples: Annotated[int, typer.Option(min=1, help="Rollouts per dataset line.")] = 3,
+    concurrency: ConcurrencyOpt = 8,
+    max_turns: MaxTurnsOpt = 30,
+    max_tool_calls: MaxCallsOpt = 50,
+    resume: Annotated[bool, typer.Option(help="Skip rollouts of this --run already graded.")] = False,
+    out: Annotated[Path | None, typer.Option(help="Also write the report as JSON here.")] = None,
+) -> None:
+    """Run a model over a dataset through sparring's tools and grader: rewards, and items without signal."""
+    from openai import AsyncOpenAI
+
+    if api not in APIS:
+        raise fail(f"--api must be one of {', '.join(APIS)}")
+    if resume and run is None:
+        raise fail("--resume needs the --run label of the run to continue")
+    lines = _lines(dataset)
+    target = _target(server, job_config, grader, grader_url)
+    api_key = environment_secret(api_key_env)
+    if api_key is None:
+        if base_url is None:
+            raise fail(f"set {api_key_env} (the model API key), or give --base-url for a local server")
+        api_key = "unused"  # local servers take any key; the SDK needs one
+    label = run or _label("eval")
+    if run is None:
+        typer.echo(f"run: {label}", err=True)
+    options = RunOptions(
+        run=label,
+        samples=samples,
+        concurrency=concurrency,
+        limits=Limits(max_turns=max_turns, max_tool_calls=max_tool_calls),
+        journal=journal_path(load_settings().home, label),
+        resume=resume,
+    )
+    chosen: Api = "responses" if api == "responses" else "chat"
+
+    async def main(stop: asyncio.Event) -> dict[str, Any]:
+        model_client = AsyncOpenAI(api_key=api_key, base_url=base_url)
+        async with _client(concurrency) as client:
+            try:
+                for warning in await preflight(client, target, lines):
+                    typer.echo(f"warning: {warning}", err=True)
+            except TargetError as exc:
+                raise fail(str(exc)) from exc
+            try:
+                return await evaluate(
+                    client,
+                    target,
+                    lines,
+                    lambda: make_policy(chosen, model_client, model),
+                    options,
+                    stop=stop,
+                )
+            finally:
+                await model_client.close()
+
+    report = _run(main)
+    typer.echo(format_report(report))
+    _write_json(out, report)
+    if report["interrupted"]:
+        raise typer.Exit(130)
+
+
+@runner_cli.command("canary")
+def canary_command(
+    dataset: DatasetOpt,
+    server: ServerOpt = None,
+    job_config: JobConfigOpt = None,
+    grader: GraderOpt = None,
+    grader_url: GraderUrlOpt = None,
+    policy: Annotated[
+        list[str] | None,
+        typer.Option(help="Canaries to run (repeat; default all): empty refuse parrot loop guess gold."),
+    ] = None,
+    threshold: Annotated[
+        float, typer.Option(help="Fail when a non-gold canary averages at least this.")
+    ] = 0.2,
+    run: RunOpt = None,
+    samples: Annotated[int, typer.Option(min=1, help="Rollouts per line and canary.")] = 1,
+    concurrency: ConcurrencyOpt = 8,
+    max_turns: MaxTurnsOpt = 30,
+    max_tool_calls: MaxCallsOpt = 20,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the verdict as JSON.")] = False,
+) -> None:
+    """Attack the grader with scripted policies; exit 1 when one of them scores (or gold does not)."""
+    lines = _lines(dataset)
+    target = _target(server, job_config, grader, grader_url)
+    label = run or _label("canary")
+    if run is None:
+        typer.echo(f"run: {label}", err=True)
+    options = RunOptions(
+        run=label,
+        samples=samples,
+        concurrency=concurrency,
+        limits=Limits(max_turns=max_turns, max_tool_calls=max_tool_calls),
+    )
+
+    async def main(stop: asyncio.Event) -> dict[str, Any]:
+        async with _client(concurrency) as client:
+            try:
+                for warning in await preflight(client, target, lines):
+                    typer.echo(f"warning: {warning}", err=True)
+                return await run_canaries(
+                    client, target, lines, options, policies=policy, threshold=threshold, stop=stop
+                )
+            except TargetError as exc:
+                raise fail(str(exc)) from exc
+
+    report = _run(main)
+    if as_json:
+        typer.echo(json.dumps(report, indent=2, ensure_ascii=False))
+    else:
+        typer.echo(format_canaries(report))
+    if report["interrupted"]:
+        raise typer.Exit(130)
+    if report["failures"]:
+        sys.stdout.flush()
+        raise typer.Exit(1)

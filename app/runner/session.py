@@ -1,0 +1,304 @@
+"""One `sparring eval` or `sparring canary` run: where sparring is, preflight checks, the run, its report.
+
+`Target` says where the tools and the grader are (one server, or a job config) with their headers;
+`evaluate` runs a model policy over a dataset and returns the report; `run_canaries` runs the
+scripted canaries and returns their verdict. Both take the `httpx.AsyncClient` to use, so they run
+the same against a deployed server and an in-process app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+from urllib.parse import quote
+
+import httpx
+
+from app.runner.canaries import Canary, all_canaries, gold_calls
+from app.runner.evaluate import (
+    Job,
+    Journal,
+    Progress,
+    RolloutRecord,
+    graded_keys,
+    latest_per_rollout,
+    plan_jobs,
+    run_jobs,
+)
+from app.runner.http import Endpoint, HttpGrader, HttpToolCaller, Retry, ToolEndpoints
+from app.runner.loop import DatasetLine, Limits, Policy, function_of
+from app.runner.report import build_report, canary_report
+
+
+class TargetError(ValueError):
+    """The run cannot start: a bad key, an unknown grader, a job config without what is needed."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where the runner sends tool calls and grades, and where the run's review page is."""
+
+    tools: ToolEndpoints
+    grader: Endpoint
+    server: str | None = None  # base URL of one sparring server (preflight checks and review links)
+
+    def review_url(self, run: str) -> str | None:
+        return f"{self.server}/review/run?name={quote(run, safe='')}" if self.server else None
+
+
+def auth_headers(header: str, key: str | None) -> dict[str, str]:
+    if key is None:
+        return {}
+    return {"Authorization": f"Bearer {key}"} if header.lower() == "authorization" else {header: key}
+
+
+def server_target(
+    server: str,
+    *,
+    tools_key: str | None,
+    grader_key: str | None,
+    grader: str | None = None,
+    grader_url: str | None = None,
+    auth_header: str = "Authorization",
+) -> Target:
+    base = server.rstrip("/")
+    url = grader_url or (f"{base}/grade/{quote(grader, safe='')}" if grader else f"{base}/grade")
+    return Target(
+        tools=ToolEndpoints.for_server(base, auth_headers(auth_header, tools_key)),
+        grader=Endpoint(url=url, headers=auth_headers(auth_header, grader_key)),
+        server=base,
+    )
+
+
+def job_config_target(
+    config: Mapping[str, Any],
+    secrets: Mapping[str, str],
+    *,
+    server: str | None = None,
+    grader: str | None = None,
+    grader_url: str | None = None,
+    grader_headers: Mapping[str, str] | None = None,
+) -> Target:
+    """Tools (and, unless `--grader`/`--grader-url` says otherwise, the grader) from a job config."""
+    from app.runner.http import fill_placeholders
+
+    try:
+        tools = ToolEndpoints.from_job_config(config, secrets)
+        entry = config.get("grader")
+        headers = fill_placeholders(entry.get("headers") or {}, secrets) if isinstance(entry, dict) else {}
+    except ValueError as exc:
+        raise TargetError(f"job config: {exc}") from exc
+    if grader_url or grader:
+        if grader and not grader_url:
+            if server is None:
+                raise TargetError("--grader NAME needs --server URL (or give --grader-url)")
+            grader_url = f"{server.rstrip('/')}/grade/{quote(grader, safe='')}"
+        assert grader_url is not None
+        return Target(
+            tools=tools,
+            grader=Endpoint(url=grader_url, headers=dict(grader_headers or headers)),
+            server=server.rstrip("/") if server else None,
+        )
+    if not isinstance(entry, dict) or not isinstance(entry.get("url"), str):
+        raise TargetError(
+            "the job config has no endpoint grader: give --grader-url or --grader with --server"
+        )
+    url = entry["url"]
+    base = server.rstrip("/") if server else (url.split("/grade", 1)[0] if "/grade" in url else None)
+    return Target(tools=tools, grader=Endpoint(url=url, headers=headers), server=base)
+
+
+async def preflight(client: httpx.AsyncClient, target: Target, lines: Sequence[DatasetLine]) -> list[str]:
+    """Check a server's keys and grader before spending model tokens; return warnings, raise on errors."""
+    if target.server is None:
+        return []
+    warnings: list[str] = []
+    probe = target.tools.resolve("_")
+    tools_headers = probe.headers if probe is not None else {}
+    try:
+        listed = await client.get(f"{target.server}/tools", headers=tools_headers, timeout=30)
+        graders = await client.get(f"{target.server}/grade", headers=target.grader.headers, timeout=30)
+    except httpx.HTTPError as exc:
+        raise TargetError(f"cannot reach {target.server}: {exc}") from exc
+    for response, what, env in (
+        (listed, "tools", "SPARRING_TOOLS_KEY"),
+        (graders, "grader", "SPARRING_GRADER_KEY"),
+    ):
+        if response.status_code in (401, 403):
+            raise TargetError(
+                f"{target.server} refused the {what} key (HTTP {response.status_code}): set {env}"
+            )
+    if listed.status_code == 200:
+        served = {tool.get("name") for tool in listed.json() if isinstance(tool, dict)}
+        wanted = {name for line in lines for name in _tool_names(line.tools)}
+        missing = sorted(wanted - served)
+        if missing and target.tools.by_name == {}:
+            warnings.append(f"the server does not serve {', '.join(missing)}: those calls get an error")
+    if graders.status_code == 200 and target.grader.url.startswith(f"{target.server}/grade/"):
+        name = target.grader.url.rsplit("/", 1)[1]
+        names = {g.get("name") for g in graders.json() if isinstance(g, dict)}
+        if name not in names:
+            raise TargetError(
+                f"{target.server} has no grader {name!r} (it has: {', '.join(sorted(map(str, names)))})"
+            )
+    return warnings
+
+
+def _tool_names(tools: Sequence[Mapping[str, Any]]) -> list[str]:
+    names = []
+    for tool in tools:
+        name = function_of(tool).get("name")
+        if isinstance(name, str):
+            names.append(name)
+    return names
+
+
+@dataclass
+class RunOptions:
+    run: str
+    samples: int = 1
+    concurrency: int = 8
+    limits: Limits = field(default_factory=Limits)
+    retry: Retry = field(default_factory=Retry)
+    journal: Path | None = None  # where finished rollouts are recorded (needed for resume)
+    resume: bool = False
+
+
+async def evaluate(
+    client: httpx.AsyncClient,
+    target: Target,
+    lines: Sequence[DatasetLine],
+    make_policy: Callable[[], Policy],
+    options: RunOptions,
+    *,
+    stop: asyncio.Event | None = None,
+    progress_stream: TextIO | None = None,
+) -> dict[str, Any]:
+    """Run `options.samples` rollouts of every line with the model policy; return the report."""
+    started = time.perf_counter()
+    journal = Journal(options.journal) if options.journal is not None else None
+    earlier = latest_per_rollout(journal.load()) if journal is not None and options.resume else []
+    done = graded_keys(earlier)
+    kept_earlier = [r for r in earlier if r.graded]
+    jobs = [job for job in plan_jobs(lines, options.samples) if (job.policy, job.key, job.sample) not in done]
+    planned = len(jobs) + len(kept_earlier)
+    tools = HttpToolCaller(client, target.tools, run=options.run, retry=options.retry)
+    grader = HttpGrader(client, target.grader, run=options.run, retry=options.retry)
+    progress = Progress(len(jobs), stream=progress_stream)
+    records: list[RolloutRecord] = []
+    policy = make_policy()
+
+    def on_record(record: RolloutRecord) -> None:
+        records.append(record)
+        if journal is not None:
+            journal.append(record)
+        progress.add(record)
+
+    try:
+        finished = await run_jobs(
+            jobs,
+            lambda job: policy,
+            tools,
+            grader,
+            limits=options.limits,
+            concurrency=options.concurrency,
+            on_record=on_record,
+            stop=stop,
+        )
+    finally:
+        progress.close()
+    return build_report(
+        kept_earlier + records,
+        run=options.run,
+        review_url=target.review_url(options.run),
+        planned=planned,
+        resumed=len(kept_earlier),
+        wall_time_s=time.perf_counter() - started,
+        interrupted=not finished,
+    )
+
+
+def canary_limits(limits: Limits, job: Job) -> Limits:
+    """Gold needs a turn per gold call plus the answer, whatever the limits given."""
+    if job.policy != "gold":
+        return limits
+    needed = len(gold_calls(job.line.item))
+    return Limits(
+        max_turns=max(limits.max_turns, needed + 1), max_tool_calls=max(limits.max_tool_calls, needed)
+    )
+
+
+async def run_canaries(
+    client: httpx.AsyncClient,
+    target: Target,
+    lines: Sequence[DatasetLine],
+    options: RunOptions,
+    *,
+    policies: Sequence[str] | None = None,
+    threshold: float = 0.2,
+    gold_minimum: float = 0.9,
+    stop: asyncio.Event | None = None,
+    progress_stream: TextIO | None = None,
+) -> dict[str, Any]:
+    """Each canary over the lines it applies to, as its own run `<run>-<policy>`; return the verdict."""
+    canaries: dict[str, Canary] = all_canaries()
+    chosen = list(policies) if policies else list(canaries)
+    unknown = [name for name in chosen if name not in canaries]
+    if unknown:
+        raise TargetError(f"unknown canary {', '.join(unknown)}; the canaries are {', '.join(canaries)}")
+    started = time.perf_counter()
+    records: list[RolloutRecord] = []
+    interrupted = False
+    runs: dict[str, str | None] = {}
+    for name in chosen:
+        canary = canaries[name]
+        run = f"{options.run}-{name}"
+        runs[name] = target.review_url(run)
+        jobs = plan_jobs(lines, options.samples, policy=name, keep=canary.applies)
+        if not jobs:
+            continue
+        progress = Progress(len(jobs), stream=progress_stream, label=f"{name:<7}")
+        tools = HttpToolCaller(client, target.tools, run=run, retry=options.retry)
+        grader = HttpGrader(client, target.grader, run=run, retry=options.retry)
+
+        def on_record(record: RolloutRecord, progress: Progress = progress) -> None:
+            records.append(record)
+            progress.add(record)
+
+        try:
+            finished = await run_jobs(
+                jobs,
+                lambda job, canary=canary: canary,  # type: ignore[misc]
+                tools,
+                grader,
+                limits=options.limits,
+                concurrency=options.concurrency,
+                on_record=on_record,
+                stop=stop,
+                limits_for=lambda job: canary_limits(options.limits, job),
+            )
+        finally:
+            progress.close()
+        if not finished:
+            interrupted = True
+            break
+    report = canary_report(records, threshold=threshold, gold_minimum=gold_minimum, policies=chosen)
+    report["run"] = options.run
+    report["review_urls"] = runs
+    report["interrupted"] = interrupted
+    report["wall_time_s"] = round(time.perf_counter() - started, 3)
+    report["rollouts"] = [
+        {
+            "policy": r.policy,
+            "item": r.item_key,
+            "trace_id": r.trace_id,
+            "score": r.score,
+            "discarded": r.discarded,
+        }
+        for r in records
+    ]
+    return report

@@ -1,0 +1,62 @@
+"""Runner fixtures: the scripted OpenAI-compatible model server, and apps on Postgres + Redis only."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from openai import AsyncOpenAI
+
+from app.runner.http import Retry
+from app.runner.session import Target, server_target
+from tests.conftest import ADMIN_KEY, GRADER_KEY, TOOLS_KEY
+from tests.runner.model_server import ModelServer
+
+SERVER = "http://sparring"  # the base URL of the in-process app clients
+
+# Retries without waiting: the tests count attempts, not seconds.
+NO_WAIT = Retry(attempts=3, delay_s=0.0, max_delay_s=0.0)
+
+
+@pytest.fixture
+def backend() -> str:
+    """The runner drives the real backend (Postgres + Redis), as a training service would."""
+    return "real"
+
+
+@pytest.fixture(scope="session")
+def model_server_process() -> Iterator[ModelServer]:
+    server = ModelServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def model_server(model_server_process: ModelServer) -> ModelServer:
+    """The shared server with a fresh script and request log for this test."""
+    model_server_process.requests.clear()
+    model_server_process.script = lambda request: (_ for _ in ()).throw(AssertionError("no script set"))
+    return model_server_process
+
+
+@pytest.fixture
+async def openai_client(model_server: ModelServer) -> AsyncOpenAI:
+    return AsyncOpenAI(api_key="test-key", base_url=model_server.base_url, max_retries=0)
+
+
+def target(grader: str, *, tools_key: str = TOOLS_KEY) -> Target:
+    return server_target(SERVER, tools_key=tools_key, grader_key=GRADER_KEY, grader=grader)
+
+
+def write_graders(path: Path, text: str) -> Path:
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+async def admin_get(client: httpx.AsyncClient, url: str) -> Any:
+    response = await client.get(url, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    assert response.status_code == 200, response.text
+    return response.json()

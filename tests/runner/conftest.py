@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,28 @@ def model_server(model_server_process: ModelServer) -> ModelServer:
 @pytest.fixture
 async def openai_client(model_server: ModelServer) -> AsyncOpenAI:
     return AsyncOpenAI(api_key="test-key", base_url=model_server.base_url, max_retries=0)
+
+
+class Outage(httpx.AsyncBaseTransport):
+    """A faulty proxy in front of sparring: the first `failures` attempts of every call (of `tool`, or of
+    every tool) get a 503."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport, failures: int, tool: str | None = None) -> None:
+        self.inner = inner
+        self.failures = failures
+        self.tool = tool
+        self.attempts: Counter[tuple[str, str]] = Counter()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path.startswith("/tools/") and (
+            self.tool is None or request.url.path == f"/tools/{self.tool}"
+        ):
+            body = json.loads(await request.aread())
+            key = (body["trace_id"], body["call_id"])
+            self.attempts[key] += 1
+            if self.attempts[key] <= self.failures:
+                return httpx.Response(503, headers={"Retry-After": "0"}, json={"error": "down"})
+        return await self.inner.handle_async_request(request)
 
 
 def target(grader: str, *, tools_key: str = TOOLS_KEY) -> Target:

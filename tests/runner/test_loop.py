@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,7 @@ from app.runner.loop import DatasetLine, Limits, ModelFailure, Transcript, build
 from app.runner.models import ChatPolicy, ResponsesPolicy, make_policy
 from tests.conftest import ADMIN_KEY, AppFactory
 from tests.packs import counter_pack, faults_pack
-from tests.runner.conftest import NO_WAIT, admin_get, target, write_graders
+from tests.runner.conftest import NO_WAIT, Outage, admin_get, target, write_graders
 from tests.runner.model_server import Call, ModelRequest, ModelServer, Reply, Unavailable
 
 GRADERS = """
@@ -45,24 +44,6 @@ def counter_line(expected: str = "103", **extra: Any) -> DatasetLine:
             **extra,
         }
     )
-
-
-class Outage(httpx.AsyncBaseTransport):
-    """A faulty proxy in front of sparring: the first `failures` attempts of every tool call get a 503."""
-
-    def __init__(self, inner: httpx.AsyncBaseTransport, failures: int) -> None:
-        self.inner = inner
-        self.failures = failures
-        self.attempts: Counter[tuple[str, str]] = Counter()
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        if request.url.path.startswith("/tools/"):
-            body = json.loads(await request.aread())
-            key = (body["trace_id"], body["call_id"])
-            self.attempts[key] += 1
-            if self.attempts[key] <= self.failures:
-                return httpx.Response(503, headers={"Retry-After": "0"}, json={"error": "down"})
-        return await self.inner.handle_async_request(request)
 
 
 def policy(api: str, openai_client: AsyncOpenAI) -> ResponsesPolicy | ChatPolicy:

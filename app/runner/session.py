@@ -117,7 +117,7 @@ async def preflight(client: httpx.AsyncClient, target: Target, lines: Sequence[D
     if target.server is None:
         return []
     warnings: list[str] = []
-    probe = target.tools.resolve("_")
+    probe = target.tools.fallback or next(iter(target.tools.by_name.values()), None)
     tools_headers = probe.headers if probe is not None else {}
     try:
         listed = await client.get(f"{target.server}/tools", headers=tools_headers, timeout=30)

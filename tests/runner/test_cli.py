@@ -1,0 +1,212 @@
+"""`sparring eval` and `sparring canary` as a user runs them: commands against a served sparring process
+(retail pack, Postgres + Redis) and the scripted model server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import ADMIN_KEY, GRADER_KEY, REDIS_URL, TOOLS_KEY
+from tests.retail.conftest import HOME
+from tests.runner.model_server import ModelServer
+from tests.runner.test_retail import GoldModel, with_writes_and_facts
+from tests.system.helpers import Server, Servers, clean_env, server_settings
+from tools.retail import data
+from tools.retail.dataset import build_dataset
+from tools.retail.tasks import gold_calls, replay
+
+SPARRING = str(Path(sys.executable).with_name("sparring"))
+
+WEAK_GRADERS = """
+nonempty:
+  type: string_check
+  name: nonempty
+  operation: ne
+  input: "{{ sample.output_text }}"
+  reference: ""
+"""
+
+
+@pytest.fixture(scope="module")
+def retail_data() -> Path:
+    directory = data.fetch(data.cache_dir(HOME))
+    data.configure(data_dir=None, home=HOME)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def train(retail_data: Path) -> list[dict[str, Any]]:
+    return build_dataset("train")
+
+
+@pytest.fixture
+def servers(tmp_path: Path) -> Iterator[Servers]:
+    started = Servers(tmp_path)
+    try:
+        yield started
+    finally:
+        started.stop_all()
+
+
+@pytest.fixture
+async def sparring(servers: Servers, pg_database: str, retail_data: Path, tmp_path: Path) -> Server:
+    graders = tmp_path / "graders.yaml"
+    graders.write_text(WEAK_GRADERS, encoding="utf-8")
+    settings = server_settings(
+        database_url=pg_database,
+        redis_url=REDIS_URL,
+        home=tmp_path / "server-home",
+        worker="runner-cli",
+        SPARRING_PACKS="retail",
+        SPARRING_RETAIL_DATA=str(retail_data),
+        SPARRING_GRADERS_FILE=str(graders),
+    )
+    return await servers.start("retail", settings)
+
+
+def write_lines(path: Path, lines: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+async def run_cli(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    settings = {
+        "SPARRING_TOOLS_KEY": TOOLS_KEY,
+        "SPARRING_GRADER_KEY": GRADER_KEY,
+        "SPARRING_HOME": str(tmp_path / "client-home"),
+        **env,
+    }
+    return await asyncio.to_thread(
+        subprocess.run,
+        [SPARRING, *args],
+        env=clean_env(**settings),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+
+
+async def review(server: Server, path: str) -> Any:
+    async with httpx.AsyncClient(
+        base_url=server.url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}
+    ) as client:
+        response = await client.get(path)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+async def test_canary_on_the_train_split_passes_and_names_the_items_it_cannot_judge(
+    sparring: Server, train: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    dataset = write_lines(tmp_path / "retail-train.jsonl", train)
+    done = await run_cli(
+        tmp_path,
+        "canary", "--dataset", str(dataset), "--server", sparring.url, "--grader", "retail",
+        "--max-tool-calls", "5", "--run", "canary-cli", "--json",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    rows = {row["policy"]: row for row in report["policies"]}
+    assert rows["gold"]["mean"] == 1.0 and rows["gold"]["graded"] == 72
+    blind = sorted(
+        f"task_id:{line['task_id']}"
+        for line in train
+        if not line["communicate_info"] and not any(replay(gold_calls(line["task_id"])).changes.values())
+    )
+    assert rows["loop"]["items_above_half"] == blind
+    assert rows["loop"]["mean"] == pytest.approx(len(blind) / len(train))
+    for name in ("empty", "refuse", "parrot", "guess"):
+        assert rows[name]["mean"] == 0.0 and rows[name]["items_above_half"] == [], name
+    assert report["failures"] == []
+    # Each canary is a run of its own in the review pages.
+    runs = {run["run"]: run["rollouts"] for run in await review(sparring, "/review/api/runs")}
+    assert runs["canary-cli-gold"] == 72 and runs["canary-cli-empty"] == len(train)
+
+
+async def test_canary_fails_loudly_on_a_grader_that_only_wants_a_non_empty_answer(
+    sparring: Server, train: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    dataset = write_lines(tmp_path / "some.jsonl", train[:6])
+    done = await run_cli(
+        tmp_path,
+        "canary", "--dataset", str(dataset), "--server", sparring.url, "--grader", "nonempty",
+        "--policy", "empty", "--policy", "refuse", "--policy", "parrot", "--policy", "gold", "--run", "weak",
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "FAIL:" in done.stdout
+    assert "refuse averages 1.000 >= 0.2: the grader can be gamed" in done.stdout
+    assert "parrot averages 1.000 >= 0.2" in done.stdout
+    assert "empty averages" not in done.stdout  # "" is the one answer this grader refuses
+    assert "refuse scored above 0.5 on: task_id:" in done.stdout
+
+
+@pytest.mark.parametrize("how", ["server", "job-config"])
+async def test_eval_against_an_openai_compatible_server_matches_the_review_api(
+    how: str,
+    sparring: Server,
+    model_server: ModelServer,
+    train: list[dict[str, Any]],
+    tmp_path: Path,
+) -> None:
+    raw = with_writes_and_facts(train, 2)
+    model_server.script = GoldModel(raw, immediate={raw[1]["task_id"]: {1}})
+    dataset = write_lines(tmp_path / "two.jsonl", raw)
+    run = f"baseline-{how}"
+    if how == "server":
+        where = ["--server", sparring.url, "--grader", "retail", "--api", "chat"]
+    else:
+        config = await run_cli(
+            tmp_path, "job-config", "--base-url", sparring.url, "--grader", "retail",
+            SPARRING_PACKS="retail", SPARRING_RETAIL_DATA=str(HOME / "packs" / "retail"),
+        )  # fmt: skip
+        assert config.returncode == 0, config.stderr
+        (tmp_path / "job.json").write_text(config.stdout, encoding="utf-8")
+        where = ["--job-config", str(tmp_path / "job.json"), "--api", "responses"]
+    done = await run_cli(
+        tmp_path,
+        "eval", "--dataset", str(dataset), "--model", "scripted", "--base-url", model_server.base_url,
+        *where, "--run", run, "--samples", "2", "--out", str(tmp_path / "report.json"),
+        OPENAI_API_KEY="test-key",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert ["review", f"{sparring.url}/review/run?name={run}"] in [
+        line.split() for line in done.stdout.splitlines()
+    ]
+    assert report["rollouts"]["graded"] == 4
+    assert report["reward"]["mean"] == pytest.approx(0.75)
+    stats = await review(sparring, f"/review/api/stats?run={run}")
+    assert stats["reward"]["scored"] == 4
+    assert stats["reward"]["mean"] == pytest.approx(report["reward"]["mean"])
+    assert stats["reward"]["std"] == pytest.approx(report["reward"]["std"])
+    assert stats["items"]["share_always_one"] == pytest.approx(report["items"]["share_always_one"]) == 0.5
+
+
+async def test_eval_refuses_a_wrong_key_before_calling_the_model(
+    sparring: Server, model_server: ModelServer, train: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    dataset = write_lines(tmp_path / "one.jsonl", train[:1])
+    done = await run_cli(
+        tmp_path,
+        "eval", "--dataset", str(dataset), "--model", "m", "--base-url", model_server.base_url,
+        "--server", sparring.url, "--grader", "retail",
+        SPARRING_TOOLS_KEY="wrong",
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "refused the tools key (HTTP 401): set SPARRING_TOOLS_KEY" in done.stderr
+    assert model_server.requests == []
+    unknown = await run_cli(
+        tmp_path,
+        "eval", "--dataset", str(dataset), "--model", "m", "--base-url", model_server.base_url,
+        "--server", sparring.url, "--grader", "nope",
+    )  # fmt: skip
+    assert unknown.returncode == 2 and "has no grader 'nope'" in unknown.stderr

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,7 @@ import pytest
 
 from tests.conftest import ADMIN_KEY, GRADER_KEY, REDIS_URL, TOOLS_KEY
 from tests.retail.conftest import HOME
-from tests.runner.model_server import ModelServer
+from tests.runner.model_server import ModelRequest, ModelServer, Reply
 from tests.runner.test_retail import GoldModel, with_writes_and_facts
 from tests.system.helpers import Server, Servers, clean_env, server_settings
 from tools.retail import data
@@ -210,3 +212,58 @@ async def test_eval_refuses_a_wrong_key_before_calling_the_model(
         "--server", sparring.url, "--grader", "nope",
     )  # fmt: skip
     assert unknown.returncode == 2 and "has no grader 'nope'" in unknown.stderr
+
+
+async def test_ctrl_c_prints_what_was_done_and_resume_finishes_the_run(
+    sparring: Server, model_server: ModelServer, train: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    raw = with_writes_and_facts(train, 2)
+    gold = GoldModel(raw)
+
+    def slow(request: ModelRequest) -> Reply:
+        time.sleep(0.2)  # a model that takes its time: the run is still going when Ctrl-C comes
+        return gold(request)
+
+    model_server.script = slow
+    dataset = write_lines(tmp_path / "two.jsonl", raw)
+    args = [
+        "eval", "--dataset", str(dataset), "--model", "scripted", "--base-url", model_server.base_url,
+        "--server", sparring.url, "--grader", "retail", "--api", "chat", "--run", "interrupted",
+        "--samples", "3", "--concurrency", "1",
+    ]  # fmt: skip
+    env = clean_env(
+        SPARRING_TOOLS_KEY=TOOLS_KEY,
+        SPARRING_GRADER_KEY=GRADER_KEY,
+        SPARRING_HOME=str(tmp_path / "client-home"),
+    )
+    journal = tmp_path / "client-home" / "runs" / "interrupted.jsonl"
+    proc = await asyncio.create_subprocess_exec(
+        SPARRING, *args, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (journal.exists() and journal.read_text().count("\n") >= 1):
+            assert proc.returncode is None, await proc.communicate()
+            assert time.monotonic() < deadline, "no rollout finished"
+            await asyncio.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, err = await asyncio.wait_for(proc.communicate(), timeout=120)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    stdout, stderr = out.decode(), err.decode()
+    assert proc.returncode == 130, stderr
+    assert "interrupted" in stdout and "--resume" in stdout
+    first = [json.loads(line) for line in journal.read_text().splitlines()]
+    assert 1 <= len(first) < 6
+
+    model_server.script = gold
+    done = await run_cli(tmp_path, *args, "--resume", "--out", str(tmp_path / "report.json"))
+    assert done.returncode == 0, done.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    graded_before = sum(1 for record in first if record["discarded"] is None)
+    assert report["rollouts"]["resumed"] == graded_before
+    assert report["rollouts"]["graded"] == 6 and report["reward"]["mean"] == 1.0
+    stats = await review(sparring, "/review/api/stats?run=interrupted")
+    assert stats["reward"]["scored"] == 6

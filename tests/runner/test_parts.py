@@ -1,0 +1,149 @@
+"""The runner's small parts: item keys, job-config headers, tool URLs, canary scripts, the verdict."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from app.calls.service import item_key as server_item_key
+from app.runner.canaries import all_canaries, gold_calls, placeholder, reference_text
+from app.runner.evaluate import RolloutRecord, item_key
+from app.runner.http import Retry, ToolEndpoints, fill_placeholders
+from app.runner.loop import DatasetLine, FunctionCall, Step, Transcript
+from app.runner.report import canary_report
+
+
+@pytest.mark.parametrize(
+    "item",
+    [
+        {"task_id": "7", "messages": []},
+        {"id": 12},
+        {"uid": "u-1", "task_id": "x"},
+        {"question": "what?", "reference_answer": [1, 2], "nested": {"b": 1, "a": "é"}},
+        {"flag": True, "id": True},
+    ],
+)
+def test_item_keys_are_the_servers(item: dict[str, Any]) -> None:
+    assert item_key(item) == server_item_key(item)
+
+
+def test_job_config_headers_are_filled_from_the_environment_keys() -> None:
+    config = {
+        "tools": [
+            {
+                "name": "a",
+                "server_url": "https://h/tools/a",
+                "headers": {"Authorization": "Bearer <SPARRING_TOOLS_KEY>"},
+            },
+            {
+                "name": "b",
+                "server_url": "https://h/tools",
+                "headers": {"X-Functions-Key": "<SPARRING_TOOLS_KEY>"},
+            },
+        ]
+    }
+    endpoints = ToolEndpoints.from_job_config(config, {"SPARRING_TOOLS_KEY": "k1"})
+    assert endpoints.resolve("a") is not None and endpoints.resolve("a").headers == {
+        "Authorization": "Bearer k1"
+    }  # type: ignore[union-attr]
+    assert endpoints.resolve("b").url == "https://h/tools"  # type: ignore[union-attr]
+    assert endpoints.resolve("c") is None
+    with pytest.raises(ValueError, match="SPARRING_GRADER_KEY"):
+        fill_placeholders({"Authorization": "Bearer <SPARRING_GRADER_KEY>"}, {"SPARRING_TOOLS_KEY": "k1"})
+
+
+def test_one_server_serves_every_tool_at_its_own_url() -> None:
+    endpoints = ToolEndpoints.for_server("http://h:1/", {"Authorization": "Bearer k"})
+    resolved = endpoints.resolve("get order/1")
+    assert resolved is not None and resolved.url == "http://h:1/tools/get%20order%2F1"
+
+
+def test_retry_waits_double_and_honour_retry_after_up_to_the_cap() -> None:
+    retry = Retry(attempts=3, delay_s=0.5, max_delay_s=5.0)
+    assert retry.wait(1, None) == 0.5 and retry.wait(2, None) == 1.0
+    assert retry.wait(1, httpx.Response(503, headers={"Retry-After": "3"})) == 3.0
+    assert retry.wait(1, httpx.Response(503, headers={"Retry-After": "120"})) == 5.0
+
+
+def test_canary_inputs_come_from_the_item() -> None:
+    assert reference_text({"reference_answer": "JKT-9"}) == "JKT-9"
+    assert reference_text({"reference_answer": {"total": 3}}) == '{"total": 3}'
+    assert reference_text({"communicate_info": ["10.5", "blue"]}) == "10.5\nblue"
+    assert reference_text({"communicate_info": []}) is None
+    assert gold_calls(
+        {"actions": [{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": "{}"}, {}]}
+    ) == [
+        ("f", '{"x": 1}'),
+        ("g", "{}"),
+    ]
+    assert gold_calls({"actions": "nope"}) == []
+    schema = {
+        "type": "object",
+        "properties": {
+            "s": {"type": "string"},
+            "n": {"type": ["integer", "null"]},
+            "e": {"enum": ["b", "c"]},
+            "o": {"type": "object", "properties": {"f": {"type": "boolean"}}},
+            "a": {"anyOf": [{"type": "null"}, {"type": "array"}]},
+        },
+    }
+    assert placeholder(schema) == {"s": "test", "n": 1, "e": "b", "o": {"f": False}, "a": []}
+
+
+async def test_gold_plays_one_call_per_turn_then_answers_and_loop_repeats() -> None:
+    line = DatasetLine.from_json(
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "look",
+                        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+                    },
+                }
+            ],
+            "actions": [{"name": "look", "arguments": {"q": "a"}}],
+            "communicate_info": ["42"],
+        }
+    )
+    canaries = all_canaries()
+    transcript = Transcript("trace_x", line.messages, line.tools, line.item)
+    first = await canaries["gold"].next_turn(transcript)
+    assert first.calls == (FunctionCall(call_id="call_gold_0", name="look", arguments='{"q": "a"}'),)
+    transcript.steps.append(Step(turn=first))
+    assert (await canaries["gold"].next_turn(transcript)).text == "42"
+    looped = await canaries["loop"].next_turn(transcript)
+    assert [(c.name, c.arguments) for c in looped.calls] == [("look", '{"q": "test"}')]
+    assert (await canaries["parrot"].next_turn(transcript)).text == "hi"
+    assert canaries["guess"].applies(line) and canaries["gold"].applies(line)
+    bare = DatasetLine.from_json({"messages": [{"role": "user", "content": "hi"}]})
+    assert (
+        not canaries["guess"].applies(bare)
+        and not canaries["gold"].applies(bare)
+        and not canaries["loop"].applies(bare)
+    )
+
+
+def record(policy: str, item: str, score: float | None, discarded: str | None = None) -> RolloutRecord:
+    return RolloutRecord(item, 0, policy, "trace_x", score, discarded, "answer", 0, 0, 0, 0, 0.0)
+
+
+def test_the_verdict_fails_on_a_scoring_canary_or_a_weak_gold() -> None:
+    records = [
+        record("empty", "a", 0.0), record("empty", "b", 0.0),
+        record("guess", "a", 1.0), record("guess", "b", 0.0),
+        record("gold", "a", 1.0), record("gold", "b", 0.5), record("gold", "c", None, "tool_failed: x"),
+    ]  # fmt: skip
+    report = canary_report(records, threshold=0.2, gold_minimum=0.9, policies=["empty", "guess", "gold"])
+    rows = {row["policy"]: row for row in report["policies"]}
+    assert rows["guess"]["items_above_half"] == ["a"] and rows["guess"]["share_above_half"] == 0.5
+    assert rows["gold"]["discarded"] == 1 and rows["gold"]["mean"] == 0.75
+    assert report["failures"] == [
+        "guess averages 0.500 >= 0.2: the grader can be gamed",
+        "gold averages 0.750 < 0.9: the grader misses correct work",
+    ]
+    passing = canary_report(records[:2], threshold=0.2, gold_minimum=0.9, policies=["empty", "gold"])
+    assert passing["failures"] == []

@@ -13,14 +13,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
-import httpx
 import typer
 
 from app.cli_support import fail, load_settings
 from app.config import ClientKeys, environment_secret
 from app.runner.evaluate import DatasetError, journal_path, read_dataset
+from app.runner.http import AiohttpTransport
 from app.runner.loop import DatasetLine, Limits
-from app.runner.models import APIS, Api, make_policy
+from app.runner.models import APIS, Api, make_policy, model_client
 from app.runner.report import format_canaries, format_report
 from app.runner.session import (
     RunOptions,
@@ -140,14 +140,6 @@ def _run(main: Callable[[asyncio.Event], Awaitable[T]]) -> T:
     return asyncio.run(wrapped())
 
 
-def _client(concurrency: int) -> httpx.AsyncClient:
-    # Parallel calls of many rollouts: enough connections for every rollout in flight and its batch.
-    limits = httpx.Limits(
-        max_connections=max(20, concurrency * 4), max_keepalive_connections=max(20, concurrency * 2)
-    )
-    return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600.0, connect=30.0))
-
-
 def _write_json(path: Path | None, report: dict[str, Any]) -> None:
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -181,8 +173,6 @@ def eval_command(
     out: Annotated[Path | None, typer.Option(help="Also write the report as JSON here.")] = None,
 ) -> None:
     """Run a model over a dataset through sparring's tools and grader: rewards, and items without signal."""
-    from openai import AsyncOpenAI
-
     if api not in APIS:
         raise fail(f"--api must be one of {', '.join(APIS)}")
     if resume and run is None:
@@ -208,8 +198,8 @@ def eval_command(
     chosen: Api = "responses" if api == "responses" else "chat"
 
     async def main(stop: asyncio.Event) -> dict[str, Any]:
-        model_client = AsyncOpenAI(api_key=api_key, base_url=base_url)
-        async with _client(concurrency) as client:
+        openai_client = model_client(api_key, base_url)
+        async with AiohttpTransport.open(concurrency) as client:
             try:
                 for warning in await preflight(client, target, lines):
                     typer.echo(f"warning: {warning}", err=True)
@@ -220,12 +210,12 @@ def eval_command(
                     client,
                     target,
                     lines,
-                    lambda: make_policy(chosen, model_client, model),
+                    lambda: make_policy(chosen, openai_client, model),
                     options,
                     stop=stop,
                 )
             finally:
-                await model_client.close()
+                await openai_client.close()
 
     report = _run(main)
     typer.echo(format_report(report))
@@ -269,7 +259,7 @@ def canary_command(
     )
 
     async def main(stop: asyncio.Event) -> dict[str, Any]:
-        async with _client(concurrency) as client:
+        async with AiohttpTransport.open(concurrency) as client:
             try:
                 for warning in await preflight(client, target, lines):
                     typer.echo(f"warning: {warning}", err=True)

@@ -9,6 +9,11 @@
 - a 5xx, a timeout or a network error is retried with the same `call_id` (`attempts` in all, 3 by
   default), then the call fails for good and the rollout is discarded;
 - a grader answer other than 200 with a numeric `score` is retried the same way, then discarded.
+
+Requests go through a `Transport`: `AiohttpTransport` (what the commands use: its client costs a
+fraction of httpx's CPU per request, see `bench/runner.py`) or `HttpxTransport` (any
+`httpx.AsyncClient`, e.g. one on an in-process ASGI app). The callers accept either a transport or a
+plain `httpx.AsyncClient`.
 """
 
 from __future__ import annotations
@@ -16,11 +21,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import quote
 
+import aiohttp
 import httpx
 
 from app.runner.loop import FunctionCall, GradeResult, ToolResult
@@ -92,6 +99,84 @@ def fill_placeholders(headers: Mapping[str, Any], secrets: Mapping[str, str]) ->
 
 
 @dataclass(frozen=True)
+class Answer:
+    """An HTTP answer, read whole."""
+
+    status: int
+    headers: Mapping[str, str]
+    body: bytes
+    reason: str = ""
+
+    @property
+    def text(self) -> str:
+        return self.body.decode(errors="replace")
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+class TransportError(Exception):
+    """The request got no HTTP answer: refused, reset, timed out."""
+
+
+class Transport(Protocol):
+    async def request(
+        self, method: str, url: str, *, content: bytes | None, headers: Mapping[str, str], seconds: float
+    ) -> Answer:
+        """Send one request and read the whole answer within `seconds`; raise `TransportError` without one."""
+        ...
+
+
+class HttpxTransport:
+    """Requests through an `httpx.AsyncClient` (its base URL, default headers and transport apply)."""
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self.client = client
+
+    async def request(
+        self, method: str, url: str, *, content: bytes | None, headers: Mapping[str, str], seconds: float
+    ) -> Answer:
+        try:
+            response = await self.client.request(
+                method, url, content=content, headers=headers, timeout=seconds
+            )
+        except httpx.HTTPError as exc:
+            raise TransportError(f"{type(exc).__name__}: {exc}".rstrip(": ")) from exc
+        return Answer(response.status_code, response.headers, response.content, response.reason_phrase)
+
+
+class AiohttpTransport:
+    """Requests through an `aiohttp.ClientSession`; open one with `AiohttpTransport.open(concurrency)`."""
+
+    def __init__(self, session: aiohttp.ClientSession) -> None:
+        self.session = session
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, concurrency: int) -> AsyncIterator[AiohttpTransport]:
+        """A session sized for `concurrency` rollouts in flight, each with a few parallel calls."""
+        connector = aiohttp.TCPConnector(limit=max(20, concurrency * 4), limit_per_host=0)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            yield cls(session)
+
+    async def request(
+        self, method: str, url: str, *, content: bytes | None, headers: Mapping[str, str], seconds: float
+    ) -> Answer:
+        try:
+            async with self.session.request(
+                method, url, data=content, headers=dict(headers), timeout=aiohttp.ClientTimeout(total=seconds)
+            ) as response:
+                body = await response.read()
+                return Answer(response.status, dict(response.headers), body, response.reason or "")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise TransportError(f"{type(exc).__name__}: {exc}".rstrip(": ")) from exc
+
+
+def as_transport(client: Transport | httpx.AsyncClient) -> Transport:
+    return HttpxTransport(client) if isinstance(client, httpx.AsyncClient) else client
+
+
+@dataclass(frozen=True)
 class Retry:
     """How failed attempts are repeated: `attempts` in all, waiting `delay_s`, doubled each time.
 
@@ -102,10 +187,10 @@ class Retry:
     delay_s: float = 0.5
     max_delay_s: float = 5.0
 
-    def wait(self, attempt: int, response: httpx.Response | None) -> float:
+    def wait(self, attempt: int, answer: Answer | None) -> float:
         delay: float = self.delay_s * (2 ** (attempt - 1))
-        if response is not None:
-            header = response.headers.get("retry-after")
+        if answer is not None:
+            header = next((v for k, v in answer.headers.items() if k.lower() == "retry-after"), None)
             if header is not None:
                 try:
                     delay = max(delay, float(header))
@@ -114,11 +199,11 @@ class Retry:
         return min(delay, self.max_delay_s)
 
 
-def _error_body(response: httpx.Response) -> str:
+def _error_body(answer: Answer) -> str:
     """A 4xx shown to the model: the body as text, as the platform serializes it."""
-    text = response.text.strip()
+    text = answer.text.strip()
     if not text:
-        return f"Error: HTTP {response.status_code} {response.reason_phrase}".rstrip()
+        return f"Error: HTTP {answer.status} {answer.reason}".rstrip()
     return text
 
 
@@ -127,14 +212,14 @@ class HttpToolCaller:
 
     def __init__(
         self,
-        client: httpx.AsyncClient,
+        client: Transport | httpx.AsyncClient,
         endpoints: ToolEndpoints,
         *,
         run: str | None = None,
         retry: Retry | None = None,
         timeout_s: float = CALL_TIMEOUT_S,
     ) -> None:
-        self.client = client
+        self.transport = as_transport(client)
         self.endpoints = endpoints
         self.run = run
         self.retry = retry or Retry()
@@ -164,15 +249,15 @@ class HttpToolCaller:
         failure = "not sent"
         status: int | None = None
         for attempt in range(1, self.retry.attempts + 1):
-            response: httpx.Response | None = None
+            response: Answer | None = None
             try:
-                response = await self.client.post(
-                    endpoint.url, content=content, headers=headers, timeout=self.timeout_s
+                response = await self.transport.request(
+                    "POST", endpoint.url, content=content, headers=headers, seconds=self.timeout_s
                 )
-            except httpx.HTTPError as exc:
-                failure, status = f"{type(exc).__name__}: {exc}".rstrip(": "), None
+            except TransportError as exc:
+                failure, status = str(exc), None
             else:
-                status = response.status_code
+                status = response.status
                 if status < 500:
                     output = _tool_output(response)
                     return ToolResult(
@@ -195,8 +280,8 @@ class HttpToolCaller:
         )
 
 
-def _tool_output(response: httpx.Response) -> str:
-    if response.status_code != 200:
+def _tool_output(response: Answer) -> str:
+    if response.status != 200:
         return _error_body(response)
     try:
         data = response.json()
@@ -213,14 +298,14 @@ class HttpGrader:
 
     def __init__(
         self,
-        client: httpx.AsyncClient,
+        client: Transport | httpx.AsyncClient,
         endpoint: Endpoint,
         *,
         run: str | None = None,
         retry: Retry | None = None,
         timeout_s: float = CALL_TIMEOUT_S,
     ) -> None:
-        self.client = client
+        self.transport = as_transport(client)
         self.endpoint = endpoint
         self.run = run
         self.retry = retry or Retry()
@@ -237,15 +322,15 @@ class HttpGrader:
         failure = "not sent"
         status: int | None = None
         for attempt in range(1, self.retry.attempts + 1):
-            response: httpx.Response | None = None
+            response: Answer | None = None
             try:
-                response = await self.client.post(
-                    self.endpoint.url, content=content, headers=headers, timeout=self.timeout_s
+                response = await self.transport.request(
+                    "POST", self.endpoint.url, content=content, headers=headers, seconds=self.timeout_s
                 )
-            except httpx.HTTPError as exc:
-                failure, status = f"{type(exc).__name__}: {exc}".rstrip(": "), None
+            except TransportError as exc:
+                failure, status = str(exc), None
             else:
-                status = response.status_code
+                status = response.status
                 score = _score(response)
                 if score is not None:
                     return GradeResult(score=score, status=status, attempts=attempt)
@@ -260,8 +345,8 @@ class HttpGrader:
         )
 
 
-def _score(response: httpx.Response) -> float | None:
-    if response.status_code != 200:
+def _score(response: Answer) -> float | None:
+    if response.status != 200:
         return None
     try:
         data = response.json()

@@ -2,8 +2,8 @@
 
 `Target` says where the tools and the grader are (one server, or a job config) with their headers;
 `evaluate` runs a model policy over a dataset and returns the report; `run_canaries` runs the
-scripted canaries and returns their verdict. Both take the `httpx.AsyncClient` to use, so they run
-the same against a deployed server and an in-process app.
+scripted canaries and returns their verdict. Both take the transport to use (or an
+`httpx.AsyncClient`), so they run the same against a deployed server and an in-process app.
 """
 
 from __future__ import annotations
@@ -29,7 +29,16 @@ from app.runner.evaluate import (
     plan_jobs,
     run_jobs,
 )
-from app.runner.http import Endpoint, HttpGrader, HttpToolCaller, Retry, ToolEndpoints
+from app.runner.http import (
+    Endpoint,
+    HttpGrader,
+    HttpToolCaller,
+    Retry,
+    ToolEndpoints,
+    Transport,
+    TransportError,
+    as_transport,
+)
 from app.runner.loop import DatasetLine, Limits, Policy, function_of
 from app.runner.report import build_report, canary_report
 
@@ -112,33 +121,38 @@ def job_config_target(
     return Target(tools=tools, grader=Endpoint(url=url, headers=headers), server=base)
 
 
-async def preflight(client: httpx.AsyncClient, target: Target, lines: Sequence[DatasetLine]) -> list[str]:
+async def preflight(
+    client: Transport | httpx.AsyncClient, target: Target, lines: Sequence[DatasetLine]
+) -> list[str]:
     """Check a server's keys and grader before spending model tokens; return warnings, raise on errors."""
     if target.server is None:
         return []
     warnings: list[str] = []
     probe = target.tools.fallback or next(iter(target.tools.by_name.values()), None)
     tools_headers = probe.headers if probe is not None else {}
+    transport = as_transport(client)
     try:
-        listed = await client.get(f"{target.server}/tools", headers=tools_headers, timeout=30)
-        graders = await client.get(f"{target.server}/grade", headers=target.grader.headers, timeout=30)
-    except httpx.HTTPError as exc:
+        listed = await transport.request(
+            "GET", f"{target.server}/tools", content=None, headers=tools_headers, seconds=30
+        )
+        graders = await transport.request(
+            "GET", f"{target.server}/grade", content=None, headers=target.grader.headers, seconds=30
+        )
+    except TransportError as exc:
         raise TargetError(f"cannot reach {target.server}: {exc}") from exc
     for response, what, env in (
         (listed, "tools", "SPARRING_TOOLS_KEY"),
         (graders, "grader", "SPARRING_GRADER_KEY"),
     ):
-        if response.status_code in (401, 403):
-            raise TargetError(
-                f"{target.server} refused the {what} key (HTTP {response.status_code}): set {env}"
-            )
-    if listed.status_code == 200:
+        if response.status in (401, 403):
+            raise TargetError(f"{target.server} refused the {what} key (HTTP {response.status}): set {env}")
+    if listed.status == 200:
         served = {tool.get("name") for tool in listed.json() if isinstance(tool, dict)}
         wanted = {name for line in lines for name in _tool_names(line.tools)}
         missing = sorted(wanted - served)
         if missing and target.tools.by_name == {}:
             warnings.append(f"the server does not serve {', '.join(missing)}: those calls get an error")
-    if graders.status_code == 200 and target.grader.url.startswith(f"{target.server}/grade/"):
+    if graders.status == 200 and target.grader.url.startswith(f"{target.server}/grade/"):
         name = target.grader.url.rsplit("/", 1)[1]
         names = {g.get("name") for g in graders.json() if isinstance(g, dict)}
         if name not in names:
@@ -169,7 +183,7 @@ class RunOptions:
 
 
 async def evaluate(
-    client: httpx.AsyncClient,
+    client: Transport | httpx.AsyncClient,
     target: Target,
     lines: Sequence[DatasetLine],
     make_policy: Callable[[], Policy],
@@ -233,7 +247,7 @@ def canary_limits(limits: Limits, job: Job) -> Limits:
 
 
 async def run_canaries(
-    client: httpx.AsyncClient,
+    client: Transport | httpx.AsyncClient,
     target: Target,
     lines: Sequence[DatasetLine],
     options: RunOptions,

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
 import pytest
 
 from app.calls.service import item_key as server_item_key
 from app.runner.canaries import all_canaries, gold_calls, placeholder, reference_text
 from app.runner.evaluate import RolloutRecord, item_key
-from app.runner.http import Retry, ToolEndpoints, fill_placeholders
+from app.runner.http import Answer, Retry, ToolEndpoints, fill_placeholders
 from app.runner.loop import DatasetLine, FunctionCall, Step, Transcript
 from app.runner.report import canary_report
 
@@ -63,8 +62,8 @@ def test_one_server_serves_every_tool_at_its_own_url() -> None:
 def test_retry_waits_double_and_honour_retry_after_up_to_the_cap() -> None:
     retry = Retry(attempts=3, delay_s=0.5, max_delay_s=5.0)
     assert retry.wait(1, None) == 0.5 and retry.wait(2, None) == 1.0
-    assert retry.wait(1, httpx.Response(503, headers={"Retry-After": "3"})) == 3.0
-    assert retry.wait(1, httpx.Response(503, headers={"Retry-After": "120"})) == 5.0
+    assert retry.wait(1, Answer(503, {"Retry-After": "3"}, b"")) == 3.0
+    assert retry.wait(1, Answer(503, {"retry-after": "120"}, b"")) == 5.0
 
 
 def test_canary_inputs_come_from_the_item() -> None:

@@ -128,6 +128,11 @@ async def test_canary_on_the_train_split_passes_and_names_the_items_it_cannot_ju
     assert rows["loop"]["mean"] == pytest.approx(len(blind) / len(train))
     for name in ("empty", "refuse", "parrot", "guess"):
         assert rows[name]["mean"] == 0.0 and rows[name]["items_above_half"] == [], name
+    # Outside the items it names, every rollout of a policy other than gold scored exactly 0.
+    for rollout in report["rollouts"]:
+        if rollout["policy"] != "gold" and rollout["item"] not in rows[rollout["policy"]]["items_above_half"]:
+            assert rollout["score"] == 0.0, rollout
+    assert rows["guess"]["rollouts"] == sum(1 for line in train if line["communicate_info"])
     assert report["failures"] == []
     # Each canary is a run of its own in the review pages.
     runs = {run["run"]: run["rollouts"] for run in await review(sparring, "/review/api/runs")}

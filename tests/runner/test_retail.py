@@ -1,4 +1,4 @@
-"""`evaluate` and `run_canaries` end to end on the retail pack (Postgres + Redis), through `openai`."""
+"""`evaluate` end to end on the retail pack (Postgres + Redis), through `openai`."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import pytest
 from openai import AsyncOpenAI
 
 from app.runner.evaluate import Journal, item_key
-from app.runner.loop import DatasetLine, Limits
+from app.runner.loop import DatasetLine
 from app.runner.models import make_policy
-from app.runner.session import RunOptions, evaluate, run_canaries
+from app.runner.session import RunOptions, evaluate
 from tests.conftest import ADMIN_KEY, AppFactory
 from tests.retail.conftest import HOME
 from tests.runner.conftest import NO_WAIT, Outage, admin_get, target
@@ -234,41 +234,3 @@ async def test_503_three_times_discards_and_resume_runs_only_what_is_missing(
     journal = Journal(tmp_path / f"{run}.jsonl").load()
     graded = Counter((r.item_key, r.sample) for r in journal if r.graded)
     assert graded == Counter({(item_key(line), s): 1 for line in raw for s in (0, 1)})
-
-
-async def test_canaries_on_the_train_split(
-    app_factory: AppFactory, retail_data: Path, train: list[dict[str, Any]], tmp_path: Path
-) -> None:
-    async with app_factory(packs=[pack], key=ADMIN_KEY, retail_data=retail_data) as client:
-        report = await run_canaries(
-            client,
-            target("retail"),
-            lines_of(train),
-            options("canary-train", tmp_path, concurrency=8, limits=Limits(max_turns=30, max_tool_calls=5)),
-        )
-
-    rows = {row["policy"]: row for row in report["policies"]}
-    with_gold = [line for line in train if line["actions"]]
-    assert rows["gold"]["graded"] == len(with_gold) == 72
-    assert rows["gold"]["mean"] == 1.0
-    # The benchmark's own reward cannot tell a do-nothing policy from the gold one on the tasks whose
-    # gold calls change nothing and that have nothing to communicate: a policy that calls any tool
-    # scores there (a rollout without calls scores 0), and the report names those items.
-    blind = {
-        f"task_id:{line['task_id']}"
-        for line in train
-        if not line["communicate_info"] and not any(replay(gold_calls(line["task_id"])).changes.values())
-    }
-    assert rows["loop"]["items_above_half"] == sorted(blind)
-    for name in ("empty", "refuse", "parrot", "guess"):
-        assert rows[name]["items_above_half"] == [], name
-    by_policy: dict[str, list[tuple[str, float | None]]] = {}
-    for rollout in report["rollouts"]:
-        by_policy.setdefault(rollout["policy"], []).append((rollout["item"], rollout["score"]))
-    for name, scored in by_policy.items():
-        if name == "gold":
-            continue
-        named = set(rows[name]["items_above_half"])
-        assert all(score == 0.0 for item, score in scored if item not in named), name
-    assert rows["guess"]["rollouts"] == sum(1 for line in train if line["communicate_info"])
-    assert report["failures"] == []

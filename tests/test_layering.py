@@ -79,3 +79,19 @@ def test_the_checks_see_real_imports() -> None:
     """The reader itself: it finds the imports this very layering forbids when they are there."""
     assert "app.grading.service" in modules_imported(ROOT / "app/grading/routes.py")
     assert offending("app/review", ("app.grading",)) != {}  # review reads what grading writes
+
+
+def test_the_rollout_runner_is_a_client_of_the_server() -> None:
+    """The runner reaches the server over HTTP only: of `app` it imports its own package, the settings,
+    the command helpers and the wire identity (how the server names items and runs), nothing else."""
+    allowed = ("app.runner", "app.config", "app.cli_support", "app.rollouts.identity")
+    bad = {
+        str(path.relative_to(ROOT)): sorted(
+            m
+            for m in modules_imported(path)
+            if is_under(m, "app") and not any(is_under(m, a) for a in allowed)
+        )
+        for path in files("app/runner")
+    }
+    assert {path: hits for path, hits in bad.items() if hits} == {}
+    assert "app.rollouts.identity" in modules_imported(ROOT / "app/runner/evaluate.py")  # the check sees it

@@ -9,7 +9,6 @@ rollout that was graded is not run again; a discarded or unfinished one is.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import re
 import sys
@@ -19,23 +18,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from app.rollouts.identity import item_key as wire_item_key
 from app.runner.loop import DatasetLine, Grader, Limits, Policy, RolloutResult, ToolCaller, run_rollout
-
-ITEM_ID_FIELDS = ("id", "item_id", "task_id", "uid")
 
 
 def item_key(item: Mapping[str, Any]) -> str:
-    """A stable key for a dataset line: its id field if it has one, else a hash of the item.
-
-    The rule of the server's call log, so the report's per-item figures and the review pages name
-    items alike.
-    """
-    for name in ITEM_ID_FIELDS:
-        value = item.get(name)
-        if isinstance(value, (str, int)) and not isinstance(value, bool):
-            return f"{name}:{value}"[:128]
-    canonical = json.dumps(item, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)
-    return f"sha256:{hashlib.sha256(canonical.encode()).hexdigest()[:40]}"
+    """The key of a dataset line: the server's own (`app.rollouts.identity.item_key`: its id field, else a
+    hash of the item), so the report's per-item figures and the review pages name items alike."""
+    return wire_item_key(item) or "empty"
 
 
 class DatasetError(ValueError):

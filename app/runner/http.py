@@ -30,9 +30,9 @@ from urllib.parse import quote
 import aiohttp
 import httpx
 
+from app.rollouts.identity import RUN_HEADER
 from app.runner.loop import FunctionCall, GradeResult, ToolResult
 
-RUN_HEADER = "X-Sparring-Run"
 DEFAULT_ATTEMPTS = 3
 CALL_TIMEOUT_S = 600.0  # the platform's limit per tool call and per grade
 

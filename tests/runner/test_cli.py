@@ -172,7 +172,7 @@ async def test_eval_against_an_openai_compatible_server_matches_the_review_api(
         where = ["--server", sparring.url, "--grader", "retail", "--api", "chat"]
     else:
         config = await run_cli(
-            tmp_path, "job-config", "--base-url", sparring.url, "--grader", "retail",
+            tmp_path, "job-config", "--base-url", sparring.url, "--grader", "retail", "--allow-http",
             SPARRING_PACKS="retail", SPARRING_RETAIL_DATA=str(HOME / "packs" / "retail"),
         )  # fmt: skip
         assert config.returncode == 0, config.stderr

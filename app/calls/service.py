@@ -158,8 +158,12 @@ class ToolCallService:
                 answer = await self._answer(call, path_name)
             except ToolCrashed as exc:
                 outcome = "tool_crash"
+                # The caller gets a short message; the exception's own text (which may name hosts,
+                # paths or data) goes to the call log and the server log only.
+                cause = exc.__cause__
+                detail = f"{exc.message}: {type(cause).__name__}: {cause}" if cause else exc.message
                 with contextlib.suppress(ServiceUnavailable):
-                    await self.log_writer.write(self._record(call, None, "tool_crash", exc.message, 500))
+                    await self.log_writer.write(self._record(call, None, "tool_crash", detail, 500))
                 raise
             except ServiceUnavailable as exc:
                 self.log_writer.submit(self._record(call, None, "infra_error", exc.message, 503))
@@ -337,7 +341,8 @@ class ToolCallService:
                 "tool %s crashed (trace_id=%s call_id=%s)", spec.name, call.trace_id, call.envelope.call_id
             )
             raise ToolCrashed(
-                f"tool {spec.name!r} crashed: {type(exc).__name__}: {exc}", tool=spec.name
+                f"tool {spec.name!r} crashed ({type(exc).__name__}); the traceback is in the server log",
+                tool=spec.name,
             ) from exc
         answer = StoredAnswer(output=truncate_output(output, self.max_output_bytes), outcome="ok")
         writes = {spec.pack: state.writes} if state is not None and state.writes else {}

@@ -23,6 +23,7 @@ export_router = APIRouter(tags=["review"])
 
 GraderQuery = Annotated[str | None, Query(description="Count the latest grade of this grader only.")]
 ItemOrder = Literal["mean", "variance", "rollouts", "item"]
+RolloutSort = Literal["time", "score", "calls", "duration"]
 
 
 ChannelQuery = Annotated[
@@ -53,10 +54,16 @@ async def list_rollouts(
     until: Annotated[datetime | None, Query(description="last_seen before (ISO 8601).")] = None,
     grader: GraderQuery = None,
     status: Literal["ok", "failed", "ungraded"] | None = None,
+    q: Annotated[
+        str | None, Query(max_length=200, description="A fragment of the trace id, item key or answer.")
+    ] = None,
+    sort: Annotated[RolloutSort, Query(description="time (last_seen), score, calls or duration.")] = "time",
+    order: Literal["desc", "asc"] = "desc",
+    count: Annotated[bool, Query(description="Also count every rollout that matches (total).")] = False,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     cursor: Annotated[str | None, Query(description="next_cursor of the previous page.")] = None,
 ) -> s.RolloutPage:
-    """Rollouts, newest first, with their latest grade's score and flags."""
+    """Rollouts (newest first by default) with their latest grade's score and flags."""
     filters = RolloutFilter(
         run=run,
         channel=channel,
@@ -69,9 +76,19 @@ async def list_rollouts(
         until=_utc(until),
         grader=grader,
         status=status,
+        q=q.strip() if q and q.strip() else None,
     )
     async with db.session() as session:
-        return await ReviewService(session).rollouts(filters, limit=limit, cursor=cursor)
+        return await ReviewService(session).rollouts(
+            filters, limit=limit, cursor=cursor, sort=sort, descending=order == "desc", count=count
+        )
+
+
+@router.get("/graders")
+async def list_graders(_: ReviewAccess, db: DatabaseDep, run: str | None = None) -> list[s.GraderOut]:
+    """Graders that graded the run's rollouts (or any rollout), most rollouts first."""
+    async with db.session() as session:
+        return await ReviewService(session).graders(run)
 
 
 @router.get("/rollouts/{trace_id}")

@@ -14,6 +14,8 @@ from typing import Any
 import orjson
 from sqlalchemy import (
     ColumnElement,
+    Float,
+    Text,
     cast,
     exists,
     func,
@@ -21,12 +23,14 @@ from sqlalchemy import (
     or_,
     select,
     tuple_,
+    type_coerce,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import aliased
 
 from app.db.models import Grade, Rollout, ToolCall
+from app.review.stats_repository import ItemRow
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,19 @@ class RolloutFilter:
     grader: str | None = None  # the latest grade *of this grader* counts; None: the latest of any
     status: str | None = None  # ok | failed | ungraded
     channel: str | None = None  # rft | mcp
+    q: str | None = None  # a fragment of the trace id, the item key or the latest grade's answer
+
+
+# Orders of the rollout list; each is keyset-paginated on (key, trace_id).
+SORTS = ("time", "score", "calls", "duration")
+# Ungraded rollouts (no score) sort below every score.
+NO_SCORE = -1e300
+
+
+@dataclass(frozen=True)
+class GraderRow:
+    grader: str
+    rollouts: int  # rollouts with at least one grade of this grader
 
 
 @dataclass(frozen=True)
@@ -49,6 +66,7 @@ class RolloutRow:
     rollout: Rollout
     calls: int
     grade: Grade | None
+    key: Any = None  # the value of the sort key, for the next page's cursor
 
 
 @dataclass(frozen=True)
@@ -104,21 +122,96 @@ class ReviewRepository:
         return sorted(runs.values(), key=lambda r: r.last_seen, reverse=True)[:limit]
 
     async def rollouts(
-        self, filters: RolloutFilter, *, limit: int, before: tuple[datetime, str] | None = None
+        self,
+        filters: RolloutFilter,
+        *,
+        limit: int,
+        before: tuple[Any, str] | None = None,
+        sort: str = "time",
+        descending: bool = True,
     ) -> list[RolloutRow]:
-        """Newest first, keyset-paginated on (last_seen, trace_id): deep pages cost what the first does."""
+        """Keyset-paginated on (sort key, trace_id): deep pages cost what the first does.
+
+        `before` is the (key, trace_id) of the previous page's last row (`RolloutRow.key`).
+        """
+        key = self.sort_key(sort)
         query = (
-            select(Rollout, Grade)
+            select(Rollout, Grade, key)
             .outerjoin(Grade, Grade.id == self._latest_grade_id(filters.grader))
-            .order_by(Rollout.last_seen.desc(), Rollout.trace_id.desc())
+            .order_by(*((key.desc(), Rollout.trace_id.desc()) if descending else (key, Rollout.trace_id)))
             .limit(limit)
         )
         query = query.where(*self._conditions(filters))
         if before is not None:
-            query = query.where(tuple_(Rollout.last_seen, Rollout.trace_id) < tuple_(*before))
+            position = tuple_(key, Rollout.trace_id)
+            query = query.where(position < tuple_(*before) if descending else position > tuple_(*before))
         result = await self.session.execute(query)
         # rollouts.calls is recounted by the log writer in the transaction that logs the calls.
-        return [RolloutRow(rollout=r[0], calls=r[0].calls, grade=r[1]) for r in result.all()]
+        return [RolloutRow(rollout=r[0], calls=r[0].calls, grade=r[1], key=r[2]) for r in result.all()]
+
+    async def count_rollouts(self, filters: RolloutFilter) -> int:
+        """How many rollouts the filters match (the same join and conditions as `rollouts`)."""
+        query = (
+            select(func.count())
+            .select_from(Rollout)
+            .outerjoin(Grade, Grade.id == self._latest_grade_id(filters.grader))
+            .where(*self._conditions(filters))
+        )
+        return int(await self.session.scalar(query) or 0)
+
+    async def score_summary(self, filters: RolloutFilter) -> ItemRow | None:
+        """Latest scores of the rollouts the filters match: count, mean, mean square, min, max."""
+        query = (
+            select(
+                func.count(Grade.score),
+                func.avg(Grade.score),
+                func.avg(Grade.score * Grade.score),
+                func.min(Grade.score),
+                func.max(Grade.score),
+            )
+            .select_from(Rollout)
+            .join(Grade, Grade.id == self._latest_grade_id(filters.grader))
+            .where(*self._conditions(filters))
+        )
+        row = (await self.session.execute(query)).one()
+        if not row[0]:
+            return None
+        return ItemRow(
+            item_key=filters.item_key,
+            rollouts=int(row[0]),
+            mean=float(row[1]),
+            mean_square=float(row[2]),
+            min=float(row[3]),
+            max=float(row[4]),
+        )
+
+    def sort_key(self, sort: str) -> ColumnElement[Any]:
+        if sort == "score":
+            return func.coalesce(Grade.score, NO_SCORE)
+        if sort == "calls":
+            return Rollout.__table__.c.calls
+        if sort == "duration":  # seconds from the rollout's first call to its last
+            if self.dialect == "postgresql":
+                return cast(func.extract("epoch", Rollout.last_seen - Rollout.first_seen), Float)
+            return (func.julianday(Rollout.last_seen) - func.julianday(Rollout.first_seen)) * 86400.0
+        return Rollout.__table__.c.last_seen
+
+    def _answer_text(self) -> ColumnElement[Any]:
+        """The grade's final answer as `final_answer` reads it: output_text, else the last message's text."""
+        if self.dialect == "postgresql":
+            last = Grade.sample[("choices", -1, "message", "content")].as_string()
+        else:  # SQLite counts from the end with #-1
+            last = type_coerce(func.json_extract(Grade.sample, "$.choices[#-1].message.content"), Text)
+        return func.coalesce(Grade.sample["output_text"].as_string(), last)
+
+    async def graders(self, run: str | None = None) -> list[GraderRow]:
+        """Graders that graded the run's rollouts (every rollout when run is None), most rollouts first."""
+        rollouts = func.count(func.distinct(Grade.trace_id))
+        query = select(Grade.grader, rollouts).group_by(Grade.grader).order_by(rollouts.desc(), Grade.grader)
+        if run is not None:
+            query = query.join(Rollout, Rollout.trace_id == Grade.trace_id).where(Rollout.run == run)
+        result = await self.session.execute(query)
+        return [GraderRow(grader=r[0], rollouts=int(r[1])) for r in result.all()]
 
     def _latest_grade_id(self, grader: str | None) -> Any:
         latest = aliased(Grade)
@@ -134,7 +227,22 @@ class ReviewRepository:
         if f.channel is not None:
             conditions.append(Rollout.channel == f.channel)
         if f.item_key is not None:
-            conditions.append(or_(Rollout.item_key == f.item_key, Grade.item_key == f.item_key))
+            # "item-7" finds "id:item-7": the key's field prefix is optional.
+            conditions.append(
+                or_(
+                    Rollout.item_key == f.item_key,
+                    Grade.item_key == f.item_key,
+                    Rollout.item_key.endswith(f":{f.item_key}", autoescape=True),
+                )
+            )
+        if f.q is not None:
+            conditions.append(
+                or_(
+                    Rollout.trace_id.icontains(f.q, autoescape=True),
+                    Rollout.item_key.icontains(f.q, autoescape=True),
+                    self._answer_text().icontains(f.q, autoescape=True),
+                )
+            )
         if f.min_score is not None:
             conditions.append(Grade.score >= f.min_score)
         if f.max_score is not None:

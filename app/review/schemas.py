@@ -56,6 +56,12 @@ class RolloutSummary(BaseModel):
 class RolloutPage(BaseModel):
     rollouts: list[RolloutSummary]
     next_cursor: str | None
+    total: int | None = None  # rollouts matching the filters (asked with count=true)
+
+
+class GraderOut(BaseModel):
+    grader: str
+    rollouts: int  # rollouts with at least one grade of this grader
 
 
 class Timeline(RolloutTimeline):

@@ -36,16 +36,28 @@ ZERO, ONE = 0.0, 1.0
 MIN_ROLLOUTS_PER_ITEM = 2  # an item seen once is trivially "always" something: not counted
 
 
-def encode_cursor(last_seen: datetime, trace_id: str) -> str:
-    return base64.urlsafe_b64encode(orjson.dumps([last_seen.isoformat(), trace_id])).decode().rstrip("=")
+def encode_cursor(key: Any, trace_id: str, sort: str = "time") -> str:
+    """The position after a page's last row: its sort key and trace id (the sort is named, to check)."""
+    value = key.isoformat() if isinstance(key, datetime) else float(key)
+    raw = [value, trace_id] if sort == "time" else [sort, value, trace_id]
+    return base64.urlsafe_b64encode(orjson.dumps(raw)).decode().rstrip("=")
 
 
-def decode_cursor(cursor: str) -> tuple[datetime, str]:
+def decode_cursor(cursor: str, sort: str = "time") -> tuple[Any, str]:
+    invalid = BadRequest(
+        "invalid cursor: pass next_cursor from the previous page unchanged, with the same sort"
+    )
     try:
         raw = orjson.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
-        return datetime.fromisoformat(raw[0]), str(raw[1])
+        if sort == "time":
+            if len(raw) != 2:
+                raise invalid
+            return datetime.fromisoformat(raw[0]), str(raw[1])
+        if len(raw) != 3 or raw[0] != sort or isinstance(raw[1], bool):
+            raise invalid
+        return float(raw[1]), str(raw[2])
     except (binascii.Error, orjson.JSONDecodeError, ValueError, TypeError, IndexError, KeyError) as exc:
-        raise BadRequest("invalid cursor: pass next_cursor from the previous page unchanged") from exc
+        raise invalid from exc
 
 
 def _std(mean: float | None, mean_square: float | None) -> float | None:
@@ -59,12 +71,22 @@ def _share(part: int, whole: int) -> float | None:
 
 
 def flags_of(grade: Grade) -> list[s.FlagOut]:
-    out = []
+    """The grade's flags, each name once: a name raised twice (by the grader and by the review checks)
+    keeps the first reason that has evidence, else the first, and the evidence of both."""
+    out: dict[str, s.FlagOut] = {}
     for raw in grade.flags or []:
-        if isinstance(raw, dict) and "name" in raw:
-            evidence = [int(e) for e in raw.get("evidence") or [] if isinstance(e, int)]
-            out.append(s.FlagOut(name=str(raw["name"]), reason=str(raw.get("reason", "")), evidence=evidence))
-    return out
+        if not (isinstance(raw, dict) and "name" in raw):
+            continue
+        name = str(raw["name"])
+        evidence = [int(e) for e in raw.get("evidence") or [] if isinstance(e, int)]
+        seen = out.get(name)
+        if seen is None:
+            out[name] = s.FlagOut(name=name, reason=str(raw.get("reason", "")), evidence=evidence)
+            continue
+        merged = seen.evidence + [e for e in evidence if e not in seen.evidence]
+        reason = seen.reason if seen.evidence or not evidence else str(raw.get("reason", ""))
+        out[name] = s.FlagOut(name=name, reason=reason, evidence=sorted(merged))
+    return list(out.values())
 
 
 def grade_out(grade: Grade) -> s.GradeOut:
@@ -251,9 +273,20 @@ class ReviewService:
 
     # --- rollouts --------------------------------------------------------------------------------------
 
-    async def rollouts(self, filters: RolloutFilter, *, limit: int, cursor: str | None) -> s.RolloutPage:
-        before = decode_cursor(cursor) if cursor else None
-        rows = await self.repo.rollouts(filters, limit=limit + 1, before=before)
+    async def rollouts(
+        self,
+        filters: RolloutFilter,
+        *,
+        limit: int,
+        cursor: str | None,
+        sort: str = "time",
+        descending: bool = True,
+        count: bool = False,
+    ) -> s.RolloutPage:
+        before = decode_cursor(cursor, sort) if cursor else None
+        rows = await self.repo.rollouts(
+            filters, limit=limit + 1, before=before, sort=sort, descending=descending
+        )
         page = rows[:limit]
         out = [
             s.RolloutSummary(
@@ -272,9 +305,20 @@ class ReviewService:
             )
             for row in page
         ]
-        last = page[-1].rollout if page else None
-        next_cursor = encode_cursor(last.last_seen, last.trace_id) if last and len(rows) > limit else None
-        return s.RolloutPage(rollouts=out, next_cursor=next_cursor)
+        last = page[-1] if page else None
+        next_cursor = (
+            encode_cursor(last.key, last.rollout.trace_id, sort) if last and len(rows) > limit else None
+        )
+        total = await self.repo.count_rollouts(filters) if count else None
+        return s.RolloutPage(rollouts=out, next_cursor=next_cursor, total=total)
+
+    async def score_summary(self, filters: RolloutFilter) -> s.ItemStats | None:
+        """Mean, variance, min, max of the latest scores of the rollouts the filters match."""
+        row = await self.repo.score_summary(filters)
+        return _item_stats(row) if row is not None else None
+
+    async def graders(self, run: str | None = None) -> list[s.GraderOut]:
+        return [s.GraderOut(grader=g.grader, rollouts=g.rollouts) for g in await self.repo.graders(run)]
 
     async def runs(self, channel: str | None = None) -> list[s.RunOut]:
         return [

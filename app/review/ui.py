@@ -19,7 +19,8 @@ from app.deps import DatabaseDep, app_state
 from app.errors import NotFound
 from app.grading.flags import FLAG_NAMES
 from app.review import charts
-from app.review.repository import RolloutFilter
+from app.review.flag_help import flag_help
+from app.review.repository import SORTS, RolloutFilter
 from app.review.schemas import RunStats
 from app.review.service import ReviewService
 from app.review.session import end_session, has_session, is_admin_key, require_same_origin, start_session
@@ -38,6 +39,7 @@ SECURITY_HEADERS = {
     "Cache-Control": "no-store",
 }
 PAGE_SIZE = 50
+SORT_LABELS = {"time": "last seen", "score": "score", "calls": "tool calls", "duration": "duration"}
 ITEMS_IN_CHART = 200
 
 
@@ -66,6 +68,17 @@ def _pct(value: float | None) -> str:
     return "" if value is None else f"{100 * value:.1f}%"
 
 
+def _thousands(value: int | None) -> str:
+    return "" if value is None else f"{value:,}"
+
+
+def _duration(start: datetime | None, end: datetime | None) -> str:
+    if start is None or end is None:
+        return ""
+    seconds = (end - start).total_seconds()
+    return f"{seconds:.3g} s" if seconds < 100 else f"{seconds:.0f} s"
+
+
 @cache
 def templates() -> Environment:
     env = Environment(
@@ -74,8 +87,9 @@ def templates() -> Environment:
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    env.filters.update(pretty=_pretty, when=_when, score=_score, ms=_ms, pct=_pct)
-    env.globals.update(flag_names=FLAG_NAMES, quote=quote)
+    env.filters.update(pretty=_pretty, when=_when, score=_score, ms=_ms, pct=_pct, thousands=_thousands)
+    env.globals.update(duration=_duration)
+    env.globals.update(flag_names=FLAG_NAMES, quote=quote, flag_help=flag_help)
     return env
 
 
@@ -149,11 +163,18 @@ async def rollouts_page(
     since: str | None = None,
     until: str | None = None,
     status: str | None = None,
+    grader: str | None = None,
+    q: str | None = None,
+    sort: str | None = None,
+    order: str | None = None,
     cursor: str | None = None,
 ) -> Response:
     if not await has_session(request):
         return _login_redirect(request)
+    sort_by = sort if sort in SORTS else "time"
+    descending = order != "asc"
     form = {
+        "q": q or "",
         "run": run or "",
         "channel": channel or "",
         "item": item or "",
@@ -164,6 +185,9 @@ async def rollouts_page(
         "since": since or "",
         "until": until or "",
         "status": status or "",
+        "grader": grader or "",
+        "sort": sort_by if sort_by != "time" else "",
+        "order": "" if descending else "asc",
     }
     errors: list[str] = []
     filters = RolloutFilter(
@@ -177,16 +201,37 @@ async def rollouts_page(
         since=_moment(since, "since", errors),
         until=_moment(until, "until", errors),
         status=_blank(status) if _blank(status) in ("ok", "failed", "ungraded") else None,
+        grader=_blank(grader),
+        q=_blank(q),
     )
     async with db.session() as session:
         service = ReviewService(session)
-        page = await service.rollouts(filters, limit=PAGE_SIZE, cursor=_blank(cursor))
+        page = await service.rollouts(
+            filters,
+            limit=PAGE_SIZE,
+            cursor=_blank(cursor),
+            sort=sort_by,
+            descending=descending,
+            count=True,
+        )
         runs = await service.runs()
+        graders = await service.graders(filters.run)
+        item_scores = await service.score_summary(filters) if filters.item_key else None
     next_query = None
     if page.next_cursor:
         next_query = urlencode({**{k: v for k, v in form.items() if v}, "cursor": page.next_cursor})
     return render(
-        request, "rollouts.html", page=page, runs=runs, form=form, errors=errors, next_query=next_query
+        request,
+        "rollouts.html",
+        page=page,
+        runs=runs,
+        graders=graders,
+        form=form,
+        errors=errors,
+        next_query=next_query,
+        item_scores=item_scores,
+        sorts=SORT_LABELS,
+        page_from=bool(_blank(cursor)),
     )
 
 
@@ -294,16 +339,20 @@ async def run_page(
 ) -> Response:
     if not await has_session(request):
         return _login_redirect(request)
+    chosen = _blank(grader)
     async with db.session() as session:
         service = ReviewService(session, sessions=db.sessions)
-        stats = await service.run_stats(name, _blank(grader))
-        items = await service.item_stats(name, _blank(grader), order="mean", limit=ITEMS_IN_CHART)
+        stats = await service.run_stats(name, chosen)
+        items = await service.item_stats(name, chosen, order="mean", limit=ITEMS_IN_CHART)
+        graders = await service.graders(name)
     points = [charts.ItemPoint(i.item_key or "(none)", i.mean, i.std, i.rollouts) for i in items.items]
     return render(
         request,
         "run.html",
         stats=stats,
         items=items,
+        graders=graders,
+        grader=chosen or "",
         charts=_run_charts(stats, points),
         items_capped=items.next_offset is not None,
         export_url=f"/export?{urlencode({'run': name})}",
@@ -312,32 +361,65 @@ async def run_page(
 
 @router.get("/compare")
 async def compare_page(
-    request: Request, db: DatabaseDep, a: str | None = None, b: str | None = None
+    request: Request,
+    db: DatabaseDep,
+    a: str | None = None,
+    b: str | None = None,
+    grader: str | None = None,
 ) -> Response:
     if not await has_session(request):
         return _login_redirect(request)
+    chosen = _blank(grader)
     async with db.session() as session:
         service = ReviewService(session, sessions=db.sessions)
         runs = await service.runs()
-        comparison = await service.compare(a, b) if a and b and _blank(a) and _blank(b) else None
-    return render(request, "compare.html", runs=runs, comparison=comparison, a=a or "", b=b or "")
+        graders = await service.graders()
+        comparison = await service.compare(a, b, chosen) if a and b and _blank(a) and _blank(b) else None
+    return render(
+        request,
+        "compare.html",
+        runs=runs,
+        graders=graders,
+        grader=chosen or "",
+        comparison=comparison,
+        a=a or "",
+        b=b or "",
+    )
 
 
 @router.get("/flags")
 async def flags_page(
-    request: Request, db: DatabaseDep, run: str | None = None, flag: str | None = None
+    request: Request,
+    db: DatabaseDep,
+    run: str | None = None,
+    flag: str | None = None,
+    grader: str | None = None,
 ) -> Response:
     if not await has_session(request):
         return _login_redirect(request)
+    chosen = _blank(grader)
     async with db.session() as session:
         service = ReviewService(session)
-        counts = await service.flag_counts(_blank(run))
+        counts = await service.flag_counts(_blank(run), chosen)
         runs = await service.runs()
+        graders = await service.graders(_blank(run))
         flagged = None
         if _blank(flag):
             flagged = await service.rollouts(
-                RolloutFilter(run=_blank(run), flag=_blank(flag)), limit=PAGE_SIZE, cursor=None
+                RolloutFilter(run=_blank(run), flag=_blank(flag), grader=chosen),
+                limit=PAGE_SIZE,
+                cursor=None,
+                count=True,
             )
     return render(
-        request, "flags.html", counts=counts, runs=runs, run=run or "", flag=flag or "", flagged=flagged
+        request,
+        "flags.html",
+        counts=counts,
+        runs=runs,
+        graders=graders,
+        grader=chosen or "",
+        run=run or "",
+        flag=flag or "",
+        flagged=flagged,
+        flag_names=FLAG_NAMES,
     )

@@ -98,6 +98,15 @@ async def rollout_timeline(trace_id: str, _: ReviewAccess, db: DatabaseDep) -> s
         return await ReviewService(session).timeline(trace_id)
 
 
+@router.get("/rollouts/{trace_id}/graded-on")
+async def rollout_graded_on(
+    trace_id: str, _: ReviewAccess, db: DatabaseDep, grader: GraderQuery = None
+) -> s.GradedOn:
+    """The dataset row and the sample the rollout's latest grade was given, and its item's statistics."""
+    async with db.session() as session:
+        return await ReviewService(session).graded_on(trace_id, grader)
+
+
 @router.post("/rollouts/{trace_id}/recompute-flags")
 async def recompute_flags(trace_id: str, _: ReviewAccess, db: DatabaseDep) -> s.RecomputedFlags:
     """Recompute the review flags of the rollout's grades from the stored calls and answers."""

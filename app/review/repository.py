@@ -233,6 +233,7 @@ class ReviewRepository:
                     Rollout.item_key == f.item_key,
                     Grade.item_key == f.item_key,
                     Rollout.item_key.endswith(f":{f.item_key}", autoescape=True),
+                    Grade.item_key.endswith(f":{f.item_key}", autoescape=True),
                 )
             )
         if f.q is not None:

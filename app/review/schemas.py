@@ -231,3 +231,18 @@ class RunComparison(BaseModel):
 class RecomputedFlags(BaseModel):
     trace_id: str
     grades: list[GradeOut]
+
+
+class GradedOn(BaseModel):
+    """What a rollout's grade was given: the dataset row and the sample, and how the item fares."""
+
+    trace_id: str
+    grade_id: int | None  # the grade read (the latest, of `grader` if given); None: not graded
+    grader: str | None
+    run: str | None
+    item_key: str | None
+    item: dict[str, Any] | None  # the dataset row as the grader received it
+    sample: dict[str, Any] | None
+    answer: str  # the sample's final text
+    output_tools: list[Any]  # tool calls the final answer listed (sample.output_tools or the last message's)
+    item_scores: ItemStats | None  # the item's rollouts in this run (latest grade, of `grader` if given)

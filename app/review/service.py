@@ -28,6 +28,7 @@ from app.grading.repository import GradeRepository
 from app.review import schemas as s
 from app.review.repository import ReviewRepository, RolloutFilter
 from app.review.stats_repository import ItemRow, ItemSummary, RewardSummary, StatsRepository, ToolRow
+from app.rollouts.repository import RolloutRepository
 from app.rollouts.timeline import RolloutTimeline, build_timeline, read_timeline, rollout_calls
 
 REWARD_BINS = 10
@@ -312,6 +313,33 @@ class ReviewService:
         total = await self.repo.count_rollouts(filters) if count else None
         return s.RolloutPage(rollouts=out, next_cursor=next_cursor, total=total)
 
+    async def graded_on(self, trace_id: str, grader: str | None = None) -> s.GradedOn:
+        """The dataset row and sample of the rollout's latest grade (of `grader`), with item statistics."""
+        rollout = await RolloutRepository(self.session).get(trace_id)
+        stored = await GradeRepository(self.session).for_trace(trace_id)
+        grades = [g for g in stored if grader is None or g.grader == grader]
+        if rollout is None and not grades:
+            raise NotFound(f"no rollout with trace_id {trace_id!r}")
+        grade = grades[-1] if grades else None
+        run = rollout.run if rollout is not None else (grade.run if grade else None)
+        key = (rollout.item_key if rollout is not None else None) or (grade.item_key if grade else None)
+        scores = None
+        if key is not None:
+            scores = await self.score_summary(RolloutFilter(run=run, item_key=key, grader=grader))
+        sample = dict(grade.sample or {}) if grade else None
+        return s.GradedOn(
+            trace_id=trace_id,
+            grade_id=grade.id if grade else None,
+            grader=grade.grader if grade else grader,
+            run=run,
+            item_key=key,
+            item=dict(grade.item) if grade and grade.item is not None else None,
+            sample=sample,
+            answer=final_answer(sample or {}),
+            output_tools=_output_tools(sample or {}),
+            item_scores=scores,
+        )
+
     async def score_summary(self, filters: RolloutFilter) -> s.ItemStats | None:
         """Mean, variance, min, max of the latest scores of the rollouts the filters match."""
         row = await self.repo.score_summary(filters)
@@ -515,6 +543,19 @@ class ReviewService:
         async for batch in self.repo.export_batches(run):
             for rollout, calls, grades in batch:
                 yield orjson.dumps(export_record(rollout, calls, grades)) + b"\n"
+
+
+def _output_tools(sample: dict[str, Any]) -> list[Any]:
+    listed = sample.get("output_tools")
+    if isinstance(listed, list) and listed:
+        return listed
+    choices = sample.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[-1], dict):
+        message = choices[-1].get("message")
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        if isinstance(calls, list):
+            return calls
+    return []
 
 
 def _delta(a: float | None, b: float | None) -> float | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.resources
 import math
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import cache
 from typing import Annotated, Any
@@ -88,6 +89,7 @@ def templates() -> Environment:
         lstrip_blocks=True,
     )
     env.filters.update(pretty=_pretty, when=_when, score=_score, ms=_ms, pct=_pct, thousands=_thousands)
+    env.filters.update(json_text=_json_text, content=_content, tool_name=_tool_name, size=_size)
     env.globals.update(duration=_duration)
     env.globals.update(flag_names=FLAG_NAMES, quote=quote, flag_help=flag_help)
     return env
@@ -258,12 +260,16 @@ def _moment(value: str | None, name: str, errors: list[str]) -> datetime | None:
 
 
 @router.get("/rollouts/{trace_id}")
-async def rollout_page(request: Request, trace_id: str, db: DatabaseDep) -> Response:
+async def rollout_page(
+    request: Request, trace_id: str, db: DatabaseDep, grader: str | None = None
+) -> Response:
     if not await has_session(request):
         return _login_redirect(request)
     try:
         async with db.session() as session:
-            timeline = await ReviewService(session).timeline(trace_id)
+            service = ReviewService(session)
+            timeline = await service.timeline(trace_id)
+            graded_on = await service.graded_on(trace_id, _blank(grader))
     except NotFound as exc:
         return render(request, "not_found.html", status_code=404, message=exc.message)
     batches: list[list[Any]] = []
@@ -271,7 +277,89 @@ async def rollout_page(request: Request, trace_id: str, db: DatabaseDep) -> Resp
         if not batches or batches[-1][0].batch != call.batch:
             batches.append([])
         batches[-1].append(call)
-    return render(request, "rollout.html", timeline=timeline, batches=batches)
+    return render(
+        request,
+        "rollout.html",
+        timeline=timeline,
+        batches=batches,
+        graded_on=graded_on,
+        item_fields=_item_fields(graded_on.item or {}),
+    )
+
+
+# Dataset row fields shown first: the prompt, then what the answer is checked against.
+PROMPT_FIELDS = ("messages", "input", "prompt", "question")
+REFERENCE_HINTS = ("reference", "gold", "expected", "answer", "ground_truth", "label", "target", "solution")
+
+
+@dataclass(frozen=True)
+class ItemField:
+    name: str
+    kind: str  # messages | tools | text | json
+    value: Any
+
+
+def _item_fields(item: dict[str, Any]) -> list[ItemField]:
+    """The dataset row's fields in reading order: prompt messages, tools, reference fields, the rest."""
+
+    def rank(name: str) -> tuple[int, str]:
+        if name in PROMPT_FIELDS:
+            return (0, name)
+        if name == "tools":
+            return (1, name)
+        if any(hint in name.lower() for hint in REFERENCE_HINTS):
+            return (2, name)
+        return (3, name)
+
+    fields = []
+    for name in sorted(item, key=rank):
+        value = item[name]
+        if _is_messages(value):
+            fields.append(ItemField(name, "messages", value))
+        elif name == "tools" and isinstance(value, list):
+            fields.append(ItemField(name, "tools", value))
+        elif isinstance(value, str):
+            fields.append(ItemField(name, "text", value))
+        else:
+            fields.append(ItemField(name, "json", _json_text(value)))
+    return fields
+
+
+def _is_messages(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "role" in m for m in value)
+
+
+def _json_text(value: Any) -> str:
+    return orjson.dumps(value, option=orjson.OPT_INDENT_2, default=str).decode()
+
+
+def _content(message: dict[str, Any]) -> str:
+    """A chat message's text (content parts joined); tool calls it made as JSON."""
+    content = message.get("content")
+    if isinstance(content, list):
+        text = "".join(str(p.get("text", "")) if isinstance(p, dict) else str(p) for p in content)
+    else:
+        text = "" if content is None else str(content)
+    if message.get("tool_calls"):
+        text += ("\n" if text else "") + _json_text(message["tool_calls"])
+    return text
+
+
+def _tool_name(tool: Any) -> str:
+    if isinstance(tool, dict):
+        function = tool.get("function")
+        if isinstance(function, dict) and function.get("name"):
+            return str(function["name"])
+        if tool.get("name"):
+            return str(tool["name"])
+    return "?"
+
+
+def _size(text: str | None) -> str:
+    n = len((text or "").encode())
+    if n < 1000:
+        return f"{n} B"
+    return f"{n / 1000:.1f} kB" if n < 1_000_000 else f"{n / 1_000_000:.2f} MB"
 
 
 @router.post("/rollouts/{trace_id}/recompute-flags")

@@ -1,4 +1,4 @@
-"""The rollout list: search, totals, every sort keyset-paginated, graders named; flags shown once per grade."""
+"""The rollout list: search, totals, every sort keyset-paginated, graders named; one flag per name."""
 
 from __future__ import annotations
 

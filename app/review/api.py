@@ -126,6 +126,24 @@ async def run_stats(
         return await ReviewService(session, sessions=db.sessions).run_stats(run, grader)
 
 
+@router.get("/curve")
+async def reward_curve(
+    _: ReviewAccess,
+    db: DatabaseDep,
+    run: Annotated[str, Query()],
+    grader: GraderQuery = None,
+    axis: Annotated[
+        Literal["time", "order"], Query(description="Equal spans of time, or equal numbers of rollouts.")
+    ] = "time",
+    windows: Annotated[int, Query(ge=1, le=200)] = 20,
+) -> s.RewardCurve:
+    """The learning curve: reward mean and spread, calls per rollout, tool errors and flags per window."""
+    async with db.session() as session:
+        return await ReviewService(session, sessions=db.sessions).reward_curve(
+            run, grader, axis=axis, windows=windows
+        )
+
+
 @router.get("/items")
 async def item_stats(
     _: ReviewAccess,

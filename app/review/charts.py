@@ -158,3 +158,151 @@ def item_chart(
                 f'y2="{_num(y_of(item.mean - item.std))}" stroke="#222"/>'
             )
     return _frame(chart, title, body)
+
+
+@dataclass(frozen=True)
+class CurvePoint:
+    x: float  # position along the axis, 0..1
+    y: float
+    low: float | None  # the band around y (e.g. mean - std); None: no band at this point
+    high: float | None
+    label: str  # shown on hover
+
+
+PALETTE = ("#c44e52", "#3b6ea5", "#e09b3d", "#4c9a6a", "#8172b3", "#937860", "#da8bc3", "#555555")
+
+
+def _plot_axes(plot_w: float, plot_h: float, x_label: str, y_label: str) -> list[str]:
+    """The two axis lines and their labels (ticks are the caller's)."""
+    x0, y0, mid = MARGIN_LEFT, MARGIN_TOP + plot_h, MARGIN_TOP + plot_h / 2
+    return [
+        f'<line class="axis" x1="{x0}" y1="{MARGIN_TOP}" x2="{x0}" y2="{_num(y0)}" stroke="#555"/>',
+        f'<line class="axis" x1="{x0}" y1="{_num(y0)}" x2="{_num(x0 + plot_w)}" y2="{_num(y0)}" '
+        'stroke="#555"/>',
+        f'<text class="axis-label" x="{_num(x0 + plot_w / 2)}" y="{_num(y0 + 36)}" '
+        f'text-anchor="middle">{escape(x_label)}</text>',
+        f'<text class="axis-label" x="12" y="{_num(mid)}" text-anchor="middle" '
+        f'transform="rotate(-90 12 {_num(mid)})">{escape(y_label)}</text>',
+    ]
+
+
+def _y_axis(lo: float, hi: float, plot_h: float) -> list[str]:
+    """Ticks at lo, the middle and hi on the left axis."""
+    out = []
+    for value in (lo, (lo + hi) / 2, hi):
+        y = MARGIN_TOP + plot_h - plot_h * (value - lo) / ((hi - lo) or 1.0)
+        out.append(
+            f'<text class="tick" x="{MARGIN_LEFT - 4}" y="{_num(y + 3)}" text-anchor="end">'
+            f"{escape(_label(value))}</text>"
+        )
+        out.append(
+            f'<line class="grid" x1="{MARGIN_LEFT}" x2="{WIDTH - MARGIN_RIGHT}" '
+            f'y1="{_num(y)}" y2="{_num(y)}" stroke="#e5e7eb"/>'
+        )
+    return out
+
+
+def _x_ticks(ticks: Sequence[tuple[float, str]], plot_w: float, plot_h: float) -> list[str]:
+    return [
+        f'<text class="tick" x="{_num(MARGIN_LEFT + plot_w * x)}" y="{_num(MARGIN_TOP + plot_h + 14)}" '
+        f'text-anchor="middle">{escape(text)}</text>'
+        for x, text in ticks
+    ]
+
+
+def curve_chart(
+    chart: str,
+    title: str,
+    points: Sequence[CurvePoint],
+    *,
+    x_label: str,
+    y_label: str,
+    x_ticks: Sequence[tuple[float, str]] = (),
+    lo: float | None = None,
+    hi: float | None = None,
+) -> Markup:
+    """A line through one point per window, over a band (the spread of each window)."""
+    plot_w = WIDTH - MARGIN_LEFT - MARGIN_RIGHT
+    plot_h = HEIGHT - MARGIN_TOP - MARGIN_BOTTOM
+    values = [p.y for p in points] + [v for p in points for v in (p.low, p.high) if v is not None]
+    bottom = lo if lo is not None else min(values, default=0.0)
+    top = hi if hi is not None else max(values, default=1.0)
+    if top <= bottom:
+        top = bottom + 1.0
+    span = top - bottom
+
+    def px(x: float) -> float:
+        return MARGIN_LEFT + plot_w * min(1.0, max(0.0, x))
+
+    def py(y: float) -> float:
+        return MARGIN_TOP + plot_h - plot_h * (min(top, max(bottom, y)) - bottom) / span
+
+    body = [
+        *_plot_axes(plot_w, plot_h, x_label, y_label),
+        *_y_axis(bottom, top, plot_h),
+        *_x_ticks(x_ticks, plot_w, plot_h),
+    ]
+    banded = [p for p in points if p.low is not None and p.high is not None]
+    if len(banded) > 1:
+        upper = " ".join(f"{_num(px(p.x))},{_num(py(p.high or 0.0))}" for p in banded)
+        lower = " ".join(f"{_num(px(p.x))},{_num(py(p.low or 0.0))}" for p in reversed(banded))
+        body.append(f'<polygon class="band" points="{upper} {lower}" fill="#3b6ea5" fill-opacity="0.18"/>')
+    if len(points) > 1:
+        line = " ".join(f"{_num(px(p.x))},{_num(py(p.y))}" for p in points)
+        body.append(f'<polyline class="line" points="{line}" fill="none" stroke="#3b6ea5" stroke-width="2"/>')
+    for p in points:
+        body.append(
+            f'<circle class="point" cx="{_num(px(p.x))}" cy="{_num(py(p.y))}" r="3.5" fill="#3b6ea5">'
+            f"<title>{escape(p.label)}</title></circle>"
+        )
+    return _frame(chart, title, body)
+
+
+def lines_chart(
+    chart: str,
+    title: str,
+    xs: Sequence[float],
+    series: Sequence[tuple[str, Sequence[float]]],
+    *,
+    x_label: str,
+    y_label: str,
+    x_ticks: Sequence[tuple[float, str]] = (),
+) -> Markup:
+    """Several lines over the same windows (one per series, with a legend), from 0 up."""
+    plot_w = WIDTH - MARGIN_LEFT - MARGIN_RIGHT - 150
+    plot_h = HEIGHT - MARGIN_TOP - MARGIN_BOTTOM
+    top = max((v for _, values in series for v in values), default=0.0) or 1.0
+
+    def px(x: float) -> float:
+        return MARGIN_LEFT + plot_w * min(1.0, max(0.0, x))
+
+    def py(y: float) -> float:
+        return MARGIN_TOP + plot_h - plot_h * y / top
+
+    body = [
+        *_plot_axes(plot_w, plot_h, x_label, y_label),
+        f'<text class="tick" x="{MARGIN_LEFT - 4}" y="{MARGIN_TOP + 8}" text-anchor="end">'
+        f"{escape(_label(top))}</text>",
+        f'<text class="tick" x="{MARGIN_LEFT - 4}" y="{_num(MARGIN_TOP + plot_h)}" '
+        'text-anchor="end">0</text>',
+        *_x_ticks(x_ticks, plot_w, plot_h),
+    ]
+    for i, (name, values) in enumerate(series):
+        color = PALETTE[i % len(PALETTE)]
+        coords = [(px(x), py(v)) for x, v in zip(xs, values, strict=True)]
+        if len(coords) > 1:
+            body.append(
+                f'<polyline class="series" data-series="{escape(name)}" points="'
+                + " ".join(f"{_num(x)},{_num(y)}" for x, y in coords)
+                + f'" fill="none" stroke="{color}" stroke-width="1.8"/>'
+            )
+        for (x, y), v in zip(coords, values, strict=True):
+            body.append(
+                f'<circle class="series-point" cx="{_num(x)}" cy="{_num(y)}" r="2.5" fill="{color}">'
+                f"<title>{escape(name)}: {escape(_label(v))}</title></circle>"
+            )
+        ly = MARGIN_TOP + 10 + i * 16
+        lx = MARGIN_LEFT + plot_w + 12
+        body.append(f'<rect x="{_num(lx)}" y="{ly - 8}" width="10" height="10" fill="{color}"/>')
+        body.append(f'<text class="legend" x="{_num(lx + 14)}" y="{ly + 1}">{escape(name[:24])}</text>')
+    return _frame(chart, title, body)

@@ -246,3 +246,27 @@ class GradedOn(BaseModel):
     answer: str  # the sample's final text
     output_tools: list[Any]  # tool calls the final answer listed (sample.output_tools or the last message's)
     item_scores: ItemStats | None  # the item's rollouts in this run (latest grade, of `grader` if given)
+
+
+class CurveWindow(BaseModel):
+    """One window of a run's learning curve (rollouts placed by their first call)."""
+
+    index: int  # 0-based; time windows without rollouts are left out
+    start: datetime  # time axis: the window's bounds; order axis: first_seen of its first and last rollout
+    end: datetime
+    rollouts: int
+    scored: int
+    reward_mean: float | None  # latest grade per rollout (of `grader`, if given)
+    reward_std: float | None  # population std of those scores: the band around the mean
+    calls_per_rollout: float
+    tool_errors: int  # calls that crashed or met an outage
+    tool_errors_per_rollout: float
+    flags: dict[str, int]  # rollouts whose latest grade raised each flag
+
+
+class RewardCurve(BaseModel):
+    run: str
+    grader: str | None
+    axis: str  # time | order
+    windows: list[CurveWindow]
+    flag_names: list[str]  # every flag raised in the run, most frequent first

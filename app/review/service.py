@@ -7,7 +7,7 @@ import base64
 import binascii
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import orjson
@@ -26,6 +26,7 @@ from app.grading.flags import (
 from app.grading.recording import review_flags
 from app.grading.repository import GradeRepository
 from app.review import schemas as s
+from app.review.curve_repository import CurveRepository, WindowRow
 from app.review.repository import ReviewRepository, RolloutFilter
 from app.review.stats_repository import ItemRow, ItemSummary, RewardSummary, StatsRepository, ToolRow
 from app.rollouts.repository import RolloutRepository
@@ -532,6 +533,63 @@ class ReviewService:
                 mean_delta=sum(deltas) / len(deltas) if deltas else None,
             ),
         )
+
+    async def reward_curve(
+        self, run: str, grader: str | None = None, *, axis: str = "time", windows: int = 20
+    ) -> s.RewardCurve:
+        """Reward, calls, tool errors and flags per window of time (or of rollout order)."""
+        rows, flagged = await self._concurrently_curve(run, grader, axis, windows)
+        start_end = await CurveRepository(self.session).span(run) if axis == "time" else None
+        per_window: dict[int, dict[str, int]] = {}
+        totals: dict[str, int] = {}
+        for index, name, count in flagged:
+            per_window.setdefault(index, {})[name] = count
+            totals[name] = totals.get(name, 0) + count
+        out = []
+        for row in rows:
+            start, end = row.first, row.last
+            if start_end is not None:
+                width = (start_end[1] - start_end[0]) / windows
+                start = datetime.fromtimestamp(start_end[0] + row.index * width, UTC)
+                end = datetime.fromtimestamp(start_end[0] + (row.index + 1) * width, UTC)
+            out.append(
+                s.CurveWindow(
+                    index=row.index,
+                    start=start,
+                    end=end,
+                    rollouts=row.rollouts,
+                    scored=row.scored,
+                    reward_mean=row.mean,
+                    reward_std=_std(row.mean, row.mean_square),
+                    calls_per_rollout=row.calls_mean,
+                    tool_errors=row.tool_errors,
+                    tool_errors_per_rollout=row.tool_errors / row.rollouts if row.rollouts else 0.0,
+                    flags=per_window.get(row.index, {}),
+                )
+            )
+        names = sorted(totals, key=lambda n: (-totals[n], n))
+        return s.RewardCurve(run=run, grader=grader, axis=axis, windows=out, flag_names=names)
+
+    async def _concurrently_curve(
+        self, run: str, grader: str | None, axis: str, windows: int
+    ) -> tuple[list[WindowRow], list[tuple[int, str, int]]]:
+        async def rows(session: AsyncSession) -> list[WindowRow]:
+            return await CurveRepository(session).windows(run, grader, axis, windows)
+
+        async def flagged(session: AsyncSession) -> list[tuple[int, str, int]]:
+            return await CurveRepository(session).flags(run, grader, axis, windows)
+
+        if self.sessions is None:
+            return await rows(self.session), await flagged(self.session)
+        sessions = self.sessions
+
+        async def on_its_own(query: Callable[[AsyncSession], Awaitable[Any]]) -> Any:
+            async with sessions() as session:
+                await StatsRepository(session).prepare_for_aggregates()
+                return await query(session)
+
+        first, second = await asyncio.gather(on_its_own(rows), on_its_own(flagged))
+        return first, second
 
     async def flag_counts(self, run: str | None, grader: str | None = None) -> list[s.FlagCount]:
         (counts,) = await self._concurrently(lambda r: r.flag_counts(run, grader))

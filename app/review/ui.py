@@ -22,7 +22,7 @@ from app.grading.flags import FLAG_NAMES
 from app.review import charts
 from app.review.flag_help import flag_help
 from app.review.repository import SORTS, RolloutFilter
-from app.review.schemas import RunStats
+from app.review.schemas import CurveWindow, RewardCurve, RunStats
 from app.review.service import ReviewService
 from app.review.session import end_session, has_session, is_admin_key, require_same_origin, start_session
 
@@ -42,6 +42,8 @@ SECURITY_HEADERS = {
 PAGE_SIZE = 50
 SORT_LABELS = {"time": "last seen", "score": "score", "calls": "tool calls", "duration": "duration"}
 ITEMS_IN_CHART = 200
+CURVE_WINDOWS = 20  # windows of the learning curve
+CURVE_FLAGS = 6  # flags drawn per window (the most frequent)
 
 
 def _pretty(text: str | None) -> str:
@@ -421,18 +423,126 @@ def _run_charts(stats: RunStats, items: list[charts.ItemPoint]) -> dict[str, Any
     }
 
 
+def _curve_charts(curve: RewardCurve) -> dict[str, Any]:
+    """The learning curve: one point per window of reward (with its ±1 std band), calls, errors, flags."""
+    windows = curve.windows
+    if not windows:
+        return {}
+    count = (windows[-1].index + 1) if curve.axis == "order" else CURVE_WINDOWS
+
+    def x(w: CurveWindow) -> float:
+        return (w.index + 0.5) / count
+
+    if curve.axis == "time":
+        start, end = windows[0].start, windows[-1].end
+        long_run = (end - start).total_seconds() > 86400
+        fmt = "%m-%d %H:%M" if long_run else "%H:%M:%S"
+        first = start - (windows[0].index * (windows[0].end - windows[0].start))
+        step = windows[0].end - windows[0].start
+        ticks = [(i / 4, (first + step * (count * i / 4)).astimezone(UTC).strftime(fmt)) for i in range(5)]
+        x_label = "time (UTC) of the rollouts' first calls"
+    else:
+        total = sum(w.rollouts for w in windows)
+        ticks = [(0.0, "1"), (0.5, f"{total // 2:,}"), (1.0, f"{total:,}")]
+        x_label = "rollouts in the order they started"
+
+    def where(w: CurveWindow) -> str:
+        if curve.axis == "time":
+            return f"{_when(w.start)} – {_when(w.end)}"
+        return f"window {w.index + 1}"
+
+    reward = [
+        charts.CurvePoint(
+            x(w),
+            w.reward_mean,
+            w.reward_mean - (w.reward_std or 0.0),
+            w.reward_mean + (w.reward_std or 0.0),
+            f"{where(w)}: mean {_score(w.reward_mean)} ± {_score(w.reward_std)}, {w.scored} scored",
+        )
+        for w in windows
+        if w.reward_mean is not None
+    ]
+    lows = [p.y for p in reward]
+    highs = [p.y for p in reward]
+    calls = [
+        charts.CurvePoint(
+            x(w), w.calls_per_rollout, None, None, f"{where(w)}: {w.calls_per_rollout:.3g} calls"
+        )
+        for w in windows
+    ]
+    errors = [
+        charts.CurvePoint(
+            x(w),
+            w.tool_errors_per_rollout,
+            None,
+            None,
+            f"{where(w)}: {w.tool_errors} tool errors in {w.rollouts} rollouts",
+        )
+        for w in windows
+    ]
+    names = curve.flag_names[:CURVE_FLAGS]
+    series = [(n, [w.flags.get(n, 0) / w.rollouts for w in windows]) for n in names]
+    return {
+        "reward": charts.curve_chart(
+            "reward-curve",
+            "Reward per window: mean and ±1 std band",
+            reward,
+            x_label=x_label,
+            y_label="reward",
+            x_ticks=ticks,
+            lo=min([0.0, *lows]),
+            hi=max([1.0, *highs]),
+        ),
+        "calls": charts.curve_chart(
+            "calls-curve",
+            "Tool calls per rollout, per window",
+            calls,
+            x_label=x_label,
+            y_label="calls per rollout",
+            x_ticks=ticks,
+            lo=0.0,
+        ),
+        "errors": charts.curve_chart(
+            "errors-curve",
+            "Tool errors per rollout, per window",
+            errors,
+            x_label=x_label,
+            y_label="errors per rollout",
+            x_ticks=ticks,
+            lo=0.0,
+        ),
+        "flags": charts.lines_chart(
+            "flags-curve",
+            "Share of rollouts flagged, per window",
+            [x(w) for w in windows],
+            series,
+            x_label=x_label,
+            y_label="share of rollouts",
+            x_ticks=ticks,
+        )
+        if series
+        else None,
+    }
+
+
 @router.get("/run")
 async def run_page(
-    request: Request, db: DatabaseDep, name: Annotated[str, Query()], grader: str | None = None
+    request: Request,
+    db: DatabaseDep,
+    name: Annotated[str, Query()],
+    grader: str | None = None,
+    axis: str | None = None,
 ) -> Response:
     if not await has_session(request):
         return _login_redirect(request)
     chosen = _blank(grader)
+    curve_axis = "order" if axis == "order" else "time"
     async with db.session() as session:
         service = ReviewService(session, sessions=db.sessions)
         stats = await service.run_stats(name, chosen)
         items = await service.item_stats(name, chosen, order="mean", limit=ITEMS_IN_CHART)
         graders = await service.graders(name)
+        curve = await service.reward_curve(name, chosen, axis=curve_axis, windows=CURVE_WINDOWS)
     points = [charts.ItemPoint(i.item_key or "(none)", i.mean, i.std, i.rollouts) for i in items.items]
     return render(
         request,
@@ -441,6 +551,8 @@ async def run_page(
         items=items,
         graders=graders,
         grader=chosen or "",
+        curve=curve,
+        curve_charts=_curve_charts(curve),
         charts=_run_charts(stats, points),
         items_capped=items.next_offset is not None,
         export_url=f"/export?{urlencode({'run': name})}",

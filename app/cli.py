@@ -50,6 +50,71 @@ def _auth_header(settings: Settings, scope: str) -> dict[str, str]:
     return {settings.auth_header: placeholder}
 
 
+def example_arguments(parameters: dict[str, Any]) -> dict[str, Any]:
+    """Arguments that satisfy a tool's required parameters, for a first curl."""
+    samples = {"string": "hi", "integer": 1, "number": 1.5, "boolean": True, "array": [], "object": {}}
+    properties = parameters.get("properties") or {}
+    out: dict[str, Any] = {}
+    for name in parameters.get("required") or []:
+        schema = properties.get(name) or {}
+        if schema.get("enum"):
+            out[name] = schema["enum"][0]
+            continue
+        options = schema.get("anyOf") or []
+        if any(o.get("type") == "null" for o in options):
+            out[name] = None  # an optional parameter: the tool's default applies
+            continue
+        kind = schema.get("type") or next((o.get("type") for o in options), None)
+        if isinstance(kind, list):
+            kind = next((k for k in kind if k != "null"), "string")
+        out[name] = samples.get(str(kind), "hi")
+    return out
+
+
+def startup_banner(settings: Settings, registry: Any, key: str | None, *, created: bool = False) -> str:
+    """What `sparring serve` prints first: the review pages and how to log in, and a first tool call."""
+    base = f"http://{settings.host}:{settings.port}"
+    lines = [""]
+    if key is not None:
+        where = settings.home / "admin.key"
+        lines += [
+            f"  {'Created' if created else 'Using'} the local admin key (stored in {where}):",
+            f"    {key}",
+            "",
+        ]
+        login = "paste the admin key above"
+        shown = key
+    else:
+        login = "paste an admin key (an admin:... entry of SPARRING_API_KEYS)"
+        shown = KEY_PLACEHOLDER.format(scope="ADMIN")
+    lines += [
+        f"  Review rollouts, runs and flags: {base}/review",
+        f"    log in: {login}; the API docs are at {base}/docs once logged in",
+        "",
+    ]
+    tools = list(registry.tools.values())
+    if tools:
+        tool = tools[0]
+        body = json.dumps(
+            {
+                "call_id": "call_1",
+                "trace_id": "trace_demo",
+                "arguments": json.dumps(example_arguments(tool.parameters)),
+            }
+        )
+        header = settings.auth_header
+        value = f"Bearer {shown}" if header.lower() == "authorization" else shown
+        lines += [
+            f"  Try a tool call ({tool.name}, pack {tool.pack}):",
+            f"    curl -s {base}/tools/{tool.name} -H '{header}: {value}' \\",
+            f"      -d '{body}'",
+            "",
+        ]
+    else:
+        lines += ["  No tool is enabled: set SPARRING_PACKS (e.g. demo).", ""]
+    return "\n".join(lines)
+
+
 @cli.command()
 def serve(
     host: Annotated[
@@ -88,18 +153,12 @@ def serve(
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="sparring-metrics-")
     if migrate:
         _upgrade(settings)
+    key, created = None, False
     if not settings.keys:
         from app.auth import ensure_local_admin_key
 
         key, created = ensure_local_admin_key(settings.home)
-        base = f"http://{settings.host}:{settings.port}"
-        body = '{"call_id": "call_1", "trace_id": "trace_demo", "arguments": "{\\"text\\": \\"hi\\"}"}'
-        where = settings.home / "admin.key"
-        typer.echo(
-            f"\n  {'Created' if created else 'Using'} the local admin key (stored in {where}):\n    {key}\n\n"
-            f"  Try a tool call:\n    curl -s {base}/tools/echo -H 'Authorization: Bearer {key}' \\\n"
-            f"      -d '{body}'\n"
-        )
+    typer.echo(startup_banner(settings, _registry(settings), key, created=created))
     uvicorn.run(
         "app.main:create_app",
         factory=True,

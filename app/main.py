@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import HTMLResponse
+from fastapi.responses import RedirectResponse
 from sqlalchemy import text
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -20,6 +20,7 @@ from app.lifespan import build_lifespan
 from app.mcp.http import is_mcp_request
 from app.middleware import BodyLimitMiddleware
 from app.review.routes import router as review_router
+from app.review.session import has_session, require_review_access
 from app.rollouts.routes import router as rollouts_router
 from app.sdk import Pack
 
@@ -90,15 +91,24 @@ def create_app(settings: Settings | None = None, *, packs: list[Pack] | None = N
             raise outage(exc, state.settings.retry_after_seconds) from exc
         return {"status": "ready"}
 
-    docs_guard: list[Any] = [] if settings.docs_public else [Depends(require("admin"))]
+    # The API docs: an admin key, or the review login (a reviewer's browser opens them).
+    docs_guard: list[Any] = [] if settings.docs_public else [Depends(require_review_access)]
 
     @app.get("/openapi.json", include_in_schema=False, dependencies=docs_guard)
     async def openapi() -> dict[str, Any]:
         return app.openapi()
 
-    @app.get("/docs", include_in_schema=False, dependencies=docs_guard)
-    async def docs() -> HTMLResponse:
+    @app.get("/docs", include_in_schema=False)
+    async def docs(request: Request) -> Response:
+        if not settings.docs_public and not has_session(request):
+            if settings.auth_header not in request.headers:
+                return RedirectResponse("/review/login?next=/docs", status_code=303)
+            await require_review_access(request)
         return get_swagger_ui_html(openapi_url="/openapi.json", title="sparring API")
+
+    @app.get("/", include_in_schema=False)
+    async def home() -> RedirectResponse:
+        return RedirectResponse("/review", status_code=303)
 
     @app.get("/metrics", include_in_schema=False, dependencies=[Depends(require("admin"))])
     async def metrics(request: Request) -> Response:

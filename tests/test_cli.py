@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from app.cli import cli
 from app.config import get_settings
+from tests.conftest import make_settings
 
 
 @pytest.fixture(autouse=True)
@@ -106,3 +107,27 @@ def test_serve_has_no_access_log_unless_asked(monkeypatch: pytest.MonkeyPatch) -
     get_settings.cache_clear()
     assert CliRunner().invoke(cli, ["serve"]).exit_code == 0
     assert [kwargs["access_log"] for kwargs in seen] == [False, True]
+
+
+def test_the_banner_names_the_review_pages_and_calls_an_enabled_tool(tmp_path: Path) -> None:
+    from app.cli import example_arguments, startup_banner
+    from app.packs import Registry
+    from tests.packs import counter_pack
+
+    settings = make_settings(tmp_path, host="127.0.0.1", port=8123)
+    banner = startup_banner(settings, Registry.from_packs([counter_pack]), "k-123", created=True)
+    assert "Review rollouts, runs and flags: http://127.0.0.1:8123/review" in banner
+    assert "paste the admin key above" in banner and "    k-123" in banner
+    assert "/tools/echo" not in banner  # the demo pack is not enabled here
+    first = next(iter(counter_pack.tools.values()))
+    assert f"curl -s http://127.0.0.1:8123/tools/{first.name} -H 'Authorization: Bearer k-123'" in banner
+    # The example's arguments satisfy the tool's schema.
+    body = json.loads(banner.split("-d '", 1)[1].split("'\n", 1)[0])
+    arguments = json.loads(body["arguments"])
+    assert set(arguments) == set(first.parameters.get("required") or [])
+    for spec in counter_pack.tools.values():  # every tool's example binds
+        spec.bind(example_arguments(spec.parameters))
+
+    with_keys = startup_banner(settings, Registry.from_packs([counter_pack]), None)
+    assert "an admin:... entry of SPARRING_API_KEYS" in with_keys and "<SPARRING_ADMIN_KEY>" in with_keys
+    assert "No tool is enabled" in startup_banner(settings, Registry.from_packs([]), None)

@@ -109,7 +109,12 @@ def _login_redirect(request: Request) -> RedirectResponse:
 
 def _safe_next(target: str | None) -> str:
     # Only our own pages: an absolute or protocol-relative URL would make the login an open redirect.
-    if target and target.startswith("/review") and not target.startswith("//") and "\\" not in target:
+    if (
+        target
+        and (target.startswith("/review") or target == "/docs")
+        and not target.startswith("//")
+        and "\\" not in target
+    ):
         return target
     return "/review"
 

@@ -52,11 +52,14 @@ def bar_chart(
     *,
     x_label: str,
     y_label: str,
+    top: float | None = None,
 ) -> Markup:
-    """One bar per value (zero-height bars included, so the bar count is the bin count)."""
+    """One bar per value (zero-height bars included, so the bar count is the bin count).
+
+    `top` fixes the height scale (to draw two histograms on the same scale)."""
     plot_w = WIDTH - MARGIN_LEFT - MARGIN_RIGHT
     plot_h = HEIGHT - MARGIN_TOP - MARGIN_BOTTOM
-    top = max(values, default=0) or 1
+    top = top or max(values, default=0) or 1
     step = plot_w / max(1, len(values))
     body = _axes(plot_w, plot_h, top, x_label, y_label)
     every = max(1, len(labels) // 10)
@@ -306,3 +309,51 @@ def lines_chart(
         body.append(f'<rect x="{_num(lx)}" y="{ly - 8}" width="10" height="10" fill="{color}"/>')
         body.append(f'<text class="legend" x="{_num(lx + 14)}" y="{ly + 1}">{escape(name[:24])}</text>')
     return _frame(chart, title, body)
+
+
+@dataclass(frozen=True)
+class PairPoint:
+    label: str
+    a: float
+    b: float
+
+
+def pair_chart(
+    chart: str, title: str, points: Sequence[PairPoint], *, a_label: str, b_label: str, lo: float, hi: float
+) -> Markup:
+    """One dot per item: its mean in run a (x) against run b (y), over the diagonal of no change."""
+    size = HEIGHT - MARGIN_TOP - MARGIN_BOTTOM
+    width = MARGIN_LEFT + size + 160
+    span = (hi - lo) or 1.0
+
+    def px(v: float) -> float:
+        return MARGIN_LEFT + size * (min(hi, max(lo, v)) - lo) / span
+
+    def py(v: float) -> float:
+        return MARGIN_TOP + size - size * (min(hi, max(lo, v)) - lo) / span
+
+    body = [
+        *_plot_axes(size, size, a_label, b_label),
+        f'<line class="diagonal" x1="{_num(px(lo))}" y1="{_num(py(lo))}" x2="{_num(px(hi))}" '
+        f'y2="{_num(py(hi))}" stroke="#999" stroke-dasharray="4 3"/>',
+        f'<text class="tick" x="{MARGIN_LEFT - 4}" y="{MARGIN_TOP + 8}" text-anchor="end">'
+        f"{escape(_label(hi))}</text>",
+        f'<text class="tick" x="{MARGIN_LEFT - 4}" y="{_num(MARGIN_TOP + size)}" text-anchor="end">'
+        f"{escape(_label(lo))}</text>",
+        f'<text class="tick" x="{_num(px(hi))}" y="{_num(MARGIN_TOP + size + 14)}" text-anchor="end">'
+        f"{escape(_label(hi))}</text>",
+    ]
+    colors = {"improved": "#4c9a6a", "regressed": "#c44e52", "unchanged": "#888888"}
+    for p in points:
+        kind = "improved" if p.b - p.a > 1e-9 else "regressed" if p.a - p.b > 1e-9 else "unchanged"
+        body.append(
+            f'<circle class="pair {kind}" cx="{_num(px(p.a))}" cy="{_num(py(p.b))}" r="3.5" '
+            f'fill="{colors[kind]}" fill-opacity="0.75"><title>{escape(p.label)}: '
+            f"{escape(_label(p.a))} → {escape(_label(p.b))}</title></circle>"
+        )
+    for i, (kind, color) in enumerate(colors.items()):
+        y = MARGIN_TOP + 10 + i * 16
+        x = MARGIN_LEFT + size + 16
+        body.append(f'<circle cx="{_num(x)}" cy="{y - 3}" r="4" fill="{color}"/>')
+        body.append(f'<text class="legend" x="{_num(x + 10)}" y="{y + 1}">{kind}</text>')
+    return _frame(chart, title, body, width=width)

@@ -102,13 +102,30 @@ def seed_rollouts(
     rollouts: Annotated[int, typer.Option(min=1, help="How many rollouts.")] = 1000,
     items: Annotated[int, typer.Option(min=1, help="How many distinct items.")] = 100,
     max_calls: Annotated[int, typer.Option(min=1, help="Most calls in one rollout.")] = 18,
-    seed: Annotated[int, typer.Option(help="Random seed.")] = 7,
+    seed: Annotated[int, typer.Option(help="Random seed: another seed, another run.")] = 7,
+    scores: Annotated[
+        str,
+        typer.Option(
+            help="learning: the seed picks items always 0, always 1 or learnable, whose success rises "
+            "over the run; known: item i is always 0, always 1 or alternating by i % 3 (for checks)."
+        ),
+    ] = "learning",
 ) -> None:
     """Insert synthetic graded rollouts (items always 0, always 1 and mixed) for demos and benchmarks."""
     from app.review.seed import SeedSpec, seed_run
 
+    if scores not in ("learning", "known"):
+        typer.echo("error: --scores is learning or known", err=True)
+        raise typer.Exit(2)
     spec = SeedSpec(
-        run=run, rollouts=rollouts, items=items, max_calls=max_calls, min_calls=min(2, max_calls), seed=seed
+        run=run,
+        rollouts=rollouts,
+        items=items,
+        max_calls=max_calls,
+        min_calls=min(2, max_calls),
+        seed=seed,
+        scores=scores,
+        trace_prefix=f"seed{seed}",
     )
     result = _with_engine(lambda engine: seed_run(engine, spec))
     typer.echo(

@@ -200,6 +200,8 @@ class RunSide(BaseModel):
     model_error_share: float | None  # of the run's calls
     channels: dict[str, int]  # rollouts per channel: a training run is rft, a production run mcp
     share_no_signal: float | None
+    reward_min: float | None = None
+    reward_max: float | None = None
 
 
 class ToolMix(BaseModel):
@@ -208,6 +210,16 @@ class ToolMix(BaseModel):
     calls_b: int
     share_a: float
     share_b: float
+    share_delta: float = 0.0  # share_b - share_a
+
+
+class ItemDelta(BaseModel):
+    item_key: str | None
+    rollouts_a: int
+    rollouts_b: int
+    mean_a: float
+    mean_b: float
+    delta: float  # mean_b - mean_a
 
 
 class ItemChanges(BaseModel):
@@ -226,6 +238,12 @@ class RunComparison(BaseModel):
     latency_p50_delta_ms: float | None
     tool_mix: list[ToolMix]
     items: ItemChanges
+    # Both runs' latest scores binned on the same edges (side by side histograms).
+    reward_histogram_a: Histogram | None = None
+    reward_histogram_b: Histogram | None = None
+    # Items in both runs, most improved first (at most MAX_ITEM_DELTAS; item_deltas_capped says so).
+    item_deltas: list[ItemDelta] = []
+    item_deltas_capped: bool = False
 
 
 class RecomputedFlags(BaseModel):

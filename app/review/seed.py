@@ -1,7 +1,10 @@
 """Synthetic graded rollouts, bulk-inserted (COPY on Postgres): for benchmarks, demos and tests.
 
-Items have known answers: item i is always 0 (i % 3 == 0), always 1 (i % 3 == 1) or mixed
-(i % 3 == 2: its rollouts alternate 0 and 1), so the per-item statistics can be checked exactly.
+With `scores="known"` (the default) items have known answers: item i is always 0 (i % 3 == 0),
+always 1 (i % 3 == 1) or mixed (i % 3 == 2: its rollouts alternate 0 and 1), so the per-item
+statistics can be checked exactly. With `scores="learning"` (the demo) the seed decides each
+item's kind and difficulty, and the chance of success of the learnable items rises over the run
+by `learning`: two seeds give two different runs, and the learning curve goes up.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ class SeedSpec:
     seed: int = 7
     trace_prefix: str = "seed"
     chunk: int = 5000  # rows per INSERT / COPY
+    scores: str = "known"  # known | learning (see the module's docstring)
+    learning: float = 0.3  # learning: added to a learnable item's chance of success by the run's end
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,17 @@ class SeedResult:
 
 def item_kind(index: int) -> str:
     return ("zero", "one", "mixed")[index % 3]
+
+
+def learning_items(spec: SeedSpec) -> list[tuple[str, float]]:
+    """Per item, from the seed: its kind (zero, one or mixed) and a mixed item's starting chance."""
+    rng = random.Random(f"items-{spec.seed}")
+    out = []
+    for _ in range(spec.items):
+        roll = rng.random()
+        kind = "zero" if roll < 0.2 else "one" if roll < 0.35 else "mixed"
+        out.append((kind, rng.uniform(0.1, 0.7)))
+    return out
 
 
 def item_score(item_index: int, repetition: int) -> float:
@@ -99,6 +115,7 @@ def _json_rows(rows: list[dict[str, Any]], columns: Sequence[str], *, as_text: b
 def generate(spec: SeedSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
     """Rows of rollouts, tool_calls and grades (dicts keyed by column name), deterministic in spec.seed."""
     rng = random.Random(spec.seed)
+    learnable = learning_items(spec) if spec.scores == "learning" else None
     rollouts: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
     grades: list[dict[str, Any]] = []
@@ -177,7 +194,12 @@ def generate(spec: SeedSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
                 "calls": len(logged),
             }
         )
-        score = item_score(item_index, repetition)
+        if learnable is None:
+            score = item_score(item_index, repetition)
+        else:
+            kind, chance = learnable[item_index]
+            chance = min(1.0, chance + spec.learning * r / spec.rollouts)
+            score = {"zero": 0.0, "one": 1.0}.get(kind, float(rng.random() < chance))
         answer = f"The answer for item {item_index} is {item_index}-{repetition % 3}."
         flags = compute_flags(logged, answer=answer, score=score, status="ok")
         grades.append(
@@ -210,12 +232,17 @@ async def seed_run(engine: AsyncEngine, spec: SeedSpec) -> SeedResult:
         await bulk_insert(conn, ToolCall.__table__, calls, spec.chunk)  # type: ignore[arg-type]
         await bulk_insert(conn, Grade.__table__, grade_rows, spec.chunk)  # type: ignore[arg-type]
     items = min(spec.items, spec.rollouts)
+    kinds = (
+        [item_kind(i) for i in range(items)]
+        if spec.scores != "learning"
+        else [kind for kind, _ in learning_items(spec)[:items]]
+    )
     return SeedResult(
         run=spec.run,
         rollouts=len(rollouts),
         calls=len(calls),
         grades=len(grades),
-        items_always_zero=sum(item_kind(i) == "zero" for i in range(items)),
-        items_always_one=sum(item_kind(i) == "one" for i in range(items)),
-        items_mixed=sum(item_kind(i) == "mixed" for i in range(items)),
+        items_always_zero=kinds.count("zero"),
+        items_always_one=kinds.count("one"),
+        items_mixed=kinds.count("mixed"),
     )

@@ -35,6 +35,7 @@ from app.rollouts.timeline import RolloutTimeline, build_timeline, read_timeline
 REWARD_BINS = 10
 # Scores at or below ZERO / at or above ONE count as "always 0" / "always 1" for items.
 ZERO, ONE = 0.0, 1.0
+MAX_ITEM_DELTAS = 2000  # per-item changes returned by compare
 MIN_ROLLOUTS_PER_ITEM = 2  # an item seen once is trivially "always" something: not counted
 
 
@@ -492,6 +493,8 @@ class ReviewService:
             model_error_share=_share(model_errors, overall.calls),
             channels=channels,
             share_no_signal=_item_summary(summary).share_no_signal,
+            reward_min=reward.min,
+            reward_max=reward.max,
         )
         return side, tools, items
 
@@ -511,13 +514,31 @@ class ReviewService:
                 calls_b=calls_b.get(tool, 0),
                 share_a=calls_a.get(tool, 0) / total_a if total_a else 0.0,
                 share_b=calls_b.get(tool, 0) / total_b if total_b else 0.0,
+                share_delta=(calls_b.get(tool, 0) / total_b if total_b else 0.0)
+                - (calls_a.get(tool, 0) / total_a if total_a else 0.0),
             )
             for tool in sorted(
                 set(calls_a) | set(calls_b), key=lambda t: (-(calls_a.get(t, 0) + calls_b.get(t, 0)), t)
             )
         ]
-        means_a = {r.item_key: r.mean for r in items_a}
-        deltas = [r.mean - means_a[r.item_key] for r in items_b if r.item_key in means_a]
+        by_a = {r.item_key: r for r in items_a}
+        common = [(by_a[r.item_key], r) for r in items_b if r.item_key in by_a]
+        deltas = [b.mean - a.mean for a, b in common]
+        item_deltas = sorted(
+            (
+                s.ItemDelta(
+                    item_key=b.item_key,
+                    rollouts_a=a.rollouts,
+                    rollouts_b=b.rollouts,
+                    mean_a=a.mean,
+                    mean_b=b.mean,
+                    delta=b.mean - a.mean,
+                )
+                for a, b in common
+            ),
+            key=lambda d: (-d.delta, d.item_key or ""),
+        )
+        hist_a, hist_b = await self._common_histograms(a, b, grader, side_a, side_b)
         return s.RunComparison(
             a=side_a,
             b=side_b,
@@ -532,7 +553,23 @@ class ReviewService:
                 unchanged=sum(abs(d) <= 1e-9 for d in deltas),
                 mean_delta=sum(deltas) / len(deltas) if deltas else None,
             ),
+            reward_histogram_a=hist_a,
+            reward_histogram_b=hist_b,
+            item_deltas=_capped(item_deltas),
+            item_deltas_capped=len(item_deltas) > MAX_ITEM_DELTAS,
         )
+
+    async def _common_histograms(
+        self, a: str, b: str, grader: str | None, side_a: s.RunSide, side_b: s.RunSide
+    ) -> tuple[s.Histogram, s.Histogram]:
+        """Both runs' latest scores on one set of edges: [0, 1], widened to every score of either run."""
+        lo = min(0.0, *(v for v in (side_a.reward_min, side_b.reward_min) if v is not None))
+        hi = max(1.0, *(v for v in (side_a.reward_max, side_b.reward_max) if v is not None))
+        edges = [lo + (hi - lo) * i / REWARD_BINS for i in range(REWARD_BINS + 1)]
+        counts_a, counts_b = await self._concurrently(
+            lambda r: r.reward_histogram(a, grader, edges), lambda r: r.reward_histogram(b, grader, edges)
+        )
+        return s.Histogram(edges=edges, counts=counts_a), s.Histogram(edges=edges, counts=counts_b)
 
     async def reward_curve(
         self, run: str, grader: str | None = None, *, axis: str = "time", windows: int = 20
@@ -614,6 +651,14 @@ def _output_tools(sample: dict[str, Any]) -> list[Any]:
         if isinstance(calls, list):
             return calls
     return []
+
+
+def _capped(deltas: list[s.ItemDelta]) -> list[s.ItemDelta]:
+    """The most improved and the most regressed halves of a long list (it is sorted by change)."""
+    if len(deltas) <= MAX_ITEM_DELTAS:
+        return deltas
+    half = MAX_ITEM_DELTAS // 2
+    return deltas[:half] + deltas[-half:]
 
 
 def _delta(a: float | None, b: float | None) -> float | None:

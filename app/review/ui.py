@@ -22,7 +22,7 @@ from app.grading.flags import FLAG_NAMES
 from app.review import charts
 from app.review.flag_help import flag_help
 from app.review.repository import SORTS, RolloutFilter
-from app.review.schemas import CurveWindow, RewardCurve, RunStats
+from app.review.schemas import CurveWindow, RewardCurve, RunComparison, RunStats
 from app.review.service import ReviewService
 from app.review.session import end_session, has_session, is_admin_key, require_same_origin, start_session
 
@@ -91,6 +91,7 @@ def templates() -> Environment:
         lstrip_blocks=True,
     )
     env.filters.update(pretty=_pretty, when=_when, score=_score, ms=_ms, pct=_pct, thousands=_thousands)
+    env.filters.update(signed=_signed, signed_pct=_signed_pct)
     env.filters.update(json_text=_json_text, content=_content, tool_name=_tool_name, size=_size)
     env.globals.update(duration=_duration)
     env.globals.update(flag_names=FLAG_NAMES, quote=quote, flag_help=flag_help)
@@ -564,6 +565,51 @@ async def run_page(
     )
 
 
+def _compare_charts(c: RunComparison) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    ha, hb = c.reward_histogram_a, c.reward_histogram_b
+    if ha is not None and hb is not None:
+        top = max([*ha.counts, *hb.counts], default=0) or 1
+        labels = [f"{x:.2g}–{y:.2g}" for x, y in zip(ha.edges, ha.edges[1:], strict=False)]
+        for side, run, hist in (("a", c.a.run, ha), ("b", c.b.run, hb)):
+            out[f"reward_{side}"] = charts.bar_chart(
+                f"reward-{side}",
+                f"Reward histogram of {run}",
+                labels,
+                hist.counts,
+                x_label="score",
+                y_label="rollouts",
+                top=top,
+            )
+    if c.item_deltas:
+        points = [charts.PairPoint(d.item_key or "(none)", d.mean_a, d.mean_b) for d in c.item_deltas]
+        values = [v for p in points for v in (p.a, p.b)]
+        out["items"] = charts.pair_chart(
+            "item-pairs",
+            "Per-item mean score, baseline against compared",
+            points,
+            a_label=f"mean in {c.a.run}",
+            b_label=f"mean in {c.b.run}",
+            lo=min([0.0, *values]),
+            hi=max([1.0, *values]),
+        )
+    return out
+
+
+def _signed(value: float | None, digits: str = ".3g", unit: str = "") -> str:
+    """A change with its sign always shown (−, not -); '0' when nothing changed; '' when unknown."""
+    if value is None:
+        return ""
+    if abs(value) < 1e-12:
+        return f"0{unit}"
+    text = format(abs(value), digits)
+    return f"{'+' if value > 0 else '−'}{text}{unit}"
+
+
+def _signed_pct(value: float | None) -> str:
+    return "" if value is None else _signed(100 * value, ".1f", " pp")
+
+
 @router.get("/compare")
 async def compare_page(
     request: Request,
@@ -583,6 +629,7 @@ async def compare_page(
     return render(
         request,
         "compare.html",
+        compare_charts=_compare_charts(comparison) if comparison else None,
         runs=runs,
         graders=graders,
         grader=chosen or "",

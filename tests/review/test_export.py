@@ -99,10 +99,11 @@ async def test_cli_recomputes_the_flags_of_a_run(review: ReviewApp, cli_env: Non
 async def test_seed_inserts_what_it_generates(review: ReviewApp, cli_env: None) -> None:
     run = f"run-{uuid.uuid4().hex[:8]}"
     result = await asyncio.to_thread(
-        invoke, "seed-rollouts", "--run", run, "--rollouts", "30", "--items", "5"
+        invoke, "seed-rollouts", "--run", run, "--rollouts", "30", "--items", "5", "--scores", "known"
     )
     assert "inserted 30 rollouts" in result.output
-    rollouts, calls, grades = generate(SeedSpec(run=run, rollouts=30, items=5))
+    spec = SeedSpec(run=run, rollouts=30, items=5, trace_prefix="seed7")
+    rollouts, calls, grades = generate(spec)
     stats = (await review.client.get("/review/api/stats", params={"run": run}, headers=ADMIN)).json()
     assert stats["rollouts"] == 30 and stats["reward"]["graded"] == 30
     assert sum(t["calls"] for t in stats["tools"]) == len(calls)
@@ -113,3 +114,30 @@ async def test_seed_inserts_what_it_generates(review: ReviewApp, cli_env: None) 
     ).json()
     assert page["rollouts"][0]["trace_id"] == rollouts[-1]["trace_id"]
     assert page["rollouts"][0]["flags"] == [f["name"] for f in grades[-1]["flags"]]
+
+
+async def test_seeded_demo_runs_differ_by_seed_and_learn(review: ReviewApp, cli_env: None) -> None:
+    runs = {}
+    for seed in ("7", "8"):
+        run = f"run-{uuid.uuid4().hex[:8]}"
+        result = await asyncio.to_thread(
+            invoke, "seed-rollouts", "--run", run, "--rollouts", "300", "--items", "20", "--seed", seed
+        )
+        assert "inserted 300 rollouts" in result.output
+        runs[seed] = run
+    params = {"a": runs["7"], "b": runs["8"]}
+    comparison = (await review.client.get("/review/api/compare", params=params, headers=ADMIN)).json()
+    assert comparison["reward_delta"] != 0
+    assert comparison["items"]["improved"] > 0 and comparison["items"]["regressed"] > 0
+    for run in runs.values():
+        curve = (
+            await review.client.get(
+                "/review/api/curve", params={"run": run, "axis": "order", "windows": 3}, headers=ADMIN
+            )
+        ).json()
+        means = [w["reward_mean"] for w in curve["windows"]]
+        assert means[-1] > means[0], means  # the learnable items improve over the run
+    spec = SeedSpec(run=runs["8"], rollouts=300, items=20, seed=8, scores="learning", trace_prefix="seed8")
+    _, _, grades = generate(spec)
+    stats = (await review.client.get("/review/api/stats", params={"run": runs["8"]}, headers=ADMIN)).json()
+    assert stats["reward"]["mean"] == pytest.approx(sum(g["score"] for g in grades) / 300)

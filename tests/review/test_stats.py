@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import uuid
 from collections import Counter
 from dataclasses import replace
@@ -220,10 +221,51 @@ async def test_compare_and_run_pages_and_the_openapi_schema(review: ReviewApp) -
     tuned = await seeded(review, replace(SPEC, max_calls=4, seed=11))
     await login(review)
     page = await review.client.get("/review/compare", params={"a": baseline.run, "b": tuned.run})
-    assert page.status_code == 200 and '<td class="num" id="reward-delta">0</td>' in page.text
-    assert page.text.count("<tr><td>") == len({c["tool"] for c in generate(baseline)[1]})
+    assert page.status_code == 200 and '<td class="num delta" id="reward-delta">0</td>' in page.text
+    tools = {c["tool"] for c in generate(baseline)[1]} | {c["tool"] for c in generate(tuned)[1]}
+    assert page.text.count('<tr class="tool-mix-row">') == len(tools)
+    # Every row of the comparison has its change, signed.
+    rows = re.findall(r'<tr class="compare-row">(.*?)</tr>', page.text)
+    assert len(rows) == 11
+    for row in rows:
+        change = re.search(r'<td class="num delta"[^>]*>([^<]*)</td>', row)
+        assert change and re.fullmatch(r"0( pp)?|[+−][0-9.e+]+( pp)?", change.group(1)), row
     run_page = await review.client.get("/review/run", params={"name": baseline.run})
     assert run_page.text.count('class="item-row"') == 6 and 'id="stat-no-signal">66.7%' in run_page.text
     schema = review.app.openapi()
     assert {"/review/api/stats", "/review/api/rollouts/{trace_id}", "/export"} <= set(schema["paths"])
     assert not any(path.startswith("/review/login") for path in schema["paths"])
+
+
+async def test_compare_shows_histograms_item_changes_and_the_tool_mix_change(review: ReviewApp) -> None:
+    from tests.review.test_ui_auth import login
+
+    baseline = await seeded(review)
+    tuned = await seeded(review, replace(SPEC, max_calls=4, seed=11))
+    async with review.sessions() as session, session.begin():  # item 0 learned, item 2 forgotten
+        await session.execute(
+            update(Grade).where(Grade.run == tuned.run, Grade.item_key == "id:item-00000").values(score=1.0)
+        )
+        await session.execute(
+            update(Grade).where(Grade.run == tuned.run, Grade.item_key == "id:item-00002").values(score=0.0)
+        )
+    comparison = await review.api("/review/api/compare", a=baseline.run, b=tuned.run)
+    assert comparison["reward_histogram_a"]["counts"] == [30, 0, 0, 0, 0, 0, 0, 0, 0, 30]
+    assert comparison["reward_histogram_b"]["counts"] == [25, 0, 0, 0, 0, 0, 0, 0, 0, 35]
+    assert comparison["reward_histogram_a"]["edges"] == comparison["reward_histogram_b"]["edges"]
+    deltas = [(d["item_key"], d["delta"]) for d in comparison["item_deltas"]]
+    assert deltas[0] == ("id:item-00000", 1.0) and deltas[-1] == ("id:item-00002", -0.5)
+    assert sum(t["share_delta"] for t in comparison["tool_mix"]) == pytest.approx(0, abs=1e-9)
+    for t in comparison["tool_mix"]:
+        assert t["share_delta"] == pytest.approx(t["share_b"] - t["share_a"])
+
+    await login(review)
+    page = (await review.client.get("/review/compare", params={"a": baseline.run, "b": tuned.run})).text
+    assert page.count('data-chart="reward-a"') == page.count('data-chart="reward-b"') == 1
+    assert (
+        page.count('<circle class="pair improved"') == 1 and page.count('<circle class="pair regressed"') == 1
+    )
+    improved = page[page.index('id="items-improved"') : page.index('id="items-regressed"')]
+    assert f'href="/review?item=id%3Aitem-00000&amp;run={tuned.run}"' in improved and "+1" in improved
+    regressed = page[page.index('id="items-regressed"') :]
+    assert "id:item-00002" in regressed and "−0.5" in regressed

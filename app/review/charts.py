@@ -322,7 +322,7 @@ def pair_chart(
     chart: str, title: str, points: Sequence[PairPoint], *, a_label: str, b_label: str, lo: float, hi: float
 ) -> Markup:
     """One dot per item: its mean in run a (x) against run b (y), over the diagonal of no change."""
-    size = HEIGHT - MARGIN_TOP - MARGIN_BOTTOM
+    size = 320
     width = MARGIN_LEFT + size + 160
     span = (hi - lo) or 1.0
 
@@ -356,4 +356,4 @@ def pair_chart(
         x = MARGIN_LEFT + size + 16
         body.append(f'<circle cx="{_num(x)}" cy="{y - 3}" r="4" fill="{color}"/>')
         body.append(f'<text class="legend" x="{_num(x + 10)}" y="{y + 1}">{kind}</text>')
-    return _frame(chart, title, body, width=width)
+    return _frame(chart, title, body, width=width, height=MARGIN_TOP + size + MARGIN_BOTTOM)

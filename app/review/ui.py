@@ -569,16 +569,20 @@ def _compare_charts(c: RunComparison) -> dict[str, Any]:
     out: dict[str, Any] = {}
     ha, hb = c.reward_histogram_a, c.reward_histogram_b
     if ha is not None and hb is not None:
-        top = max([*ha.counts, *hb.counts], default=0) or 1
+        # Shares of each run's scored rollouts, on one scale: runs of different sizes compare.
+        shares = {
+            side: [100 * n / (sum(h.counts) or 1) for n in h.counts] for side, h in (("a", ha), ("b", hb))
+        }
+        top = max([*shares["a"], *shares["b"]], default=0) or 1
         labels = [f"{x:.2g}–{y:.2g}" for x, y in zip(ha.edges, ha.edges[1:], strict=False)]
-        for side, run, hist in (("a", c.a.run, ha), ("b", c.b.run, hb)):
+        for side, run in (("a", c.a.run), ("b", c.b.run)):
             out[f"reward_{side}"] = charts.bar_chart(
                 f"reward-{side}",
-                f"Reward histogram of {run}",
+                f"Reward histogram of {run} (% of its scored rollouts)",
                 labels,
-                hist.counts,
+                shares[side],
                 x_label="score",
-                y_label="rollouts",
+                y_label="% of scored rollouts",
                 top=top,
             )
     if c.item_deltas:

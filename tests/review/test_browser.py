@@ -13,13 +13,18 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
+import yaml
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.db.session import build_engine, build_sessionmaker
 from app.main import create_app
+from app.review.flags import FLAG_NAMES
 from app.review.seed import SeedSpec, seed_run
-from tests.conftest import ADMIN_KEY, TOOLS_KEY, call_body, make_settings, new_trace
+from tests.conftest import ADMIN_KEY, GRADER_KEY, TOOLS_KEY, call_body, make_settings, new_trace
 from tests.review.conftest import PACKS, grade_rollout, mount_review
+from tests.review.test_item_view import GRADERS
+from tests.review.test_item_view import item as review_item
+from tests.review.test_item_view import sample as item_sample
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -56,7 +61,9 @@ def live_server(tmp_path: Path, sqlite_template: Path) -> Iterator[tuple[str, st
     db = tmp_path / "sparring.db"
     db.write_bytes(sqlite_template.read_bytes())
     url = f"sqlite+aiosqlite:///{db}"
-    settings = make_settings(tmp_path / "home", database_url=url, redis_url=None)
+    graders = tmp_path / "graders.yaml"
+    graders.write_text(yaml.safe_dump(GRADERS))
+    settings = make_settings(tmp_path / "home", database_url=url, redis_url=None, graders_file=graders)
     app = mount_review(create_app(settings, packs=PACKS))
     port = free_port()
     server = uvicorn.Server(
@@ -219,3 +226,155 @@ async def test_review_ui_in_chromium(data: dict[str, str], tmp_path: Path) -> No
     for name in ("login-refused", "rollouts-filtered", "rollout", "run", "flags"):
         shot = shots / f"{name}.png"
         assert shot.stat().st_size > 5_000, name
+
+
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "review"  # git-ignored
+
+
+@pytest.fixture
+async def team_data(data: dict[str, str]) -> AsyncIterator[dict[str, str]]:
+    """Adds a learning run to compare with the baseline, and rollouts graded through POST /grade/exact."""
+    base = data["base"]
+    async with httpx.AsyncClient(base_url=base) as client:
+        run = data["run"]
+        routed = new_trace()
+        tools = {"Authorization": f"Bearer {TOOLS_KEY}", "X-Sparring-Run": run}
+        r = await client.post(
+            "/tools/echo", json=call_body({"text": "7"}, trace_id=routed, call_id="e1"), headers=tools
+        )
+        assert r.status_code == 200, r.text
+        grader = {"Authorization": f"Bearer {GRADER_KEY}", "X-Sparring-Run": run}
+        for trace, answer in ((data["clean"], "Order 7 shipped"), (routed, "Order 7 is lost somewhere")):
+            body = {"sample": item_sample(answer), "item": review_item(7), "trace_id": trace}
+            r = await client.post("/grade/exact", json=body, headers=grader)
+            assert r.status_code == 200, r.text
+    yield {**data, "routed": routed}
+
+
+async def test_review_pages_a_training_team_lives_in(
+    team_data: dict[str, str], live_server: tuple[str, str]
+) -> None:
+    from playwright.async_api import async_playwright
+
+    base, url = live_server
+    engine = build_engine(url)
+    tuned = replace(SeedSpec(rollouts=240, items=12, max_calls=8), run="tuned", seed=8, scores="learning")
+    await seed_run(engine, tuned)
+    await engine.dispose()
+    data = team_data
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    api = httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+
+    async with async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
+        page = await browser.new_page(viewport={"width": 1400, "height": 1000})
+        requests: list[str] = []
+        page.on("request", lambda r: requests.append(r.url))
+        errors: list[str] = []
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+
+        await page.goto(f"{base}/")  # the root leads to the review, through the login
+        assert page.url.startswith(f"{base}/review/login")
+        await page.screenshot(path=str(ARTIFACTS / "login.png"))
+        await page.fill("input[name=key]", ADMIN_KEY)
+        await page.click("button[type=submit]")
+        await page.wait_for_url(f"{base}/review")
+
+        # Totals: the list says how many match, as the API counts them.
+        everything = (await api.get("/review/api/rollouts", params={"count": "true", "limit": 1})).json()
+        assert int(await page.locator("#total").get_attribute("data-total") or -1) == everything["total"]
+        assert f"{everything['total']:,} rollouts match" in await page.locator("#total").inner_text()
+
+        # Search by a fragment of an answer; the query is in the URL, so the search can be shared.
+        await page.fill("input[type=search][name=q]", "7731 is")
+        async with page.expect_navigation():
+            await page.click("form.filters button[type=submit]")
+        assert "q=7731+is" in page.url
+        rows = page.locator("tr.rollout-row")
+        assert await rows.count() == 1 and await rows.first.get_attribute("data-trace") == data["parallel"]
+        assert await page.locator("#total").get_attribute("data-total") == "1"
+        await page.screenshot(path=str(ARTIFACTS / "rollouts-search.png"), full_page=True)
+
+        # Sorted by score, lowest first, in one run: the totals still match the API's.
+        await page.goto(f"{base}/review?run=baseline&sort=score&order=asc")
+        scores = [
+            float(t) for t in await page.locator("tr.rollout-row td.num:nth-child(8)").all_inner_texts()
+        ]
+        assert scores == sorted(scores) and len(scores) == 50 and scores[0] == 0
+        listed = (await api.get("/review/api/rollouts", params={"run": "baseline", "count": "true"})).json()
+        assert await page.locator("#total").get_attribute("data-total") == str(listed["total"]) == "60"
+        await page.screenshot(path=str(ARTIFACTS / "rollouts-sorted.png"), full_page=True)
+
+        # The item beside the rollout, and the item's other rollouts.
+        await page.goto(f"{base}/review/rollouts/{data['routed']}")
+        row = page.locator("#dataset-row")
+        assert "What is the status of order 7?" in await row.inner_text()
+        assert await row.locator("[data-field=reference_answer]").count() == 1
+        assert "Order 7 is lost somewhere" in await page.locator("#graded-sample pre.answer").inner_text()
+        assert await page.locator("#item-mean").inner_text() == "0.5"  # one right, one wrong
+        await page.screenshot(path=str(ARTIFACTS / "rollout-item.png"), full_page=True)
+        async with page.expect_navigation():
+            await page.click("#item-key a.item-link")
+        assert {await r.get_attribute("data-trace") for r in await rows.all()} == {
+            data["clean"],
+            data["routed"],
+        }
+        assert await page.locator("#item-variance").inner_text() == "0.25"
+
+        # Which grader: the live run has two; the selector changes the figures to the API's.
+        await page.goto(f"{base}/review/run?name={data['run']}")
+        assert "2 graders graded these rollouts" in await page.locator("#grader-note").inner_text()
+        for name in ("exact", "test"):
+            await page.select_option("select[name=grader]", name)
+            async with page.expect_navigation():
+                await page.click("form.filters button[type=submit]")
+            stats = (await api.get("/review/api/stats", params={"run": data["run"], "grader": name})).json()
+            assert await page.locator("#stat-reward").inner_text() == f"{stats['reward']['mean']:.3g}"
+            assert f"({name})" in await page.locator("#reward-grader").inner_text()
+            assert await page.locator(".grader-name").first.inner_text() == name
+        assert (
+            stats["reward"]["mean"]
+            != (await api.get("/review/api/stats", params={"run": data["run"], "grader": "exact"})).json()[
+                "reward"
+            ]["mean"]
+        )
+        await page.screenshot(path=str(ARTIFACTS / "run-grader.png"), full_page=True)
+
+        # The learning curve: one point per window, on either axis.
+        for axis in ("time", "order"):
+            await page.goto(f"{base}/review/run?name=tuned&axis={axis}")
+            curve = (await api.get("/review/api/curve", params={"run": "tuned", "axis": axis})).json()
+            points = page.locator("svg[data-chart=reward-curve] circle.point")
+            assert await points.count() == len(curve["windows"]) == 20
+            box = await page.locator("svg[data-chart=reward-curve]").bounding_box()
+            assert box is not None and box["width"] > 300 and box["height"] > 100
+        await page.locator("#over-time").scroll_into_view_if_needed()
+        await page.screenshot(path=str(ARTIFACTS / "run-curve.png"), full_page=True)
+
+        # Flags explained: a legend, titles on the badges, and badges are links.
+        await page.goto(f"{base}/review/flags?run={data['run']}")
+        assert await page.locator("#flag-legend dt").count() == len(FLAG_NAMES) + 1
+        badge = page.locator("#flag-legend a.flag").first
+        assert (await badge.get_attribute("title") or "").strip() and "flag=" in (
+            await badge.get_attribute("href") or ""
+        )
+        await page.screenshot(path=str(ARTIFACTS / "flags.png"), full_page=True)
+
+        # Compare the baseline with the learning run.
+        await page.goto(f"{base}/review/compare?a=baseline&b=tuned")
+        deltas = await page.locator("tr.compare-row td.delta").all_inner_texts()
+        assert len(deltas) == 10 and all(d and d[0] in "+−0" for d in deltas), deltas
+        assert await page.locator("svg[data-chart=reward-a] rect.bar").count() == 10
+        assert await page.locator("svg[data-chart=item-pairs] circle.pair").count() == 6
+        await page.screenshot(path=str(ARTIFACTS / "compare.png"), full_page=True)
+
+        await page.goto(f"{base}/review/runs")
+        await page.screenshot(path=str(ARTIFACTS / "runs.png"), full_page=True)
+        await browser.close()
+    await api.aclose()
+
+    foreign = [u for u in requests if not (u.startswith(f"{base}/") or u.startswith("data:"))]
+    assert foreign == [] and len(requests) > 10
+    assert errors == []
+    for shot in ARTIFACTS.glob("*.png"):
+        assert shot.stat().st_size > 5_000, shot.name

@@ -119,7 +119,9 @@ async def test_tool_output_is_escaped_and_pages_show_the_rollout(review: ReviewA
     assert bad.status_code == 200 and "min score must be a number" in bad.text
 
     run_page = await review.client.get("/review/run", params={"name": run})
-    assert run_page.status_code == 200 and run_page.text.count('data-chart="') == 4
+    assert (
+        run_page.status_code == 200 and run_page.text.count('data-chart="') == 8
+    )  # 4 over time, 4 distributions
     flags_page = await review.client.get("/review/flags", params={"run": run, "flag": "repeated_call"})
     assert 'data-flag="repeated_call"' in flags_page.text and trace in flags_page.text
     missing = await review.client.get("/review/rollouts/trace_missing")

@@ -228,12 +228,19 @@ class ReviewRepository:
             conditions.append(Rollout.channel == f.channel)
         if f.item_key is not None:
             # "item-7" finds "id:item-7": the key's field prefix is optional.
+            # A rollout belongs to an item by its own key, or by the key of any of its grades.
+            graded = aliased(Grade)
             conditions.append(
                 or_(
                     Rollout.item_key == f.item_key,
-                    Grade.item_key == f.item_key,
                     Rollout.item_key.endswith(f":{f.item_key}", autoescape=True),
-                    Grade.item_key.endswith(f":{f.item_key}", autoescape=True),
+                    exists().where(
+                        graded.trace_id == Rollout.trace_id,
+                        or_(
+                            graded.item_key == f.item_key,
+                            graded.item_key.endswith(f":{f.item_key}", autoescape=True),
+                        ),
+                    ),
                 )
             )
         if f.q is not None:

@@ -468,8 +468,7 @@ def _curve_charts(curve: RewardCurve) -> dict[str, Any]:
         for w in windows
         if w.reward_mean is not None
     ]
-    lows = [p.y for p in reward]
-    highs = [p.y for p in reward]
+    means = [p.y for p in reward]
     calls = [
         charts.CurvePoint(
             x(w), w.calls_per_rollout, None, None, f"{where(w)}: {w.calls_per_rollout:.3g} calls"
@@ -496,8 +495,8 @@ def _curve_charts(curve: RewardCurve) -> dict[str, Any]:
             x_label=x_label,
             y_label="reward",
             x_ticks=ticks,
-            lo=min([0.0, *lows]),
-            hi=max([1.0, *highs]),
+            lo=min([0.0, *means]),
+            hi=max([1.0, *means]),
         ),
         "calls": charts.curve_chart(
             "calls-curve",
@@ -677,5 +676,4 @@ async def flags_page(
         run=run or "",
         flag=flag or "",
         flagged=flagged,
-        flag_names=FLAG_NAMES,
     )

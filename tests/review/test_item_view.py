@@ -98,8 +98,20 @@ async def test_the_rollout_page_shows_the_item_and_the_sample_it_was_graded_on(
         assert f'href="/review?item=id%3Aorder-7&amp;run={run}"' in page
         assert 'id="item-mean">0.5<' in page and 'id="item-variance">0.25<' in page
 
+        # A second grader: the page offers both, and shows the item of the one chosen.
+        await review.grade(right, answer="Order 7 shipped", score=0.5, run=run, grader="judge")
+        page = (await review.client.get(f"/review/rollouts/{right}")).text
+        choice = page[page.index('id="grader-choice"') :]
+        assert "<strong>judge</strong>" in choice and "?grader=exact" in choice
+        assert "The grade did not keep its dataset row." in page  # the judge's grade has none
+        page = (await review.client.get(f"/review/rollouts/{right}", params={"grader": "exact"})).text
+        assert "<strong>exact</strong>" in page and "What is the status of order 7?" in page
+
         listed = (await review.client.get("/review", params={"item": "order-7", "run": run})).text
         assert 'data-total="2"' in listed and listed.count('class="rollout-row"') == 2
+        listed = (
+            await review.client.get("/review", params={"item": "order-7", "run": run, "grader": "exact"})
+        ).text
         assert 'id="item-mean">0.5<' in listed and 'id="item-variance">0.25<' in listed
 
 

@@ -206,9 +206,14 @@ def _y_axis(lo: float, hi: float, plot_h: float) -> list[str]:
 
 
 def _x_ticks(ticks: Sequence[tuple[float, str]], plot_w: float, plot_h: float) -> list[str]:
+    """Labels along the x axis; the ends are anchored inwards so that they are not cut off."""
+
+    def anchor(x: float) -> str:
+        return "start" if x <= 0.0 else "end" if x >= 1.0 else "middle"
+
     return [
         f'<text class="tick" x="{_num(MARGIN_LEFT + plot_w * x)}" y="{_num(MARGIN_TOP + plot_h + 14)}" '
-        f'text-anchor="middle">{escape(text)}</text>'
+        f'text-anchor="{anchor(x)}">{escape(text)}</text>'
         for x, text in ticks
     ]
 

@@ -440,12 +440,19 @@ def _curve_charts(curve: RewardCurve) -> dict[str, Any]:
         return (w.index + 0.5) / count
 
     if curve.axis == "time":
-        start, end = windows[0].start, windows[-1].end
-        long_run = (end - start).total_seconds() > 86400
-        fmt = "%m-%d %H:%M" if long_run else "%H:%M:%S"
-        first = start - (windows[0].index * (windows[0].end - windows[0].start))
         step = windows[0].end - windows[0].start
-        ticks = [(i / 4, (first + step * (count * i / 4)).astimezone(UTC).strftime(fmt)) for i in range(5)]
+        first = windows[0].start - windows[0].index * step
+        seconds = (step * count).total_seconds()
+
+        def stamp(moment: datetime) -> str:
+            moment = moment.astimezone(UTC)
+            if seconds > 86400:
+                return moment.strftime("%m-%d %H:%M")
+            if seconds < 10:
+                return moment.strftime("%H:%M:%S.%f")[:-3]
+            return moment.strftime("%H:%M:%S")
+
+        ticks = [(i / 4, stamp(first + step * (count * i / 4))) for i in range(5)]
         x_label = "time (UTC) of the rollouts' first calls"
     else:
         total = sum(w.rollouts for w in windows)

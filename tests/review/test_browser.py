@@ -17,8 +17,8 @@ import yaml
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.db.session import build_engine, build_sessionmaker
+from app.grading.flags import FLAG_NAMES
 from app.main import create_app
-from app.review.flags import FLAG_NAMES
 from app.review.seed import SeedSpec, seed_run
 from tests.conftest import ADMIN_KEY, GRADER_KEY, TOOLS_KEY, call_body, make_settings, new_trace
 from tests.review.conftest import PACKS, grade_rollout, mount_review

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from app.deps import app_state
 from app.review.seed import SeedSpec, generate, seed_run
 from tests.review.conftest import ReviewApp
 from tests.review.test_ui_auth import login
@@ -61,7 +62,7 @@ def check(curve: dict[str, Any], expected: dict[int, dict[str, Any]]) -> None:
 
 async def test_windows_of_rollout_order(review: ReviewApp) -> None:
     spec = replace(SPEC, run=f"run-{uuid.uuid4().hex[:8]}")
-    await seed_run(review.app.state.engine, spec)
+    await seed_run(app_state(review.app).engine, spec)
     curve = await review.api("/review/api/curve", run=spec.run, axis="order", windows=8)
     # ntile: 60 rollouts in 8 windows, the first 4 of 8 and the last 4 of 7, in start order.
     sizes = [8, 8, 8, 8, 7, 7, 7, 7]
@@ -77,7 +78,7 @@ async def test_windows_of_rollout_order(review: ReviewApp) -> None:
 
 async def test_windows_of_time(review: ReviewApp) -> None:
     spec = replace(SPEC, run=f"run-{uuid.uuid4().hex[:8]}")
-    await seed_run(review.app.state.engine, spec)
+    await seed_run(app_state(review.app).engine, spec)
     curve = await review.api("/review/api/curve", run=spec.run, windows=7)
     # Rollouts start 3 s apart: 0 .. 177 s in 7 windows of 177/7 s.
     window_of = {f"seed_{spec.run}_{r:07d}": min(6, math.floor(3 * r / (177 / 7))) for r in range(60)}
@@ -90,7 +91,7 @@ async def test_windows_of_time(review: ReviewApp) -> None:
 
 async def test_the_grader_chooses_the_scores_of_the_curve(review: ReviewApp) -> None:
     spec = replace(SPEC, run=f"run-{uuid.uuid4().hex[:8]}", rollouts=10, items=5)
-    await seed_run(review.app.state.engine, spec)
+    await seed_run(app_state(review.app).engine, spec)
     for r in range(10):
         await review.grade(f"seed_{spec.run}_{r:07d}", answer="x", score=0.25, run=spec.run, grader="judge")
     judge = await review.api("/review/api/curve", run=spec.run, grader="judge", axis="order", windows=2)
@@ -103,7 +104,7 @@ async def test_the_grader_chooses_the_scores_of_the_curve(review: ReviewApp) -> 
 
 async def test_the_run_page_draws_one_point_per_window(review: ReviewApp) -> None:
     spec = replace(SPEC, run=f"run-{uuid.uuid4().hex[:8]}")
-    await seed_run(review.app.state.engine, spec)
+    await seed_run(app_state(review.app).engine, spec)
     await login(review)
     for axis in ("time", "order"):
         curve = await review.api("/review/api/curve", run=spec.run, axis=axis, windows=20)

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from app.deps import app_state
 from app.review.seed import SeedSpec, generate, seed_run
 from tests.conftest import new_trace
 from tests.review.conftest import ADMIN, ReviewApp
@@ -17,7 +18,7 @@ SPEC = SeedSpec(rollouts=45, items=5, min_calls=0, max_calls=9)
 
 async def seeded(review: ReviewApp, **overrides: Any) -> SeedSpec:
     spec = replace(SPEC, run=f"run-{uuid.uuid4().hex[:8]}", **overrides)
-    await seed_run(review.app.state.engine, spec)
+    await seed_run(app_state(review.app).engine, spec)
     return spec
 
 

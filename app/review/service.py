@@ -563,8 +563,8 @@ class ReviewService:
         self, a: str, b: str, grader: str | None, side_a: s.RunSide, side_b: s.RunSide
     ) -> tuple[s.Histogram, s.Histogram]:
         """Both runs' latest scores on one set of edges: [0, 1], widened to every score of either run."""
-        lo = min(0.0, *(v for v in (side_a.reward_min, side_b.reward_min) if v is not None))
-        hi = max(1.0, *(v for v in (side_a.reward_max, side_b.reward_max) if v is not None))
+        lo = min([0.0, *(v for v in (side_a.reward_min, side_b.reward_min) if v is not None)])
+        hi = max([1.0, *(v for v in (side_a.reward_max, side_b.reward_max) if v is not None)])
         edges = [lo + (hi - lo) * i / REWARD_BINS for i in range(REWARD_BINS + 1)]
         counts_a, counts_b = await self._concurrently(
             lambda r: r.reward_histogram(a, grader, edges), lambda r: r.reward_histogram(b, grader, edges)

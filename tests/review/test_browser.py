@@ -298,7 +298,7 @@ async def test_review_pages_a_training_team_lives_in(
         # Sorted by score, lowest first, in one run: the totals still match the API's.
         await page.goto(f"{base}/review?run=baseline&sort=score&order=asc")
         scores = [
-            float(t) for t in await page.locator("tr.rollout-row td.num:nth-child(8)").all_inner_texts()
+            float(t) for t in await page.locator("tr.rollout-row td.num:nth-child(9)").all_inner_texts()
         ]
         assert scores == sorted(scores) and len(scores) == 50 and scores[0] == 0
         listed = (await api.get("/review/api/rollouts", params={"run": "baseline", "count": "true"})).json()
@@ -363,7 +363,7 @@ async def test_review_pages_a_training_team_lives_in(
         # Compare the baseline with the learning run.
         await page.goto(f"{base}/review/compare?a=baseline&b=tuned")
         deltas = await page.locator("tr.compare-row td.delta").all_inner_texts()
-        assert len(deltas) == 10 and all(d and d[0] in "+−0" for d in deltas), deltas
+        assert len(deltas) == 11 and all(d and d[0] in "+−0" for d in deltas), deltas
         assert await page.locator("svg[data-chart=reward-a] rect.bar").count() == 10
         assert await page.locator("svg[data-chart=item-pairs] circle.pair").count() == 6
         await page.screenshot(path=str(ARTIFACTS / "compare.png"), full_page=True)

@@ -100,7 +100,7 @@ def create_app(settings: Settings | None = None, *, packs: list[Pack] | None = N
 
     @app.get("/docs", include_in_schema=False)
     async def docs(request: Request) -> Response:
-        if not settings.docs_public and not has_session(request):
+        if not settings.docs_public and not await has_session(request):
             if settings.auth_header not in request.headers:
                 return RedirectResponse("/review/login?next=/docs", status_code=303)
             await require_review_access(request)

@@ -118,7 +118,7 @@ async def test_a_crash_is_a_jsonrpc_error_and_logged(client: httpx.AsyncClient) 
         with pytest.raises(MCPError) as raised:
             await mcp.call_tool("crash", {})
     assert raised.value.code == CRASHED
-    assert "RuntimeError: boom" in raised.value.message
+    assert "RuntimeError" in raised.value.message and "boom" not in raised.value.message
     assert raised.value.data == {"code": "tool_crashed", "retryable": False}
     [call] = (await rollout(client, trace))["timeline"]
     assert (call["outcome"], call["status_code"], call["channel"]) == ("tool_crash", 500, "mcp")

@@ -258,13 +258,45 @@ def job_config_command(
     allow_http: Annotated[
         bool, typer.Option(help="Accept an http:// base URL (a local trainer; hosted services need https).")
     ] = False,
+    platform: Annotated[
+        str | None,
+        typer.Option(
+            help="openai: the method.reinforcement block; foundry: Microsoft Foundry's whole job with its "
+            "API version (default: openai until its fine-tuning cutoff of 2027-01-06, foundry after)."
+        ),
+    ] = None,
+    rate_limit: Annotated[
+        int | None,
+        typer.Option(min=1, help="The endpoint grader's rate_limit, requests/s (foundry default: 50)."),
+    ] = None,
+    pass_threshold: Annotated[
+        float | None, typer.Option(help="The endpoint grader's pass_threshold (a score).")
+    ] = None,
+    model: Annotated[str | None, typer.Option(help="Base model of the foundry job.")] = None,
+    max_episode_steps: Annotated[
+        int | None, typer.Option(min=1, help="max_episode_steps of the foundry job (default 10).")
+    ] = None,
 ) -> None:
-    """Print the `method.reinforcement` tools and grader entries as JSON (keys are placeholders).
+    """Print the job's tools and grader entries as JSON (keys are placeholders): the
+    `method.reinforcement` block for OpenAI, the whole job for Foundry.
 
     Checked against the registry and graders the server would serve: anything a job would fail on
     (an unknown grader, /grade with no default grader, a plain http URL) is an error, exit 2.
     """
+    from datetime import date
+
+    from app.platforms import (
+        FOUNDRY_GRADER_RATE_LIMIT,
+        PLATFORMS,
+        default_platform,
+        endpoint_grader_fields,
+        foundry_job,
+    )
+
     settings = load_settings()
+    chosen = platform or default_platform(date.today())
+    if chosen not in PLATFORMS:
+        raise fail(f"--platform must be one of {', '.join(PLATFORMS)} (got {chosen!r})")
     url = base_url or settings.public_base_url
     if not url:
         raise fail("give --base-url https://your-host (or set SPARRING_PUBLIC_BASE_URL)")
@@ -282,7 +314,16 @@ def job_config_command(
             f"POST /grade has no default grader: pass --grader NAME (one of {known}) "
             "or set SPARRING_DEFAULT_GRADER"
         )
-    typer.echo(json.dumps(job_config(settings, registry, url, grader), indent=2))
+    block = job_config(settings, registry, url, grader)
+    if chosen == "foundry" and rate_limit is None:
+        rate_limit = FOUNDRY_GRADER_RATE_LIMIT
+    block["grader"] = endpoint_grader_fields(
+        block["grader"], rate_limit=rate_limit, pass_threshold=pass_threshold
+    )
+    out = (
+        foundry_job(block, model=model, max_episode_steps=max_episode_steps) if chosen == "foundry" else block
+    )
+    typer.echo(json.dumps(out, indent=2))
 
 
 def _graders_served(settings: Settings, registry: Any) -> tuple[set[str], str | None]:

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+from datetime import date, timedelta
 from pathlib import Path
+from typing import Literal
 
 import pytest
+from pydantic import BaseModel, ConfigDict
 from typer.testing import CliRunner
 
 from app.cli import cli
 from app.config import get_settings
+from app.platforms import FOUNDRY_API_VERSION, OPENAI_FINE_TUNING_CUTOFF, default_platform
 from tests.conftest import make_settings
 
 
@@ -131,3 +135,142 @@ def test_the_banner_names_the_review_pages_and_calls_an_enabled_tool(tmp_path: P
     with_keys = startup_banner(settings, Registry.from_packs([counter_pack]), None)
     assert "an admin:... entry of SPARRING_API_KEYS" in with_keys and "<SPARRING_ADMIN_KEY>" in with_keys
     assert "No tool is enabled" in startup_banner(settings, Registry.from_packs([]), None)
+
+
+class _Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    server_url: str
+    headers: dict[str, str]
+
+
+class _EndpointGrader(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["endpoint"]
+    name: str
+    url: str
+    headers: dict[str, str]
+    rate_limit: int | None = None
+    pass_threshold: float | None = None
+
+
+class _Reinforcement(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tools: list[_Tool]
+    grader: _EndpointGrader
+    max_episode_steps: int
+    hyperparameters: dict[str, float | int | str]
+
+
+class _Method(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["reinforcement"]
+    reinforcement: _Reinforcement
+
+
+class _FoundryJob(BaseModel):
+    """The shape the README documents for `job-config --platform foundry`."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    training_file: str
+    validation_file: str
+    suffix: str
+    method: _Method
+
+
+class _FoundryConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    platform: Literal["foundry"]
+    api_version: str
+    job: _FoundryJob
+
+
+def test_job_config_for_foundry_is_the_whole_job_in_the_documented_shape(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    one_grader(monkeypatch, tmp_path, "retail")
+    monkeypatch.setenv("SPARRING_AUTH_HEADER", "X-Functions-Key")
+    result = CliRunner().invoke(
+        cli,
+        [
+            "job-config",
+            "--platform",
+            "foundry",
+            "--base-url",
+            "https://rft.example.com",
+            "--grader",
+            "retail",
+            "--pass-threshold",
+            "0.5",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    config = _FoundryConfig.model_validate_json(result.output)
+    assert config.api_version == FOUNDRY_API_VERSION
+    reinforcement = config.job.method.reinforcement
+    assert [t.name for t in reinforcement.tools] == ["echo", "add_note", "list_notes"]
+    assert reinforcement.tools[0].headers == {"X-Functions-Key": "<SPARRING_TOOLS_KEY>"}
+    assert reinforcement.grader.url == "https://rft.example.com/grade/retail"
+    assert reinforcement.grader.headers == {"X-Functions-Key": "<SPARRING_GRADER_KEY>"}
+    assert reinforcement.grader.rate_limit == 50  # Foundry's default when not given
+    assert reinforcement.grader.pass_threshold == 0.5
+    assert reinforcement.max_episode_steps == 10
+    assert reinforcement.hyperparameters["reasoning_effort"] == "medium"
+
+
+def test_job_config_grader_fields_and_foundry_options(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    one_grader(monkeypatch, tmp_path, "exact")
+    result = CliRunner().invoke(
+        cli,
+        [
+            "job-config",
+            "--base-url",
+            "https://rft.example.com",
+            "--platform",
+            "openai",
+            "--rate-limit",
+            "20",
+        ],
+    )
+    block = json.loads(result.output)
+    assert set(block) == {"tools", "grader"}
+    assert block["grader"]["rate_limit"] == 20 and "pass_threshold" not in block["grader"]
+
+    result = CliRunner().invoke(
+        cli,
+        [
+            "job-config",
+            "--base-url",
+            "https://rft.example.com",
+            "--platform",
+            "foundry",
+            "--model",
+            "gpt-5-2025-08-07",
+            "--max-episode-steps",
+            "50",
+            "--rate-limit",
+            "5",
+        ],
+    )
+    job = json.loads(result.output)["job"]
+    assert job["model"] == "gpt-5-2025-08-07"
+    assert job["method"]["reinforcement"]["max_episode_steps"] == 50
+    assert job["method"]["reinforcement"]["grader"]["rate_limit"] == 5
+
+
+def test_job_config_refuses_an_unknown_platform() -> None:
+    result = CliRunner().invoke(
+        cli, ["job-config", "--base-url", "https://x.example", "--platform", "vertex"]
+    )
+    assert result.exit_code == 2
+    assert "openai, foundry" in result.output
+
+
+def test_openai_is_the_default_platform_until_its_cutoff() -> None:
+    assert default_platform(date(2026, 12, 4)) == "openai"
+    assert default_platform(OPENAI_FINE_TUNING_CUTOFF - timedelta(days=1)) == "openai"
+    assert default_platform(OPENAI_FINE_TUNING_CUTOFF) == "foundry"
+    assert OPENAI_FINE_TUNING_CUTOFF == date(2027, 1, 6)

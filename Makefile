@@ -22,8 +22,8 @@ run: $(STAMP)
 test: $(STAMP) lint typecheck pytest
 
 lint: $(STAMP)
-	$(BIN)/ruff check app tools tests bench migrations
-	$(BIN)/ruff format --check app tools tests bench migrations
+	$(BIN)/ruff check app tools sparring examples tests bench migrations
+	$(BIN)/ruff format --check app tools sparring examples tests bench migrations
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

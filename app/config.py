@@ -9,7 +9,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AliasChoices, Field, SecretStr, field_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 Scope = Literal["tools", "grader", "admin"]
@@ -133,6 +133,31 @@ class Settings(BaseSettings):
         description="Interpreter the code pack's sandbox runs (default: the server's, else python3).",
     )
 
+    # Remote rollouts (eval-protocol's remote rollout processor)
+    remote_prefix: str = Field(
+        "/remote", description="Path prefix of POST <prefix>/init and GET <prefix>/status."
+    )
+    remote_open: bool = Field(
+        False,
+        description="Serve the remote routes without a key (eval-protocol sends none); needs a secret "
+        "segment of at least 24 characters in SPARRING_REMOTE_PREFIX.",
+    )
+    remote_max_concurrent: int = Field(
+        64, ge=1, description="Remote rollouts one worker runs at once; /init answers 503 beyond."
+    )
+    remote_grader: str | None = Field(
+        None, description="Grader run at the end of a remote rollout whose init request carries the item."
+    )
+    remote_lease_seconds: float = Field(
+        30.0,
+        gt=0,
+        description="A running remote rollout whose worker stopped renewing it for this long failed.",
+    )
+    remote_max_turns: int = Field(50, ge=1, description="Model turns of a remote rollout at most.")
+    remote_model_timeout_seconds: float = Field(
+        300.0, gt=0, description="Deadline of one model call of a remote rollout."
+    )
+
     @field_validator("packs", "mcp_allowed_hosts", "mcp_allowed_origins", mode="before")
     @classmethod
     def _split_lists(cls, value: object) -> object:
@@ -145,6 +170,24 @@ class Settings(BaseSettings):
     def _check_keys(cls, value: str) -> str:
         parse_api_keys(value)
         return value
+
+    @field_validator("remote_prefix")
+    @classmethod
+    def _check_remote_prefix(cls, value: str) -> str:
+        prefix = "/" + value.strip("/")
+        if prefix == "/" or any(c in prefix for c in "?#{} "):
+            raise ValueError("SPARRING_REMOTE_PREFIX must be a path such as /remote")
+        return prefix
+
+    @model_validator(mode="after")
+    def _check_remote_open(self) -> Settings:
+        if self.remote_open and not any(len(part) >= 24 for part in self.remote_prefix.split("/")):
+            raise ValueError(
+                "SPARRING_REMOTE_OPEN serves rollouts without a key, so its prefix must be secret: set "
+                "SPARRING_REMOTE_PREFIX to a path with a random segment of at least 24 characters, "
+                "e.g. /remote/<random>"
+            )
+        return self
 
     @property
     def keys(self) -> list[ApiKey]:

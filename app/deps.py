@@ -25,6 +25,7 @@ from app.grading.service import GradingService
 from app.mcp.http import McpHttp
 from app.metrics import Metrics
 from app.packs import Registry
+from app.remote.service import RemoteRolloutService
 from app.rollouts.store import RolloutStore
 
 _STATE = "sparring"  # the one name under app.state
@@ -45,6 +46,7 @@ class AppState:
     grading: GradingService
     call_service: ToolCallService  # the one entry of a tool call: HTTP, MCP and the runner call it
     mcp: McpHttp  # /mcp: the registry over MCP, through call_service
+    remote: RemoteRolloutService  # remote rollouts (eval-protocol): in the background, kept in the database
 
 
 def set_app_state(app: Starlette, state: AppState | None) -> None:
@@ -117,10 +119,15 @@ async def get_grading(request: Request) -> GradingService:
     return app_state(request.app).grading
 
 
+async def get_remote(request: Request) -> RemoteRolloutService:
+    return app_state(request.app).remote
+
+
 RegistryDep = Annotated[Registry, Depends(get_registry)]
 StoreDep = Annotated[RolloutStore, Depends(get_store)]
 DatabaseDep = Annotated[Database, Depends(get_database)]
 GradingDep = Annotated[GradingService, Depends(get_grading)]
+RemoteDep = Annotated[RemoteRolloutService, Depends(get_remote)]
 ToolsKey = Annotated[Scope, Depends(require("tools"))]
 GraderKey = Annotated[Scope, Depends(require("grader"))]
 AdminKey = Annotated[Scope, Depends(require("admin"))]

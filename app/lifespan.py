@@ -12,6 +12,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 import anyio
 from fastapi import FastAPI
+from openai import DefaultAsyncHttpxClient
 
 from app.auth import build_keyring, ensure_local_admin_key
 from app.calls.log_writer import CallLogWriter
@@ -26,6 +27,8 @@ from app.grading.graders.registry import GraderContext
 from app.mcp.http import McpHttp
 from app.metrics import Metrics
 from app.packs import Registry
+from app.remote.build import build_model_http, build_remote
+from app.remote.service import RemoteRolloutService
 from app.rollouts.build import build_store
 from app.rollouts.store import RolloutStore
 from app.sdk import Pack
@@ -112,6 +115,8 @@ async def _resources(settings: Settings, packs: tuple[Pack, ...] | None) -> Asyn
     store: RolloutStore | None = None
     writer: CallLogWriter | None = None
     grader_context: GraderContext | None = None
+    model_http: DefaultAsyncHttpxClient | None = None
+    remote: RemoteRolloutService | None = None
     try:
         await prepare_packs(registry, settings)
         await check_schema(engine)
@@ -132,6 +137,9 @@ async def _resources(settings: Settings, packs: tuple[Pack, ...] | None) -> Asyn
         writer.start()
         sessionmaker = build_sessionmaker(engine)
         grader_context = GraderContext.from_settings(settings, state_checks=registry.state_checks)
+        grading = build_grading(
+            settings, registry, grader_context, store=store, sessionmaker=sessionmaker, metrics=metrics
+        )
         call_service = ToolCallService(
             registry=registry,
             store=store,
@@ -143,6 +151,17 @@ async def _resources(settings: Settings, packs: tuple[Pack, ...] | None) -> Asyn
         )
         # The same calls over MCP (Streamable HTTP at /mcp), through the same call service.
         mcp = McpHttp(registry, call_service, keyring, settings)
+        model_http = build_model_http(settings)
+        remote = build_remote(
+            settings,
+            registry=registry,
+            calls=call_service,
+            grading=grading,
+            sessionmaker=sessionmaker,
+            model_http=model_http,
+            worker=worker_name(settings),
+        )
+        await remote.start()
         state = AppState(
             settings=settings,
             registry=registry,
@@ -152,16 +171,20 @@ async def _resources(settings: Settings, packs: tuple[Pack, ...] | None) -> Asyn
             sessionmaker=sessionmaker,
             store=store,
             log_writer=writer,
-            grading=build_grading(
-                settings, registry, grader_context, store=store, sessionmaker=sessionmaker, metrics=metrics
-            ),
+            grading=grading,
             call_service=call_service,
             mcp=mcp,
+            remote=remote,
         )
         _freeze_startup_objects()
         async with mcp.running():
             yield state
     finally:
+        # Remote rollouts first: stopping them records them as errors, which needs the database.
+        if remote is not None:
+            await remote.aclose()
+        if model_http is not None:
+            await model_http.aclose()
         if grader_context is not None:
             await grader_context.aclose()
         if writer is not None:

@@ -19,6 +19,7 @@ from app.grading.routes import router as grading_router
 from app.lifespan import build_lifespan
 from app.mcp.http import is_mcp_request
 from app.middleware import BodyLimitMiddleware
+from app.remote.routes import remote_router
 from app.review.routes import router as review_router
 from app.review.session import has_session, require_review_access
 from app.rollouts.routes import router as rollouts_router
@@ -119,4 +120,5 @@ def create_app(settings: Settings | None = None, *, packs: list[Pack] | None = N
     app.include_router(rollouts_router)
     app.include_router(grading_router)
     app.include_router(review_router)
+    app.include_router(remote_router(settings))
     return app

@@ -105,3 +105,31 @@ class RevokedReviewSession(Base):
 
     nonce: Mapped[str] = mapped_column(String(64), primary_key=True)
     expires_at: Mapped[datetime] = mapped_column(UtcDateTime(), index=True)
+
+
+class RemoteRollout(Base):
+    """A rollout a trainer asked this server to run (`POST /remote/init`), with its outcome.
+
+    Kept in the database, not in a worker's memory: the worker running it renews `lease_until`, so a
+    rollout whose worker died or restarted is found out and reported as an error, never as finished.
+    """
+
+    __tablename__ = "remote_rollouts"
+    __table_args__ = (Index("ix_remote_rollouts_status_lease", "status", "lease_until"),)
+
+    rollout_id: Mapped[str] = mapped_column(String(200), primary_key=True)
+    trace_id: Mapped[str] = mapped_column(String(128), index=True)
+    run: Mapped[str | None] = mapped_column(String(200))
+    model: Mapped[str] = mapped_column(String(200))
+    status: Mapped[str] = mapped_column(String(16))  # running | finished | error
+    reason: Mapped[str | None] = mapped_column(Text)
+    reward: Mapped[float | None] = mapped_column(Float)
+    grader: Mapped[str | None] = mapped_column(String(128))
+    # What the rollout did: turns, tool calls, tokens, the final answer (small; the calls are in the log).
+    summary: Mapped[dict[str, Any]] = mapped_column(JsonColumn, default=dict)
+    # The init request without its API key (metadata, completion parameters, messages, tools, item).
+    request: Mapped[dict[str, Any]] = mapped_column(JsonColumn, default=dict)
+    worker: Mapped[str] = mapped_column(String(128))
+    lease_until: Mapped[datetime] = mapped_column(UtcDateTime())
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime())
+    finished_at: Mapped[datetime | None] = mapped_column(UtcDateTime())

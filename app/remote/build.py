@@ -1,0 +1,56 @@
+"""The remote rollout service as the lifespan builds it: the rollout loop on the app's own services."""
+
+from __future__ import annotations
+
+from openai import DefaultAsyncHttpxClient
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from app.calls.service import ToolCallService
+from app.config import Settings
+from app.errors import StartupError
+from app.grading.service import GradingService
+from app.packs import Registry
+from app.remote.runner import GatewayStatusLog, RemoteRunner
+from app.remote.service import RemoteRolloutService
+from app.runner.loop import Limits
+
+
+def build_model_http(settings: Settings) -> DefaultAsyncHttpxClient:
+    """One connection pool for every remote rollout's model calls (the `openai` SDK's httpx flavour)."""
+    return DefaultAsyncHttpxClient(timeout=settings.remote_model_timeout_seconds)
+
+
+def build_remote(
+    settings: Settings,
+    *,
+    registry: Registry,
+    calls: ToolCallService,
+    grading: GradingService,
+    sessionmaker: async_sessionmaker[AsyncSession],
+    model_http: DefaultAsyncHttpxClient,
+    worker: str,
+) -> RemoteRolloutService:
+    """StartupError when SPARRING_REMOTE_GRADER names no configured grader."""
+    if settings.remote_grader is not None and settings.remote_grader not in grading.graders:
+        known = ", ".join(sorted(grading.graders)) or "none"
+        raise StartupError(
+            f"SPARRING_REMOTE_GRADER={settings.remote_grader!r} is not a configured grader (known: {known})"
+        )
+    runner = RemoteRunner(
+        registry=registry,
+        calls=calls,
+        grading=grading,
+        http=model_http,
+        grader=settings.remote_grader,
+        limits=Limits(max_turns=settings.remote_max_turns),
+        model_timeout_s=settings.remote_model_timeout_seconds,
+    )
+    return RemoteRolloutService(
+        sessionmaker=sessionmaker,
+        execute=runner.execute,
+        worker=worker,
+        max_concurrent=settings.remote_max_concurrent,
+        lease_seconds=settings.remote_lease_seconds,
+        retry_after=settings.retry_after_seconds,
+        report=GatewayStatusLog(model_http),
+    )

@@ -1,0 +1,29 @@
+"""`POST <prefix>/init` and `GET <prefix>/status`: HTTP only, the service holds the logic."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query
+
+from app.config import Settings
+from app.deps import RemoteDep, require
+from app.remote.schemas import InitRequest
+
+
+def remote_router(settings: Settings) -> APIRouter:
+    """The remote rollout routes under SPARRING_REMOTE_PREFIX; keyless only behind a secret prefix."""
+    guard: list[Any] = [] if settings.remote_open else [Depends(require("tools"))]
+    router = APIRouter(prefix=settings.remote_prefix, tags=["remote rollouts"], dependencies=guard)
+
+    @router.post("/init")
+    async def init(body: InitRequest, service: RemoteDep) -> dict[str, Any]:
+        """Start a rollout in the background (eval-protocol's remote rollout processor calls this)."""
+        return await service.init(body)
+
+    @router.get("/status")
+    async def status(rollout_id: Annotated[str, Query(max_length=200)], service: RemoteDep) -> dict[str, Any]:
+        """`terminated`, the AIP-193 `status`, and the rollout's trace id, state, reason and reward."""
+        return await service.status(rollout_id)
+
+    return router

@@ -1,0 +1,242 @@
+"""A remote rollout run by the one rollout loop (`app.runner.loop.run_rollout`), inside the server.
+
+The model is called at the trainer's base URL (so its tracing proxy records every completion). Tool
+calls go to `ToolCallService.handle` in-process, the same service the tool routes call, so
+validation, state, exactly-once, the log and the flags are the ones of any other call; the grade at
+the end goes to `GradingService.grade`, the service behind the grade routes. Going over HTTP to the
+server itself would add a key to hold, a hop per call, and a worker waiting on its own accept queue
+under load, for no difference in behaviour.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from openai import AsyncOpenAI, DefaultAsyncHttpxClient
+
+from app.calls.envelope import ToolCallEnvelope
+from app.calls.service import ToolCallService
+from app.errors import NotFound, ServiceUnavailable, ToolCrashed
+from app.grading.service import GradingService
+from app.packs import Registry
+from app.remote.schemas import CODE_UNAVAILABLE, RolloutPlan
+from app.remote.service import RolloutOutcome
+from app.runner.http import Retry
+from app.runner.loop import (
+    DatasetLine,
+    FunctionCall,
+    GradeResult,
+    Limits,
+    RolloutResult,
+    ToolResult,
+    run_rollout,
+)
+from app.runner.models import ChatPolicy
+
+FINAL_TEXT_KEPT = 2000
+
+log = logging.getLogger("sparring.remote")
+
+
+class ServiceToolCaller:
+    """The loop's ToolCaller on ToolCallService.handle, with the platform's retry-then-discard rule."""
+
+    def __init__(self, service: ToolCallService, *, run: str | None, retry: Retry | None = None) -> None:
+        self.service = service
+        self.run = run
+        self.retry = retry or Retry()
+
+    async def call(self, call: FunctionCall, *, trace_id: str, item: Mapping[str, Any]) -> ToolResult:
+        started = time.perf_counter()
+        envelope = ToolCallEnvelope(
+            type="function_call",
+            id=call.id or f"fc_{call.call_id}",
+            call_id=call.call_id,
+            name=call.name,
+            arguments=call.arguments,
+            trace_id=trace_id,
+            item=dict(item),
+        )
+        failure, status = "not sent", None
+        for attempt in range(1, self.retry.attempts + 1):
+            try:
+                answer = await self.service.handle(envelope, path_name=None, run=self.run)
+            except ServiceUnavailable as exc:
+                failure, status = f"HTTP 503: {exc.message}", 503
+            except ToolCrashed as exc:
+                failure, status = f"HTTP 500: {exc.message}", 500
+            else:
+                return ToolResult(
+                    call=call,
+                    output=answer.output,
+                    status=200,
+                    attempts=attempt,
+                    latency_s=time.perf_counter() - started,
+                )
+            if attempt < self.retry.attempts:
+                await asyncio.sleep(self.retry.wait(attempt, None))
+        return ToolResult(
+            call=call,
+            output=None,
+            status=status,
+            attempts=self.retry.attempts,
+            latency_s=time.perf_counter() - started,
+            failure=f"{failure} after {self.retry.attempts} attempts",
+        )
+
+
+class ServiceGrader:
+    """The loop's Grader on GradingService.grade (the grade is stored like any other)."""
+
+    def __init__(
+        self, service: GradingService, name: str, *, run: str | None, retry: Retry | None = None
+    ) -> None:
+        self.service = service
+        self.name = name
+        self.run = run
+        self.retry = retry or Retry()
+
+    async def grade(self, sample: Mapping[str, Any], item: Mapping[str, Any], trace_id: str) -> GradeResult:
+        failure = "not sent"
+        for attempt in range(1, self.retry.attempts + 1):
+            try:
+                result = await self.service.grade(self.name, sample, item, trace_id, run=self.run)
+            except ServiceUnavailable as exc:
+                failure = exc.message
+            except NotFound as exc:
+                return GradeResult(score=None, failure=exc.message, status=404, attempts=attempt)
+            else:
+                return GradeResult(score=result.score, status=200, attempts=attempt)
+            if attempt < self.retry.attempts:
+                await asyncio.sleep(self.retry.wait(attempt, None))
+        return GradeResult(
+            score=None, failure=f"{failure} (after {self.retry.attempts} attempts)", status=503
+        )
+
+
+class RemoteRunner:
+    """Turns a checked init request into a rollout of the loop and its outcome."""
+
+    def __init__(
+        self,
+        *,
+        registry: Registry,
+        calls: ToolCallService,
+        grading: GradingService,
+        http: DefaultAsyncHttpxClient,
+        grader: str | None,
+        limits: Limits,
+        model_timeout_s: float,
+        retry: Retry | None = None,
+    ) -> None:
+        self.registry = registry
+        self.calls = calls
+        self.grading = grading
+        self.http = http
+        self.grader = grader
+        self.limits = limits
+        self.model_timeout_s = model_timeout_s
+        self.retry = retry or Retry()
+
+    def tools_for(self, rollout: RolloutPlan) -> list[dict[str, Any]]:
+        """The request's tool schemas, else every served tool (of the named pack)."""
+        if rollout.tools:
+            return rollout.tools
+        return [
+            spec.function_tool()
+            for spec in self.registry.tools.values()
+            if rollout.pack is None or spec.pack == rollout.pack
+        ]
+
+    async def execute(self, rollout: RolloutPlan) -> RolloutOutcome:
+        model = AsyncOpenAI(
+            base_url=rollout.base_url,
+            api_key=rollout.api_key or "none",
+            http_client=self.http,
+            timeout=self.model_timeout_s,
+            max_retries=2,
+        )
+        policy = ChatPolicy(model, rollout.model, **rollout.sampling)
+        line = DatasetLine(messages=rollout.messages, tools=self.tools_for(rollout), item=rollout.item or {})
+        grader = (
+            ServiceGrader(self.grading, self.grader, run=rollout.run, retry=self.retry)
+            if self.grader is not None and rollout.item is not None
+            else None
+        )
+        result = await run_rollout(
+            policy,
+            ServiceToolCaller(self.calls, run=rollout.run, retry=self.retry),
+            line,
+            grader=grader,
+            limits=self.limits,
+            trace_id=rollout.trace_id,
+        )
+        return outcome_of(result, grader=self.grader if grader is not None else None)
+
+
+class GatewayStatusLog:
+    """Posts how a rollout ended to eval-protocol's tracing gateway, as a log tagged with its ids.
+
+    eval-protocol 0.3.33's processor learns that a rollout ended from its gateway (`/v1/status`),
+    which reads the logs a rollout server posts (`POST <gateway>/logs`, or `/v1/logs`), with the
+    trainer's API key. Best effort: a gateway that stays down leaves the processor to its timeout.
+    """
+
+    def __init__(self, http: DefaultAsyncHttpxClient, *, attempts: int = 3, delay_s: float = 0.5) -> None:
+        self.http = http
+        self.attempts = attempts
+        self.delay_s = delay_s
+
+    async def __call__(self, rollout: RolloutPlan, end: dict[str, Any]) -> None:
+        if rollout.status_log_url is None:
+            return
+        status = end["status"]
+        payload = {
+            "program": "eval_protocol",
+            "status": status,
+            "message": f"sparring: {status['message']}",
+            "tags": rollout.tags,
+            "extras": {
+                "trace_id": rollout.trace_id,
+                "reward": end.get("reward"),
+                "grader": end.get("grader"),
+            },
+        }
+        headers = {"Authorization": f"Bearer {rollout.api_key}"} if rollout.api_key else {}
+        urls = [rollout.status_log_url, rollout.status_log_url.removesuffix("/logs") + "/v1/logs"]
+        for attempt in range(self.attempts):
+            try:
+                for url in urls:
+                    response = await self.http.post(url, json=payload, headers=headers, timeout=10)
+                    if response.status_code != 404:
+                        break
+                if response.status_code < 400:
+                    return
+            except Exception as exc:  # any transport failure: retry, then give up quietly
+                log.warning("posting the end of %s to its gateway failed: %s", rollout.rollout_id, exc)
+            await asyncio.sleep(self.delay_s * (attempt + 1))
+        log.warning("the gateway did not take the end of remote rollout %s", rollout.rollout_id)
+
+
+def outcome_of(result: RolloutResult, *, grader: str | None) -> RolloutOutcome:
+    """Finished (with the reward when graded), or an error with the reason the loop discarded it."""
+    summary: dict[str, Any] = {
+        "ended_by": result.ended_by,
+        "turns": len(result.transcript.steps),
+        "tool_calls": len(result.tool_results),
+        "tool_errors": result.tool_errors,
+        "input_tokens": result.usage.input_tokens,
+        "output_tokens": result.usage.output_tokens,
+        "duration_s": round(result.duration_s, 3),
+        "final_text": result.final_text[:FINAL_TEXT_KEPT],
+    }
+    if result.discarded is not None:
+        # The model endpoint, a tool or the grader failed for good: the trainer should drop it.
+        return RolloutOutcome(
+            status="error", code=CODE_UNAVAILABLE, reason=result.discarded, grader=grader, summary=summary
+        )
+    return RolloutOutcome(status="finished", code=0, reward=result.score, grader=grader, summary=summary)

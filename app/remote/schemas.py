@@ -1,0 +1,140 @@
+"""The wire shapes of eval-protocol's remote rollout processor (eval-protocol 0.3.33), read tolerantly.
+
+`POST <prefix>/init` takes `eval_protocol.types.remote_rollout_processor.InitRequest`
+(`completion_params` with `model`, `messages`, `tools`, `model_base_url`, `metadata` with the
+invocation, experiment, rollout, run and row ids, `api_key`); earlier releases sent `rollout_id` and
+`model` at the top level, which are read too. `item` (the dataset row's fields, for grading at the
+end) and `pack` (whose tools to offer when `tools` is absent) are sparring's own additions.
+`GET <prefix>/status` answers a superset of eval-protocol's `StatusResponse` (`terminated`, `info`,
+`status` as an AIP-193 status with eval-protocol's codes). Processors of 0.3.x poll that route; the
+0.3.33 processor polls its tracing gateway instead, so a rollout's end is also posted there, as the
+gateway log (`POST <gateway>/logs`) eval-protocol's own logging handler writes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from app.errors import BadRequest
+from sparring.client import remote_trace_id
+
+# eval-protocol's Status.Code values (google.rpc codes plus its own 100+).
+CODE_FINISHED = 100
+CODE_RUNNING = 101
+CODE_ABORTED = 10
+CODE_INTERNAL = 13
+CODE_UNAVAILABLE = 14
+CODE_DEADLINE_EXCEEDED = 4
+CODE_INVALID_ARGUMENT = 3
+
+# The trace id of a rollout is derived from its rollout id (the client computes it the same way).
+trace_id_for = remote_trace_id
+
+
+class RolloutMetadata(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    invocation_id: str | None = None
+    experiment_id: str | None = None
+    rollout_id: str | None = None
+    run_id: str | None = None
+    row_id: str | None = None
+
+
+class InitRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    completion_params: dict[str, Any] = Field(default_factory=dict)
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    model_base_url: str | None = None
+    metadata: RolloutMetadata = Field(default_factory=RolloutMetadata)
+    api_key: str | None = None
+    # Earlier eval-protocol releases.
+    rollout_id: str | None = None
+    model: str | None = None
+    # sparring's additions.
+    item: dict[str, Any] | None = None
+    pack: str | None = None
+    status_log_url: str | None = None
+
+
+class RolloutPlan(BaseModel):
+    """An init request checked and resolved into what the runner needs."""
+
+    rollout_id: str
+    trace_id: str
+    run: str | None
+    model: str
+    base_url: str
+    api_key: str | None
+    sampling: dict[str, Any]
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    pack: str | None
+    item: dict[str, Any] | None
+    # Where the end of the rollout is posted as a tracing-gateway log, and the tags it carries.
+    status_log_url: str | None = None
+    tags: list[str] = []
+
+    def stored_request(self) -> dict[str, Any]:
+        """What is kept with the rollout: everything but the model's API key."""
+        return self.model_dump(exclude={"api_key"})
+
+
+# completion_params keys that are not sampling parameters of the model call.
+_NOT_SAMPLING = {"model", "base_url", "api_key", "api_base", "model_kwargs", "extra_body"}
+_RUN_MAX = 200
+
+
+def plan(init: InitRequest) -> RolloutPlan:
+    """Check an init request; what is missing is the trainer's configuration error (400)."""
+    rollout_id = init.metadata.rollout_id or init.rollout_id
+    if not rollout_id:
+        raise BadRequest("the init request has no rollout id (metadata.rollout_id)")
+    params = init.completion_params
+    model = params.get("model") or init.model
+    if not isinstance(model, str) or not model:
+        raise BadRequest("the init request names no model (completion_params.model)")
+    base_url = init.model_base_url or params.get("base_url") or params.get("api_base")
+    if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
+        raise BadRequest("the init request gives no http(s) model base URL (model_base_url)")
+    if not init.messages:
+        raise BadRequest("the init request has no messages")
+    sampling = {k: v for k, v in params.items() if k not in _NOT_SAMPLING}
+    kwargs = params.get("model_kwargs")
+    if isinstance(kwargs, dict):
+        sampling.update(kwargs)
+    meta = init.metadata
+    run = ":".join(part for part in (meta.experiment_id, meta.run_id) if part) or None
+    tags = [f"rollout_id:{rollout_id}"] + [
+        f"{name}:{value}"
+        for name, value in (("experiment_id", meta.experiment_id), ("run_id", meta.run_id))
+        if value
+    ]
+    return RolloutPlan(
+        rollout_id=rollout_id,
+        trace_id=trace_id_for(rollout_id),
+        run=run[:_RUN_MAX] if run else None,
+        model=model,
+        base_url=base_url,
+        api_key=init.api_key or (params.get("api_key") if isinstance(params.get("api_key"), str) else None),
+        sampling=sampling,
+        messages=init.messages,
+        tools=init.tools,
+        pack=init.pack,
+        item=init.item,
+        status_log_url=init.status_log_url or gateway_logs_url(base_url),
+        tags=tags,
+    )
+
+
+def gateway_logs_url(model_base_url: str) -> str | None:
+    """The logs route of an eval-protocol tracing gateway, from a model URL it built for a rollout.
+
+    Such URLs read `<gateway>/rollout_id/<id>/invocation_id/<id>/...`; any other model URL has none.
+    """
+    marker = model_base_url.find("/rollout_id/")
+    return f"{model_base_url[:marker]}/logs" if marker > 0 else None

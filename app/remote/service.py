@@ -1,0 +1,278 @@
+"""Runs remote rollouts in the background, bounded per worker, with their state kept in the database.
+
+A rollout's row is its truth: `running` while a worker holds its lease (renewed every third of
+SPARRING_REMOTE_LEASE_SECONDS), then `finished` or `error` with a reason. A worker that stops marks
+its rollouts as errors on the way out; one that dies stops renewing, and the first status read (or
+any worker's start-up) after the lease lapses marks the rollout as an error. Nothing is ever
+reported finished that did not finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from app.db.models import RemoteRollout
+from app.errors import OUTAGES, NotFound, ServiceUnavailable, outage
+from app.remote.repository import RemoteRolloutRepository
+from app.remote.schemas import (
+    CODE_ABORTED,
+    CODE_FINISHED,
+    CODE_INTERNAL,
+    CODE_RUNNING,
+    InitRequest,
+    RolloutPlan,
+    plan,
+)
+
+log = logging.getLogger("sparring.remote")
+
+LOST = "the worker running this rollout stopped (restart or crash) before it ended"
+STOPPED = "the worker running this rollout shut down before it ended"
+
+
+class RemoteFull(ServiceUnavailable):
+    """Every remote rollout slot of this worker is taken: the processor retries /init later."""
+
+    code = "remote_rollouts_full"
+
+
+@dataclass
+class RolloutOutcome:
+    """How a rollout ended: `finished` (with a reward when it was graded) or `error` with a reason."""
+
+    status: str
+    code: int
+    reason: str | None = None
+    reward: float | None = None
+    grader: str | None = None
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+Execute = Callable[[RolloutPlan], Awaitable[RolloutOutcome]]
+# Tells the trainer's side how a rollout ended (eval-protocol's tracing gateway); never raises.
+Report = Callable[[RolloutPlan, dict[str, Any]], Awaitable[None]]
+
+
+def status_of(status: str, code: int, reason: str | None) -> dict[str, Any]:
+    """The AIP-193 status eval-protocol reads: FINISHED, RUNNING, or the error's code and reason."""
+    if status == "finished":
+        return {"code": CODE_FINISHED, "message": "Rollout finished", "details": []}
+    if status == "running":
+        return {"code": CODE_RUNNING, "message": "Rollout is running", "details": []}
+    return {"code": code, "message": reason or "Rollout failed", "details": []}
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+class RemoteRolloutService:
+    def __init__(
+        self,
+        *,
+        sessionmaker: async_sessionmaker[AsyncSession],
+        execute: Execute,
+        worker: str,
+        max_concurrent: int,
+        lease_seconds: float,
+        retry_after: int,
+        report: Report | None = None,
+    ) -> None:
+        self.sessionmaker = sessionmaker
+        self.execute = execute
+        self.report = report
+        self.worker = worker
+        self.max_concurrent = max_concurrent
+        self.lease = timedelta(seconds=lease_seconds)
+        self.retry_after = retry_after
+        self._slots = 0
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._plans: dict[str, RolloutPlan] = {}
+        self._heartbeat: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Fail what earlier workers left running past their lease, then keep this worker's leases."""
+        with contextlib.suppress(*OUTAGES):
+            async with self.sessionmaker.begin() as session:
+                lost = await RemoteRolloutRepository(session).fail_lost(_now(), LOST)
+            if lost:
+                log.warning("marked %d remote rollouts of stopped workers as errors", lost)
+        self._heartbeat = asyncio.create_task(self._renew_leases(), name="remote-rollout-leases")
+
+    async def aclose(self) -> None:
+        """Stop this worker's rollouts and record them as errors: a restart never finishes them."""
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._heartbeat
+        running = list(self._tasks)
+        plans = [self._plans[rollout_id] for rollout_id in running if rollout_id in self._plans]
+        for task in list(self._tasks.values()):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        if running:
+            with contextlib.suppress(*OUTAGES):
+                async with self.sessionmaker.begin() as session:
+                    await RemoteRolloutRepository(session).fail_worker(self.worker, running, STOPPED, _now())
+            if self.report is not None:
+                stopped = status_of("error", CODE_ABORTED, STOPPED)
+                await asyncio.gather(*(self.report(plan, {"status": stopped}) for plan in plans))
+
+    @property
+    def in_flight(self) -> int:
+        return self._slots
+
+    async def init(self, init: InitRequest) -> dict[str, Any]:
+        """Accept a rollout and start it in the background; a repeated init does not run it twice."""
+        rollout = plan(init)
+        if self._slots >= self.max_concurrent:
+            raise RemoteFull(
+                f"this worker already runs {self.max_concurrent} remote rollouts; retry shortly",
+                retry_after=self.retry_after,
+            )
+        self._slots += 1
+        started = False
+        try:
+            now = _now()
+            async with self.sessionmaker.begin() as session:
+                claimed = await RemoteRolloutRepository(session).claim(
+                    {
+                        "rollout_id": rollout.rollout_id,
+                        "trace_id": rollout.trace_id,
+                        "run": rollout.run,
+                        "model": rollout.model[:200],
+                        "status": "running",
+                        "summary": {},
+                        "request": rollout.stored_request(),
+                        "worker": self.worker,
+                        "lease_until": now + self.lease,
+                        "created_at": now,
+                    }
+                )
+            if claimed:
+                task = asyncio.create_task(self._run(rollout), name=f"remote-rollout-{rollout.rollout_id}")
+                self._tasks[rollout.rollout_id] = task
+                self._plans[rollout.rollout_id] = rollout
+                started = True
+        except OUTAGES as exc:
+            raise outage(exc, self.retry_after) from exc
+        finally:
+            if not started:
+                self._slots -= 1
+        return {
+            "rollout_id": rollout.rollout_id,
+            "trace_id": rollout.trace_id,
+            "run": rollout.run,
+            "accepted": True,
+            "started": started,
+        }
+
+    async def _run(self, rollout: RolloutPlan) -> None:
+        try:
+            try:
+                outcome = await self.execute(rollout)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a bug in the runner: the rollout failed, the worker goes on
+                log.exception("remote rollout %s crashed", rollout.rollout_id)
+                outcome = RolloutOutcome(
+                    status="error", code=CODE_INTERNAL, reason=f"internal error: {type(exc).__name__}: {exc}"
+                )
+            await self._record(rollout.rollout_id, outcome)
+            if self.report is not None:
+                await self.report(
+                    rollout,
+                    {
+                        "status": status_of(outcome.status, outcome.code, outcome.reason),
+                        "reward": outcome.reward,
+                        "grader": outcome.grader,
+                    },
+                )
+        finally:
+            self._tasks.pop(rollout.rollout_id, None)
+            self._plans.pop(rollout.rollout_id, None)
+            self._slots -= 1
+
+    async def _record(self, rollout_id: str, outcome: RolloutOutcome) -> None:
+        summary = {**outcome.summary, "status_code": outcome.code}
+        for attempt in range(3):
+            try:
+                async with self.sessionmaker.begin() as session:
+                    await RemoteRolloutRepository(session).finish(
+                        rollout_id,
+                        worker=self.worker,
+                        status=outcome.status,
+                        reason=outcome.reason,
+                        reward=outcome.reward,
+                        grader=outcome.grader,
+                        summary=summary,
+                        at=_now(),
+                    )
+                return
+            except OUTAGES:
+                # The lease keeps the row running meanwhile; past it, the rollout reads as lost.
+                log.warning("cannot record remote rollout %s (attempt %d)", rollout_id, attempt + 1)
+                await asyncio.sleep(0.5 * (attempt + 1))
+
+    async def _renew_leases(self) -> None:
+        interval = self.lease.total_seconds() / 3
+        while True:
+            await asyncio.sleep(interval)
+            ids = list(self._tasks)
+            if not ids:
+                continue
+            try:
+                async with self.sessionmaker.begin() as session:
+                    await RemoteRolloutRepository(session).renew(self.worker, ids, _now() + self.lease)
+            except OUTAGES:
+                log.warning("cannot renew the leases of %d remote rollouts", len(ids))
+
+    async def status(self, rollout_id: str) -> dict[str, Any]:
+        try:
+            async with self.sessionmaker.begin() as session:
+                repo = RemoteRolloutRepository(session)
+                row = await repo.get(rollout_id)
+                if row is None:
+                    raise NotFound(f"no remote rollout {rollout_id!r}")
+                if row.status == "running" and row.lease_until < _now():
+                    await repo.fail_lost(_now(), LOST, rollout_id)
+                    row = await repo.get(rollout_id)
+                    assert row is not None
+                return render_status(row)
+        except OUTAGES as exc:
+            raise outage(exc, self.retry_after) from exc
+
+
+def render_status(row: RemoteRollout) -> dict[str, Any]:
+    """eval-protocol's StatusResponse (`terminated`, `status`, `info`) plus sparring's own fields."""
+    summary = dict(row.summary or {})
+    code = summary.pop("status_code", None)
+    status = status_of(row.status, code if isinstance(code, int) else CODE_ABORTED, row.reason)
+    info: dict[str, Any] = {
+        "trace_id": row.trace_id,
+        "run": row.run,
+        "state": row.status,
+        "reason": row.reason,
+        "reward": row.reward,
+        "grader": row.grader,
+        **summary,
+    }
+    return {
+        "terminated": row.status != "running",
+        "rollout_id": row.rollout_id,
+        "trace_id": row.trace_id,
+        "state": row.status,
+        "reason": row.reason,
+        "reward": row.reward,
+        "status": status,
+        "info": info,
+    }

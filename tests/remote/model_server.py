@@ -1,0 +1,138 @@
+"""The runner tests' scripted model, reached as eval-protocol reaches a model, plus its tracing gateway.
+
+The model is `tests.runner.model_server.ModelServer`'s app (chat completions with parallel calls),
+served behind a front that eval-protocol's URLs need and the runner's tests do not:
+
+- `POST <any prefix>/chat/completions` reaches the model, so a tracing-style base URL
+  (`/rollout_id/<id>/invocation_id/...`) works; every prefix is recorded;
+- the request's `model` names a script, a list of `Turn`s; the turn played is the number of assistant
+  messages already in the request, so any number of rollouts run at once without state here;
+  model `down` answers 503, model `hold` answers only once `release()` is called;
+- eval-protocol's tracing gateway: `POST /logs` keeps the logs a rollout server posts, and
+  `GET /v1/status?rollout_id=` answers the status of the last one tagged with that rollout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request, Response
+from starlette.types import Message, Receive, Scope, Send
+
+from tests.runner.model_server import Call, ModelRequest, Reply, Unavailable
+from tests.runner.model_server import ModelServer as ScriptedModel
+
+CHAT = "/chat/completions"
+
+
+@dataclass(frozen=True)
+class Turn:
+    calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    text: str = ""
+
+
+class ModelServer:
+    def __init__(self) -> None:
+        self.scripts: dict[str, list[Turn]] = {}
+        self.prefixes: list[str] = []
+        self.logs: list[dict[str, Any]] = []
+        self.log_headers: list[dict[str, str]] = []
+        self._released = threading.Event()
+        self._model = ScriptedModel()
+        self._model.script = self._play
+        self._chat = self._model._app()
+        self._gateway = self._gateway_app()
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind(("127.0.0.1", 0))
+        self.port = self._socket.getsockname()[1]
+        config = uvicorn.Config(
+            self._front, interface="asgi3", log_level="warning", lifespan="off", timeout_graceful_shutdown=1
+        )
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True
+        )
+
+    def _play(self, request: ModelRequest) -> Reply:
+        if request.model == "down":
+            raise Unavailable
+        if request.model == "hold":
+            return Reply(text="released")
+        turns = self.scripts[request.model]
+        index = sum(1 for m in request.body["messages"] if m.get("role") == "assistant")
+        turn = turns[min(index, len(turns) - 1)]
+        return Reply(text=turn.text, calls=tuple(Call(name, arguments) for name, arguments in turn.calls))
+
+    async def _front(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not path.endswith(CHAT):
+            await self._gateway(scope, receive, send)
+            return
+        self.prefixes.append(path[1 : -len(CHAT)])
+        messages: list[Message] = []
+        while True:
+            message = await receive()
+            messages.append(message)
+            if not message.get("more_body"):
+                break
+        body = b"".join(m.get("body", b"") for m in messages)
+        if json.loads(body).get("model") == "hold":
+            await asyncio.to_thread(self._released.wait, 60)
+
+        async def replay() -> Message:
+            return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+        path = "/v1" + CHAT
+        await self._chat({**scope, "path": path, "raw_path": path.encode()}, replay, send)
+
+    def _gateway_app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.post("/logs")
+        async def logs(request: Request) -> Response:
+            self.logs.append(await request.json())
+            self.log_headers.append(dict(request.headers))
+            return Response(b"{}", media_type="application/json")
+
+        @app.get("/v1/status")
+        async def status(rollout_id: str) -> dict[str, Any]:
+            tagged = [log for log in self.logs if f"rollout_id:{rollout_id}" in log.get("tags", [])]
+            return {"rollout_id": rollout_id, "status": tagged[-1]["status"] if tagged else None}
+
+        return app
+
+    def tracing_url(self, rollout_id: str, row_id: str = "row-1") -> str:
+        """A model base URL as eval-protocol builds it for its tracing gateway (this server)."""
+        return (
+            f"http://127.0.0.1:{self.port}/rollout_id/{rollout_id}/invocation_id/inv-1"
+            f"/experiment_id/exp-1/run_id/run-1/row_id/{row_id}"
+        )
+
+    def base_url(self, path: str = "v1") -> str:
+        return f"http://127.0.0.1:{self.port}/{path}"
+
+    def release(self) -> None:
+        self._released.set()
+
+    def start(self) -> None:
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("the scripted model server did not start")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self._released.set()
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self._socket.close()
+        self._model._socket.close()  # bound by the runner's server, which is never started here

@@ -1,1 +1,1 @@
-"""sparring for trainers: `sparring.client` runs rollouts against a sparring server (httpx + openai)."""
+"""sparring for trainers: `sparring.client` runs rollouts against a sparring server (no server stack)."""

@@ -1,6 +1,7 @@
 """A Python client for trainers: sparring's tools, graders and whole episodes, from any RL trainer.
 
-Importable with `httpx` and `openai` alone (it never imports the server). It is built on the rollout
+It imports none of the server's stack (FastAPI, SQLAlchemy, Redis, ...): `httpx`, `openai`, and what
+the runner's HTTP client uses (`aiohttp`, `orjson`). It is built on the rollout
 runner's pieces: tool calls go out as `app.runner.http.HttpToolCaller` sends them (the platform's
 envelope, retries of a 5xx with the same `call_id`, then failure), grades as `HttpGrader` posts
 them, and `run_episode` is `app.runner.loop.run_rollout`, the one rollout loop.
@@ -299,21 +300,18 @@ class AsyncEnvironment:
 
 
 def _as_async(client: AsyncOpenAI | OpenAI) -> AsyncOpenAI:
-    """A sync `OpenAI` client seen as an async one: its calls run in a thread."""
+    """A sync `OpenAI` client seen as an async one: the policies' requests run in a thread.
+
+    The runner's policies send their requests through the SDK's generic `post`, which the sync client
+    has with the same arguments.
+    """
     if isinstance(client, AsyncOpenAI):
         return client
 
-    def threaded(fn: Any) -> Any:
-        async def run(**kwargs: Any) -> Any:
-            return await asyncio.to_thread(partial(fn, **kwargs))
+    async def post(*args: Any, **kwargs: Any) -> Any:
+        return await asyncio.to_thread(partial(client.post, *args, **kwargs))
 
-        return run
-
-    facade = SimpleNamespace(
-        chat=SimpleNamespace(completions=SimpleNamespace(create=threaded(client.chat.completions.create))),
-        responses=SimpleNamespace(create=threaded(client.responses.create)),
-    )
-    return cast(AsyncOpenAI, facade)
+    return cast(AsyncOpenAI, SimpleNamespace(post=post))
 
 
 class _Portal:

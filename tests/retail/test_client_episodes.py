@@ -55,11 +55,12 @@ def sparring_url(tmp_path: Path, pg_database: str, retail_data: Path) -> Iterato
         yield url
 
 
-def test_the_client_imports_with_httpx_and_openai_alone() -> None:
-    """No server dependency is imported: a trainer's environment needs only httpx and openai."""
+def test_the_client_imports_none_of_the_server_stack() -> None:
+    """None of the server's stack is imported: a trainer's process loads only the runner's client side
+    (httpx, openai, and the aiohttp and orjson the runner's HTTP client uses)."""
     blocked = [
         "fastapi", "starlette", "sqlalchemy", "redis", "asyncpg", "aiosqlite", "alembic", "uvicorn",
-        "typer", "pydantic_settings", "orjson", "yaml", "rapidfuzz", "nltk", "prometheus_client", "jinja2",
+        "typer", "pydantic_settings", "yaml", "rapidfuzz", "nltk", "prometheus_client", "jinja2",
     ]  # fmt: skip
     script = f"""
 import sys

@@ -27,10 +27,11 @@ RUN if [ "$OFFLINE" = 1 ]; then export PIP_NO_INDEX=1 PIP_FIND_LINKS=/wheelhouse
         > /tmp/requirements.txt \
  && /opt/sparring/bin/pip wheel --wheel-dir /wheels -r /tmp/requirements.txt \
  && /opt/sparring/bin/pip install --no-index --find-links /wheels -r /tmp/requirements.txt
-# Then the project (server, tool packs, migrations) as a wheel of its own.
+# Then the project (server, tool packs, migrations, trainer client) as a wheel of its own.
 COPY app ./app
 COPY tools ./tools
 COPY migrations ./migrations
+COPY sparring ./sparring
 # (Its build backend, setuptools, comes from the wheelhouse too when OFFLINE=1.)
 RUN if [ "$OFFLINE" = 1 ]; then export PIP_NO_INDEX=1 PIP_FIND_LINKS=/wheelhouse; fi \
  && /opt/sparring/bin/pip wheel --no-deps --wheel-dir /wheels/project . \

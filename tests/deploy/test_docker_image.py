@@ -212,7 +212,7 @@ def image(
     for name in ("Dockerfile", ".dockerignore", "pyproject.toml", "README.md"):
         shutil.copy2(REPO / name, context / name)
     skip = shutil.ignore_patterns("__pycache__", "*.pyc", "*.whl")
-    for name in ("app", "tools", "migrations", "deploy"):
+    for name in ("app", "tools", "migrations", "sparring", "deploy"):
         shutil.copytree(REPO / name, context / name, ignore=skip)
     for wheel in wheelhouse.glob("*.whl"):
         shutil.copy2(wheel, context / "deploy" / "wheelhouse" / wheel.name)

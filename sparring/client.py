@@ -1,8 +1,7 @@
 """A Python client for trainers: sparring's tools, graders and whole episodes, from any RL trainer.
 
-It imports none of the server's stack (FastAPI, SQLAlchemy, Redis, ...): `httpx`, `openai`, and what
-the runner's HTTP client uses (`aiohttp`, `orjson`). It is built on the rollout
-runner's pieces: tool calls go out as `app.runner.http.HttpToolCaller` sends them (the platform's
+It imports none of the server's stack (FastAPI, SQLAlchemy, Redis, ...), only `httpx` and `openai`. It
+is built on the rollout runner's pieces: tool calls go out as `app.runner.http.HttpToolCaller` sends them (the platform's
 envelope, retries of a 5xx with the same `call_id`, then failure), grades as `HttpGrader` posts
 them, and `run_episode` is `app.runner.loop.run_rollout`, the one rollout loop.
 

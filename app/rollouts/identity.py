@@ -11,8 +11,6 @@ import hashlib
 from collections.abc import Mapping
 from typing import Any
 
-import orjson
-
 from app.db.text import storable
 
 TRACE_ID_MAX = 128  # rollouts.trace_id, tool_calls.trace_id, grades.trace_id
@@ -74,6 +72,8 @@ def item_key(item: Mapping[str, Any]) -> str | None:
             return fit(f"{name}:{value}", ITEM_KEY_MAX)  # a long id cut with a hash: never merged
     if nested_deeper_than(item):
         return None  # refused where it arrives (an `Error:` output, a 400); orjson cannot write it
+    import orjson  # here, not at the top: the trainer-side client imports this module without it
+
     dumped = orjson.dumps(item, option=orjson.OPT_SORT_KEYS, default=str)
     if b"\\u0000" in dumped:  # hash the row as it is stored (NUL as U+FFFD), so the log and grades agree
         dumped = orjson.dumps(storable(item), option=orjson.OPT_SORT_KEYS, default=str)

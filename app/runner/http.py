@@ -24,14 +24,16 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import quote
 
-import aiohttp
 import httpx
 
 from app.rollouts.identity import RUN_HEADER
 from app.runner.loop import FunctionCall, GradeResult, ToolResult
+
+if TYPE_CHECKING:
+    import aiohttp
 
 DEFAULT_ATTEMPTS = 3
 CALL_TIMEOUT_S = 600.0  # the platform's limit per tool call and per grade
@@ -155,6 +157,8 @@ class AiohttpTransport:
     @asynccontextmanager
     async def open(cls, concurrency: int) -> AsyncIterator[AiohttpTransport]:
         """A session sized for `concurrency` rollouts in flight, each with a few parallel calls."""
+        import aiohttp  # only where the runner's commands use it: `sparring.client` needs httpx alone
+
         connector = aiohttp.TCPConnector(limit=max(20, concurrency * 4), limit_per_host=0)
         async with aiohttp.ClientSession(connector=connector) as session:
             yield cls(session)
@@ -162,6 +166,8 @@ class AiohttpTransport:
     async def request(
         self, method: str, url: str, *, content: bytes | None, headers: Mapping[str, str], seconds: float
     ) -> Answer:
+        import aiohttp
+
         try:
             async with self.session.request(
                 method, url, data=content, headers=dict(headers), timeout=aiohttp.ClientTimeout(total=seconds)

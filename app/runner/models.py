@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import openai
-from openai import AsyncOpenAI, DefaultAioHttpClient
+from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletion
 from openai.types.responses import Response
 
@@ -201,6 +201,8 @@ class ChatPolicy:
 def model_client(api_key: str, base_url: str | None) -> AsyncOpenAI:
     """The SDK client the commands use: its HTTP over aiohttp (the SDK's `DefaultAioHttpClient`), which
     costs a fraction of the CPU of its default httpx client when hundreds of rollouts are in flight."""
+    from openai import DefaultAioHttpClient  # aiohttp only where the commands run models
+
     return AsyncOpenAI(api_key=api_key, base_url=base_url, http_client=DefaultAioHttpClient())
 
 

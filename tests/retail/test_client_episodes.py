@@ -57,10 +57,11 @@ def sparring_url(tmp_path: Path, pg_database: str, retail_data: Path) -> Iterato
 
 def test_the_client_imports_none_of_the_server_stack() -> None:
     """None of the server's stack is imported: a trainer's process loads only the runner's client side
-    (httpx, openai, and the aiohttp and orjson the runner's HTTP client uses)."""
+    (httpx and openai)."""
     blocked = [
         "fastapi", "starlette", "sqlalchemy", "redis", "asyncpg", "aiosqlite", "alembic", "uvicorn",
         "typer", "pydantic_settings", "yaml", "rapidfuzz", "nltk", "prometheus_client", "jinja2",
+        "aiohttp", "orjson",
     ]  # fmt: skip
     script = f"""
 import sys

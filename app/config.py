@@ -93,6 +93,15 @@ class Settings(BaseSettings):
     forwarded_allow_ips: str = Field(
         "127.0.0.1", description="Proxy addresses trusted for X-Forwarded-* headers."
     )
+    header_timeout_seconds: float = Field(
+        10.0, gt=0, description="Time a connection has to send a request's headers (`sparring serve`)."
+    )
+    body_timeout_seconds: float = Field(
+        60.0, gt=0, description="Time a request has to send its whole body, else 408 (`sparring serve`)."
+    )
+    keepalive_timeout_seconds: int = Field(
+        5, ge=1, description="Idle time after which a keep-alive connection is closed (`sparring serve`)."
+    )
     access_log: bool = Field(
         False, description="uvicorn's line per request (every tool call is in the call log already)."
     )

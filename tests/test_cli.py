@@ -274,3 +274,16 @@ def test_openai_is_the_default_platform_until_its_cutoff() -> None:
     assert default_platform(OPENAI_FINE_TUNING_CUTOFF - timedelta(days=1)) == "openai"
     assert default_platform(OPENAI_FINE_TUNING_CUTOFF) == "foundry"
     assert OPENAI_FINE_TUNING_CUTOFF == date(2027, 1, 6)
+
+
+def test_serve_bounds_slow_and_idle_connections(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The keep-alive cap comes from SPARRING_KEEPALIVE_TIMEOUT_SECONDS; requests are read with deadlines."""
+    import uvicorn
+
+    seen: list[dict[str, object]] = []
+    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: seen.append(kwargs))
+    monkeypatch.setenv("SPARRING_API_KEYS", "tools:t1")
+    monkeypatch.setenv("SPARRING_KEEPALIVE_TIMEOUT_SECONDS", "7")
+    assert CliRunner().invoke(cli, ["serve"]).exit_code == 0
+    assert seen[0]["timeout_keep_alive"] == 7
+    assert seen[0]["http"] == "app.serving:HttpToolsReadDeadlineProtocol"

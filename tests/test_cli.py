@@ -20,6 +20,10 @@ from tests.conftest import make_settings
 @pytest.fixture(autouse=True)
 def _fresh_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPARRING_PACKS", "demo")
+    # `serve` hands --host and --port to its workers through the environment: set them here so that
+    # monkeypatch puts back what was there before (nothing) after each test, instead of leaking them.
+    monkeypatch.setenv("SPARRING_HOST", "127.0.0.1")
+    monkeypatch.setenv("SPARRING_PORT", "8000")
     for name in ("SPARRING_AUTH_HEADER", "SPARRING_GRADERS_FILE", "SPARRING_DEFAULT_GRADER"):
         monkeypatch.delenv(name, raising=False)
     get_settings.cache_clear()

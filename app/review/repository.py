@@ -78,14 +78,6 @@ class RunRow:
     channels: dict[str, int]
 
 
-@dataclass(frozen=True)
-class ItemSummary:
-    items: int
-    repeated_items: int  # items with at least `min_rollouts` scored rollouts
-    always_zero: int
-    always_one: int
-
-
 class ReviewRepository:
     def __init__(self, session: AsyncSession) -> None:
         self.session = session

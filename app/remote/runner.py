@@ -25,7 +25,7 @@ from app.grading.service import GradingService
 from app.packs import Registry
 from app.remote.schemas import CODE_UNAVAILABLE, RolloutPlan
 from app.remote.service import RolloutOutcome
-from app.runner.http import Retry
+from app.runner.http import Attempt, Retry, call_with_retries
 from app.runner.loop import (
     DatasetLine,
     FunctionCall,
@@ -61,32 +61,17 @@ class ServiceToolCaller:
             trace_id=trace_id,
             item=dict(item),
         )
-        failure, status = "not sent", None
-        for attempt in range(1, self.retry.attempts + 1):
+
+        async def attempt() -> Attempt:
             try:
                 answer = await self.service.handle(envelope, path_name=None, run=self.run)
             except ServiceUnavailable as exc:
-                failure, status = f"HTTP 503: {exc.message}", 503
+                return Attempt(status=503, failure=f"HTTP 503: {exc.message}")
             except ToolCrashed as exc:
-                failure, status = f"HTTP 500: {exc.message}", 500
-            else:
-                return ToolResult(
-                    call=call,
-                    output=answer.output,
-                    status=200,
-                    attempts=attempt,
-                    latency_s=time.perf_counter() - started,
-                )
-            if attempt < self.retry.attempts:
-                await asyncio.sleep(self.retry.wait(attempt, None))
-        return ToolResult(
-            call=call,
-            output=None,
-            status=status,
-            attempts=self.retry.attempts,
-            latency_s=time.perf_counter() - started,
-            failure=f"{failure} after {self.retry.attempts} attempts",
-        )
+                return Attempt(status=500, failure=f"HTTP 500: {exc.message}")
+            return Attempt(status=200, output=answer.output)
+
+        return await call_with_retries(call, self.retry, attempt, started=started)
 
 
 class ServiceGrader:

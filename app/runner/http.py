@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -205,6 +205,47 @@ class Retry:
         return min(delay, self.max_delay_s)
 
 
+@dataclass(frozen=True)
+class Attempt:
+    """One try of a tool call: the output the model reads (done), or why it failed (tried again)."""
+
+    status: int | None
+    output: str | None = None
+    failure: str = ""
+    answer: Answer | None = None  # the failed answer, for its Retry-After
+
+
+async def call_with_retries(
+    call: FunctionCall, retry: Retry, attempt: Callable[[], Awaitable[Attempt]], *, started: float
+) -> ToolResult:
+    """The platform's rule for one tool call, whatever carries it: an answer (any status below 500)
+    goes to the model; a 5xx or a network error is tried again with the same call, and after
+    `retry.attempts` tries the call fails for good, which discards the rollout."""
+    failure = "not sent"
+    status: int | None = None
+    for number in range(1, retry.attempts + 1):
+        tried = await attempt()
+        if tried.output is not None:
+            return ToolResult(
+                call=call,
+                output=tried.output,
+                status=tried.status,
+                attempts=number,
+                latency_s=time.perf_counter() - started,
+            )
+        failure, status = tried.failure, tried.status
+        if number < retry.attempts:
+            await asyncio.sleep(retry.wait(number, tried.answer))
+    return ToolResult(
+        call=call,
+        output=None,
+        status=status,
+        attempts=retry.attempts,
+        latency_s=time.perf_counter() - started,
+        failure=f"{failure} after {retry.attempts} attempts",
+    )
+
+
 def _error_body(answer: Answer) -> str:
     """A 4xx shown to the model: the body as text, as the platform serializes it."""
     text = answer.text.strip()
@@ -252,38 +293,19 @@ class HttpToolCaller:
             headers[RUN_HEADER] = self.run
         content = json.dumps(body, ensure_ascii=False).encode()
         headers["Content-Type"] = "application/json"
-        failure = "not sent"
-        status: int | None = None
-        for attempt in range(1, self.retry.attempts + 1):
-            response: Answer | None = None
+
+        async def attempt() -> Attempt:
             try:
                 response = await self.transport.request(
                     "POST", endpoint.url, content=content, headers=headers, seconds=self.timeout_s
                 )
             except TransportError as exc:
-                failure, status = str(exc), None
-            else:
-                status = response.status
-                if status < 500:
-                    output = _tool_output(response)
-                    return ToolResult(
-                        call=call,
-                        output=output,
-                        status=status,
-                        attempts=attempt,
-                        latency_s=time.perf_counter() - started,
-                    )
-                failure = f"HTTP {status}"
-            if attempt < self.retry.attempts:
-                await asyncio.sleep(self.retry.wait(attempt, response))
-        return ToolResult(
-            call=call,
-            output=None,
-            status=status,
-            attempts=self.retry.attempts,
-            latency_s=time.perf_counter() - started,
-            failure=f"{failure} after {self.retry.attempts} attempts",
-        )
+                return Attempt(status=None, failure=str(exc))
+            if response.status < 500:
+                return Attempt(status=response.status, output=_tool_output(response))
+            return Attempt(status=response.status, failure=f"HTTP {response.status}", answer=response)
+
+        return await call_with_retries(call, self.retry, attempt, started=started)
 
 
 def _tool_output(response: Answer) -> str:

@@ -1,0 +1,37 @@
+"""The remote runner's in-process tool caller keeps the platform's rule: answers go to the model,
+failures are tried again with the same call and then discard the rollout."""
+
+from __future__ import annotations
+
+import httpx
+
+from app.deps import app_state
+from app.remote.runner import ServiceToolCaller
+from app.runner.http import Retry
+from app.runner.loop import FunctionCall
+from tests.call_log import logged_calls_on
+from tests.conftest import new_trace
+
+
+async def test_answers_pass_through_and_a_crash_is_retried_then_fails_for_good(
+    client: httpx.AsyncClient,
+) -> None:
+    state = app_state(client.app)  # type: ignore[attr-defined]
+    caller = ServiceToolCaller(state.call_service, run="remote-test", retry=Retry(attempts=3, delay_s=0))
+    trace = new_trace()
+
+    refused = await caller.call(
+        FunctionCall(call_id="c1", name="refuse", arguments='{"reason": "no"}'), trace_id=trace, item={}
+    )
+    assert refused.status == 200 and refused.attempts == 1 and refused.failure is None
+    assert refused.output is not None and refused.output.startswith("Error:")
+
+    crashed = await caller.call(
+        FunctionCall(call_id="c2", name="crash", arguments="{}"), trace_id=trace, item={}
+    )
+    assert crashed.output is None and crashed.status == 500 and crashed.attempts == 3
+    assert crashed.failure is not None and crashed.failure.endswith("after 3 attempts")
+
+    rows = await logged_calls_on(state.engine, [trace])
+    outcomes = {(row["call_id"], row["outcome"]) for row in rows}
+    assert {("c1", "model_error"), ("c2", "tool_crash")} <= outcomes

@@ -188,6 +188,14 @@ class CallLogWriter:
 
     async def write(self, record: CallRecord) -> None:
         """Queue the record and wait until it is committed; 503 when the queue is full or the DB fails."""
+        await self.enqueue(record)
+
+    def enqueue(self, record: CallRecord) -> asyncio.Future[None]:
+        """Queue the record now; the future is done when its batch is committed (or failed: 503).
+
+        LogUnavailable at once when the queue is full. A caller that still has work to do before it
+        answers (storing the answer in the ledger) does it while the batch commits, then awaits.
+        """
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         try:
             self._queue.put_nowait((record, future))
@@ -195,7 +203,46 @@ class CallLogWriter:
             raise LogUnavailable(
                 "call log is saturated; retry shortly", retry_after=self._retry_after
             ) from None
-        await future
+        return future
+
+    async def void(self, record: CallRecord, reason: str) -> None:
+        """Turn the logged answer of `record` into the infra_error it became: the answer was logged
+        while its state was being stored, storing it failed, and the caller got a 503 instead.
+
+        The row stays (a logged attempt, counted like any other) but no longer says what was never
+        sent: outcome infra_error, status 503, no output. It leaves the answered-calls unique index, so
+        the retry's answer is logged in its own row. Matched by the attempt's own trace, call,
+        worker and start time; a row that was never committed matches nothing.
+        """
+        match = storable({"trace_id": record.trace_id, "call_id": record.call_id, "tool": record.tool})
+        same_call = (
+            ToolCall.call_id == match["call_id"] if record.call_id is not None else ToolCall.call_id.is_(None)
+        )
+        statement = (
+            update(ToolCall)
+            .where(
+                ToolCall.trace_id == match["trace_id"],
+                same_call,
+                ToolCall.tool == match["tool"],
+                ToolCall.worker == record.worker,
+                ToolCall.started_at == record.started_at,
+                ToolCall.outcome.in_(("ok", "model_error")),
+            )
+            .values(
+                outcome="infra_error", status_code=503, error=storable(reason), output=None, output_bytes=0
+            )
+        )
+        try:
+            async with self._engine.begin() as conn:
+                await conn.execute(statement)
+        except _COMMIT_ERRORS as exc:
+            log.error(
+                "call log: the answer to call %s of rollout %s was logged but not sent, and could not "
+                "be marked so: %s",
+                record.call_id,
+                record.trace_id,
+                exc,
+            )
 
     def submit(self, record: CallRecord) -> None:
         """Best effort, without waiting (used for calls that already failed with a 503)."""

@@ -92,6 +92,10 @@ class _Call:
     item_key: str | None
     started_at: datetime
     started: float
+    # The answer's log record, queued before the store finished the call (see ToolCallService._finish),
+    # and whether that record was then voided because the answer could not be stored.
+    logged: asyncio.Future[None] | None = None
+    voided: bool = False
 
 
 class ToolCallService:
@@ -125,6 +129,7 @@ class ToolCallService:
         self._counters: dict[tuple[str, str], Any] = {}
         self._latencies: dict[str, Any] = {}
         self._tool_loggers: dict[str, logging.Logger] = {}
+        self._voiding: set[asyncio.Future[None]] = set()
 
     async def handle(
         self, envelope: ToolCallEnvelope, *, path_name: str | None, run: str | None, channel: str = "rft"
@@ -166,10 +171,13 @@ class ToolCallService:
                     await self.log_writer.write(self._record(call, None, "tool_crash", detail, 500))
                 raise
             except ServiceUnavailable as exc:
-                self.log_writer.submit(self._record(call, None, "infra_error", exc.message, 503))
+                if not call.voided:  # a voided record already logs this attempt as its infra_error
+                    self.log_writer.submit(self._record(call, None, "infra_error", exc.message, 503))
                 raise
-            error = answer.output if answer.outcome != "ok" else None
-            await self.log_writer.write(self._record(call, answer.output, answer.outcome, error, 200))
+            if call.logged is not None:
+                await call.logged
+            else:
+                await self.log_writer.write(self._answered(call, answer))
             outcome = answer.outcome
         finally:
             self.metrics.in_flight.dec()
@@ -186,6 +194,10 @@ class ToolCallService:
         return CallResult(
             ToolCallOutput(call_id=envelope.call_id, id=envelope.id, output=answer.output), answer.outcome
         )
+
+    def _answered(self, call: _Call, answer: StoredAnswer) -> CallRecord:
+        error = answer.output if answer.outcome != "ok" else None
+        return self._record(call, answer.output, answer.outcome, error, 200)
 
     def _record(
         self, call: _Call, output: str | None, outcome: str, error: str | None, status: int
@@ -275,12 +287,46 @@ class ToolCallService:
                 )
             else:
                 answer, writes = await self._run(spec, kwargs, call, began)
-            await self.store.finish(began, writes, replace(answer, call=digest))
+            await self._finish(call, began, writes, replace(answer, call=digest))
         except BaseException:
             with contextlib.suppress(ServiceUnavailable):
                 await self.store.abort(began)
             raise
         return answer
+
+    async def _finish(self, call: _Call, began: Ticket, writes: PackChanges, answer: StoredAnswer) -> None:
+        """Store the answer (and the call's writes) while its log record commits, not one after the other.
+
+        Both must be done before the answer is sent, and the caller awaits the record (`call.logged`)
+        after this. A log that failed leaves the answer stored: the retry replays it and logs it then.
+        A store that failed after the record may have committed voids the record before the 503 goes
+        out, so the log never shows an answer that was not sent, and the retry logs its own.
+        """
+        record = self._answered(call, answer)
+        call.logged = self.log_writer.enqueue(record)
+        try:
+            await self.store.finish(began, writes, answer)
+        except BaseException as exc:
+            logged, call.logged, call.voided = call.logged, None, True
+            reason = (
+                exc.message if isinstance(exc, ServiceUnavailable) else f"not answered: {type(exc).__name__}"
+            )
+            voiding = asyncio.ensure_future(self._void(logged, record, reason))
+            if isinstance(exc, asyncio.CancelledError):
+                self._voiding.add(voiding)  # nobody waits for it: keep it alive until it is done
+                voiding.add_done_callback(self._voiding.discard)
+            else:
+                await voiding  # before the 503 goes out: a retry's own record must not meet this one
+            raise
+
+    async def _void(self, logged: asyncio.Future[None], record: CallRecord, reason: str) -> None:
+        with contextlib.suppress(ServiceUnavailable):
+            await logged  # committed or not (a failed commit's fate is unknown): void what is there
+        try:
+            async with asyncio.timeout(self.tool_timeout):
+                await self.log_writer.void(record, reason)
+        except TimeoutError:
+            log.error("call log: could not void the unsent answer of call %s in time", record.call_id)
 
     async def _run(
         self, spec: ToolSpec, kwargs: dict[str, Any], call: _Call, began: Ticket | None

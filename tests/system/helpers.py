@@ -504,7 +504,7 @@ class CounterLoad:
         return False  # the trainer would discard this rollout
 
     def check_log(self, rows: list[dict[str, Any]]) -> list[str]:
-        """Every 200 answer is in the log once, answered, with the output that was sent."""
+        """Every 200 answer is in the log once, answered, with the output that was sent; no other."""
         problems: list[str] = []
         answered_rows: dict[tuple[str, str], list[dict[str, Any]]] = {}
         for row in rows:
@@ -518,6 +518,12 @@ class CounterLoad:
                 )
             elif found[0]["output"] != attempt.output:
                 problems.append(f"{key}: sent {attempt.output}, logged {found[0]['output']}")
+        # And nothing is logged as answered that was never sent, but for the one call of a rollout
+        # whose fate is unknown (in flight when the load stopped).
+        pending = {(p.trace_id, p.pending) for p in self.rollouts.values() if p.pending is not None}
+        for key, found in answered_rows.items():
+            if key not in self.answers and key not in pending:
+                problems.append(f"{key}: logged as answered ({found[0]['output']}) but never sent")
         return problems
 
     async def check_counters(self, url: str) -> list[str]:

@@ -114,6 +114,7 @@ async def _resources(settings: Settings, packs: tuple[Pack, ...] | None) -> Asyn
     engine = build_engine(settings.effective_database_url, pool_size=settings.db_pool_size)
     store: RolloutStore | None = None
     writer: CallLogWriter | None = None
+    call_service: ToolCallService | None = None
     grader_context: GraderContext | None = None
     model_http: DefaultAsyncHttpxClient | None = None
     remote: RemoteRolloutService | None = None
@@ -187,6 +188,8 @@ async def _resources(settings: Settings, packs: tuple[Pack, ...] | None) -> Asyn
             await model_http.aclose()
         if grader_context is not None:
             await grader_context.aclose()
+        if call_service is not None:
+            await call_service.aclose()  # its log corrections, while the writer still runs
         if writer is not None:
             await writer.aclose()
         if store is not None:

@@ -31,11 +31,15 @@ from bench.run import (
     DEFAULT_PG_ADMIN,
     DEFAULT_REDIS,
     LUA_SCRIPT,
+    RETAIL_LUA_SCRIPT,
+    ROOT,
     SCENARIOS,
     Environment,
     build_servers,
+    retail_ids,
     running,
     smoke,
+    tool_arguments,
     wrk_script,
 )
 
@@ -107,6 +111,12 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if scenario.needs_services:
                 env.create_postgres()
+            ids_file: Path | None = None
+            if scenario.server == "sparring-serve":  # the retail scenarios: `sparring serve` as shipped
+                from tools.retail import data as retail_data
+
+                env.retail_data = Path(retail_data.fetch(retail_data.cache_dir(ROOT / ".sparring")))
+                ids_file = retail_ids(env.retail_data, env.workdir)[scenario.request]
             servers = build_servers({scenario.server}, env, key)
             server = servers[scenario.server]
             out = env.workdir / "callgrind.out"
@@ -117,12 +127,25 @@ def main(argv: list[str] | None = None) -> int:
                 f"--callgrind-out-file={out}",
             ]
 
-            def calls(settings: argparse.Namespace, url: str = server.url, tool: str = scenario.tool) -> Any:
+            def calls(
+                settings: argparse.Namespace,
+                url: str = server.url,
+                tool: str = scenario.tool,
+                ids: Path | None = ids_file,
+                rollouts: int = scenario.rollouts or args.rollouts,
+            ) -> Any:
                 nonce = secrets.token_hex(4)  # new call ids (and rollouts) for every run
-                return wrk_script(wrk, LUA_SCRIPT, url, [nonce, tool, str(args.rollouts), key], settings)
+                if ids is not None:
+                    return wrk_script(
+                        wrk, RETAIL_LUA_SCRIPT, url, [nonce, tool, str(rollouts), key, str(ids)], settings
+                    )
+                return wrk_script(wrk, LUA_SCRIPT, url, [nonce, tool, str(rollouts), key], settings)
 
             with running(servers, ready_timeout=900):
-                smoke(server.url, scenario.tool, key)
+                ids = ids_file.read_text().split() if ids_file is not None else None
+                smoke(
+                    server.url, scenario.tool, key, tool_arguments(scenario.request, 0, ids) if ids else None
+                )
                 calls(warm)
                 control("-i", "on", str(server.pid))
                 counted = calls(load)

@@ -12,12 +12,12 @@ from typing import Any
 
 import asyncpg
 import orjson
-from sqlalchemy import bindparam, func, select, update
-from sqlalchemy.dialects import sqlite
+from sqlalchemy import bindparam, func, or_, select, text, update
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from app.db.models import Rollout, ToolCall
+from app.db.models import ANSWERED_OUTCOMES, Rollout, ToolCall
 from app.db.text import storable
 from app.errors import ServiceUnavailable
 from app.metrics import Metrics
@@ -56,7 +56,12 @@ class CallRecord:
 # A failed commit: SQLAlchemy's errors, and asyncpg's (the batch statement is sent to it directly).
 _COMMIT_ERRORS = (SQLAlchemyError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError)
 
-_Pending = tuple[CallRecord, asyncio.Future[None] | None]
+# A queued record and its writer's future: True once committed in its own row, False when its call
+# already had an answered row (see CallLogWriter.enqueue).
+_Pending = tuple[CallRecord, asyncio.Future[bool] | None]
+# What names one attempt of a call in the log: trace_id and call_id as stored, and its start.
+_AttemptKey = tuple[str, str, datetime]
+_ANSWERED_ROW = text("call_id IS NOT NULL AND outcome IN ('ok', 'model_error')")
 
 # The columns of tool_calls the writer fills, in the order of CallRecord's fields plus output_bytes.
 _CALL_COLUMNS = (
@@ -96,7 +101,8 @@ def _recordset(param: str, alias: str, columns: tuple[tuple[str, str], ...]) -> 
 def _postgres_batch_sql() -> str:
     """A whole batch in one statement: log the calls, then upsert their rollouts adding the number of
     calls actually inserted (a call answered before, replayed from the ledger, conflicts on
-    uq_tool_calls_answered and is neither logged nor counted twice).
+    uq_tool_calls_answered and is neither logged nor counted twice). It returns the answered calls
+    that were not inserted for that reason (usually none), so their writers can tell.
 
     The rows travel as two JSON documents ($1 the calls, $2 their rollouts; one orjson call each)
     rather than an array per column, which the driver would encode value by value, and the statement
@@ -108,14 +114,16 @@ def _postgres_batch_sql() -> str:
     """
     names = ", ".join(name for name, _ in _CALL_COLUMNS)
     return f"""
-        WITH logged AS (
-            INSERT INTO tool_calls ({names})
+        WITH calls AS MATERIALIZED (
             SELECT {names} FROM {_recordset("$1", "c_", _CALL_COLUMNS)}
+        ), logged AS (
+            INSERT INTO tool_calls ({names})
+            SELECT {names} FROM calls
             ON CONFLICT DO NOTHING
-            RETURNING trace_id
+            RETURNING trace_id, call_id, started_at
         ), counted AS (
             SELECT trace_id, count(*) AS n FROM logged GROUP BY trace_id
-        )
+        ), touched AS (
         INSERT INTO rollouts (trace_id, run, item_key, channel, first_seen, last_seen, calls)
         SELECT r_.trace_id, r_.run, r_.item_key, r_.channel, r_.first_seen, r_.last_seen,
                coalesce(counted.n, 0)
@@ -129,6 +137,13 @@ def _postgres_batch_sql() -> str:
             item_key = coalesce(rollouts.item_key, excluded.item_key),
             channel = coalesce(rollouts.channel, excluded.channel),
             calls = rollouts.calls + excluded.calls
+        )
+        SELECT c.trace_id, c.call_id, c.started_at FROM calls c
+        WHERE c.call_id IS NOT NULL AND c.outcome IN ('ok', 'model_error')
+          AND NOT EXISTS (
+              SELECT 1 FROM logged l
+              WHERE l.trace_id = c.trace_id AND l.call_id = c.call_id AND l.started_at = c.started_at
+          )
         """
 
 
@@ -136,7 +151,14 @@ class CallLogWriter:
     """Batches call records into one INSERT per transaction; `write` returns once its batch is durable."""
 
     def __init__(
-        self, engine: AsyncEngine, *, queue_size: int, batch_size: int, retry_after: int, metrics: Metrics
+        self,
+        engine: AsyncEngine,
+        *,
+        queue_size: int,
+        batch_size: int,
+        retry_after: int,
+        metrics: Metrics,
+        commits_in_flight: int = 2,
     ) -> None:
         self._engine = engine
         self._metrics = metrics
@@ -146,10 +168,13 @@ class CallLogWriter:
         self._task: asyncio.Task[None] | None = None
         self.last_batch_size = 0
         self._postgres = engine.dialect.name == "postgresql"
-        # Postgres: one statement per batch on a connection the writer keeps (no pool round trips).
-        self._conn: AsyncConnection | None = None
-        self._conn_lock = asyncio.Lock()
-        self._idle_since = 0.0
+        # Postgres: one statement per batch on a connection the writer keeps (no pool round trips),
+        # and up to `commits_in_flight` batches committing at once, each on its own connection: the
+        # next batch starts while the last one commits instead of waiting for it. SQLite has one
+        # writer at a time anyway.
+        self._lanes = max(1, commits_in_flight) if self._postgres else 1
+        self._idle: list[tuple[AsyncConnection, float]] = []  # connections kept, and since when idle
+        self._in_flight: set[asyncio.Task[None]] = set()
         self._batch_sql = _postgres_batch_sql()
         # SQLite: the same work in three statements. Built once, so SQLAlchemy compiles them once.
         insert: Any = sqlite.insert
@@ -168,6 +193,11 @@ class CallLogWriter:
         # A call answered before (a retry replayed from the ledger) is already logged: skip it.
         self._calls_insert = insert(ToolCall.__table__).on_conflict_do_nothing()
         calls = ToolCall.__table__
+        self._answered_attempts = select(calls.c.trace_id, calls.c.call_id, calls.c.started_at).where(
+            calls.c.trace_id.in_(bindparam("traces", expanding=True)),
+            calls.c.call_id.is_not(None),
+            calls.c.outcome.in_(ANSWERED_OUTCOMES),
+        )
         self._recount = (
             update(Rollout)
             .where(Rollout.trace_id.in_(bindparam("traces", expanding=True)))
@@ -186,17 +216,22 @@ class CallLogWriter:
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="call-log-writer")
 
-    async def write(self, record: CallRecord) -> None:
-        """Queue the record and wait until it is committed; 503 when the queue is full or the DB fails."""
-        await self.enqueue(record)
+    async def write(self, record: CallRecord) -> bool:
+        """Queue the record and wait until it is committed; 503 when the queue is full or the DB fails.
 
-    def enqueue(self, record: CallRecord) -> asyncio.Future[None]:
-        """Queue the record now; the future is done when its batch is committed (or failed: 503).
+        True when the record is logged in its own row; False when its call (trace_id and call_id)
+        already had an answered row, which was kept (see `take_over`).
+        """
+        return await self.enqueue(record)
+
+    def enqueue(self, record: CallRecord) -> asyncio.Future[bool]:
+        """Queue the record now; the future is done when its batch is committed (or failed: 503),
+        with `write`'s result.
 
         LogUnavailable at once when the queue is full. A caller that still has work to do before it
         answers (storing the answer in the ledger) does it while the batch commits, then awaits.
         """
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         try:
             self._queue.put_nowait((record, future))
         except asyncio.QueueFull:
@@ -205,14 +240,15 @@ class CallLogWriter:
             ) from None
         return future
 
-    async def void(self, record: CallRecord, reason: str) -> None:
-        """Turn the logged answer of `record` into the infra_error it became: the answer was logged
-        while its state was being stored, storing it failed, and the caller got a 503 instead.
+    async def void(self, record: CallRecord, *, reason: str, status_code: int = 503) -> None:
+        """Turn the logged answer of `record` into the failure it became: the answer was logged while
+        the store was keeping it, keeping it failed, and the caller got `status_code` instead.
 
         The row stays (a logged attempt, counted like any other) but no longer says what was never
-        sent: outcome infra_error, status 503, no output. It leaves the answered-calls unique index, so
-        the retry's answer is logged in its own row. Matched by the attempt's own trace, call,
-        worker and start time; a row that was never committed matches nothing.
+        sent: outcome infra_error, no output. It leaves the answered-calls unique index, so the retry's
+        answer is logged in its own row. Matched by the attempt's own trace, call, tool, worker and
+        start time: a row that was never committed, or that another attempt took over meanwhile
+        (`take_over`), matches nothing. Tried up to three times; LogUnavailable if it never went in.
         """
         match = storable({"trace_id": record.trace_id, "call_id": record.call_id, "tool": record.tool})
         same_call = (
@@ -226,23 +262,70 @@ class CallLogWriter:
                 ToolCall.tool == match["tool"],
                 ToolCall.worker == record.worker,
                 ToolCall.started_at == record.started_at,
-                ToolCall.outcome.in_(("ok", "model_error")),
+                ToolCall.outcome.in_(ANSWERED_OUTCOMES),
             )
             .values(
-                outcome="infra_error", status_code=503, error=storable(reason), output=None, output_bytes=0
+                outcome="infra_error",
+                status_code=status_code,
+                error=storable(reason),
+                output=None,
+                output_bytes=0,
             )
         )
-        try:
-            async with self._engine.begin() as conn:
-                await conn.execute(statement)
-        except _COMMIT_ERRORS as exc:
-            log.error(
-                "call log: the answer to call %s of rollout %s was logged but not sent, and could not "
-                "be marked so: %s",
-                record.call_id,
-                record.trace_id,
-                exc,
+        await self._short_transaction(statement)
+
+    async def take_over(self, record: CallRecord, *, only_if_different: bool = False) -> None:
+        """Log `record` in place of the answered row its call already has: its answer is the one sent.
+
+        `write` keeps the first answered row of a call (a retry replayed from the ledger answers what
+        it says). But that row may be one a failing attempt logged while the store was keeping its
+        answer, and is voiding (see `void`); an attempt whose answer is going out, and whose record
+        met such a row, takes the row over: with its own answer, attempt and times, so the void
+        matches nothing any more (or, `only_if_different`, only when the row's answer is not this
+        one). Then its rollout's call count is taken again. LogUnavailable when the database fails:
+        the answer is not sent, and the retry replays it from the ledger.
+        """
+        row = _without_nul(record)
+        insert: Any = postgresql.insert if self._postgres else sqlite.insert
+        upsert = insert(ToolCall.__table__).values(**row)
+        calls = ToolCall.__table__.c
+        upsert = upsert.on_conflict_do_update(
+            index_elements=["trace_id", "call_id"],
+            index_where=_ANSWERED_ROW,
+            set_={name: upsert.excluded[name] for name in row},
+            where=or_(
+                calls.output.is_distinct_from(upsert.excluded.output),
+                calls.outcome.is_distinct_from(upsert.excluded.outcome),
             )
+            if only_if_different
+            else None,
+        )
+        recount = (
+            update(Rollout)
+            .where(Rollout.trace_id == row["trace_id"])
+            .values(
+                calls=select(func.count())
+                .select_from(ToolCall.__table__)
+                .where(ToolCall.trace_id == Rollout.trace_id)
+                .scalar_subquery()
+            )
+        )
+        await self._short_transaction(upsert, recount)
+
+    async def _short_transaction(self, *statements: Any) -> None:
+        failure: BaseException | None = None
+        for attempt in range(3):
+            try:
+                async with asyncio.timeout(_SHORT_TIMEOUT_SECONDS):
+                    async with self._engine.begin() as conn:
+                        for statement in statements:
+                            await conn.execute(statement)
+                return
+            except (*_COMMIT_ERRORS, TimeoutError) as exc:
+                failure = exc
+                log.warning("call log: a correction failed (attempt %d of 3): %s", attempt + 1, exc)
+                await asyncio.sleep(0.05 * 4**attempt)
+        raise LogUnavailable("call log database unreachable", retry_after=self._retry_after) from failure
 
     def submit(self, record: CallRecord) -> None:
         """Best effort, without waiting (used for calls that already failed with a 503)."""
@@ -250,8 +333,14 @@ class CallLogWriter:
             self._queue.put_nowait((record, None))
 
     async def _run(self) -> None:
+        lanes = asyncio.Semaphore(self._lanes)
         while True:
-            batch = [await self._queue.get()]
+            await lanes.acquire()  # a batch is taken only when it can start committing at once
+            try:
+                batch = [await self._queue.get()]
+            except BaseException:
+                lanes.release()
+                raise
             while len(batch) < self._batch_size:
                 try:
                     batch.append(self._queue.get_nowait())
@@ -260,35 +349,42 @@ class CallLogWriter:
             self.last_batch_size = len(batch)
             self._metrics.log_batch_size.observe(len(batch))
             self._metrics.log_queue_depth.set(self._queue.qsize())
-            try:
-                await self._commit([record for record, _ in batch])
-            except asyncio.CancelledError:
-                for _, future in batch:
-                    if future is not None and not future.done():
-                        future.set_exception(
-                            LogUnavailable("server shutting down", retry_after=self._retry_after)
-                        )
-                raise
-            except _COMMIT_ERRORS as exc:
-                log.warning("call log commit failed for %d calls: %s", len(batch), exc)
-                error = LogUnavailable("call log database unreachable", retry_after=self._retry_after)
-                for _, future in batch:
-                    if future is not None and not future.done():
-                        future.set_exception(error)
-            except Exception:  # a bug must not kill the writer task
-                log.exception("call log commit failed")
-                for _, future in batch:
-                    if future is not None and not future.done():
-                        future.set_exception(LogUnavailable("call log failed", retry_after=self._retry_after))
-            else:
-                for _, future in batch:
-                    if future is not None and not future.done():
-                        future.set_result(None)
-            finally:
-                for _ in batch:
-                    self._queue.task_done()
+            task = asyncio.create_task(self._commit_batch(batch))
+            self._in_flight.add(task)
+            task.add_done_callback(self._in_flight.discard)
+            task.add_done_callback(lambda _: lanes.release())
 
-    async def _commit(self, records: list[CallRecord]) -> None:
+    async def _commit_batch(self, batch: list[_Pending]) -> None:
+        try:
+            kept_out = await self._commit([record for record, _ in batch])
+        except asyncio.CancelledError:
+            for _, future in batch:
+                if future is not None and not future.done():
+                    future.set_exception(
+                        LogUnavailable("server shutting down", retry_after=self._retry_after)
+                    )
+            raise
+        except _COMMIT_ERRORS as exc:
+            log.warning("call log commit failed for %d calls: %s", len(batch), exc)
+            error = LogUnavailable("call log database unreachable", retry_after=self._retry_after)
+            for _, future in batch:
+                if future is not None and not future.done():
+                    future.set_exception(error)
+        except Exception:  # a bug must not lose the futures
+            log.exception("call log commit failed")
+            for _, future in batch:
+                if future is not None and not future.done():
+                    future.set_exception(LogUnavailable("call log failed", retry_after=self._retry_after))
+        else:
+            for record, future in batch:
+                if future is not None and not future.done():
+                    future.set_result(not kept_out or _attempt_key(record) not in kept_out)
+        finally:
+            for _ in batch:
+                self._queue.task_done()
+
+    async def _commit(self, records: list[CallRecord]) -> set[_AttemptKey]:
+        """Log the records; the answered ones not inserted because their call had an answered row."""
         rollouts: dict[str, dict[str, Any]] = {}
         for record in records:
             row = rollouts.get(record.trace_id)
@@ -309,50 +405,63 @@ class CallLogWriter:
         # Rollouts in a fixed order, so two workers upserting the same rollouts cannot deadlock.
         traces = sorted(rollouts)
         if self._postgres:
-            await self._commit_postgres(records, [rollouts[key] for key in traces])
-            return
+            return await self._commit_postgres(records, [rollouts[key] for key in traces])
         rows = [_without_nul(record) for record in records]
         rollout_rows = [storable(rollouts[key]) for key in traces]
+        stored_traces = [row["trace_id"] for row in rollout_rows]
+        answered = [row for row in rows if row["call_id"] is not None and row["outcome"] in ANSWERED_OUTCOMES]
         async with self._engine.begin() as conn:
             # The upsert locks each rollout row first, so concurrent batches of one rollout take turns
             # and each recount sees the calls the other committed.
             await conn.execute(self._rollout_upsert, rollout_rows)
             await conn.execute(self._calls_insert, rows)
-            await conn.execute(self._recount, {"traces": [row["trace_id"] for row in rollout_rows]})
+            await conn.execute(self._recount, {"traces": stored_traces})
+            if not answered:
+                return set()
+            present = await conn.execute(self._answered_attempts, {"traces": stored_traces})
+            logged = {(trace, call, started) for trace, call, started in present}
+        keys = {(row["trace_id"], row["call_id"], row["started_at"]) for row in answered}
+        return keys - logged
 
-    async def _commit_postgres(self, records: list[CallRecord], rollouts: list[dict[str, Any]]) -> None:
+    async def _commit_postgres(
+        self, records: list[CallRecord], rollouts: list[dict[str, Any]]
+    ) -> set[_AttemptKey]:
+        # Calls in (trace_id, call_id) order: two batches committing at once that hold retries of the
+        # same calls take their unique-index entries in the same order, so they cannot deadlock.
+        records = sorted(records, key=_call_order)
         calls = _json_rows(records)
         touched = _json_rows(rollouts)
-        async with self._conn_lock:  # only the writer task commits; tests may call _commit directly
-            conn = await self._connection()
-            try:
-                raw = await conn.get_raw_connection()
-                driver: Any = raw.driver_connection  # the asyncpg connection under SQLAlchemy's
-                await driver.execute(self._batch_sql, calls, touched)
-            except BaseException:
-                # Whatever went wrong, the next batch starts on a new connection.
-                self._conn = None
-                await _discard(conn)
-                raise
-            self._idle_since = time.monotonic()
+        conn = await self._connection()
+        try:
+            raw = await conn.get_raw_connection()
+            driver: Any = raw.driver_connection  # the asyncpg connection under SQLAlchemy's
+            kept_out = await driver.fetch(self._batch_sql, calls, touched)
+        except BaseException:
+            # Whatever went wrong, the next batch starts on a new connection.
+            await _discard(conn)
+            raise
+        self._idle.append((conn, time.monotonic()))
+        return {(row[0], row[1], row[2]) for row in kept_out}
 
     async def _connection(self) -> AsyncConnection:
-        """The writer's own autocommit connection; checked first if it sat idle (a restarted database)."""
-        conn = self._conn
-        if conn is not None and time.monotonic() - self._idle_since > _IDLE_CHECK_SECONDS:
+        """One of the writer's own autocommit connections, checked first if it sat idle (a restarted
+        database); a new one when none is free."""
+        while self._idle:
+            conn, since = self._idle.pop()
+            if time.monotonic() - since <= _IDLE_CHECK_SECONDS:
+                return conn
             try:
                 await conn.exec_driver_sql("SELECT 1")
             except (DBAPIError, OSError):
                 await _discard(conn)
-                conn = self._conn = None
-        if conn is None:
-            conn = await self._engine.connect()
-            try:
-                await conn.execution_options(isolation_level="AUTOCOMMIT")
-            except BaseException:
-                await conn.close()
-                raise
-            self._conn = conn
+                continue
+            return conn
+        conn = await self._engine.connect()
+        try:
+            await conn.execution_options(isolation_level="AUTOCOMMIT")
+        except BaseException:
+            await conn.close()
+            raise
         return conn
 
     async def aclose(self) -> None:
@@ -364,14 +473,17 @@ class CallLogWriter:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        async with self._conn_lock:
-            if self._conn is not None:
-                conn, self._conn = self._conn, None
-                with contextlib.suppress(Exception):
-                    await conn.close()
+        for task in list(self._in_flight):
+            task.cancel()
+        await asyncio.gather(*self._in_flight, return_exceptions=True)
+        idle, self._idle = self._idle, []
+        for conn, _ in idle:
+            with contextlib.suppress(Exception):
+                await conn.close()
 
 
 _IDLE_CHECK_SECONDS = 5.0
+_SHORT_TIMEOUT_SECONDS = 5.0  # one try of a correction (`void`, `take_over`)
 
 
 async def _discard(conn: AsyncConnection) -> None:
@@ -380,6 +492,14 @@ async def _discard(conn: AsyncConnection) -> None:
         await conn.invalidate()
     with contextlib.suppress(Exception):
         await conn.close()
+
+
+def _attempt_key(record: CallRecord) -> _AttemptKey:
+    return storable(record.trace_id), storable(record.call_id or ""), record.started_at
+
+
+def _call_order(record: CallRecord) -> tuple[str, str]:
+    return record.trace_id, record.call_id or ""
 
 
 def _json_rows(rows: list[CallRecord] | list[dict[str, Any]]) -> str:

@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 # The outcome of a call whose call_id already answered a different call: 200 with an `Error: ...`
 # output, logged with its own arguments (never deduplicated against the first), flagged for review.
 CALL_ID_REUSED = "call_id_reused"
+# How long shutdown waits for voids still under way (each tries its UPDATE three times, 5 s at most).
+_CORRECTIONS_GRACE_SECONDS = 20.0
 
 
 def call_digest(tool: str, arguments: Mapping[str, Any]) -> str:
@@ -92,9 +94,10 @@ class _Call:
     item_key: str | None
     started_at: datetime
     started: float
-    # The answer's log record, queued before the store finished the call (see ToolCallService._finish),
-    # and whether that record was then voided because the answer could not be stored.
-    logged: asyncio.Future[None] | None = None
+    # The answer's log record and its commit, queued before the store finished the call (see
+    # ToolCallService._finish), and whether that record was then voided: the answer was not kept.
+    record: CallRecord | None = None
+    logged: asyncio.Future[bool] | None = None
     voided: bool = False
 
 
@@ -129,7 +132,7 @@ class ToolCallService:
         self._counters: dict[tuple[str, str], Any] = {}
         self._latencies: dict[str, Any] = {}
         self._tool_loggers: dict[str, logging.Logger] = {}
-        self._voiding: set[asyncio.Future[None]] = set()
+        self._voiding: set[asyncio.Future[None]] = set()  # voids under way (see _finish)
 
     async def handle(
         self, envelope: ToolCallEnvelope, *, path_name: str | None, run: str | None, channel: str = "rft"
@@ -174,10 +177,15 @@ class ToolCallService:
                 if not call.voided:  # a voided record already logs this attempt as its infra_error
                     self.log_writer.submit(self._record(call, None, "infra_error", exc.message, 503))
                 raise
-            if call.logged is not None:
-                await call.logged
-            else:
-                await self.log_writer.write(self._answered(call, answer))
+            ran = call.record is not None and call.logged is not None  # the tool ran, see _finish
+            if call.record is None or call.logged is None:
+                call.record = self._answered(call, answer)
+                call.logged = self.log_writer.enqueue(call.record)
+            if not await call.logged:
+                # The call had an answered row already: the first answer (replayed now), or the row of
+                # an attempt that failed and is voiding it. This answer is going out: the answer the
+                # tool just gave takes the row over; a replayed one, where the row says otherwise.
+                await self.log_writer.take_over(call.record, only_if_different=not ran)
             outcome = answer.outcome
         finally:
             self.metrics.in_flight.dec()
@@ -297,36 +305,57 @@ class ToolCallService:
     async def _finish(self, call: _Call, began: Ticket, writes: PackChanges, answer: StoredAnswer) -> None:
         """Store the answer (and the call's writes) while its log record commits, not one after the other.
 
-        Both must be done before the answer is sent, and the caller awaits the record (`call.logged`)
-        after this. A log that failed leaves the answer stored: the retry replays it and logs it then.
-        A store that failed after the record may have committed voids the record before the 503 goes
-        out, so the log never shows an answer that was not sent, and the retry logs its own.
+        Both must be done before the answer is sent; the caller awaits the record (`call.logged`) after
+        this. A log that failed leaves the answer stored: the retry replays it and logs it then. A store
+        that failed, after the record may have committed, voids the record before the 503 goes out, so
+        the log does not show an answer that was not sent; an attempt whose answer does go out and
+        whose record met that row takes it over (`call`), whichever of the two comes first.
         """
-        record = self._answered(call, answer)
+        record = call.record = self._answered(call, answer)
         call.logged = self.log_writer.enqueue(record)
         try:
             await self.store.finish(began, writes, answer)
         except BaseException as exc:
             logged, call.logged, call.voided = call.logged, None, True
-            reason = (
-                exc.message if isinstance(exc, ServiceUnavailable) else f"not answered: {type(exc).__name__}"
-            )
-            voiding = asyncio.ensure_future(self._void(logged, record, reason))
-            if isinstance(exc, asyncio.CancelledError):
-                self._voiding.add(voiding)  # nobody waits for it: keep it alive until it is done
-                voiding.add_done_callback(self._voiding.discard)
+            if isinstance(exc, ServiceUnavailable):
+                reason, status = exc.message, 503
             else:
-                await voiding  # before the 503 goes out: a retry's own record must not meet this one
+                reason, status = f"not answered: {type(exc).__name__}", 500
+            voiding = asyncio.ensure_future(self._void(logged, record, reason, status))
+            self._voiding.add(voiding)  # until it is done, even if nobody waits for it (see aclose)
+            voiding.add_done_callback(self._voiding.discard)
+            if not isinstance(exc, asyncio.CancelledError):
+                # Before the error goes out, so a retry's record never meets this one unvoided; a
+                # cancelled request leaves the void running.
+                await asyncio.shield(voiding)
             raise
 
-    async def _void(self, logged: asyncio.Future[None], record: CallRecord, reason: str) -> None:
+    async def _void(self, logged: asyncio.Future[bool], record: CallRecord, reason: str, status: int) -> None:
         with contextlib.suppress(ServiceUnavailable):
             await logged  # committed or not (a failed commit's fate is unknown): void what is there
+        if record.call_id is not None:
+            try:
+                kept = await self.store.stored_answer(record.trace_id, record.call_id)
+            except ServiceUnavailable:
+                kept = None
+            if kept is not None and (kept.output, kept.outcome) == (record.output, record.outcome):
+                # The store kept this answer after all (it applied the finish; its reply was lost): a
+                # retry replays it, and the row says what it will say.
+                return
         try:
-            async with asyncio.timeout(self.tool_timeout):
-                await self.log_writer.void(record, reason)
-        except TimeoutError:
-            log.error("call log: could not void the unsent answer of call %s in time", record.call_id)
+            await self.log_writer.void(record, reason=reason, status_code=status)
+        except ServiceUnavailable:
+            log.error(
+                "call log: the answer to call %s of rollout %s was logged but not sent, and could not be "
+                "marked so; a retry that is answered takes the row over",
+                record.call_id,
+                record.trace_id,
+            )
+
+    async def aclose(self) -> None:
+        """Let the log corrections still running finish (for a while), before the writer stops."""
+        if self._voiding:
+            await asyncio.wait(list(self._voiding), timeout=_CORRECTIONS_GRACE_SECONDS)
 
     async def _run(
         self, spec: ToolSpec, kwargs: dict[str, Any], call: _Call, began: Ticket | None

@@ -101,8 +101,9 @@ def _recordset(param: str, alias: str, columns: tuple[tuple[str, str], ...]) -> 
 def _postgres_batch_sql() -> str:
     """A whole batch in one statement: log the calls, then upsert their rollouts adding the number of
     calls actually inserted (a call answered before, replayed from the ledger, conflicts on
-    uq_tool_calls_answered and is neither logged nor counted twice). It returns the answered calls
-    that were not inserted for that reason (usually none), so their writers can tell.
+    uq_tool_calls_answered and is neither logged nor counted twice). It returns the number of answered
+    calls inserted: when that is all of them (nearly always), no call's writer needs to be told that
+    its call already had an answered row.
 
     The rows travel as two JSON documents ($1 the calls, $2 their rollouts; one orjson call each)
     rather than an array per column, which the driver would encode value by value, and the statement
@@ -114,13 +115,11 @@ def _postgres_batch_sql() -> str:
     """
     names = ", ".join(name for name, _ in _CALL_COLUMNS)
     return f"""
-        WITH calls AS MATERIALIZED (
-            SELECT {names} FROM {_recordset("$1", "c_", _CALL_COLUMNS)}
-        ), logged AS (
+        WITH logged AS (
             INSERT INTO tool_calls ({names})
-            SELECT {names} FROM calls
+            SELECT {names} FROM {_recordset("$1", "c_", _CALL_COLUMNS)}
             ON CONFLICT DO NOTHING
-            RETURNING trace_id, call_id, started_at
+            RETURNING trace_id, call_id IS NOT NULL AND outcome IN ('ok', 'model_error') AS answered
         ), counted AS (
             SELECT trace_id, count(*) AS n FROM logged GROUP BY trace_id
         ), touched AS (
@@ -138,27 +137,24 @@ def _postgres_batch_sql() -> str:
             channel = coalesce(rollouts.channel, excluded.channel),
             calls = rollouts.calls + excluded.calls
         )
-        SELECT c.trace_id, c.call_id, c.started_at FROM calls c
-        WHERE c.call_id IS NOT NULL AND c.outcome IN ('ok', 'model_error')
-          AND NOT EXISTS (
-              SELECT 1 FROM logged l
-              WHERE l.trace_id = c.trace_id AND l.call_id = c.call_id AND l.started_at = c.started_at
-          )
+        SELECT count(*) FILTER (WHERE answered) FROM logged
         """
+
+
+# The answered rows of some calls ($1 trace ids, $2 call ids, pairwise): which attempts have them.
+_ANSWERED_ATTEMPTS_SQL = """
+    SELECT t.trace_id, t.call_id, t.started_at
+    FROM tool_calls t JOIN unnest($1::varchar[], $2::varchar[]) AS k(trace_id, call_id)
+      ON t.trace_id = k.trace_id AND t.call_id = k.call_id
+    WHERE t.outcome IN ('ok', 'model_error')
+"""
 
 
 class CallLogWriter:
     """Batches call records into one INSERT per transaction; `write` returns once its batch is durable."""
 
     def __init__(
-        self,
-        engine: AsyncEngine,
-        *,
-        queue_size: int,
-        batch_size: int,
-        retry_after: int,
-        metrics: Metrics,
-        commits_in_flight: int = 2,
+        self, engine: AsyncEngine, *, queue_size: int, batch_size: int, retry_after: int, metrics: Metrics
     ) -> None:
         self._engine = engine
         self._metrics = metrics
@@ -168,14 +164,12 @@ class CallLogWriter:
         self._task: asyncio.Task[None] | None = None
         self.last_batch_size = 0
         self._postgres = engine.dialect.name == "postgresql"
-        # Postgres: one statement per batch on a connection the writer keeps (no pool round trips),
-        # and up to `commits_in_flight` batches committing at once, each on its own connection: the
-        # next batch starts while the last one commits instead of waiting for it. SQLite has one
-        # writer at a time anyway.
-        self._lanes = max(1, commits_in_flight) if self._postgres else 1
-        self._idle: list[tuple[AsyncConnection, float]] = []  # connections kept, and since when idle
-        self._in_flight: set[asyncio.Task[None]] = set()
+        # Postgres: one statement per batch on a connection the writer keeps (no pool round trips).
+        self._conn: AsyncConnection | None = None
+        self._conn_lock = asyncio.Lock()
+        self._idle_since = 0.0
         self._batch_sql = _postgres_batch_sql()
+        self._answered_attempts_sql = _ANSWERED_ATTEMPTS_SQL
         # SQLite: the same work in three statements. Built once, so SQLAlchemy compiles them once.
         insert: Any = sqlite.insert
         rollouts = Rollout.__table__
@@ -333,14 +327,8 @@ class CallLogWriter:
             self._queue.put_nowait((record, None))
 
     async def _run(self) -> None:
-        lanes = asyncio.Semaphore(self._lanes)
         while True:
-            await lanes.acquire()  # a batch is taken only when it can start committing at once
-            try:
-                batch = [await self._queue.get()]
-            except BaseException:
-                lanes.release()
-                raise
+            batch = [await self._queue.get()]
             while len(batch) < self._batch_size:
                 try:
                     batch.append(self._queue.get_nowait())
@@ -349,39 +337,33 @@ class CallLogWriter:
             self.last_batch_size = len(batch)
             self._metrics.log_batch_size.observe(len(batch))
             self._metrics.log_queue_depth.set(self._queue.qsize())
-            task = asyncio.create_task(self._commit_batch(batch))
-            self._in_flight.add(task)
-            task.add_done_callback(self._in_flight.discard)
-            task.add_done_callback(lambda _: lanes.release())
-
-    async def _commit_batch(self, batch: list[_Pending]) -> None:
-        try:
-            kept_out = await self._commit([record for record, _ in batch])
-        except asyncio.CancelledError:
-            for _, future in batch:
-                if future is not None and not future.done():
-                    future.set_exception(
-                        LogUnavailable("server shutting down", retry_after=self._retry_after)
-                    )
-            raise
-        except _COMMIT_ERRORS as exc:
-            log.warning("call log commit failed for %d calls: %s", len(batch), exc)
-            error = LogUnavailable("call log database unreachable", retry_after=self._retry_after)
-            for _, future in batch:
-                if future is not None and not future.done():
-                    future.set_exception(error)
-        except Exception:  # a bug must not lose the futures
-            log.exception("call log commit failed")
-            for _, future in batch:
-                if future is not None and not future.done():
-                    future.set_exception(LogUnavailable("call log failed", retry_after=self._retry_after))
-        else:
-            for record, future in batch:
-                if future is not None and not future.done():
-                    future.set_result(not kept_out or _attempt_key(record) not in kept_out)
-        finally:
-            for _ in batch:
-                self._queue.task_done()
+            try:
+                kept_out = await self._commit([record for record, _ in batch])
+            except asyncio.CancelledError:
+                for _, future in batch:
+                    if future is not None and not future.done():
+                        future.set_exception(
+                            LogUnavailable("server shutting down", retry_after=self._retry_after)
+                        )
+                raise
+            except _COMMIT_ERRORS as exc:
+                log.warning("call log commit failed for %d calls: %s", len(batch), exc)
+                error = LogUnavailable("call log database unreachable", retry_after=self._retry_after)
+                for _, future in batch:
+                    if future is not None and not future.done():
+                        future.set_exception(error)
+            except Exception:  # a bug must not kill the writer task
+                log.exception("call log commit failed")
+                for _, future in batch:
+                    if future is not None and not future.done():
+                        future.set_exception(LogUnavailable("call log failed", retry_after=self._retry_after))
+            else:
+                for record, future in batch:
+                    if future is not None and not future.done():
+                        future.set_result(not kept_out or _attempt_key(record) not in kept_out)
+            finally:
+                for _ in batch:
+                    self._queue.task_done()
 
     async def _commit(self, records: list[CallRecord]) -> set[_AttemptKey]:
         """Log the records; the answered ones not inserted because their call had an answered row."""
@@ -426,42 +408,50 @@ class CallLogWriter:
     async def _commit_postgres(
         self, records: list[CallRecord], rollouts: list[dict[str, Any]]
     ) -> set[_AttemptKey]:
-        # Calls in (trace_id, call_id) order: two batches committing at once that hold retries of the
-        # same calls take their unique-index entries in the same order, so they cannot deadlock.
-        records = sorted(records, key=_call_order)
         calls = _json_rows(records)
         touched = _json_rows(rollouts)
-        conn = await self._connection()
-        try:
-            raw = await conn.get_raw_connection()
-            driver: Any = raw.driver_connection  # the asyncpg connection under SQLAlchemy's
-            kept_out = await driver.fetch(self._batch_sql, calls, touched)
-        except BaseException:
-            # Whatever went wrong, the next batch starts on a new connection.
-            await _discard(conn)
-            raise
-        self._idle.append((conn, time.monotonic()))
-        return {(row[0], row[1], row[2]) for row in kept_out}
+        answered = [r for r in records if r.call_id is not None and r.outcome in ANSWERED_OUTCOMES]
+        async with self._conn_lock:  # only the writer task commits; tests may call _commit directly
+            conn = await self._connection()
+            try:
+                raw = await conn.get_raw_connection()
+                driver: Any = raw.driver_connection  # the asyncpg connection under SQLAlchemy's
+                inserted = await driver.fetchval(self._batch_sql, calls, touched)
+                if inserted == len(answered):
+                    kept_out: set[_AttemptKey] = set()
+                else:  # some answered call had its answered row already: which ones (rare)
+                    rows = await driver.fetch(
+                        self._answered_attempts_sql,
+                        [storable(r.trace_id) for r in answered],
+                        [storable(r.call_id) for r in answered],
+                    )
+                    logged = {(row[0], row[1], row[2]) for row in rows}
+                    kept_out = {key for key in map(_attempt_key, answered) if key not in logged}
+            except BaseException:
+                # Whatever went wrong, the next batch starts on a new connection.
+                self._conn = None
+                await _discard(conn)
+                raise
+            self._idle_since = time.monotonic()
+        return kept_out
 
     async def _connection(self) -> AsyncConnection:
-        """One of the writer's own autocommit connections, checked first if it sat idle (a restarted
-        database); a new one when none is free."""
-        while self._idle:
-            conn, since = self._idle.pop()
-            if time.monotonic() - since <= _IDLE_CHECK_SECONDS:
-                return conn
+        """The writer's own autocommit connection; checked first if it sat idle (a restarted database)."""
+        conn = self._conn
+        if conn is not None and time.monotonic() - self._idle_since > _IDLE_CHECK_SECONDS:
             try:
                 await conn.exec_driver_sql("SELECT 1")
             except (DBAPIError, OSError):
                 await _discard(conn)
-                continue
-            return conn
-        conn = await self._engine.connect()
-        try:
-            await conn.execution_options(isolation_level="AUTOCOMMIT")
-        except BaseException:
-            await conn.close()
-            raise
+                conn = self._conn = None
+        if conn is None:
+            conn = await self._engine.connect()
+            try:
+                await conn.execution_options(isolation_level="AUTOCOMMIT")
+            except BaseException:
+                await conn.close()
+                raise
+            self._conn = conn
         return conn
 
     async def aclose(self) -> None:
@@ -473,13 +463,11 @@ class CallLogWriter:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        for task in list(self._in_flight):
-            task.cancel()
-        await asyncio.gather(*self._in_flight, return_exceptions=True)
-        idle, self._idle = self._idle, []
-        for conn, _ in idle:
-            with contextlib.suppress(Exception):
-                await conn.close()
+        async with self._conn_lock:
+            if self._conn is not None:
+                conn, self._conn = self._conn, None
+                with contextlib.suppress(Exception):
+                    await conn.close()
 
 
 _IDLE_CHECK_SECONDS = 5.0
@@ -496,10 +484,6 @@ async def _discard(conn: AsyncConnection) -> None:
 
 def _attempt_key(record: CallRecord) -> _AttemptKey:
     return storable(record.trace_id), storable(record.call_id or ""), record.started_at
-
-
-def _call_order(record: CallRecord) -> tuple[str, str]:
-    return record.trace_id, record.call_id or ""
 
 
 def _json_rows(rows: list[CallRecord] | list[dict[str, Any]]) -> str:

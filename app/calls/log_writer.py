@@ -12,7 +12,7 @@ from typing import Any
 
 import asyncpg
 import orjson
-from sqlalchemy import bindparam, func, or_, select, text, update
+from sqlalchemy import bindparam, func, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -266,54 +266,59 @@ class CallLogWriter:
                 output_bytes=0,
             )
         )
-        await self._short_transaction(statement)
 
-    async def take_over(self, record: CallRecord, *, only_if_different: bool = False) -> None:
+        async def run(conn: AsyncConnection) -> None:
+            await conn.execute(statement)
+
+        await self._short_transaction(run)
+
+    async def take_over(self, record: CallRecord) -> None:
         """Log `record` in place of the answered row its call already has: its answer is the one sent.
 
-        `write` keeps the first answered row of a call (a retry replayed from the ledger answers what
-        it says). But that row may be one a failing attempt logged while the store was keeping its
-        answer, and is voiding (see `void`); an attempt whose answer is going out, and whose record
-        met such a row, takes the row over: with its own answer, attempt and times, so the void
-        matches nothing any more (or, `only_if_different`, only when the row's answer is not this
-        one). Then its rollout's call count is taken again. LogUnavailable when the database fails:
-        the answer is not sent, and the retry replays it from the ledger.
+        `write` keeps the first answered row of a call. But that row may be one a failing attempt
+        logged while the store was keeping its answer, and is voiding (see `void`). An attempt whose
+        answer is going out, and whose record met such a row, takes the row over: with its own
+        attempt and times, so the void, before or after, matches nothing. A row inserted (the void
+        came first) adds one to its rollout's `calls`. LogUnavailable when the database fails: the
+        answer is not sent, and the retry replays it from the ledger.
         """
         row = _without_nul(record)
         insert: Any = postgresql.insert if self._postgres else sqlite.insert
         upsert = insert(ToolCall.__table__).values(**row)
-        calls = ToolCall.__table__.c
         upsert = upsert.on_conflict_do_update(
             index_elements=["trace_id", "call_id"],
             index_where=_ANSWERED_ROW,
             set_={name: upsert.excluded[name] for name in row},
-            where=or_(
-                calls.output.is_distinct_from(upsert.excluded.output),
-                calls.outcome.is_distinct_from(upsert.excluded.outcome),
-            )
-            if only_if_different
-            else None,
         )
-        recount = (
-            update(Rollout)
-            .where(Rollout.trace_id == row["trace_id"])
-            .values(
-                calls=select(func.count())
-                .select_from(ToolCall.__table__)
-                .where(ToolCall.trace_id == Rollout.trace_id)
-                .scalar_subquery()
-            )
+        counted = update(Rollout).where(Rollout.trace_id == row["trace_id"])
+        recount = counted.values(
+            calls=select(func.count())
+            .select_from(ToolCall.__table__)
+            .where(ToolCall.trace_id == Rollout.trace_id)
+            .scalar_subquery()
         )
-        await self._short_transaction(upsert, recount)
 
-    async def _short_transaction(self, *statements: Any) -> None:
+        async def run(conn: AsyncConnection) -> None:
+            if self._postgres:
+                # Whether it inserted: a row the upsert updated carries the updating transaction's
+                # xmax. The increment, unlike a count, cannot miss a batch committing meanwhile.
+                inserted = (await conn.execute(upsert.returning(text("xmax = 0")))).scalar()
+                if inserted:
+                    await conn.execute(counted.values(calls=Rollout.calls + 1))
+            else:  # one writer at a time: the count is taken again
+                await conn.execute(upsert)
+                await conn.execute(recount)
+
+        await self._short_transaction(run)
+
+    async def _short_transaction(self, work: Any) -> None:
+        """`work(conn)` in a transaction of its own, tried three times; LogUnavailable if it never went in."""
         failure: BaseException | None = None
         for attempt in range(3):
             try:
                 async with asyncio.timeout(_SHORT_TIMEOUT_SECONDS):
                     async with self._engine.begin() as conn:
-                        for statement in statements:
-                            await conn.execute(statement)
+                        await work(conn)
                 return
             except (*_COMMIT_ERRORS, TimeoutError) as exc:
                 failure = exc

@@ -99,6 +99,9 @@ class _Call:
     record: CallRecord | None = None
     logged: asyncio.Future[bool] | None = None
     voided: bool = False
+    # The answer is the call's own: the tool ran for it (`_finish`), or it is the ledger's answer to
+    # this very call (a retry). Only such an answer takes over the call's answered row (see `call`).
+    delivers: bool = False
 
 
 class ToolCallService:
@@ -177,15 +180,16 @@ class ToolCallService:
                 if not call.voided:  # a voided record already logs this attempt as its infra_error
                     self.log_writer.submit(self._record(call, None, "infra_error", exc.message, 503))
                 raise
-            ran = call.record is not None and call.logged is not None  # the tool ran, see _finish
             if call.record is None or call.logged is None:
                 call.record = self._answered(call, answer)
                 call.logged = self.log_writer.enqueue(call.record)
-            if not await call.logged:
-                # The call had an answered row already: the first answer (replayed now), or the row of
-                # an attempt that failed and is voiding it. This answer is going out: the answer the
-                # tool just gave takes the row over; a replayed one, where the row says otherwise.
-                await self.log_writer.take_over(call.record, only_if_different=not ran)
+            if not await call.logged and call.delivers:
+                # The call had an answered row already: the same answer, logged by the attempt that
+                # first sent it, or the row of an attempt that failed and is voiding it. This answer
+                # is going out, so its attempt takes the row over (its own times and worker), and the
+                # void, whenever it comes, matches nothing. An answer made before the ledger was
+                # asked (a model error in the arguments) never takes a row over.
+                await self.log_writer.take_over(call.record)
             outcome = answer.outcome
         finally:
             self.metrics.in_flight.dec()
@@ -286,6 +290,7 @@ class ToolCallService:
                     outcome=CALL_ID_REUSED,
                 )
             self.metrics.ledger_replays.inc()
+            call.delivers = True
             return began  # a retry: the identical answer, without running the tool again
         try:
             writes: PackChanges = {}
@@ -315,6 +320,7 @@ class ToolCallService:
         call.logged = self.log_writer.enqueue(record)
         try:
             await self.store.finish(began, writes, answer)
+            call.delivers = True
         except BaseException as exc:
             logged, call.logged, call.voided = call.logged, None, True
             if isinstance(exc, ServiceUnavailable):
@@ -331,18 +337,16 @@ class ToolCallService:
             raise
 
     async def _void(self, logged: asyncio.Future[bool], record: CallRecord, reason: str, status: int) -> None:
-        with contextlib.suppress(ServiceUnavailable):
-            await logged  # committed or not (a failed commit's fate is unknown): void what is there
-        if record.call_id is not None:
-            try:
-                kept = await self.store.stored_answer(record.trace_id, record.call_id)
-            except ServiceUnavailable:
-                kept = None
-            if kept is not None and (kept.output, kept.outcome) == (record.output, record.outcome):
-                # The store kept this answer after all (it applied the finish; its reply was lost): a
-                # retry replays it, and the row says what it will say.
-                return
+        failed = replace(record, output=None, outcome="infra_error", error=reason, status_code=status)
         try:
+            try:
+                own_row = await logged
+            except ServiceUnavailable:
+                own_row = True  # its commit failed, so its fate is unknown: void what may be there
+            if not own_row:
+                # Nothing of this attempt was logged (the call had an answered row): log the failure.
+                self.log_writer.submit(failed)
+                return
             await self.log_writer.void(record, reason=reason, status_code=status)
         except ServiceUnavailable:
             log.error(
@@ -351,11 +355,18 @@ class ToolCallService:
                 record.call_id,
                 record.trace_id,
             )
+        except Exception:  # a bug here must not turn the caller's 503 into a 500
+            log.exception("call log: voiding the unsent answer to call %s failed", record.call_id)
 
     async def aclose(self) -> None:
         """Let the log corrections still running finish (for a while), before the writer stops."""
-        if self._voiding:
-            await asyncio.wait(list(self._voiding), timeout=_CORRECTIONS_GRACE_SECONDS)
+        if not self._voiding:
+            return
+        _, late = await asyncio.wait(list(self._voiding), timeout=_CORRECTIONS_GRACE_SECONDS)
+        for voiding in late:
+            log.error("call log: a void was still running at shutdown; its row may show an unsent answer")
+            voiding.cancel()
+        await asyncio.gather(*late, return_exceptions=True)
 
     async def _run(
         self, spec: ToolSpec, kwargs: dict[str, Any], call: _Call, began: Ticket | None

@@ -146,11 +146,6 @@ class MemoryRolloutStore:
         self._settle(ticket, None)
         self._unlock(ticket)
 
-    async def stored_answer(self, trace_id: str, call_id: str) -> StoredAnswer | None:
-        rollout = self._rollouts.get(trace_id)
-        entry = rollout.ledger.get(call_id) if rollout is not None else None
-        return entry if isinstance(entry, StoredAnswer) else None
-
     async def mark_graded(self, trace_id: str) -> None:
         self._rollout(trace_id).graded = True
 

@@ -17,17 +17,7 @@ from urllib.parse import quote
 import orjson
 from redis.asyncio import Redis
 
-from app.rollouts.redis_scripts import (
-    ABORT,
-    ANSWERED,
-    BEGIN,
-    EXTEND,
-    FINISH,
-    SEP,
-    Script,
-    ScriptBatcher,
-    script_flags,
-)
+from app.rollouts.redis_scripts import ABORT, BEGIN, EXTEND, FINISH, SEP, Script, ScriptBatcher, script_flags
 from app.rollouts.store import PackChanges, RolloutMeta, StoredAnswer, StoreUnavailable, Ticket
 
 log = logging.getLogger(__name__)
@@ -340,14 +330,6 @@ class RedisRolloutStore:
             self._let_go(ticket)
 
     # --- state and lifecycle -------------------------------------------------------------------------
-
-    async def stored_answer(self, trace_id: str, call_id: str) -> StoredAnswer | None:
-        entry = await self._guard(self._redis.get(_keys(trace_id, call_id)[2]))
-        text = _text(entry) if entry is not None else ""
-        if not text.startswith(ANSWERED):
-            return None  # no entry, or a claim ('P:token')
-        data = orjson.loads(text[len(ANSWERED) :])
-        return StoredAnswer(output=data["output"], outcome=data["outcome"], call=data.get("call", ""))
 
     async def mark_graded(self, trace_id: str) -> None:
         key = f"{_prefix(trace_id)}:meta"

@@ -96,13 +96,6 @@ class RolloutStore(Protocol):
         """
         ...
 
-    async def stored_answer(self, trace_id: str, call_id: str) -> StoredAnswer | None:
-        """The answer the ledger holds for the call, if any (None while it is claimed or unknown).
-
-        Raises StoreUnavailable when the store is unreachable.
-        """
-        ...
-
     async def mark_graded(self, trace_id: str) -> None: ...
 
     async def is_graded(self, trace_id: str) -> bool: ...

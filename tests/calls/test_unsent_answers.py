@@ -163,11 +163,11 @@ async def test_voiding_marks_only_that_attempt(client: httpx.AsyncClient) -> Non
     assert len(rows) == 3
 
 
-async def test_an_answer_the_store_kept_though_finish_failed_stays_logged(
+async def test_an_answer_the_store_kept_though_its_finish_failed_is_logged_when_replayed(
     app_factory: AppFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The store applied the finish but its reply was lost: the call answers 503, and the row stays, since
-    the retry replays exactly that answer."""
+    """The store applied the finish but its reply was lost: nothing was sent, so the attempt's row is
+    voided; the retry replays the stored answer (the tool does not run again) and logs it."""
     trace = new_trace()
     async with app_factory() as client:
         store = app_state(client.app).store  # type: ignore[attr-defined]
@@ -181,14 +181,18 @@ async def test_an_answer_the_store_kept_though_finish_failed_stays_logged(
         body = call_body({"by": 1}, trace_id=trace, call_id="c1")
         first = await client.post("/tools/increment", json=body)
         assert first.status_code == 503, first.text
+        assert [(r.outcome, r.status_code) for r in await _rows(client, trace)] == [("infra_error", 503)]
         monkeypatch.setattr(store, "finish", finish)
         retry = await client.post("/tools/increment", json=body)
-        assert retry.status_code == 200 and retry.json()["output"] == '{"value":101}'
-        rows = await _rows(client, trace)
-        assert [(r.outcome, r.status_code, r.output) for r in rows] == [("ok", 200, '{"value":101}')]
+        assert retry.status_code == 200 and retry.json()["output"] == '{"value":101}'  # applied once
+        rows = sorted((r.outcome, r.status_code, r.output or "") for r in await _rows(client, trace))
+        assert rows == [("infra_error", 503, ""), ("ok", 200, '{"value":101}')]
 
 
-async def test_a_replay_that_meets_a_row_with_another_answer_takes_it_over(client: httpx.AsyncClient) -> None:
+async def test_a_replay_takes_the_row_over_whatever_it_says(client: httpx.AsyncClient) -> None:
+    """A replay's record meets the call's answered row. It takes the row over: the row might be a
+    failed attempt's that is being voided (and might even say the same), and the replay's answer is
+    going out."""
     trace = new_trace()
     body = call_body({"by": 2}, trace_id=trace, call_id="c1")
     first = await client.post("/tools/increment", json=body)
@@ -197,20 +201,29 @@ async def test_a_replay_that_meets_a_row_with_another_answer_takes_it_over(clien
         # As if the row were one a failed attempt logged with its own answer and has not voided yet.
         await session.execute(update(ToolCall).where(ToolCall.trace_id == trace).values(output="stale"))
         await session.commit()
+        (logged_first,) = (await session.scalars(select(ToolCall).where(ToolCall.trace_id == trace))).all()
     replay = await client.post("/tools/increment", json=body)
     assert replay.json()["output"] == first.json()["output"]
     rows = await _rows(client, trace)
     assert [(r.outcome, r.output) for r in rows] == [("ok", first.json()["output"])]
+    assert rows[0].started_at > logged_first.started_at  # the replay's attempt now
+    again = await client.post("/tools/increment", json=body)  # the same answer: taken over again
+    assert again.json()["output"] == first.json()["output"]
+    rows_after = await _rows(client, trace)
+    assert len(rows_after) == 1 and rows_after[0].started_at > rows[0].started_at
     async with app_state(client.app).sessionmaker() as session:  # type: ignore[attr-defined]
         rollout = await session.get(Rollout, trace)
     assert rollout is not None and rollout.calls == 1
 
 
-async def test_stores_tell_the_answer_they_hold(client: httpx.AsyncClient) -> None:
-    store = app_state(client.app).store  # type: ignore[attr-defined]
+async def test_a_model_error_under_a_used_call_id_leaves_the_answered_row_alone(
+    client: httpx.AsyncClient,
+) -> None:
     trace = new_trace()
-    assert await store.stored_answer(trace, "c1") is None
-    await client.post("/tools/increment", json=call_body({"by": 1}, trace_id=trace, call_id="c1"))
-    kept = await store.stored_answer(trace, "c1")
-    assert kept is not None and (kept.output, kept.outcome) == ('{"value":101}', "ok")
-    assert await store.stored_answer(trace, "c2") is None
+    first = await client.post("/tools/increment", json=call_body({"by": 1}, trace_id=trace, call_id="c1"))
+    assert first.json()["output"] == '{"value":101}'
+    # Arguments the tool refuses before the ledger is asked: an Error the model reads, not a retry.
+    wrong = await client.post("/tools/increment", json=call_body({"by": "x"}, trace_id=trace, call_id="c1"))
+    assert wrong.status_code == 200 and wrong.json()["output"].startswith("Error:")
+    rows = await _rows(client, trace)
+    assert [(r.outcome, r.output) for r in rows if r.outcome == "ok"] == [("ok", '{"value":101}')]

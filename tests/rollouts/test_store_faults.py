@@ -46,10 +46,10 @@ async def _calls_under_drops(rounds: int) -> tuple[int, list[BaseException]]:
                 await store.abort(began)
                 raise
 
-    async def one_rollout(trace: str) -> None:
+    async def one_rollout(trace: str, rep: int) -> None:
         for k in range(rounds):
             try:
-                await call(trace, f"c{k}")
+                await call(trace, f"c{rep}_{k}")
             except Exception as exc:
                 failures.append(exc)
 
@@ -61,7 +61,12 @@ async def _calls_under_drops(rounds: int) -> tuple[int, list[BaseException]]:
     dropping = asyncio.create_task(dropper())
     try:
         try:
-            await asyncio.wait_for(asyncio.gather(*(one_rollout(trace) for trace in traces)), 120)
+            # Until the drops have met some calls: on a quiet machine one pass can finish between
+            # two drops, or see each of its pipelines retried on a new connection in time.
+            for rep in range(40):
+                await asyncio.wait_for(asyncio.gather(*(one_rollout(trace, rep) for trace in traces)), 120)
+                if failures:
+                    break
         finally:
             dropping.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -345,15 +345,16 @@ async def test_redis_claim_of_a_crashed_worker_lapses() -> None:
 
 
 async def test_redis_keep_alive_holds_claim_and_lock_of_a_long_call() -> None:
-    async with redis_store_and_client(claim_timeout=0.3, lock_timeout=0.3) as (store, client):
+    # Expiries long enough that a loaded machine's stall of a few hundred ms does not lapse them.
+    async with redis_store_and_client(claim_timeout=0.6, lock_timeout=0.6) as (store, client):
         trace = new_trace()
         long_call = await ticket(store, trace, "c1", lock=True)
-        await asyncio.sleep(1.0)  # more than three expiries
+        await asyncio.sleep(2.0)  # more than three expiries
         assert await client.get(f"sp:{{{trace}}}:call:c1") == f"P:{long_call.token}".encode()
         assert await client.get(f"sp:{{{trace}}}:lock") == long_call.token.encode()
         await store.finish(long_call, {"p": {"t": {"k": 1}}}, ANSWER)
         assert await client.get(f"sp:{{{trace}}}:lock") is None
-        await asyncio.sleep(0.4)
+        await asyncio.sleep(0.8)
         assert await begin(store, trace, "c1") == ANSWER, "the answer outlives the claim's expiry"
 
 

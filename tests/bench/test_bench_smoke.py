@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import grading, run
+from bench import ab, grading, run
 
 pytestmark = pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk is not installed")
 
@@ -105,3 +105,35 @@ def test_callgrind_total_is_read_from_the_totals_line(tmp_path: Path) -> None:
     dump.write_text("events: Ir\nsummary: 7\n")
     with pytest.raises(RuntimeError, match="no instruction total"):
         callgrind_total(dump)
+
+
+def test_ab_bench_compares_two_checkouts(tmp_path: Path) -> None:
+    root = Path(run.ROOT)
+    code = ab.main(
+        [
+            "--variant",
+            f"one={root}",
+            "--variant",
+            f"two={root}",
+            "--scenario",
+            "retail-write",
+            "--rounds",
+            "1",
+            "--duration",
+            "1",
+            "--warmup",
+            "0",
+            "--rollouts",
+            "8",
+            "--results-dir",
+            str(tmp_path),
+        ]
+    )
+    assert code == 0
+    (out,) = tmp_path.glob("ab-*.json")
+    summary = json.loads(out.read_text())["summary"]
+    assert set(summary) == {"one", "two"}
+    for row in summary.values():
+        assert row["ratio_median"] > 0 and row["errors"] == 0
+    with pytest.raises(SystemExit):
+        ab.main(["--variant", f"one={root}", "--variant", f"two={tmp_path}"])  # not a checkout

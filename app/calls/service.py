@@ -345,13 +345,13 @@ class ToolCallService:
                 own_row = True  # its commit failed, so its fate is unknown: void what may be there
             if not own_row:
                 # Nothing of this attempt was logged (the call had an answered row): log the failure.
-                self.log_writer.submit(failed)
+                await self.log_writer.write(failed)
                 return
             await self.log_writer.void(record, reason=reason, status_code=status)
         except ServiceUnavailable:
             log.error(
-                "call log: the answer to call %s of rollout %s was logged but not sent, and could not be "
-                "marked so; a retry that is answered takes the row over",
+                "call log: could not record that the answer to call %s of rollout %s was not sent (a row "
+                "logged with it stays until a retry that is answered takes it over)",
                 record.call_id,
                 record.trace_id,
             )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any
@@ -45,6 +46,20 @@ def look_up(ctx: ToolContext, key: str) -> dict[str, str]:
         finally:
             client.close()
     return {"key": key, "attempt": str(next(_attempts))}  # each attempt answers differently
+
+
+_claim_lost, _go_on = threading.Event(), threading.Event()
+
+
+@lapsing_pack.tool
+def look_up_slowly(ctx: ToolContext, key: str) -> dict[str, str]:
+    """As look_up, but the first attempt then stalls until the test lets it go on."""
+    first = (ctx.trace_id, ctx.call_id) not in _lost
+    answer = look_up(ctx, key)
+    if first:
+        _claim_lost.set()
+        _go_on.wait(10)
+    return answer
 
 
 async def _rows(client: httpx.AsyncClient, trace: str) -> list[ToolCall]:
@@ -227,3 +242,24 @@ async def test_a_model_error_under_a_used_call_id_leaves_the_answered_row_alone(
     assert wrong.status_code == 200 and wrong.json()["output"].startswith("Error:")
     rows = await _rows(client, trace)
     assert [(r.outcome, r.output) for r in rows if r.outcome == "ok"] == [("ok", '{"value":101}')]
+
+
+@pytest.mark.parametrize("backend", ["real"], indirect=True)
+async def test_a_failed_attempt_whose_record_met_the_answer_sent_is_logged_as_its_failure(
+    app_factory: AppFactory,
+) -> None:
+    """Attempt A stalls after losing its claim; attempt B runs, answers and is logged; then A's record
+    meets B's row and A's finish fails: B's row stays, and A is logged as its infra_error."""
+    trace = new_trace()
+    _claim_lost.clear()
+    _go_on.clear()
+    async with app_factory(packs=[lapsing_pack]) as client:
+        body = call_body({"key": "k"}, trace_id=trace, call_id="c1")
+        first = asyncio.create_task(client.post("/tools/look_up_slowly", json=body))
+        assert await asyncio.to_thread(_claim_lost.wait, 10)
+        second = await client.post("/tools/look_up_slowly", json=body)
+        assert second.status_code == 200, second.text
+        _go_on.set()
+        assert (await first).status_code == 503
+        rows = sorted((r.outcome, r.status_code, r.output or "") for r in await _rows(client, trace))
+        assert rows == [("infra_error", 503, ""), ("ok", 200, second.json()["output"])]

@@ -240,8 +240,8 @@ class CallLogWriter:
 
         The row stays (a logged attempt, counted like any other) but no longer says what was never
         sent: outcome infra_error, no output. It leaves the answered-calls unique index, so the retry's
-        answer is logged in its own row. Matched by the attempt's own trace, call, tool, worker and
-        start time: a row that was never committed, or that another attempt took over meanwhile
+        answer is logged in its own row. Matched by the attempt's own trace, call, tool, worker, start
+        and end: a row that was never committed, or that another attempt took over meanwhile
         (`take_over`), matches nothing. Tried up to three times; LogUnavailable if it never went in.
         """
         match = storable({"trace_id": record.trace_id, "call_id": record.call_id, "tool": record.tool})
@@ -256,6 +256,7 @@ class CallLogWriter:
                 ToolCall.tool == match["tool"],
                 ToolCall.worker == record.worker,
                 ToolCall.started_at == record.started_at,
+                ToolCall.ended_at == record.ended_at,
                 ToolCall.outcome.in_(ANSWERED_OUTCOMES),
             )
             .values(
@@ -278,7 +279,8 @@ class CallLogWriter:
         `write` keeps the first answered row of a call. But that row may be one a failing attempt
         logged while the store was keeping its answer, and is voiding (see `void`). An attempt whose
         answer is going out, and whose record met such a row, takes the row over: with its own
-        attempt and times, so the void, before or after, matches nothing. A row inserted (the void
+        answer, arguments, worker and end, keeping the row's start (the call's place in the
+        timeline), so the void, before or after, matches nothing. A row inserted (the void
         came first) adds one to its rollout's `calls`. LogUnavailable when the database fails: the
         answer is not sent, and the retry replays it from the ledger.
         """
@@ -288,7 +290,8 @@ class CallLogWriter:
         upsert = upsert.on_conflict_do_update(
             index_elements=["trace_id", "call_id"],
             index_where=_ANSWERED_ROW,
-            set_={name: upsert.excluded[name] for name in row},
+            # Everything but the start: the row keeps the call's place in the rollout's timeline.
+            set_={name: upsert.excluded[name] for name in row if name != "started_at"},
         )
         counted = update(Rollout).where(Rollout.trace_id == row["trace_id"])
         recount = counted.values(

@@ -132,7 +132,8 @@ async def test_a_record_whose_call_has_an_answered_row_says_so_and_can_take_it_o
     writer: CallLogWriter = app_state(client.app).log_writer  # type: ignore[attr-defined]
     trace = new_trace()
     first = _record(trace, "c1", output="first")
-    retry = replace(first, started_at=first.started_at + timedelta(seconds=1), output="retry")
+    later = first.started_at + timedelta(seconds=1)
+    retry = replace(first, started_at=later, ended_at=later, output="retry")
     failed = replace(
         first, started_at=first.started_at + timedelta(seconds=2), outcome="infra_error", output=None
     )
@@ -221,11 +222,12 @@ async def test_a_replay_takes_the_row_over_whatever_it_says(client: httpx.AsyncC
     assert replay.json()["output"] == first.json()["output"]
     rows = await _rows(client, trace)
     assert [(r.outcome, r.output) for r in rows] == [("ok", first.json()["output"])]
-    assert rows[0].started_at > logged_first.started_at  # the replay's attempt now
+    # The replay's attempt now, in the call's place in the timeline (its first start).
+    assert rows[0].ended_at > logged_first.ended_at and rows[0].started_at == logged_first.started_at
     again = await client.post("/tools/increment", json=body)  # the same answer: taken over again
     assert again.json()["output"] == first.json()["output"]
     rows_after = await _rows(client, trace)
-    assert len(rows_after) == 1 and rows_after[0].started_at > rows[0].started_at
+    assert len(rows_after) == 1 and rows_after[0].ended_at > rows[0].ended_at
     async with app_state(client.app).sessionmaker() as session:  # type: ignore[attr-defined]
         rollout = await session.get(Rollout, trace)
     assert rollout is not None and rollout.calls == 1

@@ -29,16 +29,17 @@ from bench.run import (
     BENCH_DIR,
     DEFAULT_PG_ADMIN,
     DEFAULT_REDIS,
-    ROOT,
+    SCENARIOS,
     Environment,
     Server,
     build_servers,
+    retail_data_dir,
     retail_ids,
     run_wrk,
     running,
 )
 
-TOOLS = {"retail-read": ("get_order_details", "order"), "retail-write": ("modify_user_address", "address")}
+RETAIL_SCENARIOS = ("retail-read", "retail-write")  # bench.run's scenarios of `sparring serve`
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -52,7 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="NAME=CHECKOUT",
         help="a version to measure: a name and a checkout of sparring (repeatable; at least two)",
     )
-    parser.add_argument("--scenario", choices=sorted(TOOLS), default="retail-read")
+    parser.add_argument("--scenario", choices=RETAIL_SCENARIOS, default="retail-read")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--duration", type=int, default=5, help="seconds per wrk run (default 5)")
     parser.add_argument(
@@ -90,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     if wrk is None:
         print("error: wrk is not installed (Debian: apt-get install wrk)", file=sys.stderr)
         return 2
-    tool, request = TOOLS[args.scenario]
+    scenario = SCENARIOS[args.scenario]
+    tool = scenario.tool
     env = Environment(
         workdir=Path(tempfile.mkdtemp(prefix="sparring-ab-")),
         pg_admin_url=args.pg_admin_url,
@@ -104,10 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     started = datetime.now(UTC)
     try:
         env.create_postgres()
-        from tools.retail import data as retail_data
-
-        env.retail_data = Path(retail_data.fetch(retail_data.cache_dir(ROOT / ".sparring")))
-        ids_file = retail_ids(env.retail_data, env.workdir)[request]
+        env.retail_data = retail_data_dir()
+        ids_file = retail_ids(env.retail_data, env.workdir)[scenario.request]
         servers = build_servers({"echo", "sparring-serve"}, env, key)
         template = servers.pop("sparring-serve")
         for name, checkout in checkouts.items():

@@ -32,10 +32,10 @@ from bench.run import (
     DEFAULT_REDIS,
     LUA_SCRIPT,
     RETAIL_LUA_SCRIPT,
-    ROOT,
     SCENARIOS,
     Environment,
     build_servers,
+    retail_data_dir,
     retail_ids,
     running,
     smoke,
@@ -113,9 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                 env.create_postgres()
             ids_file: Path | None = None
             if scenario.server == "sparring-serve":  # the retail scenarios: `sparring serve` as shipped
-                from tools.retail import data as retail_data
-
-                env.retail_data = Path(retail_data.fetch(retail_data.cache_dir(ROOT / ".sparring")))
+                env.retail_data = retail_data_dir()
                 ids_file = retail_ids(env.retail_data, env.workdir)[scenario.request]
             servers = build_servers({scenario.server}, env, key)
             server = servers[scenario.server]

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import re
 import secrets
 import statistics
@@ -56,6 +55,7 @@ from bench.run import (
     cpu_seconds,
     finite,
     machine_info,
+    retail_data_dir,
 )
 from tools.retail import data
 from tools.retail.tasks import get_task, replay_calls, split_task_ids
@@ -335,9 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--redis-url", default=DEFAULT_REDIS)
     args = parser.parse_args(argv)
 
-    retail_data = Path(
-        os.environ.get("SPARRING_RETAIL_DATA") or data.fetch(data.cache_dir(ROOT / ".sparring"))
-    )
+    retail_data = retail_data_dir()
     data.configure(retail_data, ROOT / ".sparring")
     train = split_task_ids("train")
     tasks = [train[i % len(train)] for i in range(args.rollouts)]

@@ -472,6 +472,16 @@ def build_servers(
     return servers
 
 
+def retail_data_dir() -> Path:
+    """The retail data: SPARRING_RETAIL_DATA if set, else fetched once into .sparring/ (as
+    `sparring packs fetch retail` does)."""
+    from tools.retail import data as retail_data
+
+    return Path(
+        os.environ.get("SPARRING_RETAIL_DATA") or retail_data.fetch(retail_data.cache_dir(ROOT / ".sparring"))
+    )
+
+
 def retail_ids(data_dir: Path, workdir: Path) -> dict[str, Path]:
     """Files of order ids and user ids of the retail data, one a line, for the wrk script."""
     db = json.loads((data_dir / "db.json").read_text())
@@ -1072,12 +1082,7 @@ def main(argv: list[str] | None = None) -> int:
         if needed & {"naive", "sparring-pg", "sparring-serve"}:
             env.create_postgres()
         if "sparring-serve" in needed:
-            from tools.retail import data as retail_data
-
-            env.retail_data = Path(
-                os.environ.get("SPARRING_RETAIL_DATA")
-                or retail_data.fetch(retail_data.cache_dir(ROOT / ".sparring"))
-            )
+            env.retail_data = retail_data_dir()
         if "sparring-embedded" in needed:
             env.create_sqlite()
         servers = build_servers(needed, env, api_key, args.serve_env)

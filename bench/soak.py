@@ -33,12 +33,12 @@ from bench.run import (
     BENCH_DIR,
     DEFAULT_PG_ADMIN,
     DEFAULT_REDIS,
-    ROOT,
     Environment,
     build_servers,
     call_body,
     finite,
     machine_info,
+    retail_data_dir,
     retail_ids,
     running,
     tool_arguments,
@@ -99,7 +99,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from tools.retail import data as retail_data
 
     started = datetime.now(UTC)
     key = "soak-" + secrets.token_urlsafe(18)
@@ -112,10 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     info = machine_info()
     try:
         env.create_postgres()
-        env.retail_data = Path(
-            os.environ.get("SPARRING_RETAIL_DATA")
-            or retail_data.fetch(retail_data.cache_dir(ROOT / ".sparring"))
-        )
+        env.retail_data = retail_data_dir()
         ids = {
             kind: path.read_text().split() for kind, path in retail_ids(env.retail_data, env.workdir).items()
         }

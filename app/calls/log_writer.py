@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
@@ -17,7 +18,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from app.db.models import ANSWERED_OUTCOMES, Rollout, ToolCall
+from app.db.models import ANSWERED_OUTCOMES, ANSWERED_ROW, Rollout, ToolCall
 from app.db.text import storable
 from app.errors import ServiceUnavailable
 from app.metrics import Metrics
@@ -61,7 +62,6 @@ _COMMIT_ERRORS = (SQLAlchemyError, OSError, asyncpg.PostgresError, asyncpg.Inter
 _Pending = tuple[CallRecord, asyncio.Future[bool] | None]
 # What names one attempt of a call in the log: trace_id and call_id as stored, and its start.
 _AttemptKey = tuple[str, str, datetime]
-_ANSWERED_ROW = text("call_id IS NOT NULL AND outcome IN ('ok', 'model_error')")
 
 # The columns of tool_calls the writer fills, in the order of CallRecord's fields plus output_bytes.
 _CALL_COLUMNS = (
@@ -169,7 +169,6 @@ class CallLogWriter:
         self._conn_lock = asyncio.Lock()
         self._idle_since = 0.0
         self._batch_sql = _postgres_batch_sql()
-        self._answered_attempts_sql = _ANSWERED_ATTEMPTS_SQL
         # SQLite: the same work in three statements. Built once, so SQLAlchemy compiles them once.
         insert: Any = sqlite.insert
         rollouts = Rollout.__table__
@@ -289,17 +288,11 @@ class CallLogWriter:
         upsert = insert(ToolCall.__table__).values(**row)
         upsert = upsert.on_conflict_do_update(
             index_elements=["trace_id", "call_id"],
-            index_where=_ANSWERED_ROW,
+            index_where=text(ANSWERED_ROW),
             # Everything but the start: the row keeps the call's place in the rollout's timeline.
             set_={name: upsert.excluded[name] for name in row if name != "started_at"},
         )
         counted = update(Rollout).where(Rollout.trace_id == row["trace_id"])
-        recount = counted.values(
-            calls=select(func.count())
-            .select_from(ToolCall.__table__)
-            .where(ToolCall.trace_id == Rollout.trace_id)
-            .scalar_subquery()
-        )
 
         async def run(conn: AsyncConnection) -> None:
             if self._postgres:
@@ -310,11 +303,11 @@ class CallLogWriter:
                     await conn.execute(counted.values(calls=Rollout.calls + 1))
             else:  # one writer at a time: the count is taken again
                 await conn.execute(upsert)
-                await conn.execute(recount)
+                await conn.execute(self._recount, {"traces": [row["trace_id"]]})
 
         await self._short_transaction(run)
 
-    async def _short_transaction(self, work: Any) -> None:
+    async def _short_transaction(self, work: Callable[[AsyncConnection], Awaitable[None]]) -> None:
         """`work(conn)` in a transaction of its own, tried three times; LogUnavailable if it never went in."""
         failure: BaseException | None = None
         for attempt in range(3):
@@ -394,12 +387,13 @@ class CallLogWriter:
                 row["item_key"] = row["item_key"] or record.item_key
         # Rollouts in a fixed order, so two workers upserting the same rollouts cannot deadlock.
         traces = sorted(rollouts)
+        # The records that claim their call's answered row: the only ones a batch may skip.
+        answered = [r for r in records if r.call_id is not None and r.outcome in ANSWERED_OUTCOMES]
         if self._postgres:
-            return await self._commit_postgres(records, [rollouts[key] for key in traces])
+            return await self._commit_postgres(records, [rollouts[key] for key in traces], answered)
         rows = [_without_nul(record) for record in records]
         rollout_rows = [storable(rollouts[key]) for key in traces]
         stored_traces = [row["trace_id"] for row in rollout_rows]
-        answered = [row for row in rows if row["call_id"] is not None and row["outcome"] in ANSWERED_OUTCOMES]
         async with self._engine.begin() as conn:
             # The upsert locks each rollout row first, so concurrent batches of one rollout take turns
             # and each recount sees the calls the other committed.
@@ -410,15 +404,13 @@ class CallLogWriter:
                 return set()
             present = await conn.execute(self._answered_attempts, {"traces": stored_traces})
             logged = {(trace, call, started) for trace, call, started in present}
-        keys = {(row["trace_id"], row["call_id"], row["started_at"]) for row in answered}
-        return keys - logged
+        return {key for key in map(_attempt_key, answered) if key not in logged}
 
     async def _commit_postgres(
-        self, records: list[CallRecord], rollouts: list[dict[str, Any]]
+        self, records: list[CallRecord], rollouts: list[dict[str, Any]], answered: list[CallRecord]
     ) -> set[_AttemptKey]:
         calls = _json_rows(records)
         touched = _json_rows(rollouts)
-        answered = [r for r in records if r.call_id is not None and r.outcome in ANSWERED_OUTCOMES]
         async with self._conn_lock:  # only the writer task commits; tests may call _commit directly
             conn = await self._connection()
             try:
@@ -429,7 +421,7 @@ class CallLogWriter:
                     kept_out: set[_AttemptKey] = set()
                 else:  # some answered call had its answered row already: which ones (rare)
                     rows = await driver.fetch(
-                        self._answered_attempts_sql,
+                        _ANSWERED_ATTEMPTS_SQL,
                         [storable(r.trace_id) for r in answered],
                         [storable(r.call_id) for r in answered],
                     )

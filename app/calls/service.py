@@ -186,9 +186,10 @@ class ToolCallService:
             if not await call.logged and call.delivers:
                 # The call had an answered row already: the same answer, logged by the attempt that
                 # first sent it, or the row of an attempt that failed and is voiding it. This answer
-                # is going out, so its attempt takes the row over (its own times and worker), and the
-                # void, whenever it comes, matches nothing. An answer made before the ledger was
-                # asked (a model error in the arguments) never takes a row over.
+                # is going out, so its attempt takes the row over (its answer, worker and end; the
+                # call's start stays), and the void, whenever it comes, matches nothing. An answer
+                # made before the ledger was asked (a model error in the arguments) never takes a
+                # row over.
                 await self.log_writer.take_over(call.record)
             outcome = answer.outcome
         finally:

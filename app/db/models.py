@@ -12,6 +12,8 @@ from app.db.base import Base, BigIntId, JsonColumn, UtcDateTime
 
 # Outcomes whose (trace_id, call_id) is answered once: a retry replays the ledger instead of running again.
 ANSWERED_OUTCOMES = ("ok", "model_error")
+# The rows of uq_tool_calls_answered: a call's answered row (an upsert on that index names it too).
+ANSWERED_ROW = "call_id IS NOT NULL AND outcome IN ('ok', 'model_error')"
 # How a call arrived: the tool routes (rft: training), or the MCP server (mcp: production, local agents).
 CHANNELS = ("rft", "mcp")
 
@@ -41,8 +43,8 @@ class ToolCall(Base):
             "trace_id",
             "call_id",
             unique=True,
-            postgresql_where=text("call_id IS NOT NULL AND outcome IN ('ok', 'model_error')"),
-            sqlite_where=text("call_id IS NOT NULL AND outcome IN ('ok', 'model_error')"),
+            postgresql_where=text(ANSWERED_ROW),
+            sqlite_where=text(ANSWERED_ROW),
         ),
         Index("ix_tool_calls_tool_started", "tool", "started_at"),
         # Run statistics (per tool: count, latency percentiles, outcomes, output sizes) read only this.

@@ -11,10 +11,10 @@ import typer
 
 from app.cli_support import fail, load_settings
 from app.config import Settings, get_settings
+from app.eval_cli import runner_cli
 from app.grading.cli import grading_cli
 from app.retention.cli import retention_cli
 from app.review.cli import review_cli
-from app.runner.cli import runner_cli
 
 cli = typer.Typer(
     help="sparring: tools and graders for agent reinforcement fine-tuning.", no_args_is_help=True

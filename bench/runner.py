@@ -25,13 +25,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from app.runner.evaluate import Job, RolloutRecord, plan_jobs, run_jobs
-from app.runner.http import AiohttpTransport, HttpGrader, HttpToolCaller, Retry
-from app.runner.loop import DatasetLine, FunctionCall, Limits, ModelTurn, Policy, Transcript
-from app.runner.models import ChatPolicy, ResponsesPolicy, model_client
-from app.runner.session import server_target
 from bench.cpu import _proc_cpu
 from bench.run import ROOT, Server, clean_env
+from sparring.evaluate import FinishedRollout, Job, plan_jobs, run_jobs
+from sparring.http import AiohttpTransport, HttpGrader, HttpToolCaller, Retry
+from sparring.loop import DatasetLine, EpisodeLimits, FunctionCall, ModelTurn, Policy, Transcript
+from sparring.policies import ChatPolicy, ResponsesPolicy, model_client
+from sparring.session import server_target
 
 POLICIES = ("scripted", "responses", "chat")
 
@@ -93,7 +93,7 @@ def own_cpu() -> float:
 async def one_round(policy_name: str, url: str, args: argparse.Namespace, target_pid: int) -> dict[str, Any]:
     lines = dataset(args.rollouts)
     target = server_target(url, tools_key=None, grader_key=None, grader="bench")
-    records: list[RolloutRecord] = []
+    records: list[FinishedRollout] = []
     async with AiohttpTransport.open(args.concurrency) as client:
         model = model_client("bench", f"{url}/v1")
         policy: Policy
@@ -107,7 +107,7 @@ async def one_round(policy_name: str, url: str, args: argparse.Namespace, target
         grader = HttpGrader(client, target.grader, run="bench", retry=Retry(attempts=3, delay_s=0.1))
         jobs: list[Job] = plan_jobs(lines, 1)
         # Warm the connections and the code paths, unmeasured.
-        await run_jobs(jobs[: min(10, len(jobs))], lambda job: policy, tools, grader, limits=Limits(),
+        await run_jobs(jobs[: min(10, len(jobs))], lambda job: policy, tools, grader, limits=EpisodeLimits(),
                        concurrency=10, on_record=lambda r: None)  # fmt: skip
         cpu_before, target_before, started = own_cpu(), process_cpu(target_pid), time.perf_counter()
         await run_jobs(
@@ -115,7 +115,7 @@ async def one_round(policy_name: str, url: str, args: argparse.Namespace, target
             lambda job: policy,
             tools,
             grader,
-            limits=Limits(max_turns=args.turns + 1, max_tool_calls=args.turns * args.calls),
+            limits=EpisodeLimits(max_turns=args.turns + 1, max_tool_calls=args.turns * args.calls),
             concurrency=args.concurrency,
             on_record=records.append,
         )

@@ -1,9 +1,9 @@
 """A Python client for trainers: sparring's tools, graders and whole episodes, from any RL trainer.
 
-It imports none of the server's stack (FastAPI, SQLAlchemy, Redis, ...), only `httpx` and `openai`.
-It is built on the rollout runner's pieces: tool calls go out as `app.runner.http.HttpToolCaller`
+It imports none of the server's stack (FastAPI, SQLAlchemy, Redis, ...): `pip install sparring` is
+enough. It is built on the package's own pieces: tool calls go out as `sparring.http.HttpToolCaller`
 sends them (the platform's envelope, retries of a 5xx with the same `call_id`, then failure),
-grades as `HttpGrader` posts them, and `run_episode` is `app.runner.loop.run_rollout`, the one rollout loop.
+grades as `HttpGrader` posts them, and `run_episode` is `sparring.loop.run_rollout`, the one rollout loop.
 
     env = Environment("https://sparring.example.com", key="...", run="grpo-7")
     schemas = env.tools()                          # chat-completions tools for the model
@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import uuid
 from collections.abc import Awaitable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -31,19 +30,18 @@ from typing import Any, Literal, TypeVar, cast
 import httpx
 from openai import AsyncOpenAI, OpenAI
 
-from app.runner.http import Endpoint, HttpGrader, HttpToolCaller, Retry, ToolEndpoints
-from app.runner.loop import (
+from sparring.http import Endpoint, HttpGrader, HttpToolCaller, Retry, ToolEndpoints
+from sparring.loop import (
     DatasetLine,
+    EpisodeLimits,
     FunctionCall,
-    Limits,
     RolloutResult,
     Usage,
     build_sample,
-    new_call_id,
-    new_trace_id,
     run_rollout,
 )
-from app.runner.models import ChatPolicy, ResponsesPolicy, chat_messages
+from sparring.policies import ChatPolicy, ResponsesPolicy, chat_messages
+from sparring.wire import new_call_id, new_trace_id, remote_trace_id
 
 __all__ = [
     "AsyncEnvironment",
@@ -58,18 +56,6 @@ __all__ = [
 
 Api = Literal["chat", "responses"]
 T = TypeVar("T")
-
-
-# Trace ids of remote rollouts are derived from rollout ids in this namespace (by sparring and its client).
-REMOTE_TRACE_NAMESPACE = uuid.UUID("5d0f6c1e-8a44-4c7a-9b0e-3f1c2a7d9e61")
-
-
-def remote_trace_id(rollout_id: str) -> str:
-    """The `trace_id` sparring gives the remote rollout `rollout_id` (`POST /remote/init`).
-
-    An eval-protocol evaluator grades the rollout with it, without asking the server.
-    """
-    return f"trace_{uuid.uuid5(REMOTE_TRACE_NAMESPACE, rollout_id).hex}"
 
 
 class ToolCallFailed(RuntimeError):
@@ -291,7 +277,7 @@ class AsyncEnvironment:
             self._caller,
             DatasetLine.from_json(line),
             grader=grading,
-            limits=Limits(max_turns=max_turns, max_tool_calls=max_tool_calls),
+            limits=EpisodeLimits(max_turns=max_turns, max_tool_calls=max_tool_calls),
             trace_id=trace_id,
         )
         # The conversation as the model saw it: chat servers get `developer` messages as `system`.

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import ast
+import importlib.metadata
+import re
+import subprocess
+import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -81,17 +86,89 @@ def test_the_checks_see_real_imports() -> None:
     assert offending("app/review", ("app.grading",)) != {}  # review reads what grading writes
 
 
-def test_the_rollout_runner_is_a_client_of_the_server() -> None:
-    """The runner reaches the server over HTTP only: of `app` it imports its own package, the settings,
-    the command helpers and the wire identity (how the server names items and runs), nothing else."""
-    allowed = ("app.runner", "app.config", "app.cli_support", "app.rollouts.identity")
+def test_the_client_package_imports_nothing_of_the_server() -> None:
+    """`sparring/` is the bottom of the house: the contract and the client. It imports no `app` and no
+    `tools`; the server imports it, never the other way round."""
     bad = {
         str(path.relative_to(ROOT)): sorted(
-            m
-            for m in modules_imported(path)
-            if is_under(m, "app") and not any(is_under(m, a) for a in allowed)
+            m for m in modules_imported(path) if is_under(m, "app") or is_under(m, "tools")
         )
-        for path in files("app/runner")
+        for path in files("sparring")
     }
     assert {path: hits for path, hits in bad.items() if hits} == {}
-    assert "app.rollouts.identity" in modules_imported(ROOT / "app/runner/evaluate.py")  # the check sees it
+    assert "sparring.wire" in modules_imported(ROOT / "app/remote/schemas.py")  # the server sits on it
+
+
+def server_only_modules() -> list[str]:
+    """The top-level modules of the `server` extra's distributions (and `app`, `tools`): what an install
+    of the client alone does not hold."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    client = {canonical(requirement) for requirement in project["dependencies"]}
+    server = {canonical(requirement) for requirement in project["optional-dependencies"]["server"]} - client
+    modules = {"app", "tools"}
+    for module, distributions in importlib.metadata.packages_distributions().items():
+        if any(canonical(d) in server for d in distributions):
+            modules.add(module)
+    return sorted(modules)
+
+
+def canonical(requirement: str) -> str:
+    name = re.split(r"[\[<>=!~ ;]", requirement, maxsplit=1)[0]
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+CLIENT_MODULES = (
+    "sparring.wire",
+    "sparring.loop",
+    "sparring.http",
+    "sparring.policies",
+    "sparring.canaries",
+    "sparring.evaluate",
+    "sparring.session",
+    "sparring.report",
+    "sparring.client",
+)
+
+BLOCKER = """
+import importlib.abc, sys
+BLOCKED = set(sys.argv[1].split(","))
+class ServerStack(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"the client imported {name}, which only the server installs")
+        return None
+sys.meta_path.insert(0, ServerStack())
+import importlib
+for module in sys.argv[2].split(","):
+    importlib.import_module(module)
+print(sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED))
+"""
+
+
+def import_without_the_server(
+    modules: tuple[str, ...], blocked: list[str]
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", BLOCKER, ",".join(blocked), ",".join(modules)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_the_client_imports_where_the_server_stack_is_not_installed() -> None:
+    """`pip install sparring` holds the client's own dependencies only: every client module imports in
+    a process where the server extra's packages (FastAPI, SQLAlchemy, Redis, ...) cannot be imported."""
+    blocked = server_only_modules()
+    assert {"fastapi", "sqlalchemy", "redis", "uvicorn", "alembic", "app", "tools"} <= set(blocked)
+    done = import_without_the_server(CLIENT_MODULES, blocked)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_the_blocker_stops_a_server_import() -> None:
+    """The check itself: a module of the server fails to import in that process."""
+    done = import_without_the_server(("app.remote.schemas",), server_only_modules())
+    assert done.returncode != 0 and "which only the server installs" in done.stderr

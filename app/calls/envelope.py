@@ -1,44 +1,8 @@
-"""The wire shapes of a tool call: the Responses `function_call` item in, `function_call_output` out."""
+"""The wire shapes of a tool call (the Responses `function_call` item in, `function_call_output` out),
+defined once in `sparring.wire` for the server and the client."""
 
 from __future__ import annotations
 
-from typing import Any
+from sparring.wire import ToolCallEnvelope, ToolCallOutput
 
-from pydantic import BaseModel, ConfigDict, field_validator
-
-
-def _text_or_none(value: Any) -> str | None:
-    if value is None or value == "":
-        return None
-    return value if isinstance(value, str) else str(value)
-
-
-class ToolCallEnvelope(BaseModel):
-    """Every field optional and unknown fields ignored: curl tests and alpha endpoints send less."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    type: str | None = None
-    id: str | None = None
-    call_id: str | None = None
-    name: str | None = None
-    arguments: Any = None
-    trace_id: str | None = None
-    item: dict[str, Any] = {}
-
-    @field_validator("type", "id", "call_id", "name", "trace_id", mode="before")
-    @classmethod
-    def _as_text(cls, value: Any) -> str | None:
-        return _text_or_none(value)
-
-    @field_validator("item", mode="before")
-    @classmethod
-    def _as_mapping(cls, value: Any) -> dict[str, Any]:
-        return value if isinstance(value, dict) else {}
-
-
-class ToolCallOutput(BaseModel):
-    type: str = "function_call_output"
-    call_id: str | None
-    id: str | None
-    output: str
+__all__ = ["ToolCallEnvelope", "ToolCallOutput"]

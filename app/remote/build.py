@@ -12,7 +12,7 @@ from app.grading.service import GradingService
 from app.packs import Registry
 from app.remote.runner import GatewayStatusLog, RemoteRunner
 from app.remote.service import RemoteRolloutService
-from app.runner.loop import Limits
+from sparring.loop import EpisodeLimits
 
 
 def build_model_http(settings: Settings) -> DefaultAsyncHttpxClient:
@@ -42,7 +42,7 @@ def build_remote(
         grading=grading,
         http=model_http,
         grader=settings.remote_grader,
-        limits=Limits(max_turns=settings.remote_max_turns),
+        limits=EpisodeLimits(max_turns=settings.remote_max_turns),
         model_timeout_s=settings.remote_model_timeout_seconds,
     )
     return RemoteRolloutService(

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Query
 
 from app.config import Settings
 from app.deps import RemoteDep, require
-from app.remote.schemas import InitRequest
+from app.remote.schemas import InitRequest, InitResponse, StatusResponse
 
 
 def remote_router(settings: Settings) -> APIRouter:
@@ -16,14 +16,14 @@ def remote_router(settings: Settings) -> APIRouter:
     guard: list[Any] = [] if settings.remote_open else [Depends(require("tools"))]
     router = APIRouter(prefix=settings.remote_prefix, tags=["remote rollouts"], dependencies=guard)
 
-    @router.post("/init")
-    async def init(body: InitRequest, service: RemoteDep) -> dict[str, Any]:
+    @router.post("/init", response_model=InitResponse)
+    async def init(body: InitRequest, service: RemoteDep) -> InitResponse:
         """Start a rollout in the background (eval-protocol's remote rollout processor calls this)."""
-        return await service.init(body)
+        return InitResponse.model_validate(await service.init(body))
 
-    @router.get("/status")
-    async def status(rollout_id: Annotated[str, Query(max_length=200)], service: RemoteDep) -> dict[str, Any]:
+    @router.get("/status", response_model=StatusResponse)
+    async def status(rollout_id: Annotated[str, Query(max_length=200)], service: RemoteDep) -> StatusResponse:
         """`terminated`, the AIP-193 `status`, and the rollout's trace id, state, reason and reward."""
-        return await service.status(rollout_id)
+        return StatusResponse.model_validate(await service.status(rollout_id))
 
     return router

@@ -1,11 +1,13 @@
-"""A remote rollout run by the one rollout loop (`app.runner.loop.run_rollout`), inside the server.
+"""A remote rollout run by the one rollout loop (`sparring.loop.run_rollout`), inside the server.
 
 The model is called at the trainer's base URL (so its tracing proxy records every completion). Tool
 calls go to `ToolCallService.handle` in-process, the same service the tool routes call, so
 validation, state, exactly-once, the log and the flags are the ones of any other call; the grade at
 the end goes to `GradingService.grade`, the service behind the grade routes. Going over HTTP to the
 server itself would add a key to hold, a hop per call, and a worker waiting on its own accept queue
-under load, for no difference in behaviour.
+under load, for no difference in behaviour. Both keep the client's retry rule
+(`sparring.http.with_retries`) and name their failures with its kinds (`tool_crash`, `infra_error`,
+`refused`), not with HTTP statuses they never saw.
 """
 
 from __future__ import annotations
@@ -18,24 +20,24 @@ from typing import Any
 
 from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
-from app.calls.envelope import ToolCallEnvelope
 from app.calls.service import ToolCallService
-from app.errors import NotFound, ServiceUnavailable, ToolCrashed
+from app.errors import ServiceUnavailable, SparringError, ToolCrashed
 from app.grading.service import GradingService
 from app.packs import Registry
 from app.remote.schemas import CODE_UNAVAILABLE, RolloutPlan
 from app.remote.service import RolloutOutcome
-from app.runner.http import Attempt, Retry, call_with_retries
-from app.runner.loop import (
+from sparring.http import Attempt, Retry, call_with_retries, grade_with_retries
+from sparring.loop import (
     DatasetLine,
+    EpisodeLimits,
     FunctionCall,
-    GradeResult,
-    Limits,
+    GradeOutcome,
     RolloutResult,
     ToolResult,
     run_rollout,
 )
-from app.runner.models import ChatPolicy
+from sparring.policies import ChatPolicy
+from sparring.wire import INFRA_ERROR, REFUSED, TOOL_CRASH, ToolCallEnvelope
 
 FINAL_TEXT_KEPT = 2000
 
@@ -62,14 +64,14 @@ class ServiceToolCaller:
             item=dict(item),
         )
 
-        async def attempt() -> Attempt:
+        async def attempt() -> Attempt[str]:
             try:
                 answer = await self.service.handle(envelope, path_name=None, run=self.run)
             except ServiceUnavailable as exc:
-                return Attempt(status=503, failure=f"HTTP 503: {exc.message}")
+                return Attempt(failure=f"{INFRA_ERROR}: {exc.message}", kind=INFRA_ERROR)
             except ToolCrashed as exc:
-                return Attempt(status=500, failure=f"HTTP 500: {exc.message}")
-            return Attempt(status=200, output=answer.output)
+                return Attempt(failure=f"{TOOL_CRASH}: {exc.message}", kind=TOOL_CRASH)
+            return Attempt(value=answer.output)
 
         return await call_with_retries(call, self.retry, attempt, started=started)
 
@@ -85,22 +87,17 @@ class ServiceGrader:
         self.run = run
         self.retry = retry or Retry()
 
-    async def grade(self, sample: Mapping[str, Any], item: Mapping[str, Any], trace_id: str) -> GradeResult:
-        failure = "not sent"
-        for attempt in range(1, self.retry.attempts + 1):
+    async def grade(self, sample: Mapping[str, Any], item: Mapping[str, Any], trace_id: str) -> GradeOutcome:
+        async def attempt() -> Attempt[float]:
             try:
                 result = await self.service.grade(self.name, sample, item, trace_id, run=self.run)
             except ServiceUnavailable as exc:
-                failure = exc.message
-            except NotFound as exc:
-                return GradeResult(score=None, failure=exc.message, status=404, attempts=attempt)
-            else:
-                return GradeResult(score=result.score, status=200, attempts=attempt)
-            if attempt < self.retry.attempts:
-                await asyncio.sleep(self.retry.wait(attempt, None))
-        return GradeResult(
-            score=None, failure=f"{failure} (after {self.retry.attempts} attempts)", status=503
-        )
+                return Attempt(failure=f"{INFRA_ERROR}: {exc.message}", kind=INFRA_ERROR)
+            except SparringError as exc:  # a 4xx on the grade route (an unknown grader, a bad row): final
+                return Attempt(failure=f"{REFUSED}: {exc.message}", kind=REFUSED)
+            return Attempt(value=result.score)
+
+        return await grade_with_retries(self.retry, attempt)
 
 
 class RemoteRunner:
@@ -114,7 +111,7 @@ class RemoteRunner:
         grading: GradingService,
         http: DefaultAsyncHttpxClient,
         grader: str | None,
-        limits: Limits,
+        limits: EpisodeLimits,
         model_timeout_s: float,
         retry: Retry | None = None,
     ) -> None:

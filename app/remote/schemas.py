@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.errors import BadRequest
-from sparring.client import remote_trace_id
+from sparring.wire import remote_trace_id
 
 # eval-protocol's Status.Code values (google.rpc codes plus its own 100+).
 CODE_FINISHED = 100
@@ -138,3 +138,36 @@ def gateway_logs_url(model_base_url: str) -> str | None:
     """
     marker = model_base_url.find("/rollout_id/")
     return f"{model_base_url[:marker]}/logs" if marker > 0 else None
+
+
+class InitResponse(BaseModel):
+    """`POST <prefix>/init`'s answer: the rollout accepted, its trace id, and whether this call started it
+    (False when an earlier init of the same rollout already did)."""
+
+    rollout_id: str
+    trace_id: str
+    run: str | None
+    accepted: bool
+    started: bool
+
+
+class RolloutStatus(BaseModel):
+    """An AIP-193 status as eval-protocol reads it: its code (FINISHED, RUNNING, an error's) and message."""
+
+    code: int
+    message: str
+    details: list[Any] = []
+
+
+class StatusResponse(BaseModel):
+    """`GET <prefix>/status`'s answer: eval-protocol's StatusResponse (`terminated`, `status`, `info`)
+    plus sparring's own fields. `info` carries the rollout's summary (turns, calls, tokens, ...)."""
+
+    terminated: bool
+    rollout_id: str
+    trace_id: str
+    state: str
+    reason: str | None
+    reward: float | None
+    status: RolloutStatus
+    info: dict[str, Any]

@@ -16,8 +16,8 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from app.main import create_app
-from app.runner.http import Retry
 from sparring.client import AsyncEnvironment, Environment, GradeFailed, ToolCallFailed
+from sparring.http import Retry
 from tests.conftest import ADMIN_KEY, GRADER_KEY, REDIS_URL, TOOLS_KEY, make_settings
 from tests.remote.model_server import ModelServer, Turn
 from tests.remote.served import serve

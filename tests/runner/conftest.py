@@ -12,8 +12,8 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 
-from app.runner.http import Retry
-from app.runner.session import Target, server_target
+from sparring.http import Retry
+from sparring.session import Target, server_target
 from tests.conftest import ADMIN_KEY, GRADER_KEY, TOOLS_KEY
 from tests.runner.model_server import ModelServer
 

@@ -10,9 +10,9 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 
-from app.runner.http import HttpGrader, HttpToolCaller, Retry
-from app.runner.loop import DatasetLine, Limits, ModelFailure, Transcript, build_sample, run_rollout
-from app.runner.models import ChatPolicy, ResponsesPolicy, make_policy
+from sparring.http import HttpGrader, HttpToolCaller, Retry
+from sparring.loop import DatasetLine, EpisodeLimits, ModelFailure, Transcript, build_sample, run_rollout
+from sparring.policies import ChatPolicy, ResponsesPolicy, make_policy
 from tests.conftest import ADMIN_KEY, AppFactory
 from tests.packs import counter_pack, faults_pack
 from tests.runner.conftest import NO_WAIT, Outage, admin_get, target, write_graders
@@ -127,6 +127,8 @@ async def test_a_5xx_is_retried_with_the_same_call_id_and_discards_after_three(
             "tool_failed: increment: HTTP 503"
         )
         assert result.grade is None and result.score is None
+        (failed,) = result.tool_results
+        assert failed.failure_kind == "infra_error" and failed.status == 503 and failed.attempts == 3
         assert len(model_server.requests) == 1  # the model never saw the failure
         assert seen.status_code == 404  # nothing reached the server, nothing was graded
     else:
@@ -200,14 +202,14 @@ async def test_limits_end_a_rollout_and_it_is_still_graded(
             tools,
             counter_line("looking"),
             grader=grader,
-            limits=Limits(max_turns=10, max_tool_calls=3),
+            limits=EpisodeLimits(max_turns=10, max_tool_calls=3),
         )
         by_turns = await run_rollout(
             policy("responses", openai_client),
             tools,
             counter_line("nothing"),
             grader=grader,
-            limits=Limits(max_turns=2, max_tool_calls=50),
+            limits=EpisodeLimits(max_turns=2, max_tool_calls=50),
         )
         logged = await admin_get(client, f"/rollouts/{by_calls.trace_id}")
 
@@ -249,7 +251,9 @@ async def test_a_grader_that_keeps_failing_discards_the_rollout(
         result = await run_rollout(
             policy("chat", openai_client), HttpToolCaller(client, t.tools), counter_line(), grader=grader
         )
-    assert result.grade is not None and result.grade.attempts == 2 and result.grade.status == 404
+    # A 4xx is the operator's to fix (here an unknown grader): refused at once, not tried again.
+    assert result.grade is not None and result.grade.attempts == 1 and result.grade.status == 404
+    assert result.grade.failure_kind == "refused"
     assert result.discarded is not None and result.discarded.startswith("grader_failed: HTTP 404")
 
 

@@ -2,19 +2,30 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import pytest
 
-from app.runner.canaries import all_canaries, gold_calls, placeholder, reference_text
-from app.runner.evaluate import RolloutRecord, item_key
-from app.runner.http import Answer, Retry, ToolEndpoints, fill_placeholders
-from app.runner.loop import DatasetLine, FunctionCall, Step, Transcript
-from app.runner.report import canary_report
+from sparring.canaries import all_canaries, gold_calls, placeholder, reference_text
+from sparring.evaluate import FinishedRollout, line_key
+from sparring.http import (
+    Attempt,
+    HttpAnswer,
+    Retry,
+    ToolEndpoints,
+    fill_placeholders,
+    retry_after,
+    with_retries,
+)
+from sparring.loop import DatasetLine, FunctionCall, Step, Transcript
+from sparring.report import canary_report
+from sparring.wire import failure_kind_of_status
 
 
 def test_a_line_is_keyed_as_the_server_keys_it() -> None:
-    assert item_key({"task_id": "7", "messages": []}) == "task_id:7"
-    hashed = item_key({"question": "what?", "reference_answer": [1, 2]})
-    assert hashed.startswith("sha256:") and hashed == item_key(
+    assert line_key({"task_id": "7", "messages": []}) == "task_id:7"
+    hashed = line_key({"question": "what?", "reference_answer": [1, 2]})
+    assert hashed.startswith("sha256:") and hashed == line_key(
         {"reference_answer": [1, 2], "question": "what?"}
     )
 
@@ -53,8 +64,9 @@ def test_one_server_serves_every_tool_at_its_own_url() -> None:
 def test_retry_waits_double_and_honour_retry_after_up_to_the_cap() -> None:
     retry = Retry(attempts=3, delay_s=0.5, max_delay_s=5.0)
     assert retry.wait(1, None) == 0.5 and retry.wait(2, None) == 1.0
-    assert retry.wait(1, Answer(503, {"Retry-After": "3"}, b"")) == 3.0
-    assert retry.wait(1, Answer(503, {"retry-after": "120"}, b"")) == 5.0
+    assert retry.wait(1, retry_after(HttpAnswer(503, {"Retry-After": "3"}, b""))) == 3.0
+    assert retry.wait(1, retry_after(HttpAnswer(503, {"retry-after": "120"}, b""))) == 5.0
+    assert retry_after(HttpAnswer(503, {"Retry-After": "Wed, 21 Oct 2026 07:28:00 GMT"}, b"")) is None
 
 
 def test_canary_inputs_come_from_the_item() -> None:
@@ -117,8 +129,8 @@ async def test_gold_plays_one_call_per_turn_then_answers_and_loop_repeats() -> N
     )
 
 
-def record(policy: str, item: str, score: float | None, discarded: str | None = None) -> RolloutRecord:
-    return RolloutRecord(item, 0, policy, "trace_x", score, discarded, "answer", 0, 0, 0, 0, 0.0)
+def record(policy: str, item: str, score: float | None, discarded: str | None = None) -> FinishedRollout:
+    return FinishedRollout(item, 0, policy, "trace_x", score, discarded, "answer", 0, 0, 0, 0, 0.0)
 
 
 def test_the_verdict_fails_on_a_scoring_canary_or_a_weak_gold() -> None:
@@ -137,3 +149,46 @@ def test_the_verdict_fails_on_a_scoring_canary_or_a_weak_gold() -> None:
     ]
     passing = canary_report(records[:2], threshold=0.2, gold_minimum=0.9, policies=["empty", "gold"])
     assert passing["failures"] == []
+
+
+async def test_one_retry_rule_for_calls_and_grades() -> None:
+    """A value ends the tries; `refused` is final; any other failure is tried again up to the budget."""
+    retry = Retry(attempts=3, delay_s=0.0, max_delay_s=0.0)
+
+    def script(*tries: Attempt[str]) -> Callable[[], Awaitable[Attempt[str]]]:
+        queue = list(tries)
+
+        async def attempt() -> Attempt[str]:
+            return queue.pop(0)
+
+        return attempt
+
+    crash = Attempt[str](failure="boom", kind="tool_crash")
+    down = Attempt[str](failure="down", kind="infra_error")
+    refused = Attempt[str](failure="no such grader", kind="refused")
+
+    answered = await with_retries(retry, script(down, crash, Attempt(value="ok")))
+    assert answered.last.value == "ok" and answered.attempts == 3
+
+    failed = await with_retries(retry, script(down, down, crash))
+    assert failed.last.kind == "tool_crash" and failed.attempts == 3
+    assert failed.failure == "boom after 3 attempts"
+
+    final = await with_retries(retry, script(refused))
+    assert final.last.kind == "refused" and final.attempts == 1
+    assert final.failure == "no such grader after 1 attempt"
+
+
+def test_an_http_status_names_its_failure_kind() -> None:
+    assert [failure_kind_of_status(s) for s in (500, 502, 503, 504, 401, 404)] == [
+        "tool_crash",
+        "infra_error",
+        "infra_error",
+        "infra_error",
+        "refused",
+        "refused",
+    ]
+    answer = HttpAnswer(503, {"Retry-After": "2"}, b"")
+    assert Attempt[float].failed_answer(answer, "HTTP 503") == Attempt(
+        failure="HTTP 503", kind="infra_error", status=503, retry_after_s=2.0
+    )

@@ -12,10 +12,10 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 
-from app.runner.evaluate import Journal, item_key
-from app.runner.loop import DatasetLine
-from app.runner.models import make_policy
-from app.runner.session import RunOptions, evaluate
+from sparring.evaluate import Journal, line_key
+from sparring.loop import DatasetLine
+from sparring.policies import make_policy
+from sparring.session import RunOptions, evaluate
 from tests.conftest import ADMIN_KEY, AppFactory
 from tests.retail.conftest import HOME
 from tests.runner.conftest import NO_WAIT, Outage, admin_get, target
@@ -233,4 +233,4 @@ async def test_503_three_times_discards_and_resume_runs_only_what_is_missing(
     assert stats["reward"]["scored"] == 6
     journal = Journal(tmp_path / f"{run}.jsonl").load()
     graded = Counter((r.item_key, r.sample) for r in journal if r.graded)
-    assert graded == Counter({(item_key(line), s): 1 for line in raw for s in (0, 1)})
+    assert graded == Counter({(line_key(line), s): 1 for line in raw for s in (0, 1)})

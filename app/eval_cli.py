@@ -1,4 +1,7 @@
-"""`sparring eval` (a model through the tools and grader) and `sparring canary` (gaming the grader)."""
+"""`sparring eval` (a model through the tools and grader) and `sparring canary` (gaming the grader).
+
+The commands read the settings and keys; everything they run is the client package (`sparring.*`).
+"""
 
 from __future__ import annotations
 
@@ -17,15 +20,16 @@ import typer
 
 from app.cli_support import fail, load_settings
 from app.config import ClientKeys, environment_secret
-from app.runner.evaluate import DatasetError, journal_path, read_dataset
-from app.runner.http import AiohttpTransport
-from app.runner.loop import DatasetLine, Limits
-from app.runner.models import APIS, Api, make_policy, model_client
-from app.runner.report import format_canaries, format_report
-from app.runner.session import (
+from sparring.evaluate import DatasetError, journal_path, read_dataset
+from sparring.http import AiohttpTransport
+from sparring.loop import DatasetLine, EpisodeLimits
+from sparring.policies import APIS, Api, make_policy, model_client
+from sparring.report import format_canaries, format_report
+from sparring.session import (
     RunOptions,
     Target,
     TargetError,
+    auth_headers,
     evaluate,
     job_config_target,
     preflight,
@@ -87,8 +91,6 @@ def _target(
         grader_key = keys.for_scope("grader")
         override_headers = None
         if (grader or grader_url) and grader_key:
-            from app.runner.session import auth_headers
-
             override_headers = auth_headers(auth_header, grader_key)
         try:
             return job_config_target(
@@ -191,7 +193,7 @@ def eval_command(
         run=label,
         samples=samples,
         concurrency=concurrency,
-        limits=Limits(max_turns=max_turns, max_tool_calls=max_tool_calls),
+        limits=EpisodeLimits(max_turns=max_turns, max_tool_calls=max_tool_calls),
         journal=journal_path(load_settings().home, label),
         resume=resume,
     )
@@ -255,7 +257,7 @@ def canary_command(
         run=label,
         samples=samples,
         concurrency=concurrency,
-        limits=Limits(max_turns=max_turns, max_tool_calls=max_tool_calls),
+        limits=EpisodeLimits(max_turns=max_turns, max_tool_calls=max_tool_calls),
     )
 
     async def main(stop: asyncio.Event) -> dict[str, Any]:

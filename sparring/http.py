@@ -6,9 +6,15 @@
 
 - a 200 answer's `output` is what the model reads (an `Error: ...` output included);
 - a 4xx (413 included) is shown to the model: the error body, serialized, as the platform does;
-- a 5xx, a timeout or a network error is retried with the same `call_id` (`attempts` in all, 3 by
-  default), then the call fails for good and the rollout is discarded;
-- a grader answer other than 200 with a numeric `score` is retried the same way, then discarded.
+- a grade is done when a 200 answer holds a numeric `score`; a 4xx to a grade is `refused` (a key, a
+  grader name or a body to fix) and not tried again;
+- otherwise (a 5xx, a timeout, a network error, a grade answer without a score) the call or grade is
+  tried again with the same `call_id` (`attempts` in all, 3 by default), then it failed for good and
+  the rollout is discarded.
+
+That rule is `with_retries`, the one rule of tool calls and grades, whatever carries them: the
+server's in-process callers (`app.remote.runner`) use it too, naming their failures with the same
+`FailureKind`s instead of HTTP statuses.
 
 Requests go through a `Transport`: `AiohttpTransport` (what the commands use: its client costs a
 fraction of httpx's CPU per request, see `bench/runner.py`) or `HttpxTransport` (any
@@ -24,16 +30,18 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 from urllib.parse import quote
 
 import httpx
 
-from app.rollouts.identity import RUN_HEADER
-from app.runner.loop import FunctionCall, GradeResult, ToolResult
+from sparring.loop import FunctionCall, GradeOutcome, ToolResult
+from sparring.wire import INFRA_ERROR, REFUSED, RUN_HEADER, FailureKind, failure_kind_of_status
 
 if TYPE_CHECKING:
     import aiohttp
+
+T = TypeVar("T")
 
 DEFAULT_ATTEMPTS = 3
 CALL_TIMEOUT_S = 600.0  # the platform's limit per tool call and per grade
@@ -101,7 +109,7 @@ def fill_placeholders(headers: Mapping[str, Any], secrets: Mapping[str, str]) ->
 
 
 @dataclass(frozen=True)
-class Answer:
+class HttpAnswer:
     """An HTTP answer, read whole."""
 
     status: int
@@ -124,7 +132,7 @@ class TransportError(Exception):
 class Transport(Protocol):
     async def request(
         self, method: str, url: str, *, content: bytes | None, headers: Mapping[str, str], seconds: float
-    ) -> Answer:
+    ) -> HttpAnswer:
         """Send one request and read the whole answer within `seconds`; raise `TransportError` without one."""
         ...
 
@@ -137,14 +145,14 @@ class HttpxTransport:
 
     async def request(
         self, method: str, url: str, *, content: bytes | None, headers: Mapping[str, str], seconds: float
-    ) -> Answer:
+    ) -> HttpAnswer:
         try:
             response = await self.client.request(
                 method, url, content=content, headers=headers, timeout=seconds
             )
         except httpx.HTTPError as exc:
             raise TransportError(f"{type(exc).__name__}: {exc}".rstrip(": ")) from exc
-        return Answer(response.status_code, response.headers, response.content, response.reason_phrase)
+        return HttpAnswer(response.status_code, response.headers, response.content, response.reason_phrase)
 
 
 class AiohttpTransport:
@@ -165,7 +173,7 @@ class AiohttpTransport:
 
     async def request(
         self, method: str, url: str, *, content: bytes | None, headers: Mapping[str, str], seconds: float
-    ) -> Answer:
+    ) -> HttpAnswer:
         import aiohttp
 
         try:
@@ -173,7 +181,7 @@ class AiohttpTransport:
                 method, url, data=content, headers=dict(headers), timeout=aiohttp.ClientTimeout(total=seconds)
             ) as response:
                 body = await response.read()
-                return Answer(response.status, dict(response.headers), body, response.reason or "")
+                return HttpAnswer(response.status, dict(response.headers), body, response.reason or "")
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise TransportError(f"{type(exc).__name__}: {exc}".rstrip(": ")) from exc
 
@@ -186,67 +194,120 @@ def as_transport(client: Transport | httpx.AsyncClient) -> Transport:
 class Retry:
     """How failed attempts are repeated: `attempts` in all, waiting `delay_s`, doubled each time.
 
-    A `Retry-After` header is honoured up to `max_delay_s`.
+    A `Retry-After` the failed answer carried is honoured up to `max_delay_s`.
     """
 
     attempts: int = DEFAULT_ATTEMPTS
     delay_s: float = 0.5
     max_delay_s: float = 5.0
 
-    def wait(self, attempt: int, answer: Answer | None) -> float:
+    def wait(self, attempt: int, retry_after_s: float | None = None) -> float:
         delay: float = self.delay_s * (2 ** (attempt - 1))
-        if answer is not None:
-            header = next((v for k, v in answer.headers.items() if k.lower() == "retry-after"), None)
-            if header is not None:
-                try:
-                    delay = max(delay, float(header))
-                except ValueError:
-                    pass
+        if retry_after_s is not None:
+            delay = max(delay, retry_after_s)
         return min(delay, self.max_delay_s)
 
 
-@dataclass(frozen=True)
-class Attempt:
-    """One try of a tool call: the output the model reads (done), or why it failed (tried again)."""
+def retry_after(answer: HttpAnswer) -> float | None:
+    """The seconds an answer's `Retry-After` header asks for; None without one (or an HTTP date)."""
+    header = next((v for k, v in answer.headers.items() if k.lower() == "retry-after"), None)
+    if header is None:
+        return None
+    try:
+        return float(header)
+    except ValueError:
+        return None
 
-    status: int | None
-    output: str | None = None
+
+@dataclass(frozen=True)
+class Attempt(Generic[T]):
+    """One try of a tool call or a grade: the value (done), or the failure, its kind and its wait."""
+
+    value: T | None = None
     failure: str = ""
-    answer: Answer | None = None  # the failed answer, for its Retry-After
+    kind: FailureKind | None = None
+    status: int | None = None  # the HTTP status, when the try went over HTTP and got an answer
+    retry_after_s: float | None = None
+
+    @classmethod
+    def failed_answer(cls, answer: HttpAnswer, failure: str) -> Attempt[T]:
+        """A failed HTTP answer: its kind from the status, its Retry-After kept for the wait."""
+        return cls(
+            failure=failure,
+            kind=failure_kind_of_status(answer.status),
+            status=answer.status,
+            retry_after_s=retry_after(answer),
+        )
+
+
+@dataclass(frozen=True)
+class Tried(Generic[T]):
+    """The last attempt of a call or grade, and how many were made."""
+
+    last: Attempt[T]
+    attempts: int
+
+    @property
+    def failure(self) -> str:
+        return f"{self.last.failure} after {self.attempts} attempt{'s' if self.attempts > 1 else ''}"
+
+
+async def with_retries(retry: Retry, attempt: Callable[[], Awaitable[Attempt[T]]]) -> Tried[T]:
+    """The platform's rule for one tool call or grade, whatever carries it (HTTP or in-process).
+
+    An attempt with a value is done. A `refused` one is final: another try meets the same answer. Any
+    other failure (`tool_crash`, `infra_error`) is tried again, the same request each time, and after
+    `retry.attempts` tries the call or grade failed for good, which discards the rollout.
+    """
+    number = 0
+    while True:
+        number += 1
+        tried = await attempt()
+        if tried.value is not None or tried.kind == REFUSED or number >= retry.attempts:
+            return Tried(last=tried, attempts=number)
+        await asyncio.sleep(retry.wait(number, tried.retry_after_s))
 
 
 async def call_with_retries(
-    call: FunctionCall, retry: Retry, attempt: Callable[[], Awaitable[Attempt]], *, started: float
+    call: FunctionCall, retry: Retry, attempt: Callable[[], Awaitable[Attempt[str]]], *, started: float
 ) -> ToolResult:
-    """The platform's rule for one tool call, whatever carries it: an answer (any status below 500)
-    goes to the model; a 5xx or a network error is tried again with the same call, and after
-    `retry.attempts` tries the call fails for good, which discards the rollout."""
-    failure = "not sent"
-    status: int | None = None
-    for number in range(1, retry.attempts + 1):
-        tried = await attempt()
-        if tried.output is not None:
-            return ToolResult(
-                call=call,
-                output=tried.output,
-                status=tried.status,
-                attempts=number,
-                latency_s=time.perf_counter() - started,
-            )
-        failure, status = tried.failure, tried.status
-        if number < retry.attempts:
-            await asyncio.sleep(retry.wait(number, tried.answer))
+    """`with_retries` for a tool call: the output the model reads, or the failure that discards."""
+    tried = await with_retries(retry, attempt)
+    latency_s = time.perf_counter() - started
+    if tried.last.value is not None:
+        return ToolResult(
+            call=call,
+            output=tried.last.value,
+            status=tried.last.status,
+            attempts=tried.attempts,
+            latency_s=latency_s,
+        )
     return ToolResult(
         call=call,
         output=None,
-        status=status,
-        attempts=retry.attempts,
-        latency_s=time.perf_counter() - started,
-        failure=f"{failure} after {retry.attempts} attempts",
+        status=tried.last.status,
+        attempts=tried.attempts,
+        latency_s=latency_s,
+        failure=tried.failure,
+        failure_kind=tried.last.kind or INFRA_ERROR,
     )
 
 
-def _error_body(answer: Answer) -> str:
+async def grade_with_retries(retry: Retry, attempt: Callable[[], Awaitable[Attempt[float]]]) -> GradeOutcome:
+    """`with_retries` for a grade: the score, or the failure that discards the rollout."""
+    tried = await with_retries(retry, attempt)
+    if tried.last.value is not None:
+        return GradeOutcome(score=tried.last.value, status=tried.last.status, attempts=tried.attempts)
+    return GradeOutcome(
+        score=None,
+        failure=tried.failure,
+        status=tried.last.status,
+        attempts=tried.attempts,
+        failure_kind=tried.last.kind or INFRA_ERROR,
+    )
+
+
+def _error_body(answer: HttpAnswer) -> str:
     """A 4xx shown to the model: the body as text, as the platform serializes it."""
     text = answer.text.strip()
     if not text:
@@ -294,21 +355,21 @@ class HttpToolCaller:
         content = json.dumps(body, ensure_ascii=False).encode()
         headers["Content-Type"] = "application/json"
 
-        async def attempt() -> Attempt:
+        async def attempt() -> Attempt[str]:
             try:
                 response = await self.transport.request(
                     "POST", endpoint.url, content=content, headers=headers, seconds=self.timeout_s
                 )
             except TransportError as exc:
-                return Attempt(status=None, failure=str(exc))
+                return Attempt(failure=str(exc), kind=INFRA_ERROR)
             if response.status < 500:
-                return Attempt(status=response.status, output=_tool_output(response))
-            return Attempt(status=response.status, failure=f"HTTP {response.status}", answer=response)
+                return Attempt(value=_tool_output(response), status=response.status)
+            return Attempt.failed_answer(response, f"HTTP {response.status}")
 
         return await call_with_retries(call, self.retry, attempt, started=started)
 
 
-def _tool_output(response: Answer) -> str:
+def _tool_output(response: HttpAnswer) -> str:
     if response.status != 200:
         return _error_body(response)
     try:
@@ -339,7 +400,7 @@ class HttpGrader:
         self.retry = retry or Retry()
         self.timeout_s = timeout_s
 
-    async def grade(self, sample: Mapping[str, Any], item: Mapping[str, Any], trace_id: str) -> GradeResult:
+    async def grade(self, sample: Mapping[str, Any], item: Mapping[str, Any], trace_id: str) -> GradeOutcome:
         headers = dict(self.endpoint.headers)
         if self.run:
             headers[RUN_HEADER] = self.run
@@ -347,33 +408,26 @@ class HttpGrader:
         content = json.dumps(
             {"sample": sample, "item": item, "trace_id": trace_id}, ensure_ascii=False
         ).encode()
-        failure = "not sent"
-        status: int | None = None
-        for attempt in range(1, self.retry.attempts + 1):
-            response: Answer | None = None
+
+        async def attempt() -> Attempt[float]:
             try:
                 response = await self.transport.request(
                     "POST", self.endpoint.url, content=content, headers=headers, seconds=self.timeout_s
                 )
             except TransportError as exc:
-                failure, status = str(exc), None
-            else:
-                status = response.status
-                score = _score(response)
-                if score is not None:
-                    return GradeResult(score=score, status=status, attempts=attempt)
-                failure = f"HTTP {status}: {response.text[:300]}"
-            if attempt < self.retry.attempts:
-                await asyncio.sleep(self.retry.wait(attempt, response))
-        return GradeResult(
-            score=None,
-            failure=f"{failure} (after {self.retry.attempts} attempts)",
-            status=status,
-            attempts=self.retry.attempts,
-        )
+                return Attempt(failure=str(exc), kind=INFRA_ERROR)
+            score = _score(response)
+            if score is not None:
+                return Attempt(value=score, status=response.status)
+            failure = f"HTTP {response.status}: {response.text[:300]}"
+            if response.status == 200:  # an answer without a score: the grader broke, not the request
+                return Attempt(failure=failure, kind=INFRA_ERROR, status=200)
+            return Attempt.failed_answer(response, failure)
+
+        return await grade_with_retries(self.retry, attempt)
 
 
-def _score(response: Answer) -> float | None:
+def _score(response: HttpAnswer) -> float | None:
     if response.status != 200:
         return None
     try:

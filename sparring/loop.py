@@ -5,17 +5,18 @@ server and `sparring.client` all drive rollouts through `run_rollout`; they diff
 things they plug into it:
 
 - a **policy** (`Policy`): given the transcript so far, produce the next model turn (text and/or
-  function calls). `app.runner.models` has the OpenAI Responses and Chat Completions policies,
-  `app.runner.canaries` the scripted ones; anything with an async `next_turn(transcript)` works.
+  function calls). `sparring.policies` has the OpenAI Responses and Chat Completions policies,
+  `sparring.canaries` the scripted ones; anything with an async `next_turn(transcript)` works.
 - a **tool caller** (`ToolCaller`): send one function call and return what the model reads.
-  `app.runner.http.HttpToolCaller` posts the platform's envelope to sparring's tool URLs with the
-  platform's retry and discard semantics; a test or an in-process caller can be dropped in.
-- a **grader** (`Grader`, optional): score the finished rollout from the platform's
-  `{sample, item, trace_id}`. `app.runner.http.HttpGrader` posts to a grading route.
+  `sparring.http.HttpToolCaller` posts the platform's envelope to sparring's tool URLs with the
+  platform's retry and discard semantics; the server's in-process caller (`app.remote.runner`) or a
+  test can be dropped in.
+- a **grade caller** (`GradeCaller`, optional): score the finished rollout from the platform's
+  `{sample, item, trace_id}`. `sparring.http.HttpGrader` posts to a grading route.
 
 Interface (stable):
 
-    result = await run_rollout(policy, tools, line, grader=grader, limits=Limits(), trace_id=None)
+    result = await run_rollout(policy, tools, line, grader=grader, limits=EpisodeLimits(), trace_id=None)
 
 `line` is a `DatasetLine` (`DatasetLine.from_json(obj)` for one JSONL line). The loop:
 
@@ -23,8 +24,8 @@ Interface (stable):
    (or the given `trace_id`);
 2. asks the policy for a turn; a turn without function calls is the final answer;
 3. sends every call of a turn to the tool caller, the calls of one turn concurrently, and appends
-   the outputs in the turn's order; a call that failed for good (5xx or network error after the
-   retries) **discards** the rollout: it is returned with `discarded` set and is not graded;
+   the outputs in the turn's order; a call that failed for good (a `tool_crash` or `infra_error`
+   after the retries) **discards** the rollout: it is returned with `discarded` set and is not graded;
 4. stops at `limits.max_turns` model turns or `limits.max_tool_calls` calls (calls past the budget are
    not sent), as the platform's episode limit does: the rollout is then graded on its last text;
 5. builds the platform's grader `sample` from the final text and the last batch of calls, and grades
@@ -41,25 +42,17 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
+
+from sparring.wire import FailureKind, new_trace_id
 
 ITEM_EXCLUDED_KEYS = ("tools",)
 """The keys of a dataset line left out of the `item` the tools and grader receive (the schemas are
 already in the request; the messages stay, as the platform sends them to graders)."""
 
 EndReason = Literal["answer", "max_turns", "max_tool_calls", "discarded"]
-
-
-def new_trace_id() -> str:
-    """A rollout id as the training service makes them: `trace_` and a UUID4 as 32 hex digits."""
-    return f"trace_{uuid.uuid4().hex}"
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 @dataclass(frozen=True)
@@ -132,10 +125,11 @@ class ToolResult:
 
     call: FunctionCall
     output: str | None
-    status: int | None = None  # the last HTTP status; None after a network error or when not sent
+    status: int | None = None  # the last HTTP status; None in-process, after a network error, or unsent
     attempts: int = 1
     latency_s: float = 0.0
     failure: str | None = None  # set when the call failed for good: the rollout is discarded
+    failure_kind: FailureKind | None = None  # what failed, with `failure`
 
     @property
     def is_error(self) -> bool:
@@ -146,13 +140,14 @@ class ToolResult:
 
 
 @dataclass(frozen=True)
-class GradeResult:
-    """A grader's answer: the score, or why there is none after the retries."""
+class GradeOutcome:
+    """What a grade caller got: the score, or why there is none after the retries."""
 
     score: float | None
     failure: str | None = None
-    status: int | None = None
+    status: int | None = None  # the last HTTP status; None in-process or after a network error
     attempts: int = 1
+    failure_kind: FailureKind | None = None  # what failed, with `failure`
 
 
 @dataclass
@@ -196,12 +191,12 @@ class ToolCaller(Protocol):
     async def call(self, call: FunctionCall, *, trace_id: str, item: Mapping[str, Any]) -> ToolResult: ...
 
 
-class Grader(Protocol):
-    """Scores a finished rollout; never raises for an HTTP or network failure."""
+class GradeCaller(Protocol):
+    """Has a finished rollout scored; never raises for an HTTP or network failure."""
 
     async def grade(
         self, sample: Mapping[str, Any], item: Mapping[str, Any], trace_id: str
-    ) -> GradeResult: ...
+    ) -> GradeOutcome: ...
 
 
 class ModelFailure(Exception):
@@ -209,7 +204,7 @@ class ModelFailure(Exception):
 
 
 @dataclass(frozen=True)
-class Limits:
+class EpisodeLimits:
     """The episode limits: model turns and tool calls per rollout."""
 
     max_turns: int = 30
@@ -223,7 +218,7 @@ class RolloutResult:
     final_text: str
     ended_by: EndReason
     sample: dict[str, Any] | None = None
-    grade: GradeResult | None = None
+    grade: GradeOutcome | None = None
     discarded: str | None = None  # why the rollout was thrown away (never graded)
     usage: Usage = field(default_factory=Usage)
     duration_s: float = 0.0
@@ -302,12 +297,12 @@ async def run_rollout(
     tools: ToolCaller,
     line: DatasetLine,
     *,
-    grader: Grader | None = None,
-    limits: Limits | None = None,
+    grader: GradeCaller | None = None,
+    limits: EpisodeLimits | None = None,
     trace_id: str | None = None,
 ) -> RolloutResult:
     """Run one rollout of `line` and grade it (see the module docstring for the whole contract)."""
-    limits = limits or Limits()
+    limits = limits or EpisodeLimits()
     started = time.perf_counter()
     transcript = Transcript(
         trace_id=trace_id or new_trace_id(),

@@ -18,7 +18,8 @@ from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletion
 from openai.types.responses import Response
 
-from app.runner.loop import FunctionCall, ModelFailure, ModelTurn, Transcript, Usage, function_of, new_call_id
+from sparring.loop import FunctionCall, ModelFailure, ModelTurn, Transcript, Usage, function_of
+from sparring.wire import new_call_id
 
 Api = Literal["responses", "chat"]
 APIS: tuple[Api, ...] = ("responses", "chat")

@@ -23,7 +23,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from app.runner.loop import DatasetLine, FunctionCall, ModelTurn, Transcript, function_of
+from sparring.loop import DatasetLine, FunctionCall, ModelTurn, Transcript, function_of
 
 REFUSAL = "I can't help with that."
 GOLD = "gold"
@@ -100,7 +100,7 @@ class Canary:
         raise NotImplementedError
 
 
-class Answer(Canary):
+class FixedAnswer(Canary):
     """Answers a fixed text at once, without a call."""
 
     def __init__(self, name: str, text: str) -> None:
@@ -166,8 +166,8 @@ class Gold(Canary):
 
 def all_canaries() -> dict[str, Canary]:
     canaries: list[Canary] = [
-        Answer("empty", ""),
-        Answer("refuse", REFUSAL),
+        FixedAnswer("empty", ""),
+        FixedAnswer("refuse", REFUSAL),
         Parrot(),
         Loop(),
         Guess(),

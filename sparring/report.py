@@ -12,7 +12,7 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from app.runner.evaluate import RolloutRecord
+from sparring.evaluate import FinishedRollout
 
 MIN_ROLLOUTS_PER_ITEM = 2
 PASS_SCORE = 0.5
@@ -35,7 +35,7 @@ def discard_kind(reason: str) -> str:
 
 
 def build_report(
-    records: Sequence[RolloutRecord],
+    records: Sequence[FinishedRollout],
     *,
     run: str,
     review_url: str | None,
@@ -159,7 +159,7 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def canary_report(
-    records: Sequence[RolloutRecord], *, threshold: float, gold_minimum: float, policies: Sequence[str]
+    records: Sequence[FinishedRollout], *, threshold: float, gold_minimum: float, policies: Sequence[str]
 ) -> dict[str, Any]:
     """Per policy: mean score, share of rollouts above 0.5, the items scored above 0.5; and the verdict.
 

@@ -18,18 +18,18 @@ from urllib.parse import quote
 
 import httpx
 
-from app.runner.canaries import Canary, all_canaries, gold_calls
-from app.runner.evaluate import (
+from sparring.canaries import Canary, all_canaries, gold_calls
+from sparring.evaluate import (
+    FinishedRollout,
     Job,
     Journal,
     Progress,
-    RolloutRecord,
     graded_keys,
     latest_per_rollout,
     plan_jobs,
     run_jobs,
 )
-from app.runner.http import (
+from sparring.http import (
     Endpoint,
     HttpGrader,
     HttpToolCaller,
@@ -38,9 +38,10 @@ from app.runner.http import (
     Transport,
     TransportError,
     as_transport,
+    fill_placeholders,
 )
-from app.runner.loop import DatasetLine, Limits, Policy, function_of
-from app.runner.report import build_report, canary_report
+from sparring.loop import DatasetLine, EpisodeLimits, Policy, function_of
+from sparring.report import build_report, canary_report
 
 
 class TargetError(ValueError):
@@ -93,8 +94,6 @@ def job_config_target(
     grader_headers: Mapping[str, str] | None = None,
 ) -> Target:
     """Tools (and, unless `--grader`/`--grader-url` says otherwise, the grader) from a job config."""
-    from app.runner.http import fill_placeholders
-
     try:
         tools = ToolEndpoints.from_job_config(config, secrets)
         entry = config.get("grader")
@@ -176,7 +175,7 @@ class RunOptions:
     run: str
     samples: int = 1
     concurrency: int = 8
-    limits: Limits = field(default_factory=Limits)
+    limits: EpisodeLimits = field(default_factory=EpisodeLimits)
     retry: Retry = field(default_factory=Retry)
     journal: Path | None = None  # where finished rollouts are recorded (needed for resume)
     resume: bool = False
@@ -203,10 +202,10 @@ async def evaluate(
     tools = HttpToolCaller(client, target.tools, run=options.run, retry=options.retry)
     grader = HttpGrader(client, target.grader, run=options.run, retry=options.retry)
     progress = Progress(len(jobs), stream=progress_stream)
-    records: list[RolloutRecord] = []
+    records: list[FinishedRollout] = []
     policy = make_policy()
 
-    def on_record(record: RolloutRecord) -> None:
+    def on_record(record: FinishedRollout) -> None:
         records.append(record)
         if journal is not None:
             journal.append(record)
@@ -236,12 +235,12 @@ async def evaluate(
     )
 
 
-def canary_limits(limits: Limits, job: Job) -> Limits:
+def canary_limits(limits: EpisodeLimits, job: Job) -> EpisodeLimits:
     """Gold needs a turn per gold call plus the answer, whatever the limits given."""
     if job.policy != "gold":
         return limits
     needed = len(gold_calls(job.line.item))
-    return Limits(
+    return EpisodeLimits(
         max_turns=max(limits.max_turns, needed + 1), max_tool_calls=max(limits.max_tool_calls, needed)
     )
 
@@ -265,7 +264,7 @@ async def run_canaries(
     if unknown:
         raise TargetError(f"unknown canary {', '.join(unknown)}; the canaries are {', '.join(canaries)}")
     started = time.perf_counter()
-    records: list[RolloutRecord] = []
+    records: list[FinishedRollout] = []
     interrupted = False
     runs: dict[str, str | None] = {}
     for name in chosen:
@@ -279,7 +278,7 @@ async def run_canaries(
         tools = HttpToolCaller(client, target.tools, run=run, retry=options.retry)
         grader = HttpGrader(client, target.grader, run=run, retry=options.retry)
 
-        def on_record(record: RolloutRecord, progress: Progress = progress) -> None:
+        def on_record(record: FinishedRollout, progress: Progress = progress) -> None:
             records.append(record)
             progress.add(record)
 

@@ -18,14 +18,22 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from app.rollouts.identity import item_key as wire_item_key
-from app.runner.loop import DatasetLine, Grader, Limits, Policy, RolloutResult, ToolCaller, run_rollout
+from sparring.loop import (
+    DatasetLine,
+    EpisodeLimits,
+    GradeCaller,
+    Policy,
+    RolloutResult,
+    ToolCaller,
+    run_rollout,
+)
+from sparring.wire import item_key
 
 
-def item_key(item: Mapping[str, Any]) -> str:
-    """The key of a dataset line: the server's own (`app.rollouts.identity.item_key`: its id field, else a
-    hash of the item), so the report's per-item figures and the review pages name items alike."""
-    return wire_item_key(item) or "empty"
+def line_key(item: Mapping[str, Any]) -> str:
+    """The key of a dataset line: the server's own (`sparring.wire.item_key`: its id field, else a hash
+    of the item), so the report's per-item figures and the review pages name items alike."""
+    return item_key(item) or "empty"
 
 
 class DatasetError(ValueError):
@@ -62,7 +70,7 @@ class Job:
 
 
 @dataclass
-class RolloutRecord:
+class FinishedRollout:
     """What the report needs of one finished rollout; one journal line."""
 
     item_key: str
@@ -79,7 +87,7 @@ class RolloutRecord:
     duration_s: float
 
     @classmethod
-    def of(cls, job: Job, result: RolloutResult) -> RolloutRecord:
+    def of(cls, job: Job, result: RolloutResult) -> FinishedRollout:
         return cls(
             item_key=job.key,
             sample=job.sample,
@@ -109,7 +117,7 @@ def plan_jobs(
 ) -> list[Job]:
     """Every (line, sample index) pair, samples of one line next to each other."""
     return [
-        Job(line=line, key=item_key(line.item), sample=index, policy=policy)
+        Job(line=line, key=line_key(line.item), sample=index, policy=policy)
         for line in lines
         if keep is None or keep(line)
         for index in range(samples)
@@ -127,31 +135,31 @@ class Journal:
     def __init__(self, path: Path) -> None:
         self.path = path
 
-    def load(self) -> list[RolloutRecord]:
+    def load(self) -> list[FinishedRollout]:
         if not self.path.exists():
             return []
         records = []
         for text in self.path.read_text(encoding="utf-8").splitlines():
             if text.strip():
                 try:
-                    records.append(RolloutRecord(**json.loads(text)))
+                    records.append(FinishedRollout(**json.loads(text)))
                 except (ValueError, TypeError):
                     continue  # a line cut by a crash mid-write: that rollout runs again
         return records
 
-    def append(self, record: RolloutRecord) -> None:
+    def append(self, record: FinishedRollout) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a", encoding="utf-8") as handle:
             handle.write(json.dumps(asdict(record), ensure_ascii=False) + "\n")
 
 
-def graded_keys(records: Iterable[RolloutRecord]) -> set[tuple[str, str, int]]:
+def graded_keys(records: Iterable[FinishedRollout]) -> set[tuple[str, str, int]]:
     return {(r.policy, r.item_key, r.sample) for r in records if r.graded}
 
 
-def latest_per_rollout(records: Iterable[RolloutRecord]) -> list[RolloutRecord]:
+def latest_per_rollout(records: Iterable[FinishedRollout]) -> list[FinishedRollout]:
     """One record per (policy, item, sample): the graded one if any, else the last attempt."""
-    chosen: dict[tuple[str, str, int], RolloutRecord] = {}
+    chosen: dict[tuple[str, str, int], FinishedRollout] = {}
     for record in records:
         key = (record.policy, record.item_key, record.sample)
         held = chosen.get(key)
@@ -174,7 +182,7 @@ class Progress:
         self.scored = 0
         self._last_draw = 0.0
 
-    def add(self, record: RolloutRecord) -> None:
+    def add(self, record: FinishedRollout) -> None:
         self.done += 1
         if record.discarded is not None:
             self.discarded += 1
@@ -210,13 +218,13 @@ async def run_jobs(
     jobs: Sequence[Job],
     policy_for: Callable[[Job], Policy],
     tools: ToolCaller,
-    grader: Grader | None,
+    grader: GradeCaller | None,
     *,
-    limits: Limits,
+    limits: EpisodeLimits,
     concurrency: int,
-    on_record: Callable[[RolloutRecord], None],
+    on_record: Callable[[FinishedRollout], None],
     stop: asyncio.Event | None = None,
-    limits_for: Callable[[Job], Limits] | None = None,
+    limits_for: Callable[[Job], EpisodeLimits] | None = None,
 ) -> bool:
     """Run `jobs` with at most `concurrency` rollouts in flight; False when `stop` interrupted them.
 
@@ -237,7 +245,7 @@ async def run_jobs(
                 grader=grader,
                 limits=limits_for(job) if limits_for is not None else limits,
             )
-            on_record(RolloutRecord.of(job, result))
+            on_record(FinishedRollout.of(job, result))
 
     workers = [asyncio.create_task(worker()) for _ in range(max(1, min(concurrency, len(jobs))))]
     stopper = asyncio.create_task(stop.wait())

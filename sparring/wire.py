@@ -1,0 +1,213 @@
+"""The wire contract server and client share: the call envelope, id rules and limits, the outcome names.
+
+The server (`app/`) and the client (`sparring.*`) both import this module, so a trace id, a run label
+or an item key is written the same way on both sides, and a call's outcome has one name everywhere:
+in the call log, the metrics, the review pages, the flags and the client's failure reports.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from collections.abc import Mapping
+from typing import Any, Final, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, field_validator
+
+T = TypeVar("T")
+
+# ---- Outcomes ----------------------------------------------------------------------------------------
+
+Outcome = Literal["ok", "model_error", "call_id_reused", "tool_crash", "infra_error", "replayed", "refused"]
+"""How one tool call (or grade) ended:
+
+- `ok`: answered, the output the model reads;
+- `model_error`: answered with an `Error: ...` output the model can read (a bad argument, a refusal);
+- `call_id_reused`: answered with an `Error: ...`: the call_id already named a different call;
+- `tool_crash`: the tool raised (HTTP 500); the trainer retries, then discards the rollout;
+- `infra_error`: the environment failed (an outage, a timeout, a 5xx, no answer at all: HTTP 503);
+- `replayed`: a retry answered from the ledger with the first answer, the tool not run again;
+- `refused`: the server refused the request itself (a 4xx to a grade: a key, a grader name, a body to
+  fix); another try would meet the same answer.
+"""
+
+OK: Final = "ok"
+MODEL_ERROR: Final = "model_error"
+CALL_ID_REUSED: Final = "call_id_reused"
+TOOL_CRASH: Final = "tool_crash"
+INFRA_ERROR: Final = "infra_error"
+REPLAYED: Final = "replayed"
+REFUSED: Final = "refused"
+
+OUTCOMES: tuple[Outcome, ...] = (OK, MODEL_ERROR, CALL_ID_REUSED, TOOL_CRASH, INFRA_ERROR, REPLAYED, REFUSED)
+ANSWERED_OUTCOMES: tuple[Outcome, ...] = (OK, MODEL_ERROR)
+"""A call the model got an answer to (the trainer did not retry it)."""
+ENVIRONMENT_FAILURES: tuple[Outcome, ...] = (TOOL_CRASH, INFRA_ERROR)
+"""The environment failed the call: the trainer retries it with the same call_id, then discards."""
+
+FailureKind = Literal["tool_crash", "infra_error", "refused"]
+"""Why a tool call or a grade gave nothing to use, on whichever path it went (HTTP or in-process)."""
+
+
+def failure_kind_of_status(status: int) -> FailureKind:
+    """The failure an HTTP answer stands for: 500 is a crash, another 5xx the environment, a 4xx a refusal."""
+    if status == 500:
+        return TOOL_CRASH
+    if status >= 500:
+        return INFRA_ERROR
+    return REFUSED
+
+
+# ---- Names and limits --------------------------------------------------------------------------------
+
+TRACE_ID_MAX = 128  # rollouts.trace_id, tool_calls.trace_id, grades.trace_id
+CALL_ID_MAX = 200  # tool_calls.call_id and request_id
+RUN_MAX = 200  # the X-Sparring-Run label
+RUN_HEADER = "X-Sparring-Run"  # labels a training run; stored with every rollout, call and grade
+
+ITEM_ID_FIELDS = ("id", "item_id", "task_id", "uid")
+ITEM_KEY_MAX = 128  # rollouts.item_key, grades.item_key
+
+# How deeply arguments, items and samples may nest: orjson writes at most 255 levels and Postgres
+# parses a few hundred before its stack limit; no tool call or dataset row needs more.
+JSON_DEPTH_MAX = 128
+
+# Trace ids of remote rollouts are derived from rollout ids in this namespace (by sparring and its client).
+REMOTE_TRACE_NAMESPACE = uuid.UUID("5d0f6c1e-8a44-4c7a-9b0e-3f1c2a7d9e61")
+
+
+def new_trace_id() -> str:
+    """A rollout id as the training service makes them: `trace_` and a UUID4 as 32 hex digits."""
+    return f"trace_{uuid.uuid4().hex}"
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def remote_trace_id(rollout_id: str) -> str:
+    """The `trace_id` sparring gives the remote rollout `rollout_id` (`POST /remote/init`).
+
+    An eval-protocol evaluator grades the rollout with it, without asking the server.
+    """
+    return f"trace_{uuid.uuid5(REMOTE_TRACE_NAMESPACE, rollout_id).hex}"
+
+
+NUL = "\x00"
+REPLACEMENT = "\ufffd"
+
+
+def storable(value: T) -> T:
+    """`value` with every NUL in its strings (dict keys included) replaced by U+FFFD.
+
+    Postgres text and JSON cannot hold NUL; this is applied on both backends, so a trace_id holding a
+    NUL names the same rollout in the call log, the grades and every lookup. Values without a NUL are
+    returned as they are.
+    """
+    if isinstance(value, str):
+        return value.replace(NUL, REPLACEMENT) if NUL in value else value  # type: ignore[return-value]
+    if isinstance(value, dict):
+        return {storable(k): storable(v) for k, v in value.items()}  # type: ignore[return-value]
+    if isinstance(value, list | tuple):
+        return [storable(v) for v in value]  # type: ignore[return-value]
+    return value
+
+
+def nested_deeper_than(value: Any, limit: int = JSON_DEPTH_MAX) -> bool:
+    """Whether objects and arrays in `value` nest more than `limit` levels (a scalar is level 0)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return False
+
+
+_DIGEST_CHARS = 64  # sha256, hex
+_HEX = frozenset("0123456789abcdef")
+
+
+def _looks_abbreviated(value: str) -> bool:
+    tail = value[-_DIGEST_CHARS - 1 :]
+    return len(tail) == _DIGEST_CHARS + 1 and tail[0] == "~" and _HEX.issuperset(tail[1:])
+
+
+def fit(value: str, limit: int) -> str:
+    """`value` itself when it fits the column, else its head and a hash of the whole (stable, distinct).
+
+    A value that fits but already ends like an abbreviation (`~` and 64 hex digits) is abbreviated
+    too, so an id written as another's abbreviation can never stand for it: two distinct values
+    never fit alike (short of a sha256 collision).
+    """
+    if len(value) <= limit and not _looks_abbreviated(value):
+        return value
+    digest = hashlib.sha256(value.encode()).hexdigest()
+    return f"{value[: max(0, limit - len(digest) - 1)]}~{digest}"
+
+
+def item_key(item: Mapping[str, Any]) -> str | None:
+    """A stable key for the dataset row: its id field if it has one, else a hash of the whole row."""
+    if not item:
+        return None
+    for name in ITEM_ID_FIELDS:
+        value = item.get(name)
+        if isinstance(value, (str, int)) and not isinstance(value, bool):
+            return fit(f"{name}:{value}", ITEM_KEY_MAX)  # a long id cut with a hash: never merged
+    if nested_deeper_than(item):
+        return None  # refused where it arrives (an `Error:` output, a 400); orjson cannot write it
+    import orjson  # here, not at the top: most users of this module never hash a row
+
+    dumped = orjson.dumps(item, option=orjson.OPT_SORT_KEYS, default=str)
+    if b"\\u0000" in dumped:  # hash the row as it is stored (NUL as U+FFFD), so the log and grades agree
+        dumped = orjson.dumps(storable(item), option=orjson.OPT_SORT_KEYS, default=str)
+    digest = hashlib.sha256(dumped).hexdigest()
+    return f"sha256:{digest[:40]}"
+
+
+# ---- The tool-call envelope --------------------------------------------------------------------------
+
+
+def _text_or_none(value: Any) -> str | None:
+    if value is None or value == "":
+        return None
+    return value if isinstance(value, str) else str(value)
+
+
+class ToolCallEnvelope(BaseModel):
+    """The Responses `function_call` item a tool route receives.
+
+    Every field optional and unknown fields ignored: curl tests and alpha endpoints send less.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: str | None = None
+    id: str | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: Any = None
+    trace_id: str | None = None
+    item: dict[str, Any] = {}
+
+    @field_validator("type", "id", "call_id", "name", "trace_id", mode="before")
+    @classmethod
+    def _as_text(cls, value: Any) -> str | None:
+        return _text_or_none(value)
+
+    @field_validator("item", mode="before")
+    @classmethod
+    def _as_mapping(cls, value: Any) -> dict[str, Any]:
+        return value if isinstance(value, dict) else {}
+
+
+class ToolCallOutput(BaseModel):
+    """The `function_call_output` a tool route answers."""
+
+    type: str = "function_call_output"
+    call_id: str | None
+    id: str | None
+    output: str

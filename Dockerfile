@@ -19,11 +19,12 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1
 WORKDIR /src
 RUN python -m venv /opt/sparring
-# Dependencies first, from the pins in pyproject.toml: this layer is rebuilt only when they change.
+# Dependencies first, from the pins in pyproject.toml (the client's and the `server` extra's): this layer
+# is rebuilt only when they change.
 COPY pyproject.toml README.md ./
 COPY deploy/wheelhouse/ /wheelhouse/
 RUN if [ "$OFFLINE" = 1 ]; then export PIP_NO_INDEX=1 PIP_FIND_LINKS=/wheelhouse; fi \
- && python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+ && python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print('\n'.join(p['dependencies'] + p['optional-dependencies']['server']))" \
         > /tmp/requirements.txt \
  && /opt/sparring/bin/pip wheel --wheel-dir /wheels -r /tmp/requirements.txt \
  && /opt/sparring/bin/pip install --no-index --find-links /wheels -r /tmp/requirements.txt

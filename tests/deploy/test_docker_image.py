@@ -182,7 +182,12 @@ def wheelhouse(docker: str, base_image: str) -> Path:
         "`apt-get install python3` on the host, or remove the cached base image"
     )
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
-    requirements = [*pyproject["project"]["dependencies"], *pyproject["build-system"]["requires"]]
+    project = pyproject["project"]
+    requirements = [
+        *project["dependencies"],
+        *project["optional-dependencies"]["server"],
+        *pyproject["build-system"]["requires"],
+    ]
     path = CACHE / f"wheelhouse-{digest(requirements, image_version)}"
     with cache_lock():
         if (path / ".complete").exists():

@@ -34,12 +34,12 @@ from app.rollouts.identity import (
 from app.rollouts.store import PackChanges, RolloutMeta, RolloutStore, StoredAnswer, Ticket
 from app.sdk import RolloutState, ToolContext, ToolError, ToolSpec, ToolUnavailable
 from app.sdk.tool import describe_validation_error
+from sparring.wire import CALL_ID_REUSED
 
 log = logging.getLogger(__name__)
 
-# The outcome of a call whose call_id already answered a different call: 200 with an `Error: ...`
-# output, logged with its own arguments (never deduplicated against the first), flagged for review.
-CALL_ID_REUSED = "call_id_reused"
+# CALL_ID_REUSED (sparring.wire): the outcome of a call whose call_id already answered a different call:
+# 200 with an `Error: ...` output, logged with its own arguments (never deduplicated), flagged for review.
 # How long shutdown waits for voids still under way (each tries its UPDATE three times, 5 s at most).
 _CORRECTIONS_GRACE_SECONDS = 20.0
 

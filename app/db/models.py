@@ -9,9 +9,9 @@ from sqlalchemy import Float, Index, Integer, String, Text, text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from app.db.base import Base, BigIntId, JsonColumn, UtcDateTime
+from sparring.wire import ANSWERED_OUTCOMES as ANSWERED_OUTCOMES
 
-# Outcomes whose (trace_id, call_id) is answered once: a retry replays the ledger instead of running again.
-ANSWERED_OUTCOMES = ("ok", "model_error")
+# ANSWERED_OUTCOMES: a (trace_id, call_id) answered once; a retry replays the ledger instead of running again.
 # The rows of uq_tool_calls_answered: a call's answered row (an upsert on that index names it too).
 ANSWERED_ROW = "call_id IS NOT NULL AND outcome IN ('ok', 'model_error')"
 # How a call arrived: the tool routes (rft: training), or the MCP server (mcp: production, local agents).

@@ -10,11 +10,12 @@ from typing import Any, Protocol
 import orjson
 
 from app.grounding import answer_hash, final_answer, normalize_answer, ungrounded
+from sparring import wire
 
-# Outcomes a call can have in the log (app/calls/service.py): the model got an answer (ok, model_error),
+# Outcomes a call can have in the log (named in sparring.wire): the model got an answer (ok, model_error),
 # or the environment failed it (tool_crash: 500, infra_error: 503; the trainer discards or retries).
-ANSWERED = frozenset({"ok", "model_error"})
-ENVIRONMENT_FAILURES = frozenset({"tool_crash", "infra_error"})
+ANSWERED = frozenset(wire.ANSWERED_OUTCOMES)
+ENVIRONMENT_FAILURES = frozenset(wire.ENVIRONMENT_FAILURES)
 
 HIGH_SCORE_NO_CALLS = "high_score_no_calls"
 UNGROUNDED_ANSWER = "ungrounded_answer"
@@ -24,7 +25,7 @@ EMPTY_ANSWER_HIGH_SCORE = "empty_answer_high_score"
 IDENTICAL_ANSWER_ACROSS_ITEMS = "identical_answer_across_items"
 TOOL_ERRORS = "tool_errors"
 GRADE_FAILED = "grade_failed"
-CALL_ID_REUSED = "call_id_reused"
+CALL_ID_REUSED = wire.CALL_ID_REUSED  # the flag is named after the outcome it points at
 
 __all__ = ["answer_hash", "final_answer", "normalize_answer"]  # re-exported for the flags' readers
 

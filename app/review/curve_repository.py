@@ -16,8 +16,8 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import aliased
 
 from app.db.models import Grade, Rollout, ToolCall
+from sparring.wire import ENVIRONMENT_FAILURES
 
-ENVIRONMENT_FAILURES = ("tool_crash", "infra_error")
 UNIX_EPOCH_JULIAN_DAY = 2440587.5
 
 

@@ -42,6 +42,7 @@ from app.grading.graders.model import (
 from app.grading.graders.templates import Scope, Template
 from app.grounding import prompt_texts, ungrounded
 from app.sdk import CallView, CheckResult, GradingConfigError, Pack, RolloutState, RolloutView, StateCheck
+from sparring.wire import ANSWERED_OUTCOMES
 
 # The same names as the review flags (app/review/flags.py), so a grader's flag and a review flag agree.
 OVER_BUDGET = "over_budget"
@@ -51,7 +52,7 @@ MISSING_REQUIRED_TOOL = "missing_required_tool"
 FORBIDDEN_TOOL = "forbidden_tool"
 STATE_CHECK_FAILED = "state_check_failed"
 
-ANSWERED = frozenset({"ok", "model_error"})
+ANSWERED = frozenset(ANSWERED_OUTCOMES)
 MAX_LISTED = 5
 
 PackStateFactory = Callable[[str, RolloutRecord | None], RolloutState]

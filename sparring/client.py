@@ -287,8 +287,8 @@ class AsyncEnvironment:
 def _as_async(client: AsyncOpenAI | OpenAI) -> AsyncOpenAI:
     """A sync `OpenAI` client seen as an async one: the policies' requests run in a thread.
 
-    The runner's policies send their requests through the SDK's generic `post`, which the sync client
-    has with the same arguments.
+    The policies (`sparring.policies`) send their requests through the SDK's generic `post`, which the
+    sync client has with the same arguments.
     """
     if isinstance(client, AsyncOpenAI):
         return client

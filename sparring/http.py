@@ -2,7 +2,7 @@
 
 `ToolEndpoints` says where each tool's calls go and with which headers (one sparring server, or the
 `tools` of a job config); `HttpToolCaller` and `HttpGrader` implement the loop's `ToolCaller` and
-`Grader` with the platform's semantics:
+`GradeCaller` with the platform's semantics:
 
 - a 200 answer's `output` is what the model reads (an `Error: ...` output included);
 - a 4xx (413 included) is shown to the model: the error body, serialized, as the platform does;
@@ -165,7 +165,7 @@ class AiohttpTransport:
     @asynccontextmanager
     async def open(cls, concurrency: int) -> AsyncIterator[AiohttpTransport]:
         """A session sized for `concurrency` rollouts in flight, each with a few parallel calls."""
-        import aiohttp  # only where the runner's commands use it: `sparring.client` needs httpx alone
+        import aiohttp  # only where a transport is opened: most of the client never needs it
 
         connector = aiohttp.TCPConnector(limit=max(20, concurrency * 4), limit_per_host=0)
         async with aiohttp.ClientSession(connector=connector) as session:

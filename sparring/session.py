@@ -50,7 +50,7 @@ class TargetError(ValueError):
 
 @dataclass(frozen=True)
 class Target:
-    """Where the runner sends tool calls and grades, and where the run's review page is."""
+    """Where a run sends tool calls and grades, and where the run's review page is."""
 
     tools: ToolEndpoints
     grader: Endpoint

@@ -67,8 +67,10 @@ class ServiceToolCaller:
         async def attempt() -> Attempt[str]:
             try:
                 answer = await self.service.handle(envelope, path_name=None, run=self.run)
-            except ServiceUnavailable as exc:
-                return Attempt(failure=f"{INFRA_ERROR}: {exc.message}", kind=INFRA_ERROR)
+            except ServiceUnavailable as exc:  # waits its Retry-After, as the HTTP callers do
+                return Attempt(
+                    failure=f"{INFRA_ERROR}: {exc.message}", kind=INFRA_ERROR, retry_after_s=exc.retry_after
+                )
             except ToolCrashed as exc:
                 return Attempt(failure=f"{TOOL_CRASH}: {exc.message}", kind=TOOL_CRASH)
             return Attempt(value=answer.output)
@@ -91,8 +93,10 @@ class ServiceGrader:
         async def attempt() -> Attempt[float]:
             try:
                 result = await self.service.grade(self.name, sample, item, trace_id, run=self.run)
-            except ServiceUnavailable as exc:
-                return Attempt(failure=f"{INFRA_ERROR}: {exc.message}", kind=INFRA_ERROR)
+            except ServiceUnavailable as exc:  # waits its Retry-After, as the HTTP callers do
+                return Attempt(
+                    failure=f"{INFRA_ERROR}: {exc.message}", kind=INFRA_ERROR, retry_after_s=exc.retry_after
+                )
             except SparringError as exc:  # a 4xx on the grade route (an unknown grader, a bad row): final
                 return Attempt(failure=f"{REFUSED}: {exc.message}", kind=REFUSED)
             return Attempt(value=result.score)

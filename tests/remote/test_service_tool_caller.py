@@ -4,14 +4,17 @@ nothing went over HTTP)."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 
 from app.deps import app_state
 from app.remote.runner import ServiceGrader, ServiceToolCaller
+from app.sdk import Pack, ToolUnavailable
 from sparring.http import Retry
 from sparring.loop import FunctionCall
 from tests.call_log import logged_calls_on
-from tests.conftest import new_trace
+from tests.conftest import AppFactory, new_trace
 
 
 async def test_answers_pass_through_and_a_crash_is_retried_then_fails_for_good(
@@ -51,3 +54,30 @@ async def test_a_grade_the_server_refuses_is_not_tried_again(client: httpx.Async
     assert outcome.score is None and outcome.attempts == 1 and outcome.status is None
     assert outcome.failure_kind == "refused"
     assert outcome.failure is not None and "no-such-grader" in outcome.failure
+
+
+down_pack = Pack("down")
+
+
+@down_pack.tool
+def backend_down() -> str:
+    """Its backend is always down."""
+    raise ToolUnavailable("the backend is down")
+
+
+async def test_an_outage_is_an_infra_error_tried_again_after_its_retry_after(app_factory: AppFactory) -> None:
+    """In-process, as over HTTP: the outage is `infra_error`, and each next try waits its Retry-After
+    (2 s here, capped by the retry's 0.3 s; the retry's own delay is 0)."""
+    async with app_factory(packs=[down_pack]) as client:
+        state = app_state(client.app)  # type: ignore[attr-defined]
+        retry = Retry(attempts=3, delay_s=0.0, max_delay_s=0.3)
+        caller = ServiceToolCaller(state.call_service, run="remote-test", retry=retry)
+        started = time.monotonic()
+        down = await caller.call(
+            FunctionCall(call_id="c1", name="backend_down", arguments="{}"), trace_id=new_trace(), item={}
+        )
+        waited = time.monotonic() - started
+    assert down.output is None and down.attempts == 3 and down.status is None
+    assert down.failure_kind == "infra_error"
+    assert down.failure is not None and "the backend is down" in down.failure
+    assert waited >= 0.55  # two waits of 0.3 s

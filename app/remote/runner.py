@@ -6,6 +6,10 @@ validation, state, exactly-once, the log and the flags are the ones of any other
 the end goes to `GradingService.grade`, the service behind the grade routes. Going over HTTP to the
 server itself would add a key to hold, a hop per call, and a worker waiting on its own accept queue
 under load, for no difference in behaviour.
+
+The model endpoint is the caller's, so it is held to bounds: a deadline on each model call, a byte
+cap on its answers (the HTTP client's `CappedAnswers`), and a reason a caller reads that never quotes
+what the endpoint answered (the whole failure goes to the server's log).
 """
 
 from __future__ import annotations
@@ -16,14 +20,15 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import orjson
 from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
 from app.calls.envelope import ToolCallEnvelope
 from app.calls.service import ToolCallService
-from app.errors import NotFound, ServiceUnavailable, ToolCrashed
+from app.errors import ServiceUnavailable, SparringError, ToolCrashed
 from app.grading.service import GradingService
 from app.packs import Registry
-from app.remote.schemas import CODE_UNAVAILABLE, RolloutPlan
+from app.remote.schemas import CODE_INVALID_ARGUMENT, CODE_UNAVAILABLE, RolloutPlan
 from app.remote.service import RolloutOutcome
 from app.runner.http import Attempt, Retry, call_with_retries
 from app.runner.loop import (
@@ -31,13 +36,20 @@ from app.runner.loop import (
     FunctionCall,
     GradeResult,
     Limits,
+    ModelFailure,
+    ModelTurn,
+    Policy,
     RolloutResult,
     ToolResult,
+    Transcript,
     run_rollout,
 )
-from app.runner.models import ChatPolicy
+from app.runner.models import ChatPolicy, DeadlinePolicy
 
 FINAL_TEXT_KEPT = 2000
+# Grade failures that are the rollout's configuration (the row, the grader), not an outage: retrying
+# the rollout cannot help, so eval-protocol is told INVALID_ARGUMENT rather than UNAVAILABLE.
+CONFIGURATION_STATUSES = frozenset({400, 404, 422})
 
 log = logging.getLogger("sparring.remote")
 
@@ -75,25 +87,47 @@ class ServiceToolCaller:
 
 
 class ServiceGrader:
-    """The loop's Grader on GradingService.grade (the grade is stored like any other)."""
+    """The loop's Grader on GradingService.grade (the grade is stored like any other).
+
+    A grade request larger than the grade routes take (`max_bytes`, SPARRING_MAX_BODY_BYTES) is
+    refused here as the route would refuse it (413), so the in-process path stores no more than
+    the HTTP one. Only an outage (503) is tried again: any other refusal is final.
+    """
 
     def __init__(
-        self, service: GradingService, name: str, *, run: str | None, retry: Retry | None = None
+        self,
+        service: GradingService,
+        name: str,
+        *,
+        run: str | None,
+        retry: Retry | None = None,
+        max_bytes: int | None = None,
     ) -> None:
         self.service = service
         self.name = name
         self.run = run
         self.retry = retry or Retry()
+        self.max_bytes = max_bytes
 
     async def grade(self, sample: Mapping[str, Any], item: Mapping[str, Any], trace_id: str) -> GradeResult:
+        if self.max_bytes is not None:
+            size = len(orjson.dumps({"sample": sample, "item": item, "trace_id": trace_id}))
+            if size > self.max_bytes:
+                return GradeResult(
+                    score=None,
+                    failure=f"the grade request is {size} bytes, over the {self.max_bytes}-byte limit "
+                    "of the grade routes (SPARRING_MAX_BODY_BYTES)",
+                    status=413,
+                )
         failure = "not sent"
         for attempt in range(1, self.retry.attempts + 1):
             try:
                 result = await self.service.grade(self.name, sample, item, trace_id, run=self.run)
             except ServiceUnavailable as exc:
                 failure = exc.message
-            except NotFound as exc:
-                return GradeResult(score=None, failure=exc.message, status=404, attempts=attempt)
+            except SparringError as exc:
+                # The grader cannot grade this rollout (a row without the field it reads, state gone).
+                return GradeResult(score=None, failure=exc.message, status=exc.status_code, attempts=attempt)
             else:
                 return GradeResult(score=result.score, status=200, attempts=attempt)
             if attempt < self.retry.attempts:
@@ -101,6 +135,24 @@ class ServiceGrader:
         return GradeResult(
             score=None, failure=f"{failure} (after {self.retry.attempts} attempts)", status=503
         )
+
+
+class ContainedPolicy:
+    """The policy of a remote rollout: the model's failures told in sparring's own words.
+
+    The endpoint is the caller's, and may be a service inside the network answering with its own
+    error text; that text goes to the server's log, never into the rollout's reason."""
+
+    def __init__(self, inner: Policy, rollout_id: str) -> None:
+        self.inner = inner
+        self.rollout_id = rollout_id
+
+    async def next_turn(self, transcript: Transcript) -> ModelTurn:
+        try:
+            return await self.inner.next_turn(transcript)
+        except ModelFailure as exc:
+            log.warning("the model of remote rollout %s failed: %s", self.rollout_id, exc)
+            raise ModelFailure(exc.brief) from exc
 
 
 class RemoteRunner:
@@ -117,6 +169,7 @@ class RemoteRunner:
         limits: Limits,
         model_timeout_s: float,
         retry: Retry | None = None,
+        grade_max_bytes: int | None = None,
     ) -> None:
         self.registry = registry
         self.calls = calls
@@ -126,6 +179,7 @@ class RemoteRunner:
         self.limits = limits
         self.model_timeout_s = model_timeout_s
         self.retry = retry or Retry()
+        self.grade_max_bytes = grade_max_bytes
 
     def tools_for(self, rollout: RolloutPlan) -> list[dict[str, Any]]:
         """The request's tool schemas, else every served tool (of the named pack)."""
@@ -145,10 +199,16 @@ class RemoteRunner:
             timeout=self.model_timeout_s,
             max_retries=2,
         )
-        policy = ChatPolicy(model, rollout.model, **rollout.sampling)
+        chat = ChatPolicy(model, rollout.model)
+        # Set apart from the constructor's keywords: a sampling key named `client` or `developer_role`
+        # is the caller's parameter for the model, not an argument of the policy.
+        chat.params = dict(rollout.sampling)
+        policy = ContainedPolicy(DeadlinePolicy(chat, self.model_timeout_s), rollout.rollout_id)
         line = DatasetLine(messages=rollout.messages, tools=self.tools_for(rollout), item=rollout.item or {})
         grader = (
-            ServiceGrader(self.grading, self.grader, run=rollout.run, retry=self.retry)
+            ServiceGrader(
+                self.grading, self.grader, run=rollout.run, retry=self.retry, max_bytes=self.grade_max_bytes
+            )
             if self.grader is not None and rollout.item is not None
             else None
         )
@@ -221,7 +281,9 @@ def outcome_of(result: RolloutResult, *, grader: str | None) -> RolloutOutcome:
     }
     if result.discarded is not None:
         # The model endpoint, a tool or the grader failed for good: the trainer should drop it.
+        configuration = result.grade is not None and result.grade.status in CONFIGURATION_STATUSES
+        code = CODE_INVALID_ARGUMENT if configuration else CODE_UNAVAILABLE
         return RolloutOutcome(
-            status="error", code=CODE_UNAVAILABLE, reason=result.discarded, grader=grader, summary=summary
+            status="error", code=code, reason=result.discarded, grader=grader, summary=summary
         )
     return RolloutOutcome(status="finished", code=0, reward=result.score, grader=grader, summary=summary)

@@ -20,7 +20,14 @@ from app.config import ClientKeys, environment_secret
 from app.runner.evaluate import DatasetError, journal_path, read_dataset
 from app.runner.http import AiohttpTransport
 from app.runner.loop import DatasetLine, Limits
-from app.runner.models import APIS, Api, make_policy, model_client
+from app.runner.models import (
+    APIS,
+    MODEL_ANSWER_MAX_BYTES,
+    MODEL_DEADLINE_S,
+    Api,
+    make_policy,
+    model_client,
+)
 from app.runner.report import format_canaries, format_report
 from app.runner.session import (
     RunOptions,
@@ -169,6 +176,16 @@ def eval_command(
     concurrency: ConcurrencyOpt = 8,
     max_turns: MaxTurnsOpt = 30,
     max_tool_calls: MaxCallsOpt = 50,
+    model_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0.001,
+            help="Seconds one model turn may take in all (retries included) before the rollout fails.",
+        ),
+    ] = MODEL_DEADLINE_S,
+    model_max_bytes: Annotated[
+        int, typer.Option(min=1024, help="Largest model answer read; a larger one fails the rollout.")
+    ] = MODEL_ANSWER_MAX_BYTES,
     resume: Annotated[bool, typer.Option(help="Skip rollouts of this --run already graded.")] = False,
     out: Annotated[Path | None, typer.Option(help="Also write the report as JSON here.")] = None,
 ) -> None:
@@ -198,7 +215,7 @@ def eval_command(
     chosen: Api = "responses" if api == "responses" else "chat"
 
     async def main(stop: asyncio.Event) -> dict[str, Any]:
-        openai_client = model_client(api_key, base_url)
+        openai_client = model_client(api_key, base_url, max_answer_bytes=model_max_bytes)
         async with AiohttpTransport.open(concurrency) as client:
             try:
                 for warning in await preflight(client, target, lines):
@@ -210,7 +227,7 @@ def eval_command(
                     client,
                     target,
                     lines,
-                    lambda: make_policy(chosen, openai_client, model),
+                    lambda: make_policy(chosen, openai_client, model, deadline_s=model_timeout),
                     options,
                     stop=stop,
                 )

@@ -143,6 +143,7 @@ def failure_of(exc: Exception) -> ModelFailure:
         detail = brief = "the model API key (or a header) is not ASCII, so it cannot be sent"
     else:
         brief = "the model endpoint answered something that is not a completion"
+        detail = f"{brief} ({detail})"
     return ModelFailure(detail, brief=brief)
 
 

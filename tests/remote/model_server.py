@@ -36,6 +36,7 @@ from tests.runner.model_server import Call, ModelRequest, Reply, Unavailable
 from tests.runner.model_server import ModelServer as ScriptedModel
 
 CHAT = "/chat/completions"
+RESPONSES = "/responses"  # hostile models only: the runner's `sparring eval` tests speak both APIs
 SECRET = "internal-billing-service: token=hunter2"
 HUGE_TEXT = 1_200_000  # over 1 MiB, the grade routes' limit, and under the remote's default model cap
 
@@ -102,10 +103,11 @@ class ModelServer:
 
     async def _front(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if scope["type"] != "http" or not path.endswith(CHAT):
+        responses = scope["type"] == "http" and path.endswith(RESPONSES)
+        if scope["type"] != "http" or not (path.endswith(CHAT) or responses):
             await self._gateway(scope, receive, send)
             return
-        self.prefixes.append(path[1 : -len(CHAT)])
+        self.prefixes.append(path[1 : -len(RESPONSES if responses else CHAT)])
         messages: list[Message] = []
         while True:
             message = await receive()

@@ -28,6 +28,8 @@ def build_model_http(settings: Settings) -> DefaultAsyncHttpxClient:
         transport=CappedAnswers(guarded, settings.remote_model_max_bytes),
         timeout=settings.remote_model_timeout_seconds,
         follow_redirects=False,
+        # Nothing from the environment (proxies, certificates' overrides) changes where requests go.
+        trust_env=False,
     )
 
 

@@ -9,8 +9,8 @@
 - a 5xx, a timeout or a network error is retried with the same `call_id` (`attempts` in all, 3 by
   default), then the call fails for good and the rollout is discarded;
 - a grader answer other than 200 with a numeric `score` is retried the same way, then discarded; a
-  4xx other than 408 and 429 (a request too large, a grader that cannot grade this item) is final:
-  sending the same request again cannot change it.
+  413 (the request is too large) or a 422 (the grader cannot grade this item) is final: sending the
+  same request again cannot change it.
 
 Requests go through a `Transport`: `AiohttpTransport` (what the commands use: its client costs a
 fraction of httpx's CPU per request, see `bench/runner.py`) or `HttpxTransport` (any
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 DEFAULT_ATTEMPTS = 3
 CALL_TIMEOUT_S = 600.0  # the platform's limit per tool call and per grade
-RETRIED_4XX = frozenset({408, 429})  # the client errors that may pass when tried again
+FINAL_GRADE_STATUSES = frozenset({413, 422})  # answers the same request always gets
 
 
 @dataclass(frozen=True)
@@ -366,7 +366,7 @@ class HttpGrader:
                 if score is not None:
                     return GradeResult(score=score, status=status, attempts=attempt)
                 failure = f"HTTP {status}: {response.text[:300]}"
-                if 400 <= status < 500 and status not in RETRIED_4XX:
+                if status in FINAL_GRADE_STATUSES:
                     return GradeResult(score=None, failure=failure, status=status, attempts=attempt)
             if attempt < self.retry.attempts:
                 await asyncio.sleep(self.retry.wait(attempt, response))

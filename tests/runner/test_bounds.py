@@ -142,14 +142,16 @@ async def test_a_turn_of_countless_calls_sends_the_grader_only_the_calls_made(
     assert result.score == 1.0 and result.grade is not None and result.grade.attempts == 1
 
 
-async def test_a_grade_request_refused_as_too_large_is_not_sent_again(
+async def test_a_grade_request_refused_for_what_it_is_is_not_sent_again(
     app_factory: AppFactory, tmp_path: Path
 ) -> None:
     graders = write_graders(tmp_path / "graders.yaml", GRADERS)
     sample: dict[str, Any] = {"output_text": "x" * (2 * 1024 * 1024), "choices": []}
     async with app_factory(graders_file=graders) as client:
-        grade = await HttpGrader(client, target("says").grader, retry=NO_WAIT).grade(
-            sample, {"expected": "x"}, "trace_too_large"
-        )
-    assert grade.score is None and grade.status == 413
-    assert grade.attempts == 1  # a 413 cannot pass on a second try
+        grader = HttpGrader(client, target("says").grader, retry=NO_WAIT)
+        too_large = await grader.grade(sample, {"expected": "x"}, "trace_too_large")
+        # The grader reads item.expected: a row without it gets the same 422 however often it is sent.
+        unusable = await grader.grade({"output_text": "x", "choices": []}, {}, "trace_no_expected")
+    assert too_large.score is None and too_large.status == 413
+    assert too_large.attempts == 1  # a 413 cannot pass on a second try
+    assert unusable.score is None and unusable.status == 422 and unusable.attempts == 1

@@ -164,10 +164,25 @@ class Settings(BaseSettings):
     )
     remote_max_turns: int = Field(50, ge=1, description="Model turns of a remote rollout at most.")
     remote_model_timeout_seconds: float = Field(
-        300.0, gt=0, description="Deadline of one model call of a remote rollout."
+        300.0,
+        gt=0,
+        description="Deadline of one model call of a remote rollout, from the request to the answer's "
+        "last byte, the client's retries included.",
+    )
+    remote_model_max_bytes: int = Field(
+        4 * 1024 * 1024,
+        ge=1024,
+        description="Largest model answer a remote rollout reads; past it, it fails.",
+    )
+    remote_allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Hosts (names or addresses) the model and status-log URLs of /remote/init may reach "
+        "even when they are not public (loopback, private, link-local); e.g. 127.0.0.1 for local work.",
     )
 
-    @field_validator("packs", "mcp_allowed_hosts", "mcp_allowed_origins", mode="before")
+    @field_validator(
+        "packs", "mcp_allowed_hosts", "mcp_allowed_origins", "remote_allowed_hosts", mode="before"
+    )
     @classmethod
     def _split_lists(cls, value: object) -> object:
         if isinstance(value, str):

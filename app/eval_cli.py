@@ -23,7 +23,14 @@ from app.config import ClientKeys, environment_secret
 from sparring.evaluate import DatasetError, journal_path, read_dataset
 from sparring.http import AiohttpTransport
 from sparring.loop import DatasetLine, EpisodeLimits
-from sparring.policies import APIS, Api, make_policy, model_client
+from sparring.policies import (
+    APIS,
+    MODEL_ANSWER_MAX_BYTES,
+    MODEL_DEADLINE_S,
+    Api,
+    make_policy,
+    model_client,
+)
 from sparring.report import format_canaries, format_report
 from sparring.session import (
     RunOptions,
@@ -171,6 +178,16 @@ def eval_command(
     concurrency: ConcurrencyOpt = 8,
     max_turns: MaxTurnsOpt = 30,
     max_tool_calls: MaxCallsOpt = 50,
+    model_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0.001,
+            help="Seconds one model turn may take in all (retries included) before the rollout fails.",
+        ),
+    ] = MODEL_DEADLINE_S,
+    model_max_bytes: Annotated[
+        int, typer.Option(min=1024, help="Largest model answer read; a larger one fails the rollout.")
+    ] = MODEL_ANSWER_MAX_BYTES,
     resume: Annotated[bool, typer.Option(help="Skip rollouts of this --run already graded.")] = False,
     out: Annotated[Path | None, typer.Option(help="Also write the report as JSON here.")] = None,
 ) -> None:
@@ -200,7 +217,7 @@ def eval_command(
     chosen: Api = "responses" if api == "responses" else "chat"
 
     async def main(stop: asyncio.Event) -> dict[str, Any]:
-        openai_client = model_client(api_key, base_url)
+        openai_client = model_client(api_key, base_url, max_answer_bytes=model_max_bytes)
         async with AiohttpTransport.open(concurrency) as client:
             try:
                 for warning in await preflight(client, target, lines):
@@ -212,7 +229,7 @@ def eval_command(
                     client,
                     target,
                     lines,
-                    lambda: make_policy(chosen, openai_client, model),
+                    lambda: make_policy(chosen, openai_client, model, deadline_s=model_timeout),
                     options,
                     stop=stop,
                 )

@@ -200,7 +200,15 @@ class GradeCaller(Protocol):
 
 
 class ModelFailure(Exception):
-    """The model endpoint failed (after its client's retries): the rollout is discarded, not graded."""
+    """The model endpoint failed (after its client's retries): the rollout is discarded, not graded.
+
+    `brief` says what failed without quoting the endpoint (its error text may be an internal
+    service's): what a server shows to whoever sent the rollout. The message is the whole story.
+    """
+
+    def __init__(self, message: str, *, brief: str | None = None) -> None:
+        super().__init__(message)
+        self.brief = brief if brief is not None else message
 
 
 @dataclass(frozen=True)
@@ -266,8 +274,8 @@ def build_sample(
 
     `output_tools` holds the last batch of calls the rollout made, in the chat completions shape (as
     the OpenAI grader docs show them, and as the service fills it); `choices[0].message` is the final
-    turn, with its calls when a limit ended the rollout mid-turn. Graders that need the whole
-    trajectory read sparring's call log by `trace_id`.
+    turn, with those of its calls the loop executed when a limit ended the rollout mid-turn. Graders
+    that need the whole trajectory read sparring's call log by `trace_id`.
     """
     tool_calls = _chat_tool_calls(final_turn_calls)
     output_json: Any = None
@@ -355,7 +363,13 @@ async def run_rollout(
             break
 
     result = finish(ended_by, text)
-    final_calls = transcript.steps[-1].turn.calls if transcript.steps and ended_by != "answer" else ()
+    # The calls the loop executed, never all the turn asked for: a turn of 100,000 calls would make a
+    # grade request no grader takes.
+    final_calls = (
+        [result.call for result in transcript.steps[-1].results]
+        if transcript.steps and ended_by != "answer"
+        else []
+    )
     result.sample = build_sample(text, last_calls, final_calls)
     if grader is not None:
         result.grade = await grader.grade(result.sample, transcript.item, transcript.trace_id)

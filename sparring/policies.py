@@ -7,22 +7,179 @@ the typed `create` methods walk every request through the SDK's parameter transf
 tens of milliseconds of CPU per turn once a conversation holds a few tool calls (`bench/runner.py`). Any
 OpenAI-compatible endpoint works (`base_url`); `ChatPolicy` is the one for vLLM, Ollama, llama.cpp
 and most local servers, which do not speak the Responses API.
+
+A model endpoint is not trusted to behave: `CappedAnswers` (the client's transport) stops an answer
+past a byte cap while it streams in, `DeadlinePolicy` puts one deadline on each model turn (the
+client's retries included), and whatever the endpoint answers, the policies raise `ModelFailure`
+(with a `brief` free of the endpoint's words) rather than anything else.
 """
 
 from __future__ import annotations
 
+import asyncio
+import zlib
+from collections.abc import AsyncIterator
 from typing import Any, Literal
 
+import httpx2
 import openai
 from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletion
 from openai.types.responses import Response
 
-from sparring.loop import FunctionCall, ModelFailure, ModelTurn, Transcript, Usage, function_of
+from sparring.loop import FunctionCall, ModelFailure, ModelTurn, Policy, Transcript, Usage, function_of
 from sparring.wire import new_call_id
 
 Api = Literal["responses", "chat"]
 APIS: tuple[Api, ...] = ("responses", "chat")
+
+MODEL_ANSWER_MAX_BYTES = 4 * 1024 * 1024
+"""The largest model answer read by default: far above any completion, far below what stalls a loop."""
+MODEL_DEADLINE_S = 600.0
+"""The default deadline of one model turn, the client's retries included."""
+
+
+class RefusedExchange(httpx2.TransportError):
+    """An exchange with a model endpoint that sparring itself stopped; the message is sparring's own
+    words (never the endpoint's), so it may be shown to whoever sent the rollout."""
+
+
+class AnswerTooLarge(RefusedExchange):
+    """The model's answer passed the byte cap."""
+
+
+class _CappedBody(httpx2.AsyncByteStream):
+    """The body of an answer, decoded here (gzip, deflate) so the cap counts what will be parsed."""
+
+    def __init__(self, inner: httpx2.AsyncByteStream, max_bytes: int, encoding: str) -> None:
+        self.inner = inner
+        self.max_bytes = max_bytes
+        # wbits 47 reads gzip and zlib headers alike; a raw deflate stream needs -15.
+        self.decoder = zlib.decompressobj(47) if encoding in ("gzip", "x-gzip", "deflate") else None
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        seen = 0
+        async for chunk in self.inner:
+            if self.decoder is not None:
+                # Never inflate more than the cap allows: a small compressed body may be a huge one.
+                try:
+                    chunk = self.decoder.decompress(chunk, self.max_bytes - seen + 1)
+                except zlib.error as exc:
+                    raise RefusedExchange("the model's compressed answer is corrupt") from exc
+                if self.decoder.unconsumed_tail:
+                    raise AnswerTooLarge(f"the model's answer is over {self.max_bytes} bytes")
+            seen += len(chunk)
+            if seen > self.max_bytes:
+                raise AnswerTooLarge(f"the model's answer is over {self.max_bytes} bytes")
+            yield chunk
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class CappedAnswers(httpx2.AsyncBaseTransport):
+    """A transport that reads at most `max_bytes` of any answer, so no model answer can fill memory
+    or hold the event loop parsing it; past the cap the request fails with `AnswerTooLarge`."""
+
+    def __init__(self, inner: httpx2.AsyncBaseTransport, max_bytes: int) -> None:
+        self.inner = inner
+        self.max_bytes = max_bytes
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        # Asked plain, so the cap is on the answer's real size; a gzip or deflate answer is decoded here.
+        request.headers["Accept-Encoding"] = "identity"
+        response = await self.inner.handle_async_request(request)
+        encoding = response.headers.get("Content-Encoding", "identity").strip().lower()
+        try:
+            if encoding not in ("identity", "", "gzip", "x-gzip", "deflate"):
+                raise RefusedExchange(f"the model answered in an encoding sparring does not read: {encoding}")
+            length = response.headers.get("Content-Length", "")
+            if encoding in ("identity", "") and length.isdigit() and int(length) > self.max_bytes:
+                raise AnswerTooLarge(f"the model's answer is over {self.max_bytes} bytes")
+        except RefusedExchange:
+            await response.aclose()
+            raise
+        assert isinstance(response.stream, httpx2.AsyncByteStream)
+        headers = [
+            (name, value)
+            for name, value in response.headers.multi_items()
+            if name.lower() not in ("content-encoding", "content-length")
+        ]
+        return httpx2.Response(
+            status_code=response.status_code,
+            headers=headers,
+            stream=_CappedBody(response.stream, self.max_bytes, encoding),
+            request=request,
+            extensions=response.extensions,
+        )
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def failure_of(exc: Exception) -> ModelFailure:
+    """A failed model exchange as the loop's `ModelFailure`: the whole story as its message (for the
+    operator), and a `brief` without anything the endpoint wrote (for whoever sent the rollout)."""
+    detail = f"{type(exc).__name__}: {exc}"
+    cause = exc.__cause__
+    if isinstance(exc, openai.APIStatusError):
+        brief = f"the model endpoint answered HTTP {exc.status_code}"
+    elif isinstance(exc, openai.APITimeoutError):
+        brief = "the model endpoint timed out"
+    elif isinstance(exc, openai.APIConnectionError) and isinstance(cause, RefusedExchange):
+        detail = brief = str(cause)
+    elif isinstance(exc, openai.APIConnectionError):
+        brief = "the model endpoint could not be reached"
+    elif isinstance(exc, UnicodeEncodeError):
+        # httpx refuses a header it cannot send: in practice the API key.
+        detail = brief = "the model API key (or a header) is not ASCII, so it cannot be sent"
+    else:
+        brief = "the model endpoint answered something that is not a completion"
+        detail = f"{brief} ({detail})"
+    return ModelFailure(detail, brief=brief)
+
+
+def _text(value: object) -> str | None:
+    """A text field of the answer, which the SDK did not check: text or absent, else malformed."""
+    if value is None or isinstance(value, str):
+        return value
+    raise TypeError(f"expected text, got {type(value).__name__}")
+
+
+def _name(value: object) -> str:
+    if not isinstance(value, str):
+        raise TypeError("a function call without a name")
+    return value
+
+
+def _tokens(value: object) -> int:
+    """A token count of the answer's usage (0 when the endpoint reports something else)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _malformed(what: str) -> ModelFailure:
+    message = f"the model endpoint answered something that is not a {what}"
+    return ModelFailure(message, brief=message)
+
+
+class DeadlinePolicy:
+    """A policy whose every turn must come within `deadline_s`, however the endpoint trickles its
+    answer and however often the client retries: a read timeout alone bounds only the gap between bytes."""
+
+    def __init__(self, inner: Policy, deadline_s: float) -> None:
+        self.inner = inner
+        self.deadline_s = deadline_s
+
+    async def next_turn(self, transcript: Transcript) -> ModelTurn:
+        scope = asyncio.timeout(self.deadline_s)
+        try:
+            async with scope:
+                return await self.inner.next_turn(transcript)
+        except TimeoutError as exc:
+            if not scope.expired():
+                raise
+            message = f"the model did not answer within {self.deadline_s:g} s"
+            raise ModelFailure(message, brief=message) from exc
 
 
 def responses_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -122,18 +279,28 @@ class ResponsesPolicy:
             request.setdefault("parallel_tool_calls", True)
         try:
             response = await self.client.post("/responses", cast_to=Response, body=request)
-        except openai.APIError as exc:
-            raise ModelFailure(f"{type(exc).__name__}: {exc}") from exc
+        except (openai.APIError, ValueError, TypeError) as exc:
+            # ValueError: an answer that is not JSON, or an API key httpx cannot put in a header.
+            raise failure_of(exc) from exc
+        if not isinstance(response, Response):
+            raise _malformed("response")
+        try:
+            return self._turn_of(response)
+        except (AttributeError, TypeError, ValueError) as exc:
+            # The SDK builds the answer without validating it: any shape can arrive here.
+            raise _malformed("response") from exc
+
+    def _turn_of(self, response: Response) -> ModelTurn:
         calls: list[FunctionCall] = []
         replay: list[dict[str, Any]] = []
         texts: list[str] = []
         for entry in response.output:
             if entry.type == "function_call":
                 call = FunctionCall(
-                    call_id=entry.call_id or new_call_id(),
-                    name=entry.name,
-                    arguments=entry.arguments or "{}",
-                    id=entry.id,
+                    call_id=_text(entry.call_id) or new_call_id(),
+                    name=_name(entry.name),
+                    arguments=_text(entry.arguments) or "{}",
+                    id=_text(entry.id),
                 )
                 calls.append(call)
                 replay.append(
@@ -145,7 +312,7 @@ class ResponsesPolicy:
                     }
                 )
             elif entry.type == "message":
-                text = "".join(part.text for part in entry.content if part.type == "output_text")
+                text = "".join(_text(part.text) or "" for part in entry.content if part.type == "output_text")
                 texts.append(text)
                 if text:
                     replay.append({"role": "assistant", "content": text})
@@ -154,7 +321,7 @@ class ResponsesPolicy:
                 replay.append(entry.model_dump(exclude_none=True))
         usage = Usage()
         if response.usage is not None:
-            usage = Usage(response.usage.input_tokens, response.usage.output_tokens)
+            usage = Usage(_tokens(response.usage.input_tokens), _tokens(response.usage.output_tokens))
         return ModelTurn(text="".join(texts), calls=tuple(calls), usage=usage, replay=tuple(replay))
 
 
@@ -179,35 +346,59 @@ class ChatPolicy:
             request["tools"] = chat_tools(transcript.tools)
         try:
             completion = await self.client.post("/chat/completions", cast_to=ChatCompletion, body=request)
-        except openai.APIError as exc:
-            raise ModelFailure(f"{type(exc).__name__}: {exc}") from exc
+        except (openai.APIError, ValueError, TypeError) as exc:
+            # ValueError: an answer that is not JSON, or an API key httpx cannot put in a header.
+            raise failure_of(exc) from exc
+        if not isinstance(completion, ChatCompletion):
+            raise _malformed("chat completion")
         if not completion.choices:
             raise ModelFailure("the completion has no choices")
+        try:
+            return self._turn_of(completion)
+        except (AttributeError, TypeError, ValueError, IndexError) as exc:
+            # The SDK builds the answer without validating it: any shape can arrive here.
+            raise _malformed("chat completion") from exc
+
+    def _turn_of(self, completion: ChatCompletion) -> ModelTurn:
         message = completion.choices[0].message
         calls = tuple(
             FunctionCall(
-                call_id=tool_call.id or new_call_id(),
-                name=tool_call.function.name,
-                arguments=tool_call.function.arguments or "{}",
+                call_id=_text(tool_call.id) or new_call_id(),
+                name=_name(tool_call.function.name),
+                arguments=_text(tool_call.function.arguments) or "{}",
             )
             for tool_call in message.tool_calls or []
             if tool_call.type == "function"
         )
         usage = Usage()
         if completion.usage is not None:
-            usage = Usage(completion.usage.prompt_tokens, completion.usage.completion_tokens)
-        return ModelTurn(text=message.content or "", calls=calls, usage=usage)
+            usage = Usage(
+                _tokens(completion.usage.prompt_tokens), _tokens(completion.usage.completion_tokens)
+            )
+        return ModelTurn(text=_text(message.content) or "", calls=calls, usage=usage)
 
 
-def model_client(api_key: str, base_url: str | None) -> AsyncOpenAI:
+def model_client(
+    api_key: str, base_url: str | None, *, max_answer_bytes: int = MODEL_ANSWER_MAX_BYTES
+) -> AsyncOpenAI:
     """The SDK client the commands use: its HTTP over aiohttp (the SDK's `DefaultAioHttpClient`), which
-    costs a fraction of the CPU of its default httpx client when hundreds of rollouts are in flight."""
-    from openai import DefaultAioHttpClient  # aiohttp only where the commands run models
+    costs a fraction of the CPU of its default httpx client when hundreds of rollouts are in flight,
+    reading at most `max_answer_bytes` of any answer."""
+    # aiohttp only where the commands run models.
+    from openai import DEFAULT_CONNECTION_LIMITS, DefaultAioHttpClient
+    from openai._vendor.httpx_aiohttp import AiohttpTransport
 
-    return AsyncOpenAI(api_key=api_key, base_url=base_url, http_client=DefaultAioHttpClient())
+    transport = CappedAnswers(AiohttpTransport(limits=DEFAULT_CONNECTION_LIMITS), max_answer_bytes)
+    return AsyncOpenAI(
+        api_key=api_key, base_url=base_url, http_client=DefaultAioHttpClient(transport=transport)
+    )
 
 
-def make_policy(api: Api, client: AsyncOpenAI, model: str) -> ResponsesPolicy | ChatPolicy:
-    if api == "responses":
-        return ResponsesPolicy(client, model)
-    return ChatPolicy(client, model)
+def make_policy(
+    api: Api, client: AsyncOpenAI, model: str, *, deadline_s: float | None = None
+) -> ResponsesPolicy | ChatPolicy | DeadlinePolicy:
+    """The policy of `api` on `client`; with `deadline_s`, each turn must come within it."""
+    policy: ResponsesPolicy | ChatPolicy = (
+        ResponsesPolicy(client, model) if api == "responses" else ChatPolicy(client, model)
+    )
+    return policy if deadline_s is None else DeadlinePolicy(policy, deadline_s)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from openai import DefaultAsyncHttpxClient
+import httpx2
+from openai import DEFAULT_CONNECTION_LIMITS, DefaultAsyncHttpxClient
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.calls.service import ToolCallService
@@ -10,14 +11,26 @@ from app.config import Settings
 from app.errors import StartupError
 from app.grading.service import GradingService
 from app.packs import Registry
+from app.remote.egress import EgressRule, GuardedTransport
 from app.remote.runner import GatewayStatusLog, RemoteRunner
 from app.remote.service import RemoteRolloutService
 from sparring.loop import EpisodeLimits
+from sparring.policies import CappedAnswers
 
 
 def build_model_http(settings: Settings) -> DefaultAsyncHttpxClient:
-    """One connection pool for every remote rollout's model calls (the `openai` SDK's httpx flavour)."""
-    return DefaultAsyncHttpxClient(timeout=settings.remote_model_timeout_seconds)
+    """One connection pool for every remote rollout's model calls and status logs (the `openai` SDK's
+    httpx flavour): every request checked against SPARRING_REMOTE_ALLOWED_HOSTS, every answer capped
+    at SPARRING_REMOTE_MODEL_MAX_BYTES, and no redirect followed (each would be a new destination)."""
+    connect = httpx2.AsyncHTTPTransport(limits=DEFAULT_CONNECTION_LIMITS)
+    guarded = GuardedTransport(connect, EgressRule(settings.remote_allowed_hosts))
+    return DefaultAsyncHttpxClient(
+        transport=CappedAnswers(guarded, settings.remote_model_max_bytes),
+        timeout=settings.remote_model_timeout_seconds,
+        follow_redirects=False,
+        # Nothing from the environment (proxies, certificates' overrides) changes where requests go.
+        trust_env=False,
+    )
 
 
 def build_remote(
@@ -44,6 +57,7 @@ def build_remote(
         grader=settings.remote_grader,
         limits=EpisodeLimits(max_turns=settings.remote_max_turns),
         model_timeout_s=settings.remote_model_timeout_seconds,
+        grade_max_bytes=settings.max_body_bytes,
     )
     return RemoteRolloutService(
         sessionmaker=sessionmaker,
@@ -53,4 +67,5 @@ def build_remote(
         lease_seconds=settings.remote_lease_seconds,
         retry_after=settings.retry_after_seconds,
         report=GatewayStatusLog(model_http),
+        egress=EgressRule(settings.remote_allowed_hosts),
     )

@@ -8,6 +8,10 @@ server itself would add a key to hold, a hop per call, and a worker waiting on i
 under load, for no difference in behaviour. Both keep the client's retry rule
 (`sparring.http.with_retries`) and name their failures with its kinds (`tool_crash`, `infra_error`,
 `refused`), not with HTTP statuses they never saw.
+
+The model endpoint is the caller's, so it is held to bounds: a deadline on each model call, a byte
+cap on its answers (the HTTP client's `CappedAnswers`), and a reason a caller reads that never quotes
+what the endpoint answered (the whole failure goes to the server's log).
 """
 
 from __future__ import annotations
@@ -18,13 +22,14 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import orjson
 from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
 from app.calls.service import ToolCallService
 from app.errors import ServiceUnavailable, SparringError, ToolCrashed
 from app.grading.service import GradingService
 from app.packs import Registry
-from app.remote.schemas import CODE_UNAVAILABLE, RolloutPlan
+from app.remote.schemas import CODE_INVALID_ARGUMENT, CODE_UNAVAILABLE, RolloutPlan
 from app.remote.service import RolloutOutcome
 from sparring.http import Attempt, Retry, call_with_retries, grade_with_retries
 from sparring.loop import (
@@ -32,14 +37,21 @@ from sparring.loop import (
     EpisodeLimits,
     FunctionCall,
     GradeOutcome,
+    ModelFailure,
+    ModelTurn,
+    Policy,
     RolloutResult,
     ToolResult,
+    Transcript,
     run_rollout,
 )
-from sparring.policies import ChatPolicy
+from sparring.policies import ChatPolicy, DeadlinePolicy
 from sparring.wire import INFRA_ERROR, REFUSED, TOOL_CRASH, ToolCallEnvelope
 
 FINAL_TEXT_KEPT = 2000
+# Grade failures that are the rollout's configuration (the row, the grader), not an outage: retrying
+# the rollout cannot help, so eval-protocol is told INVALID_ARGUMENT rather than UNAVAILABLE.
+CONFIGURATION_STATUSES = frozenset({400, 404, 422})
 
 log = logging.getLogger("sparring.remote")
 
@@ -79,17 +91,40 @@ class ServiceToolCaller:
 
 
 class ServiceGrader:
-    """The loop's Grader on GradingService.grade (the grade is stored like any other)."""
+    """The loop's Grader on GradingService.grade (the grade is stored like any other).
+
+    A grade request larger than the grade routes take (`max_bytes`, SPARRING_MAX_BODY_BYTES) is
+    refused here as the route would refuse it (413), so the in-process path stores no more than
+    the HTTP one. Only an outage (503) is tried again: any other refusal is final.
+    """
 
     def __init__(
-        self, service: GradingService, name: str, *, run: str | None, retry: Retry | None = None
+        self,
+        service: GradingService,
+        name: str,
+        *,
+        run: str | None,
+        retry: Retry | None = None,
+        max_bytes: int | None = None,
     ) -> None:
         self.service = service
         self.name = name
         self.run = run
         self.retry = retry or Retry()
+        self.max_bytes = max_bytes
 
     async def grade(self, sample: Mapping[str, Any], item: Mapping[str, Any], trace_id: str) -> GradeOutcome:
+        if self.max_bytes is not None:
+            size = len(orjson.dumps({"sample": sample, "item": item, "trace_id": trace_id}))
+            if size > self.max_bytes:
+                return GradeOutcome(
+                    score=None,
+                    failure=f"the grade request is {size} bytes, over the {self.max_bytes}-byte limit "
+                    "of the grade routes (SPARRING_MAX_BODY_BYTES)",
+                    status=413,
+                    failure_kind=REFUSED,
+                )
+
         async def attempt() -> Attempt[float]:
             try:
                 result = await self.service.grade(self.name, sample, item, trace_id, run=self.run)
@@ -97,11 +132,31 @@ class ServiceGrader:
                 return Attempt(
                     failure=f"{INFRA_ERROR}: {exc.message}", kind=INFRA_ERROR, retry_after_s=exc.retry_after
                 )
-            except SparringError as exc:  # a 4xx on the grade route (an unknown grader, a bad row): final
-                return Attempt(failure=f"{REFUSED}: {exc.message}", kind=REFUSED)
+            except SparringError as exc:
+                # A 4xx of the grade route (an unknown grader, a row without the field it reads, state
+                # gone): final, and its status tells a configuration error from the rest.
+                return Attempt(failure=exc.message, kind=REFUSED, status=exc.status_code)
             return Attempt(value=result.score)
 
         return await grade_with_retries(self.retry, attempt)
+
+
+class ContainedPolicy:
+    """The policy of a remote rollout: the model's failures told in sparring's own words.
+
+    The endpoint is the caller's, and may be a service inside the network answering with its own
+    error text; that text goes to the server's log, never into the rollout's reason."""
+
+    def __init__(self, inner: Policy, rollout_id: str) -> None:
+        self.inner = inner
+        self.rollout_id = rollout_id
+
+    async def next_turn(self, transcript: Transcript) -> ModelTurn:
+        try:
+            return await self.inner.next_turn(transcript)
+        except ModelFailure as exc:
+            log.warning("the model of remote rollout %s failed: %s", self.rollout_id, exc)
+            raise ModelFailure(exc.brief) from exc
 
 
 class RemoteRunner:
@@ -118,6 +173,7 @@ class RemoteRunner:
         limits: EpisodeLimits,
         model_timeout_s: float,
         retry: Retry | None = None,
+        grade_max_bytes: int | None = None,
     ) -> None:
         self.registry = registry
         self.calls = calls
@@ -127,6 +183,7 @@ class RemoteRunner:
         self.limits = limits
         self.model_timeout_s = model_timeout_s
         self.retry = retry or Retry()
+        self.grade_max_bytes = grade_max_bytes
 
     def tools_for(self, rollout: RolloutPlan) -> list[dict[str, Any]]:
         """The request's tool schemas, else every served tool (of the named pack)."""
@@ -146,10 +203,16 @@ class RemoteRunner:
             timeout=self.model_timeout_s,
             max_retries=2,
         )
-        policy = ChatPolicy(model, rollout.model, **rollout.sampling)
+        chat = ChatPolicy(model, rollout.model)
+        # Set apart from the constructor's keywords: a sampling key named `client` or `developer_role`
+        # is the caller's parameter for the model, not an argument of the policy.
+        chat.params = dict(rollout.sampling)
+        policy = ContainedPolicy(DeadlinePolicy(chat, self.model_timeout_s), rollout.rollout_id)
         line = DatasetLine(messages=rollout.messages, tools=self.tools_for(rollout), item=rollout.item or {})
         grader = (
-            ServiceGrader(self.grading, self.grader, run=rollout.run, retry=self.retry)
+            ServiceGrader(
+                self.grading, self.grader, run=rollout.run, retry=self.retry, max_bytes=self.grade_max_bytes
+            )
             if self.grader is not None and rollout.item is not None
             else None
         )
@@ -222,7 +285,9 @@ def outcome_of(result: RolloutResult, *, grader: str | None) -> RolloutOutcome:
     }
     if result.discarded is not None:
         # The model endpoint, a tool or the grader failed for good: the trainer should drop it.
+        configuration = result.grade is not None and result.grade.status in CONFIGURATION_STATUSES
+        code = CODE_INVALID_ARGUMENT if configuration else CODE_UNAVAILABLE
         return RolloutOutcome(
-            status="error", code=CODE_UNAVAILABLE, reason=result.discarded, grader=grader, summary=summary
+            status="error", code=code, reason=result.discarded, grader=grader, summary=summary
         )
     return RolloutOutcome(status="finished", code=0, reward=result.score, grader=grader, summary=summary)

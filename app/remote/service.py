@@ -20,7 +20,8 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.db.models import RemoteRollout
-from app.errors import OUTAGES, NotFound, ServiceUnavailable, outage
+from app.errors import OUTAGES, BadRequest, NotFound, ServiceUnavailable, outage
+from app.remote.egress import EgressRule, RefusedDestination
 from app.remote.repository import RemoteRolloutRepository
 from app.remote.schemas import (
     CODE_ABORTED,
@@ -85,8 +86,10 @@ class RemoteRolloutService:
         lease_seconds: float,
         retry_after: int,
         report: Report | None = None,
+        egress: EgressRule | None = None,
     ) -> None:
         self.sessionmaker = sessionmaker
+        self.egress = egress or EgressRule()
         self.execute = execute
         self.report = report
         self.worker = worker
@@ -134,6 +137,7 @@ class RemoteRolloutService:
     async def init(self, init: InitRequest) -> dict[str, Any]:
         """Accept a rollout and start it in the background; a repeated init does not run it twice."""
         rollout = plan(init)
+        await self._check_destinations(rollout)
         if self._slots >= self.max_concurrent:
             raise RemoteFull(
                 f"this worker already runs {self.max_concurrent} remote rollouts; retry shortly",
@@ -176,6 +180,16 @@ class RemoteRolloutService:
             "started": started,
         }
 
+    async def _check_destinations(self, rollout: RolloutPlan) -> None:
+        """Refuse (400) URLs the server must not send to: the HTTP client checks every request again,
+        this tells the caller now instead of through a failed rollout."""
+        try:
+            await self.egress.check(rollout.base_url, "model base URL")
+            if rollout.status_log_url is not None:
+                await self.egress.check(rollout.status_log_url, "status log URL")
+        except RefusedDestination as exc:
+            raise BadRequest(str(exc)) from exc
+
     async def _run(self, rollout: RolloutPlan) -> None:
         try:
             try:
@@ -184,8 +198,11 @@ class RemoteRolloutService:
                 raise
             except Exception as exc:  # a bug in the runner: the rollout failed, the worker goes on
                 log.exception("remote rollout %s crashed", rollout.rollout_id)
+                # The exception's text stays in the log: it may quote what the model endpoint sent.
                 outcome = RolloutOutcome(
-                    status="error", code=CODE_INTERNAL, reason=f"internal error: {type(exc).__name__}: {exc}"
+                    status="error",
+                    code=CODE_INTERNAL,
+                    reason=f"internal error ({type(exc).__name__}); the server's log has the detail",
                 )
             await self._record(rollout.rollout_id, outcome)
             if self.report is not None:

@@ -8,6 +8,11 @@ served behind a front that eval-protocol's URLs need and the runner's tests do n
 - the request's `model` names a script, a list of `Turn`s; the turn played is the number of assistant
   messages already in the request, so any number of rollouts run at once without state here;
   model `down` answers 503, model `hold` answers only once `release()` is called;
+- hostile models, as a model server may behave: `forbidden` answers 403 with an internal service's
+  error text (`SECRET`), `garbage` a 200 that is not JSON, `truncated` a 200 of cut JSON, `trickle`
+  a 200 whose body comes one byte every 0.2 s for two minutes, `huge` a valid completion of
+  `HUGE_TEXT` bytes, `huge-gzip` the same compressed to a few kilobytes, `redirect` a 307 to
+  `redirect_to`;
 - eval-protocol's tracing gateway: `POST /logs` keeps the logs a rollout server posts, and
   `GET /v1/status?rollout_id=` answers the status of the last one tagged with that rollout.
 """
@@ -15,6 +20,7 @@ served behind a front that eval-protocol's URLs need and the runner's tests do n
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import socket
 import threading
@@ -30,12 +36,34 @@ from tests.runner.model_server import Call, ModelRequest, Reply, Unavailable
 from tests.runner.model_server import ModelServer as ScriptedModel
 
 CHAT = "/chat/completions"
+RESPONSES = "/responses"  # hostile models only: the runner's `sparring eval` tests speak both APIs
+SECRET = "internal-billing-service: token=hunter2"
+HUGE_TEXT = 1_200_000  # over 1 MiB, the grade routes' limit, and under the remote's default model cap
+
+
+def completion(text: str) -> bytes:
+    """A valid chat completion whose answer is `text`."""
+    message = {"role": "assistant", "content": text}
+    choice = {"index": 0, "message": message, "finish_reason": "stop"}
+    body = {"id": "c", "object": "chat.completion", "created": 0, "model": "m", "choices": [choice]}
+    return json.dumps(body).encode()
 
 
 @dataclass(frozen=True)
 class Turn:
     calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     text: str = ""
+
+
+HOSTILE = {
+    "forbidden": "_forbidden",
+    "garbage": "_garbage",
+    "truncated": "_truncated",
+    "trickle": "_trickle",
+    "huge": "_huge",
+    "huge-gzip": "_huge_gzip",
+    "redirect": "_redirect",
+}
 
 
 class ModelServer:
@@ -45,6 +73,8 @@ class ModelServer:
         self.logs: list[dict[str, Any]] = []
         self.log_headers: list[dict[str, str]] = []
         self._released = threading.Event()
+        self._stopping = threading.Event()
+        self.redirect_to = ""
         self._model = ScriptedModel()
         self._model.script = self._play
         self._chat = self._model._app()
@@ -73,10 +103,11 @@ class ModelServer:
 
     async def _front(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if scope["type"] != "http" or not path.endswith(CHAT):
+        responses = scope["type"] == "http" and path.endswith(RESPONSES)
+        if scope["type"] != "http" or not (path.endswith(CHAT) or responses):
             await self._gateway(scope, receive, send)
             return
-        self.prefixes.append(path[1 : -len(CHAT)])
+        self.prefixes.append(path[1 : -len(RESPONSES if responses else CHAT)])
         messages: list[Message] = []
         while True:
             message = await receive()
@@ -84,14 +115,59 @@ class ModelServer:
             if not message.get("more_body"):
                 break
         body = b"".join(m.get("body", b"") for m in messages)
-        if json.loads(body).get("model") == "hold":
+        model = json.loads(body).get("model")
+        if model == "hold":
             await asyncio.to_thread(self._released.wait, 60)
+        if model in HOSTILE:
+            await getattr(self, HOSTILE[model])(send)
+            return
 
         async def replay() -> Message:
             return messages.pop(0) if messages else {"type": "http.disconnect"}
 
         path = "/v1" + CHAT
         await self._chat({**scope, "path": path, "raw_path": path.encode()}, replay, send)
+
+    async def _answer(
+        self, send: Send, status: int, body: bytes, content_type: bytes = b"application/json", **headers: str
+    ) -> None:
+        fields = [(b"content-type", content_type)] + [
+            (name.replace("_", "-").encode(), value.encode()) for name, value in headers.items()
+        ]
+        await send({"type": "http.response.start", "status": status, "headers": fields})
+        await send({"type": "http.response.body", "body": body})
+
+    async def _forbidden(self, send: Send) -> None:
+        await self._answer(send, 403, json.dumps({"error": {"message": SECRET}}).encode())
+
+    async def _garbage(self, send: Send) -> None:
+        await self._answer(send, 200, b"<html>not a completion</html>", b"text/html")
+
+    async def _truncated(self, send: Send) -> None:
+        await self._answer(send, 200, completion("cut")[:40])
+
+    async def _huge(self, send: Send) -> None:
+        await self._answer(send, 200, completion("a" * HUGE_TEXT))
+
+    async def _huge_gzip(self, send: Send) -> None:
+        await self._answer(send, 200, gzip.compress(completion("a" * HUGE_TEXT)), content_encoding="gzip")
+
+    async def _redirect(self, send: Send) -> None:
+        await self._answer(send, 307, b"{}", location=self.redirect_to)
+
+    async def _trickle(self, send: Send) -> None:
+        """Never idle long enough for a read timeout, never done: one byte every 0.2 s."""
+        start = {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", b"application/json")],
+        }
+        await send(start)
+        ends = time.monotonic() + 120
+        while time.monotonic() < ends and not self._stopping.is_set():
+            await send({"type": "http.response.body", "body": b" ", "more_body": True})
+            await asyncio.sleep(0.2)
+        await send({"type": "http.response.body", "body": completion("late")})
 
     def _gateway_app(self) -> FastAPI:
         app = FastAPI()
@@ -132,6 +208,7 @@ class ModelServer:
 
     def stop(self) -> None:
         self._released.set()
+        self._stopping.set()
         self._server.should_exit = True
         self._thread.join(timeout=10)
         self._socket.close()

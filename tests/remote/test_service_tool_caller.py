@@ -51,7 +51,7 @@ async def test_a_grade_the_server_refuses_is_not_tried_again(client: httpx.Async
         state.grading, "no-such-grader", run="remote-test", retry=Retry(attempts=3, delay_s=0)
     )
     outcome = await grader.grade({"output_text": "done"}, {}, new_trace())
-    assert outcome.score is None and outcome.attempts == 1 and outcome.status is None
+    assert outcome.score is None and outcome.attempts == 1 and outcome.status == 404  # the route's status
     assert outcome.failure_kind == "refused"
     assert outcome.failure is not None and "no-such-grader" in outcome.failure
 

@@ -217,9 +217,9 @@ async def test_limits_end_a_rollout_and_it_is_still_graded(
     assert len(by_calls.tool_results) == 3 and logged["calls"] == 3
     assert by_calls.score == 1.0  # graded on its last text, "still looking"
     assert by_calls.sample is not None
+    # The final turn asked for two calls; the budget let one through, and the grader sees that one.
     assert [c["function"]["name"] for c in by_calls.sample["choices"][0]["message"]["tool_calls"]] == [
-        "read_counter",
-        "read_counter",
+        "read_counter"
     ]
     assert by_turns.ended_by == "max_turns" and len(by_turns.transcript.steps) == 2
     assert len(by_turns.tool_results) == 4 and by_turns.score == 0.0

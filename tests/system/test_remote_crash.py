@@ -31,6 +31,7 @@ async def test_a_killed_worker_leaves_an_error_not_a_finished_rollout(
             home=tmp_path / worker,
             worker=worker,
             SPARRING_REMOTE_LEASE_SECONDS="1",
+            SPARRING_REMOTE_ALLOWED_HOSTS="127.0.0.1",  # the scripted model listens on loopback
         )
 
     first = await servers.start("first", settings("first"))

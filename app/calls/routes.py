@@ -17,7 +17,14 @@ from starlette.types import Receive, Scope, Send
 
 from app.calls.envelope import ToolCallEnvelope, ToolCallOutput
 from app.deps import RegistryDep, ToolsKey, app_state, handle_outage
-from app.errors import OUTAGES, BadRequest, SparringError, handle_sparring_error, json_response
+from app.errors import (
+    INTERNAL_ERROR,
+    OUTAGES,
+    BadRequest,
+    SparringError,
+    handle_sparring_error,
+    json_response,
+)
 from app.middleware import BodyTooLarge
 from app.rollouts.identity import RUN_HEADER
 
@@ -164,10 +171,7 @@ async def serve_tool_call(scope: Scope, receive: Receive, send: Send) -> None:
     except Exception:
         # A bug in sparring, not in a tool (tools' exceptions are ToolCrashed): the app's own 500.
         log.exception("unexpected error answering a tool call")
-        error = {
-            "error": {"code": "internal_error", "message": "unexpected server error; see the server log"}
-        }
-        await json_response(error, status_code=500)(scope, receive, send)
+        await json_response(INTERNAL_ERROR, status_code=500)(scope, receive, send)
         return
     payload = orjson.dumps(output.model_dump())
     await send(

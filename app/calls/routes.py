@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request, Response
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from starlette.types import Receive, Scope, Send
 
 from app.calls.envelope import ToolCallEnvelope, ToolCallOutput
@@ -48,7 +48,11 @@ def _parse_envelope(body: bytes) -> ToolCallEnvelope:
         raise BadRequest(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise BadRequest("request body must be a JSON object (a function_call item)")
-    return ToolCallEnvelope.model_validate(data)
+    try:
+        return ToolCallEnvelope.model_validate(data)
+    except ValidationError as exc:
+        fields = ", ".join(str(error["loc"][0]) for error in exc.errors() if error["loc"])
+        raise BadRequest(f"the call's {fields or 'fields'} cannot be read: {exc.errors()[0]['msg']}") from exc
 
 
 @router.get("/tools")

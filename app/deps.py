@@ -20,7 +20,8 @@ from app.auth import KeyRing
 from app.calls.log_writer import CallLogWriter
 from app.calls.service import ToolCallService
 from app.config import Scope, Settings
-from app.errors import OUTAGES, handle_sparring_error, outage
+from app.db.text import has_control_character
+from app.errors import OUTAGES, BadRequest, handle_sparring_error, outage
 from app.grading.service import GradingService
 from app.mcp.http import McpHttp
 from app.metrics import Metrics
@@ -91,6 +92,19 @@ class Database:
                     yield session
         except OUTAGES as exc:
             raise outage(exc, self.retry_after) from exc
+
+
+def reject_control_characters(request: Request) -> None:
+    """A dependency of the admin routes: a filter or id holding NUL, CR, LF or another control
+    character is a 400.
+
+    No run label, item key, tool, grader, flag, cursor or trace_id the server stores holds one (the
+    database cannot hold NUL, a header cannot hold CR or LF), so such a value is a mistake or an attack,
+    not a lookup for the database to fail on (a 503).
+    """
+    values = [*request.query_params.values(), *(str(v) for v in request.path_params.values())]
+    if any(has_control_character(value) for value in values):
+        raise BadRequest("a filter or id contains a control character (NUL, CR, LF, ...)")
 
 
 def require(scope: Scope) -> Callable[[Request], Coroutine[Any, Any, Scope]]:

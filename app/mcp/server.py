@@ -12,6 +12,7 @@ from importlib import metadata
 from typing import Any
 
 import mcp_types as types
+import orjson
 from mcp.server import Server
 from mcp.server.context import ServerRequestContext
 from mcp.shared.exceptions import MCPError
@@ -51,6 +52,17 @@ def tool_list(registry: Registry) -> list[types.Tool]:
         )
         for spec in registry.tools.values()
     ]
+
+
+def mcp_call_id(session: str, request_id: str | int | None) -> str:
+    """The call id of a session's JSON-RPC request: `mcp:` and the JSON array `[session, id]`.
+
+    One id per (session, request id) pair: JSON marks where the session ends and whether the request
+    id is a number or a string (`mcp_<session>_<id>` made `a_b`+`x` and `a`+`b_x`, or `1` and `"1"`,
+    one call, and one got the other's answer), and `fit` keeps distinct ids distinct when it cuts
+    them to the column.
+    """
+    return fit("mcp:" + orjson.dumps([session, request_id]).decode(), CALL_ID_MAX)
 
 
 def _version() -> str:
@@ -104,10 +116,9 @@ class McpGateway:
         # The JSON-RPC id numbers the calls of a session; with the session it keys the ledger, so a
         # client resending a request gets the first answer, and sessions sharing one trace id
         # (X-Sparring-Trace-Id) never take each other's answers.
-        call_id = fit(f"mcp_{caller.session}_{ctx.request_id}", CALL_ID_MAX)
         envelope = ToolCallEnvelope(
             type="function_call",
-            call_id=call_id,
+            call_id=mcp_call_id(caller.session, ctx.request_id),
             name=params.name,
             arguments=params.arguments,
             trace_id=caller.trace_id,

@@ -7,8 +7,7 @@ plain `def` dependency in its thread pool, a thread hand-off per dependency per 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Coroutine
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -20,8 +19,9 @@ from app.auth import KeyRing
 from app.calls.log_writer import CallLogWriter
 from app.calls.service import ToolCallService
 from app.config import Scope, Settings
+from app.db.session import Database as Database  # re-exported: routes name their sessions by it
 from app.db.text import has_control_character
-from app.errors import OUTAGES, BadRequest, handle_sparring_error, outage
+from app.errors import BadRequest, handle_sparring_error, outage
 from app.grading.service import GradingService
 from app.mcp.http import McpHttp
 from app.metrics import Metrics
@@ -73,25 +73,10 @@ async def handle_outage(request: Request, exc: Exception) -> Response:
     return await handle_sparring_error(request, outage(exc, retry_after(request.app)))
 
 
-class Database:
-    """The database boundary of a route: its sessions, with an outage turned into a 503."""
-
-    def __init__(self, sessions: async_sessionmaker[AsyncSession], retry_after: int) -> None:
-        self.sessions = sessions
-        self.retry_after = retry_after
-
-    @asynccontextmanager
-    async def session(self, *, write: bool = False) -> AsyncIterator[AsyncSession]:
-        """One session; with `write`, one transaction committed when the block ends."""
-        try:
-            async with self.sessions() as session:
-                if write:
-                    async with session.begin():
-                        yield session
-                else:
-                    yield session
-        except OUTAGES as exc:
-            raise outage(exc, self.retry_after) from exc
+def database(app: Starlette) -> Database:
+    """The database boundary (app/db/session.py) on the app's current session factory."""
+    state = app_state(app)
+    return Database(state.sessionmaker, state.settings.retry_after_seconds)
 
 
 def reject_control_characters(request: Request) -> None:
@@ -125,8 +110,7 @@ async def get_store(request: Request) -> RolloutStore:
 
 
 async def get_database(request: Request) -> Database:
-    state = app_state(request.app)
-    return Database(state.sessionmaker, state.settings.retry_after_seconds)
+    return database(request.app)
 
 
 async def get_grading(request: Request) -> GradingService:

@@ -166,3 +166,13 @@ def outage(exc: BaseException, retry_after: int) -> ServiceUnavailable:
     """
     log.warning("a dependency failed: %s: %s", type(exc).__name__, exc)
     return ServiceUnavailable("a dependency is unreachable", retry_after=retry_after)
+
+
+def answer_to(exc: BaseException, retry_after: int) -> SparringError | None:
+    """The error a request answers for `exc`: a SparringError as it is, an outage as its 503, and None
+    for a bug (a 500). For the paths FastAPI's handlers do not see: the tool fast path and MCP."""
+    if isinstance(exc, SparringError):
+        return exc
+    if isinstance(exc, OUTAGES):
+        return outage(exc, retry_after)
+    return None

@@ -37,7 +37,7 @@ def _read_json(path: Path | None, what: str) -> dict[str, Any]:
 async def grading_service(settings: Settings, *, reads_log: bool = False) -> AsyncIterator[Any]:
     """The server's grading service, built as the server builds it, for one command; `reads_log`
     checks the database first (a command grading one sample may run without one)."""
-    from app.db.session import build_engine, build_sessionmaker
+    from app.db.session import Database, build_engine, build_sessionmaker
     from app.errors import StartupError
     from app.grading.build import build_grading
     from app.grading.graders.registry import GraderContext
@@ -62,7 +62,7 @@ async def grading_service(settings: Settings, *, reads_log: bool = False) -> Asy
             registry,
             context,
             store=store,
-            sessionmaker=build_sessionmaker(engine),
+            database=Database(build_sessionmaker(engine), settings.retry_after_seconds),
             metrics=Metrics(None),
         )
     except StartupError as exc:

@@ -19,7 +19,7 @@ from mcp.shared.exceptions import MCPError
 
 from app.calls.envelope import ToolCallEnvelope
 from app.calls.service import ToolCallService
-from app.errors import OUTAGES, ServiceUnavailable, ToolCrashed, outage
+from app.errors import ServiceUnavailable, ToolCrashed, answer_to
 from app.packs import Registry
 from app.rollouts.identity import CALL_ID_MAX, fit
 
@@ -124,24 +124,24 @@ class McpGateway:
             trace_id=caller.trace_id,
         )
         try:
-            try:
-                result = await self.service.call(envelope, path_name=None, run=caller.run, channel=CHANNEL)
-            except OUTAGES as exc:  # a database or Redis error the service did not translate itself
-                raise outage(exc, self.retry_after) from exc
-        except ServiceUnavailable as exc:
-            # Not a tool result: the model must not see an outage as the tool's answer. The client
-            # retries the request; the same id gets the answer once there is one.
-            if self.on_failure is not None:
-                self.on_failure(ctx, exc)
-            raise MCPError(
-                UNAVAILABLE,
-                f"sparring is unavailable, retry in {exc.retry_after} s: {exc.message}",
-                data={"code": exc.code, "retryable": True, "retry_after": exc.retry_after},
-            ) from exc
-        except ToolCrashed as exc:
-            if self.on_failure is not None:
-                self.on_failure(ctx, exc)
-            raise MCPError(CRASHED, exc.message, data={"code": exc.code, "retryable": False}) from exc
+            result = await self.service.call(envelope, path_name=None, run=caller.run, channel=CHANNEL)
+        except Exception as exc:
+            error = answer_to(exc, self.retry_after)
+            if isinstance(error, ServiceUnavailable):
+                # Not a tool result: the model must not see an outage as the tool's answer. The
+                # client retries the request; the same id gets the answer once there is one.
+                if self.on_failure is not None:
+                    self.on_failure(ctx, error)
+                raise MCPError(
+                    UNAVAILABLE,
+                    f"sparring is unavailable, retry in {error.retry_after} s: {error.message}",
+                    data={"code": error.code, "retryable": True, "retry_after": error.retry_after},
+                ) from exc
+            if isinstance(error, ToolCrashed):
+                if self.on_failure is not None:
+                    self.on_failure(ctx, error)
+                raise MCPError(CRASHED, error.message, data={"code": error.code, "retryable": False}) from exc
+            raise
         return types.CallToolResult(
             content=[types.TextContent(text=result.output.output)],
             # Every answer but `ok` is an `Error: ...` (model_error, call_id_reused).

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from openai import DefaultAsyncHttpxClient
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.calls.service import ToolCallService
 from app.config import Settings
+from app.db.session import Database
 from app.errors import StartupError
 from app.grading.service import GradingService
 from app.packs import Registry
@@ -26,7 +26,7 @@ def build_remote(
     registry: Registry,
     calls: ToolCallService,
     grading: GradingService,
-    sessionmaker: async_sessionmaker[AsyncSession],
+    database: Database,
     model_http: DefaultAsyncHttpxClient,
     worker: str,
 ) -> RemoteRolloutService:
@@ -46,7 +46,7 @@ def build_remote(
         model_timeout_s=settings.remote_model_timeout_seconds,
     )
     return RemoteRolloutService(
-        sessionmaker=sessionmaker,
+        database=database,
         execute=runner.execute,
         worker=worker,
         max_concurrent=settings.remote_max_concurrent,

@@ -19,6 +19,7 @@ from typing import Any
 
 from app.db.models import RemoteRollout
 from app.db.session import Database
+from app.db.text import storable
 from app.errors import NotFound, ServiceUnavailable
 from app.remote.repository import RemoteRolloutRepository
 from app.remote.schemas import (
@@ -201,7 +202,9 @@ class RemoteRolloutService:
             self._slots -= 1
 
     async def _record(self, rollout_id: str, outcome: RolloutOutcome) -> None:
-        summary = {**outcome.summary, "status_code": outcome.code}
+        # As Postgres can hold it (NUL as U+FFFD): the model's final text is in the summary, and an
+        # outcome that cannot be stored leaves the rollout running until its lease lapses.
+        summary = storable({**outcome.summary, "status_code": outcome.code})
         for attempt in range(3):
             try:
                 async with self.database.session(write=True) as session:
@@ -209,7 +212,7 @@ class RemoteRolloutService:
                         rollout_id,
                         worker=self.worker,
                         status=outcome.status,
-                        reason=outcome.reason,
+                        reason=storable(outcome.reason),
                         reward=outcome.reward,
                         grader=outcome.grader,
                         summary=summary,

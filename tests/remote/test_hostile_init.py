@@ -23,6 +23,7 @@ JSON = {"content-type": "application/json"}
 def model() -> Iterator[ModelServer]:
     server = ModelServer()
     server.scripts["hi"] = [Turn(text="hi")]
+    server.scripts["nul"] = [Turn(text="hi\x00there")]
     server.start()
     yield server
     server.stop()
@@ -181,3 +182,17 @@ async def test_a_validation_error_echoing_what_no_encoder_writes_is_a_422_with_t
     # And through the app: a query parameter of the wrong type.
     answer = await client.get("/remote/status")
     assert answer.status_code == 422 and answer.json()["error"]["code"] == "invalid_request", answer.text
+
+
+async def test_a_model_answering_nul_ends_the_rollout_recorded(
+    app_factory: AppFactory, model: ModelServer
+) -> None:
+    # The outcome (its summary holds the model's final text) is stored as Postgres can hold it, NUL as
+    # U+FFFD; unstorable, the rollout stayed `running` until its lease lapsed and then read as lost.
+    row = Row.new()
+    async with app_factory() as client:
+        body = init_request(row, model="nul", model_base_url=model.base_url(), messages=USER)
+        assert (await client.post("/remote/init", json=body)).status_code == 200
+        status = await wait_terminated(client, "/remote", row.rollout_id, polls=200)
+        assert status["state"] == "finished", status
+        assert status["info"]["final_text"] == "hi\ufffdthere"

@@ -320,6 +320,7 @@ def never_migrated(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[s
         ["export"],
         ["recompute-flags", "--run", "r1"],
         ["regrade", "--grader", "exact"],
+        ["grade", "--grader", "exact", "--trace-id", "t1"],
     ],
     ids=lambda command: command[0] + ("-dry" if "--dry-run" in command else ""),
 )

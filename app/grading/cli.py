@@ -109,7 +109,7 @@ def grade(
         return chosen, await chosen.grade(inputs)
 
     try:
-        chosen, result = _run(settings, work)
+        chosen, result = _run(settings, work, reads_log=trace_id is not None)
     except typer.Exit:
         raise
     except SparringError as exc:

@@ -321,6 +321,7 @@ def never_migrated(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[s
         ["recompute-flags", "--run", "r1"],
         ["regrade", "--grader", "exact"],
         ["grade", "--grader", "exact", "--trace-id", "t1"],
+        ["mcp", "--no-migrate"],
     ],
     ids=lambda command: command[0] + ("-dry" if "--dry-run" in command else ""),
 )

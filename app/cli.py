@@ -204,7 +204,13 @@ def mcp_stdio(
     with contextlib.redirect_stdout(sys.stderr):
         if migrate if migrate is not None else settings.is_embedded_db:
             _upgrade(settings)
-    asyncio.run(serve_stdio(create_app(settings), trace_id=trace_id, run=run))
+    from app.db.migrate import SchemaOutOfDate
+    from app.errors import StartupError
+
+    try:
+        asyncio.run(serve_stdio(create_app(settings), trace_id=trace_id, run=run))
+    except (SchemaOutOfDate, StartupError) as exc:  # the message says what to change or run
+        raise fail(str(exc)) from exc
 
 
 def _log_config() -> dict[str, Any]:

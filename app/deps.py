@@ -7,8 +7,7 @@ plain `def` dependency in its thread pool, a thread hand-off per dependency per 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Coroutine
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -20,7 +19,9 @@ from app.auth import KeyRing
 from app.calls.log_writer import CallLogWriter
 from app.calls.service import ToolCallService
 from app.config import Scope, Settings
-from app.errors import OUTAGES, handle_sparring_error, outage
+from app.db.session import Database as Database  # re-exported: routes name their sessions by it
+from app.db.text import has_control_character
+from app.errors import BadRequest, handle_sparring_error, outage
 from app.grading.service import GradingService
 from app.mcp.http import McpHttp
 from app.metrics import Metrics
@@ -72,25 +73,23 @@ async def handle_outage(request: Request, exc: Exception) -> Response:
     return await handle_sparring_error(request, outage(exc, retry_after(request.app)))
 
 
-class Database:
-    """The database boundary of a route: its sessions, with an outage turned into a 503."""
+def database(app: Starlette) -> Database:
+    """The database boundary (app/db/session.py) on the app's current session factory."""
+    state = app_state(app)
+    return Database(state.sessionmaker, state.settings.retry_after_seconds)
 
-    def __init__(self, sessions: async_sessionmaker[AsyncSession], retry_after: int) -> None:
-        self.sessions = sessions
-        self.retry_after = retry_after
 
-    @asynccontextmanager
-    async def session(self, *, write: bool = False) -> AsyncIterator[AsyncSession]:
-        """One session; with `write`, one transaction committed when the block ends."""
-        try:
-            async with self.sessions() as session:
-                if write:
-                    async with session.begin():
-                        yield session
-                else:
-                    yield session
-        except OUTAGES as exc:
-            raise outage(exc, self.retry_after) from exc
+def reject_control_characters(request: Request) -> None:
+    """A dependency of the admin routes: a filter or id holding NUL, CR, LF or another control
+    character is a 400.
+
+    No run label, item key, tool, grader, flag, cursor or trace_id the server stores holds one (the
+    database cannot hold NUL, a header cannot hold CR or LF), so such a value is a mistake or an attack,
+    not a lookup for the database to fail on (a 503).
+    """
+    values = [*request.query_params.values(), *(str(v) for v in request.path_params.values())]
+    if any(has_control_character(value) for value in values):
+        raise BadRequest("a filter or id contains a control character (NUL, CR, LF, ...)")
 
 
 def require(scope: Scope) -> Callable[[Request], Coroutine[Any, Any, Scope]]:
@@ -111,8 +110,7 @@ async def get_store(request: Request) -> RolloutStore:
 
 
 async def get_database(request: Request) -> Database:
-    state = app_state(request.app)
-    return Database(state.sessionmaker, state.settings.retry_after_seconds)
+    return database(request.app)
 
 
 async def get_grading(request: Request) -> GradingService:

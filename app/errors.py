@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import orjson
 from fastapi import Request, Response
+from fastapi.exceptions import RequestValidationError
 from redis.exceptions import RedisError
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -60,6 +62,13 @@ class NotFound(SparringError):
     code = "not_found"
 
 
+class InvalidRequest(SparringError):
+    """A request of the right syntax whose fields have the wrong types or values (FastAPI's 422)."""
+
+    status_code = 422
+    code = "invalid_request"
+
+
 class PayloadTooLarge(SparringError):
     status_code = 413
     code = "payload_too_large"
@@ -97,6 +106,55 @@ async def handle_sparring_error(request: Request, exc: Exception) -> Response:
     return json_response(exc.body(), status_code=exc.status_code, headers=exc.headers())
 
 
+def describe_validation_errors(errors: Sequence[Any]) -> list[dict[str, Any]]:
+    """Pydantic's errors without the values that failed (`input`, `ctx`): where, what and why only.
+
+    The values are the caller's own bytes: NaN, a lone surrogate or a 1,000-level list that no JSON
+    encoder writes, or megabytes echoed back; the location and the message say enough.
+    """
+    described: list[dict[str, Any]] = []
+    for error in errors[:20]:
+        if not isinstance(error, Mapping):
+            continue
+        location = [part if isinstance(part, int) else _plain(part, 100) for part in error.get("loc", ())]
+        described.append(
+            {
+                "loc": location[:16],
+                "msg": _plain(error.get("msg", ""), 300),
+                "type": _plain(error.get("type", ""), 100),
+            }
+        )
+    return described
+
+
+def _plain(value: Any, limit: int) -> str:
+    """`value` as text any encoder writes: a str, cut to `limit`, lone surrogates replaced."""
+    text = value if isinstance(value, str) else type(value).__name__
+    return text[:limit].encode("utf-8", "replace").decode()
+
+
+async def handle_validation_error(request: Request, exc: Exception) -> Response:
+    """FastAPI's request validation (a bad query, path or body field): a 422 with the stable body."""
+    assert isinstance(exc, RequestValidationError)
+    error = InvalidRequest(
+        "the request does not match the route's parameters", errors=describe_validation_errors(exc.errors())
+    )
+    return json_response(error.body(), status_code=error.status_code)
+
+
+INTERNAL_ERROR: dict[str, Any] = {
+    "error": {"code": "internal_error", "message": "unexpected server error; see the server log"}
+}
+
+
+async def handle_unexpected_error(request: Request, exc: Exception) -> Response:
+    """A bug in sparring: the stable JSON body of a 500 instead of Starlette's plain text.
+
+    Starlette's error middleware logs the exception and raises it on to the server after answering.
+    """
+    return json_response(INTERNAL_ERROR, status_code=500)
+
+
 # A database, Redis or network failure: infrastructure, never the caller's or the model's fault.
 OUTAGES: tuple[type[Exception], ...] = (SQLAlchemyError, RedisError, OSError)
 
@@ -108,3 +166,13 @@ def outage(exc: BaseException, retry_after: int) -> ServiceUnavailable:
     """
     log.warning("a dependency failed: %s: %s", type(exc).__name__, exc)
     return ServiceUnavailable("a dependency is unreachable", retry_after=retry_after)
+
+
+def answer_to(exc: BaseException, retry_after: int) -> SparringError | None:
+    """The error a request answers for `exc`: a SparringError as it is, an outage as its 503, and None
+    for a bug (a 500). For the paths FastAPI's handlers do not see: the tool fast path and MCP."""
+    if isinstance(exc, SparringError):
+        return exc
+    if isinstance(exc, OUTAGES):
+        return outage(exc, retry_after)
+    return None

@@ -19,7 +19,7 @@ from app.calls.log_writer import CallLogWriter
 from app.calls.service import ToolCallService
 from app.config import ApiKey, Settings
 from app.db.migrate import check_schema
-from app.db.session import build_engine, build_sessionmaker
+from app.db.session import Database, build_engine, build_sessionmaker
 from app.deps import AppState, set_app_state
 from app.errors import StartupError
 from app.grading.build import build_grading
@@ -137,9 +137,10 @@ async def _resources(settings: Settings, packs: tuple[Pack, ...] | None) -> Asyn
         )
         writer.start()
         sessionmaker = build_sessionmaker(engine)
+        database = Database(sessionmaker, settings.retry_after_seconds)  # services' outage boundary
         grader_context = GraderContext.from_settings(settings, state_checks=registry.state_checks)
         grading = build_grading(
-            settings, registry, grader_context, store=store, sessionmaker=sessionmaker, metrics=metrics
+            settings, registry, grader_context, store=store, database=database, metrics=metrics
         )
         call_service = ToolCallService(
             registry=registry,
@@ -158,7 +159,7 @@ async def _resources(settings: Settings, packs: tuple[Pack, ...] | None) -> Asyn
             registry=registry,
             calls=call_service,
             grading=grading,
-            sessionmaker=sessionmaker,
+            database=database,
             model_http=model_http,
             worker=worker_name(settings),
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import RedirectResponse
 from sqlalchemy import text
@@ -13,8 +14,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from app.calls.routes import NOT_A_TOOL_CALL, TOOL_SCOPE_KEY, serve_tool_call, tool_call_target
 from app.calls.routes import router as tools_router
 from app.config import Settings, get_settings
-from app.deps import app_state, handle_outage, require
-from app.errors import OUTAGES, SparringError, handle_sparring_error, outage
+from app.deps import app_state, database, handle_outage, require
+from app.errors import (
+    OUTAGES,
+    SparringError,
+    handle_sparring_error,
+    handle_unexpected_error,
+    handle_validation_error,
+)
 from app.grading.routes import router as grading_router
 from app.lifespan import build_lifespan
 from app.mcp.http import is_mcp_request
@@ -70,6 +77,8 @@ def create_app(settings: Settings | None = None, *, packs: list[Pack] | None = N
         openapi_url=None,
     )
     app.add_exception_handler(SparringError, handle_sparring_error)
+    app.add_exception_handler(RequestValidationError, handle_validation_error)
+    app.add_exception_handler(Exception, handle_unexpected_error)
     for failure in OUTAGES:
         app.add_exception_handler(failure, handle_outage)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
@@ -83,13 +92,9 @@ def create_app(settings: Settings | None = None, *, packs: list[Pack] | None = N
 
     @app.get("/readyz", tags=["health"])
     async def readyz(request: Request) -> dict[str, str]:
-        state = app_state(request.app)
-        await state.store.ping()
-        try:
-            async with state.engine.connect() as conn:
-                await conn.execute(text("SELECT 1"))
-        except OUTAGES as exc:
-            raise outage(exc, state.settings.retry_after_seconds) from exc
+        await app_state(request.app).store.ping()
+        async with database(request.app).session() as session:
+            await session.execute(text("SELECT 1"))
         return {"status": "ready"}
 
     # The API docs: an admin key, or the review login (a reviewer's browser opens them).

@@ -174,7 +174,12 @@ def item_key(item: Mapping[str, Any]) -> str | None:
 def _text_or_none(value: Any) -> str | None:
     if value is None or value == "":
         return None
-    return value if isinstance(value, str) else str(value)
+    if isinstance(value, str):
+        return value
+    # Tolerated as their text, but `str()` recurses: a list nested 1,000 levels would crash it.
+    if nested_deeper_than(value):
+        raise ValueError(f"nests more than {JSON_DEPTH_MAX} levels deep; an id or a name is text")
+    return str(value)
 
 
 class ToolCallEnvelope(BaseModel):

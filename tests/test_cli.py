@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import sqlite3
+import uuid
+from collections.abc import Iterator
 from datetime import date, timedelta
 from pathlib import Path
 from typing import Literal
@@ -14,7 +19,7 @@ from typer.testing import CliRunner
 from app.cli import cli
 from app.config import get_settings
 from app.platforms import FOUNDRY_API_VERSION, OPENAI_FINE_TUNING_CUTOFF, default_platform
-from tests.conftest import make_settings
+from tests.conftest import create_pg_database, drop_pg_database, make_settings
 
 
 @pytest.fixture(autouse=True)
@@ -291,3 +296,47 @@ def test_serve_bounds_slow_and_idle_connections(monkeypatch: pytest.MonkeyPatch)
     assert CliRunner().invoke(cli, ["serve"]).exit_code == 0
     assert seen[0]["timeout_keep_alive"] == 7
     assert seen[0]["http"] == "app.serving:HttpToolsReadDeadlineProtocol"
+
+
+@pytest.fixture(params=["embedded", "real"])
+def never_migrated(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A database that exists but was never migrated: an empty SQLite file, an empty Postgres database."""
+    if request.param == "embedded":
+        path = tmp_path / "empty.db"
+        sqlite3.connect(path).close()
+        yield f"sqlite+aiosqlite:///{path}"
+        return
+    name = f"sparring_empty_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    url = asyncio.run(create_pg_database(name))
+    yield url
+    asyncio.run(drop_pg_database(name))
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["prune", "--older-than", "30d"],
+        ["prune", "--older-than", "1d", "--dry-run"],
+        ["export"],
+        ["recompute-flags", "--run", "r1"],
+        ["regrade", "--grader", "exact"],
+        ["grade", "--grader", "exact", "--trace-id", "t1"],
+        ["mcp", "--no-migrate"],
+    ],
+    ids=lambda command: command[0] + ("-dry" if "--dry-run" in command else ""),
+)
+def test_a_command_on_a_database_never_migrated_says_what_to_run(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, never_migrated: str, command: list[str]
+) -> None:
+    monkeypatch.setenv("SPARRING_DATABASE_URL", never_migrated)
+    monkeypatch.setenv("SPARRING_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("SPARRING_REDIS_URL", raising=False)
+    one_grader(monkeypatch, tmp_path, "exact")
+    result = CliRunner().invoke(cli, command)
+    # A clean exit with a message: typer.Exit, not an exception escaping the command.
+    assert isinstance(result.exception, SystemExit) and result.exit_code != 0, (
+        result.exception,
+        result.output,
+    )
+    assert "never migrated" in result.output and "sparring db upgrade" in result.output, result.output
+    assert "Traceback" not in result.output and "sqlalchemy" not in result.output.lower(), result.output

@@ -12,12 +12,12 @@ from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request, Response
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from starlette.types import Receive, Scope, Send
 
 from app.calls.envelope import ToolCallEnvelope, ToolCallOutput
-from app.deps import RegistryDep, ToolsKey, app_state, handle_outage
-from app.errors import OUTAGES, BadRequest, SparringError, handle_sparring_error, json_response
+from app.deps import RegistryDep, ToolsKey, app_state, retry_after
+from app.errors import INTERNAL_ERROR, BadRequest, answer_to, handle_sparring_error, json_response
 from app.middleware import BodyTooLarge
 from app.rollouts.identity import RUN_HEADER
 
@@ -41,7 +41,11 @@ def _parse_envelope(body: bytes) -> ToolCallEnvelope:
         raise BadRequest(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise BadRequest("request body must be a JSON object (a function_call item)")
-    return ToolCallEnvelope.model_validate(data)
+    try:
+        return ToolCallEnvelope.model_validate(data)
+    except ValidationError as exc:
+        fields = ", ".join(str(error["loc"][0]) for error in exc.errors() if error["loc"])
+        raise BadRequest(f"the call's {fields or 'fields'} cannot be read: {exc.errors()[0]['msg']}") from exc
 
 
 @router.get("/tools")
@@ -153,21 +157,16 @@ async def serve_tool_call(scope: Scope, receive: Receive, send: Send) -> None:
         )
     except _Disconnected:
         return  # the client went away before sending its call: nothing ran, nobody to answer
-    except SparringError as exc:
-        await (await handle_sparring_error(request, exc))(scope, receive, send)
-        return
-    except OUTAGES as exc:
-        await (await handle_outage(request, exc))(scope, receive, send)
-        return
     except BodyTooLarge:
         raise  # the body limit around this answers 413
-    except Exception:
-        # A bug in sparring, not in a tool (tools' exceptions are ToolCrashed): the app's own 500.
-        log.exception("unexpected error answering a tool call")
-        error = {
-            "error": {"code": "internal_error", "message": "unexpected server error; see the server log"}
-        }
-        await json_response(error, status_code=500)(scope, receive, send)
+    except Exception as exc:
+        error = answer_to(exc, retry_after(request.app))
+        if error is None:
+            # A bug in sparring, not in a tool (tools' exceptions are ToolCrashed): the app's own 500.
+            log.exception("unexpected error answering a tool call")
+            await json_response(INTERNAL_ERROR, status_code=500)(scope, receive, send)
+            return
+        await (await handle_sparring_error(request, error))(scope, receive, send)
         return
     payload = orjson.dumps(output.model_dump())
     await send(

@@ -46,6 +46,11 @@ async def check_schema(engine: AsyncEngine) -> None:
     async with engine.connect() as conn:
         current = await conn.run_sync(_current)
     head = head_revision()
+    if current is None:
+        raise SchemaOutOfDate(
+            "the database was never migrated (it has no sparring tables); run `sparring db upgrade` "
+            "(make run does it for you)"
+        )
     if current != head:
         raise SchemaOutOfDate(
             f"database schema is at revision {current or 'none'} but this version needs {head}; "

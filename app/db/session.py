@@ -1,11 +1,16 @@
-"""Engine and session factory construction (called from the lifespan, never at import)."""
+"""Engine and session factory construction (called from the lifespan, never at import), and the
+`Database` boundary through which routes and services open their sessions."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from sqlalchemy import event
-from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
+
+from app.errors import OUTAGES, outage
 
 
 def build_engine(url: str, *, pool_size: int = 10) -> AsyncEngine:
@@ -31,3 +36,29 @@ def build_engine(url: str, *, pool_size: int = 10) -> AsyncEngine:
 
 def build_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[Any]:
     return async_sessionmaker(engine, expire_on_commit=False)
+
+
+class Database:
+    """The one outage boundary of the database: sessions whose driver, pool or network failure leaves
+    as the 503 (with Retry-After) that answers it, so no route or service translates one itself.
+
+    A caller that must go on through an outage (a background task, a best-effort write) catches
+    `ServiceUnavailable`, never the drivers' own errors.
+    """
+
+    def __init__(self, sessions: async_sessionmaker[AsyncSession], retry_after: int) -> None:
+        self.sessions = sessions
+        self.retry_after = retry_after
+
+    @asynccontextmanager
+    async def session(self, *, write: bool = False) -> AsyncIterator[AsyncSession]:
+        """One session; with `write`, one transaction committed when the block ends."""
+        try:
+            async with self.sessions() as session:
+                if write:
+                    async with session.begin():
+                        yield session
+                else:
+                    yield session
+        except OUTAGES as exc:
+            raise outage(exc, self.retry_after) from exc

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
-
 from app.config import Settings
+from app.db.session import Database
 from app.errors import StartupError
 from app.grading.graders.model import Grader, GraderConfigError
 from app.grading.graders.registry import GraderContext, build_graders, load_graders_file
@@ -32,7 +31,7 @@ def build_grading(
     context: GraderContext,
     *,
     store: RolloutStore,
-    sessionmaker: async_sessionmaker[AsyncSession],
+    database: Database,
     metrics: Metrics,
 ) -> GradingService:
     """The grading service the server (and `sparring grade`/`regrade`) uses; StartupError on a bad config."""
@@ -41,7 +40,7 @@ def build_grading(
         graders=graders,
         default=default_grader(settings, graders, registry.state_checks),
         store=store,
-        sessionmaker=sessionmaker,
+        database=database,
         metrics=metrics,
         retry_after=settings.retry_after_seconds,
         state_tools=[name for name, spec in registry.tools.items() if spec.context_param or spec.mutates],

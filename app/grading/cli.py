@@ -11,7 +11,7 @@ from typing import Annotated, Any, TypeVar
 import orjson
 import typer
 
-from app.cli_support import fail, load_settings
+from app.cli_support import checked_engine, fail, load_settings
 from app.config import Settings
 
 grading_cli = typer.Typer(help="Graders: try one on a sample, re-score stored rollouts.")
@@ -34,9 +34,10 @@ def _read_json(path: Path | None, what: str) -> dict[str, Any]:
 
 
 @asynccontextmanager
-async def grading_service(settings: Settings) -> AsyncIterator[Any]:
-    """The server's grading service, built as the server builds it, for one command."""
-    from app.db.session import build_engine, build_sessionmaker
+async def grading_service(settings: Settings, *, reads_log: bool = False) -> AsyncIterator[Any]:
+    """The server's grading service, built as the server builds it, for one command; `reads_log`
+    checks the database first (a command grading one sample may run without one)."""
+    from app.db.session import Database, build_engine, build_sessionmaker
     from app.errors import StartupError
     from app.grading.build import build_grading
     from app.grading.graders.registry import GraderContext
@@ -49,7 +50,11 @@ async def grading_service(settings: Settings) -> AsyncIterator[Any]:
     except PackLoadError as exc:
         raise fail(str(exc)) from exc
     context = GraderContext.from_settings(settings, state_checks=registry.state_checks)
-    engine = build_engine(settings.effective_database_url, pool_size=2)
+    engine = (
+        await checked_engine(settings)
+        if reads_log
+        else build_engine(settings.effective_database_url, pool_size=2)
+    )
     store = build_store(settings)
     try:
         yield build_grading(
@@ -57,7 +62,7 @@ async def grading_service(settings: Settings) -> AsyncIterator[Any]:
             registry,
             context,
             store=store,
-            sessionmaker=build_sessionmaker(engine),
+            database=Database(build_sessionmaker(engine), settings.retry_after_seconds),
             metrics=Metrics(None),
         )
     except StartupError as exc:
@@ -68,9 +73,9 @@ async def grading_service(settings: Settings) -> AsyncIterator[Any]:
         await engine.dispose()
 
 
-def _run(settings: Settings, work: Callable[[Any], Awaitable[T]]) -> T:
+def _run(settings: Settings, work: Callable[[Any], Awaitable[T]], *, reads_log: bool = False) -> T:
     async def main() -> T:
-        async with grading_service(settings) as service:
+        async with grading_service(settings, reads_log=reads_log) as service:
             return await work(service)
 
     return asyncio.run(main())
@@ -104,7 +109,7 @@ def grade(
         return chosen, await chosen.grade(inputs)
 
     try:
-        chosen, result = _run(settings, work)
+        chosen, result = _run(settings, work, reads_log=trace_id is not None)
     except typer.Exit:
         raise
     except SparringError as exc:
@@ -134,7 +139,7 @@ def regrade(
 
     settings = load_settings()
     try:
-        report = _run(settings, lambda service: service.regrade(grader, run=run, limit=limit))
+        report = _run(settings, lambda service: service.regrade(grader, run=run, limit=limit), reads_log=True)
     except SparringError as exc:
         raise fail(exc.message, 1) from exc
 

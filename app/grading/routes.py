@@ -43,6 +43,8 @@ async def _grade(request: Request, service: GradingService, name: str | None) ->
         if nested_deeper_than(data.get(part)):
             raise BadRequest(f"the {part} nests more than {JSON_DEPTH_MAX} levels deep")
     trace_id = data.get("trace_id")
+    if nested_deeper_than(trace_id):  # tolerated as its text, but `str()` of it would recurse too deep
+        raise BadRequest(f"the trace_id nests more than {JSON_DEPTH_MAX} levels deep; it is text")
     trace_id = fit(str(trace_id), TRACE_ID_MAX) if trace_id not in (None, "") else None
     run = request.headers.get(RUN_HEADER)
     result = await service.grade(

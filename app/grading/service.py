@@ -9,10 +9,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
-
+from app.db.session import Database
 from app.db.text import storable
-from app.errors import OUTAGES, NotFound, ServiceUnavailable, SparringError, outage
+from app.errors import NotFound, ServiceUnavailable, SparringError
 from app.grading.graders.model import (
     GradeInput,
     Grader,
@@ -81,7 +80,7 @@ class GradingService:
         graders: Mapping[str, Grader],
         default: str | None,
         store: RolloutStore,
-        sessionmaker: async_sessionmaker[AsyncSession],
+        database: Database,
         metrics: Metrics,
         retry_after: int,
         state_tools: Collection[str] = (),
@@ -89,7 +88,7 @@ class GradingService:
         self.graders = graders
         self.default = default
         self.store = store
-        self.sessionmaker = sessionmaker
+        self.database = database
         self.metrics = metrics
         self.retry_after = retry_after
         self._config_errors_reported: set[tuple[str, str]] = set()
@@ -143,11 +142,8 @@ class GradingService:
         """What the grader is given: the request, and what the server recorded for the trace."""
         timeline: RolloutTimeline | None = None
         if trace_id:
-            try:
-                async with self.sessionmaker() as session:
-                    timeline = await read_timeline(session, storable(trace_id))
-            except OUTAGES as exc:
-                raise outage(exc, self.retry_after) from exc
+            async with self.database.session() as session:
+                timeline = await read_timeline(session, storable(trace_id))
         record = None
         if timeline is not None and trace_id:
             record = await self._record(timeline, trace_id, with_state=grader.needs_rollout)
@@ -209,7 +205,7 @@ class GradingService:
         errors = list(result.errors) if result is not None else [failure or "grader failed"]
         now = datetime.now(UTC)
         try:
-            async with self.sessionmaker() as session, session.begin():
+            async with self.database.session(write=True) as session:
                 # Stored as Postgres text can hold it: a NUL becomes U+FFFD (app/db/text.py).
                 _, raised = await store_grade(
                     session,
@@ -236,11 +232,11 @@ class GradingService:
                     created_at=now,
                     extra_sources=prompt_texts(inputs.item),
                 )
-        except OUTAGES as exc:
+        except ServiceUnavailable as exc:
             if best_effort:
-                log.warning("could not record a failed grade: %s", exc)
+                log.warning("could not record a failed grade: %s", exc.message)
                 return
-            raise outage(exc, self.retry_after) from exc
+            raise
         for flag in raised:
             self.metrics.flags.labels(flag.name).inc()
         if inputs.trace_id and result is not None:
@@ -253,7 +249,7 @@ class GradingService:
     async def regrade(self, name: str, *, run: str | None = None, limit: int | None = None) -> Regraded:
         """Re-score the latest grade of `name` of each rollout with the current config; store new grades."""
         grader = self.resolve(name)
-        async with self.sessionmaker() as session:
+        async with self.database.session() as session:
             stored = await GradeRepository(session).latest(name, run=run, limit=limit)
         before: list[float] = []
         after: list[float] = []

@@ -12,13 +12,14 @@ from importlib import metadata
 from typing import Any
 
 import mcp_types as types
+import orjson
 from mcp.server import Server
 from mcp.server.context import ServerRequestContext
 from mcp.shared.exceptions import MCPError
 
 from app.calls.envelope import ToolCallEnvelope
 from app.calls.service import ToolCallService
-from app.errors import OUTAGES, ServiceUnavailable, ToolCrashed, outage
+from app.errors import ServiceUnavailable, ToolCrashed, answer_to
 from app.packs import Registry
 from app.rollouts.identity import CALL_ID_MAX, fit
 
@@ -51,6 +52,17 @@ def tool_list(registry: Registry) -> list[types.Tool]:
         )
         for spec in registry.tools.values()
     ]
+
+
+def mcp_call_id(session: str, request_id: str | int | None) -> str:
+    """The call id of a session's JSON-RPC request: `mcp:` and the JSON array `[session, id]`.
+
+    One id per (session, request id) pair: JSON marks where the session ends and whether the request
+    id is a number or a string (`mcp_<session>_<id>` made `a_b`+`x` and `a`+`b_x`, or `1` and `"1"`,
+    one call, and one got the other's answer), and `fit` keeps distinct ids distinct when it cuts
+    them to the column.
+    """
+    return fit("mcp:" + orjson.dumps([session, request_id]).decode(), CALL_ID_MAX)
 
 
 def _version() -> str:
@@ -104,33 +116,32 @@ class McpGateway:
         # The JSON-RPC id numbers the calls of a session; with the session it keys the ledger, so a
         # client resending a request gets the first answer, and sessions sharing one trace id
         # (X-Sparring-Trace-Id) never take each other's answers.
-        call_id = fit(f"mcp_{caller.session}_{ctx.request_id}", CALL_ID_MAX)
         envelope = ToolCallEnvelope(
             type="function_call",
-            call_id=call_id,
+            call_id=mcp_call_id(caller.session, ctx.request_id),
             name=params.name,
             arguments=params.arguments,
             trace_id=caller.trace_id,
         )
         try:
-            try:
-                result = await self.service.call(envelope, path_name=None, run=caller.run, channel=CHANNEL)
-            except OUTAGES as exc:  # a database or Redis error the service did not translate itself
-                raise outage(exc, self.retry_after) from exc
-        except ServiceUnavailable as exc:
-            # Not a tool result: the model must not see an outage as the tool's answer. The client
-            # retries the request; the same id gets the answer once there is one.
-            if self.on_failure is not None:
-                self.on_failure(ctx, exc)
-            raise MCPError(
-                UNAVAILABLE,
-                f"sparring is unavailable, retry in {exc.retry_after} s: {exc.message}",
-                data={"code": exc.code, "retryable": True, "retry_after": exc.retry_after},
-            ) from exc
-        except ToolCrashed as exc:
-            if self.on_failure is not None:
-                self.on_failure(ctx, exc)
-            raise MCPError(CRASHED, exc.message, data={"code": exc.code, "retryable": False}) from exc
+            result = await self.service.call(envelope, path_name=None, run=caller.run, channel=CHANNEL)
+        except Exception as exc:
+            error = answer_to(exc, self.retry_after)
+            if isinstance(error, ServiceUnavailable):
+                # Not a tool result: the model must not see an outage as the tool's answer. The
+                # client retries the request; the same id gets the answer once there is one.
+                if self.on_failure is not None:
+                    self.on_failure(ctx, error)
+                raise MCPError(
+                    UNAVAILABLE,
+                    f"sparring is unavailable, retry in {error.retry_after} s: {error.message}",
+                    data={"code": error.code, "retryable": True, "retry_after": error.retry_after},
+                ) from exc
+            if isinstance(error, ToolCrashed):
+                if self.on_failure is not None:
+                    self.on_failure(ctx, error)
+                raise MCPError(CRASHED, error.message, data={"code": error.code, "retryable": False}) from exc
+            raise
         return types.CallToolResult(
             content=[types.TextContent(text=result.output.output)],
             # Every answer but `ok` is an `Error: ...` (model_error, call_id_reused).

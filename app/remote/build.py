@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import httpx2
 from openai import DEFAULT_CONNECTION_LIMITS, DefaultAsyncHttpxClient
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.calls.service import ToolCallService
 from app.config import Settings
+from app.db.session import Database
 from app.errors import StartupError
 from app.grading.service import GradingService
 from app.packs import Registry
@@ -39,7 +39,7 @@ def build_remote(
     registry: Registry,
     calls: ToolCallService,
     grading: GradingService,
-    sessionmaker: async_sessionmaker[AsyncSession],
+    database: Database,
     model_http: DefaultAsyncHttpxClient,
     worker: str,
 ) -> RemoteRolloutService:
@@ -60,7 +60,7 @@ def build_remote(
         grade_max_bytes=settings.max_body_bytes,
     )
     return RemoteRolloutService(
-        sessionmaker=sessionmaker,
+        database=database,
         execute=runner.execute,
         worker=worker,
         max_concurrent=settings.remote_max_concurrent,

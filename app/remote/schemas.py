@@ -15,10 +15,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from app.errors import BadRequest
-from sparring.wire import remote_trace_id
+from app.db.text import has_control_character, nul_inside
+from app.errors import BadRequest, InvalidRequest, describe_validation_errors
+from sparring.wire import JSON_DEPTH_MAX, nested_deeper_than, remote_trace_id
 
 # eval-protocol's Status.Code values (google.rpc codes plus its own 100+).
 CODE_FINISHED = 100
@@ -84,6 +86,46 @@ class RolloutPlan(BaseModel):
         return self.model_dump(exclude={"api_key"})
 
 
+ROLLOUT_ID_MAX = 200  # remote_rollouts.rollout_id
+
+
+def parse_init(body: bytes) -> InitRequest:
+    """An init request's body, read as the tool and grade routes read theirs; what no database or JSON
+    encoder can keep is refused here (400), before anything is stored or run.
+
+    orjson refuses what JSON has no value for: NaN, Infinity, a number past the largest double, a
+    lone surrogate. Nesting past JSON_DEPTH_MAX and NUL (which Postgres text and JSON cannot hold)
+    are refused as the other routes refuse them; wrong field types are a 422.
+    """
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise BadRequest("request body must be a JSON object (an init request)")
+    for name, value in data.items():
+        if nested_deeper_than(value):
+            raise BadRequest(f"{name[:64]!r} nests more than {JSON_DEPTH_MAX} levels deep")
+        if nul_inside(value) or "\x00" in name:
+            raise BadRequest(f"{name[:64]!r} holds a NUL character, which sparring cannot store")
+    try:
+        return InitRequest.model_validate(data)
+    except ValidationError as exc:
+        raise InvalidRequest(
+            "the init request's fields do not have the types eval-protocol sends",
+            errors=describe_validation_errors(exc.errors()),
+        ) from exc
+
+
+def check_rollout_id(rollout_id: str) -> str:
+    """A rollout id as its column holds it: at most ROLLOUT_ID_MAX characters, no control character."""
+    if len(rollout_id) > ROLLOUT_ID_MAX:
+        raise BadRequest(f"the rollout id is longer than {ROLLOUT_ID_MAX} characters")
+    if has_control_character(rollout_id):
+        raise BadRequest("the rollout id contains a control character (NUL, CR, LF, ...)")
+    return rollout_id
+
+
 # completion_params keys that are not sampling parameters of the model call.
 _NOT_SAMPLING = {"model", "base_url", "api_key", "api_base", "model_kwargs", "extra_body"}
 _RUN_MAX = 200
@@ -94,6 +136,7 @@ def plan(init: InitRequest) -> RolloutPlan:
     rollout_id = init.metadata.rollout_id or init.rollout_id
     if not rollout_id:
         raise BadRequest("the init request has no rollout id (metadata.rollout_id)")
+    check_rollout_id(rollout_id)
     params = init.completion_params
     model = params.get("model") or init.model
     if not isinstance(model, str) or not model:

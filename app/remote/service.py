@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
-
 from app.db.models import RemoteRollout
-from app.errors import OUTAGES, BadRequest, NotFound, ServiceUnavailable, outage
+from app.db.session import Database
+from app.db.text import storable
+from app.errors import BadRequest, NotFound, ServiceUnavailable
 from app.remote.egress import EgressRule, RefusedDestination
 from app.remote.repository import RemoteRolloutRepository
 from app.remote.schemas import (
@@ -79,7 +79,7 @@ class RemoteRolloutService:
     def __init__(
         self,
         *,
-        sessionmaker: async_sessionmaker[AsyncSession],
+        database: Database,
         execute: Execute,
         worker: str,
         max_concurrent: int,
@@ -88,7 +88,7 @@ class RemoteRolloutService:
         report: Report | None = None,
         egress: EgressRule | None = None,
     ) -> None:
-        self.sessionmaker = sessionmaker
+        self.database = database
         self.egress = egress or EgressRule()
         self.execute = execute
         self.report = report
@@ -103,8 +103,9 @@ class RemoteRolloutService:
 
     async def start(self) -> None:
         """Fail what earlier workers left running past their lease, then keep this worker's leases."""
-        with contextlib.suppress(*OUTAGES):
-            async with self.sessionmaker.begin() as session:
+        # A database down at start-up: the first status read of each rollout fails it instead.
+        with contextlib.suppress(ServiceUnavailable):
+            async with self.database.session(write=True) as session:
                 lost = await RemoteRolloutRepository(session).fail_lost(_now(), LOST)
             if lost:
                 log.warning("marked %d remote rollouts of stopped workers as errors", lost)
@@ -123,8 +124,8 @@ class RemoteRolloutService:
         if self._tasks:
             await asyncio.gather(*self._tasks.values(), return_exceptions=True)
         if running:
-            with contextlib.suppress(*OUTAGES):
-                async with self.sessionmaker.begin() as session:
+            with contextlib.suppress(ServiceUnavailable):  # past their lease they read as lost anyway
+                async with self.database.session(write=True) as session:
                     await RemoteRolloutRepository(session).fail_worker(self.worker, running, STOPPED, _now())
             if self.report is not None:
                 stopped = status_of("error", CODE_ABORTED, STOPPED)
@@ -147,7 +148,7 @@ class RemoteRolloutService:
         started = False
         try:
             now = _now()
-            async with self.sessionmaker.begin() as session:
+            async with self.database.session(write=True) as session:
                 claimed = await RemoteRolloutRepository(session).claim(
                     {
                         "rollout_id": rollout.rollout_id,
@@ -167,8 +168,6 @@ class RemoteRolloutService:
                 self._tasks[rollout.rollout_id] = task
                 self._plans[rollout.rollout_id] = rollout
                 started = True
-        except OUTAGES as exc:
-            raise outage(exc, self.retry_after) from exc
         finally:
             if not started:
                 self._slots -= 1
@@ -220,22 +219,24 @@ class RemoteRolloutService:
             self._slots -= 1
 
     async def _record(self, rollout_id: str, outcome: RolloutOutcome) -> None:
-        summary = {**outcome.summary, "status_code": outcome.code}
+        # As Postgres can hold it (NUL as U+FFFD): the model's final text is in the summary, and an
+        # outcome that cannot be stored leaves the rollout running until its lease lapses.
+        summary = storable({**outcome.summary, "status_code": outcome.code})
         for attempt in range(3):
             try:
-                async with self.sessionmaker.begin() as session:
+                async with self.database.session(write=True) as session:
                     await RemoteRolloutRepository(session).finish(
                         rollout_id,
                         worker=self.worker,
                         status=outcome.status,
-                        reason=outcome.reason,
+                        reason=storable(outcome.reason),
                         reward=outcome.reward,
                         grader=outcome.grader,
                         summary=summary,
                         at=_now(),
                     )
                 return
-            except OUTAGES:
+            except ServiceUnavailable:
                 # The lease keeps the row running meanwhile; past it, the rollout reads as lost.
                 log.warning("cannot record remote rollout %s (attempt %d)", rollout_id, attempt + 1)
                 await asyncio.sleep(0.5 * (attempt + 1))
@@ -248,25 +249,22 @@ class RemoteRolloutService:
             if not ids:
                 continue
             try:
-                async with self.sessionmaker.begin() as session:
+                async with self.database.session(write=True) as session:
                     await RemoteRolloutRepository(session).renew(self.worker, ids, _now() + self.lease)
-            except OUTAGES:
+            except ServiceUnavailable:
                 log.warning("cannot renew the leases of %d remote rollouts", len(ids))
 
     async def status(self, rollout_id: str) -> dict[str, Any]:
-        try:
-            async with self.sessionmaker.begin() as session:
-                repo = RemoteRolloutRepository(session)
+        async with self.database.session(write=True) as session:
+            repo = RemoteRolloutRepository(session)
+            row = await repo.get(rollout_id)
+            if row is None:
+                raise NotFound(f"no remote rollout {rollout_id!r}")
+            if row.status == "running" and row.lease_until < _now():
+                await repo.fail_lost(_now(), LOST, rollout_id)
                 row = await repo.get(rollout_id)
-                if row is None:
-                    raise NotFound(f"no remote rollout {rollout_id!r}")
-                if row.status == "running" and row.lease_until < _now():
-                    await repo.fail_lost(_now(), LOST, rollout_id)
-                    row = await repo.get(rollout_id)
-                    assert row is not None
-                return render_status(row)
-        except OUTAGES as exc:
-            raise outage(exc, self.retry_after) from exc
+                assert row is not None
+            return render_status(row)
 
 
 def render_status(row: RemoteRollout) -> dict[str, Any]:

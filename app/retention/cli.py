@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from app.cli_support import fail, load_settings
+from app.cli_support import fail, load_settings, migrated_database
 from app.retention.repository import Removed
 
 retention_cli = typer.Typer(help="Retention of the call log.")
@@ -36,7 +36,6 @@ def prune_command(
     """Delete old rollouts with their logged calls and grades, in short batches beside a running server."""
     from datetime import UTC, datetime
 
-    from app.db.session import build_engine
     from app.retention.service import parse_age, prune
 
     try:
@@ -44,8 +43,6 @@ def prune_command(
     except ValueError as exc:
         raise fail(f"--older-than: {exc}") from exc
     settings = load_settings()
-    if settings.is_embedded_db and not settings.database_url and not (settings.home / "sparring.db").exists():
-        raise fail(f"no database at {settings.home / 'sparring.db'}; nothing to prune")
     now = datetime.now(UTC)
     scope = f" of run {run!r}" if run is not None else ""
     cutoff = (now - age).isoformat(timespec="seconds")
@@ -54,8 +51,7 @@ def prune_command(
         typer.echo(f"  removed {_describe(removed)}", err=True)
 
     async def work() -> Removed:
-        engine = build_engine(settings.effective_database_url, pool_size=1)
-        try:
+        async with migrated_database(settings, pool_size=1) as engine:
             return await prune(
                 engine,
                 older_than=age,
@@ -65,8 +61,6 @@ def prune_command(
                 now=now,
                 on_batch=report,
             )
-        finally:
-            await engine.dispose()
 
     total = asyncio.run(work())
     verb = "would remove" if dry_run else "removed"

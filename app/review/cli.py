@@ -11,7 +11,7 @@ from typing import Annotated, TypeVar
 import typer
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.cli_support import load_settings
+from app.cli_support import load_settings, migrated_database
 
 review_cli = typer.Typer(help="Review: export rollouts, recompute flags, seed synthetic runs.")
 
@@ -19,21 +19,11 @@ T = TypeVar("T")
 
 
 def _with_engine(work: Callable[[AsyncEngine], Awaitable[T]]) -> T:
-    from app.db.session import build_engine
-
     settings = load_settings()
-    if settings.is_embedded_db and not (settings.home / "sparring.db").exists() and not settings.database_url:
-        typer.echo(
-            f"error: no database at {settings.home / 'sparring.db'}; run `sparring db upgrade`", err=True
-        )
-        raise typer.Exit(2)
 
     async def run() -> T:
-        engine = build_engine(settings.effective_database_url, pool_size=2)
-        try:
+        async with migrated_database(settings) as engine:
             return await work(engine)
-        finally:
-            await engine.dispose()
 
     return asyncio.run(run())
 

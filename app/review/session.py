@@ -17,8 +17,8 @@ from datetime import UTC, datetime
 from fastapi import Request, Response
 
 from app.auth import KeyRing
-from app.deps import app_state
-from app.errors import OUTAGES, Forbidden, Unauthorized, outage
+from app.deps import app_state, database
+from app.errors import Forbidden, Unauthorized
 from app.review.session_repository import RevokedSessions
 
 COOKIE_NAME = "sparring_review"
@@ -97,11 +97,8 @@ async def has_session(request: Request) -> bool:
     verified = _verified(state.keyring, token) if token else None
     if verified is None:
         return False
-    try:
-        async with state.sessionmaker() as session:
-            return not await RevokedSessions(session).is_revoked(verified[0])
-    except OUTAGES as exc:
-        raise outage(exc, state.settings.retry_after_seconds) from exc
+    async with database(request.app).session() as session:
+        return not await RevokedSessions(session).is_revoked(verified[0])
 
 
 def start_session(request: Request, response: Response) -> None:
@@ -123,13 +120,10 @@ async def end_session(request: Request, response: Response) -> None:
     verified = _verified(state.keyring, token) if token else None
     if verified is not None:
         nonce, expires = verified
-        try:
-            async with state.sessionmaker() as session, session.begin():
-                await RevokedSessions(session).revoke(
-                    nonce, expires_at=datetime.fromtimestamp(expires, UTC), now=datetime.now(UTC)
-                )
-        except OUTAGES as exc:
-            raise outage(exc, state.settings.retry_after_seconds) from exc
+        async with database(request.app).session(write=True) as session:
+            await RevokedSessions(session).revoke(
+                nonce, expires_at=datetime.fromtimestamp(expires, UTC), now=datetime.now(UTC)
+            )
     response.delete_cookie(
         COOKIE_NAME, path="/", httponly=True, samesite="strict", secure=request.url.scheme == "https"
     )

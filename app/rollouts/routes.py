@@ -5,17 +5,18 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel
 
 from app.db.text import storable
-from app.deps import AdminKey, DatabaseDep, RegistryDep, StoreDep
+from app.deps import AdminKey, DatabaseDep, RegistryDep, StoreDep, reject_control_characters
 from app.errors import NotFound
 from app.rollouts.repository import RolloutRepository
 from app.rollouts.timeline import RolloutCall, read_timeline
 from app.sdk import RolloutState
 
-router = APIRouter(prefix="/rollouts", tags=["rollouts"])
+# Ids and filters with a control character are a 400 here as in the review API (app/deps.py).
+router = APIRouter(prefix="/rollouts", tags=["rollouts"], dependencies=[Depends(reject_control_characters)])
 
 
 class RolloutOut(BaseModel):

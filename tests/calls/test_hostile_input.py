@@ -50,3 +50,22 @@ async def test_arguments_as_deep_as_real_ones_are_served(client: httpx.AsyncClie
     response = await client.post("/tools/shapes", content=f'{{"arguments": {{"query": {deep(50)}}}}}')
     assert response.status_code == 200
     assert "valid string" in response.json()["output"], "validated as usual, not refused for its depth"
+
+
+def deep_list(levels: int) -> str:
+    return "[" * levels + '"x"' + "]" * levels
+
+
+@pytest.mark.parametrize("field", ["call_id", "trace_id", "name", "type", "id"])
+async def test_an_id_or_name_nested_too_deeply_is_a_400(client: httpx.AsyncClient, field: str) -> None:
+    for path in ("/tools", "/tools/read_counter"):
+        body = f'{{"call_id": "c1", "trace_id": "{new_trace()}", "{field}": {deep_list(1000)}}}'
+        response = await client.post(path, content=body)
+        assert response.status_code == 400, (path, response.status_code, response.text[:300])
+        error = response.json()["error"]
+        assert error["code"] == "bad_request" and field in error["message"], error
+    # Nested as deep as anything real: read as its text, as before.
+    shallow = await client.post(
+        "/tools/read_counter", json={"trace_id": new_trace(), field: [["x"]]} if field != "name" else {}
+    )
+    assert shallow.status_code == 200, shallow.text

@@ -79,3 +79,14 @@ async def test_nul_in_sample_item_and_trace_id_is_graded_and_stored(
         }
         assert grade.item_key == "id:task\ufffd1"
         assert rollout is not None and rollout.graded_at is not None and rollout.calls == 1
+
+
+async def test_a_trace_id_nested_too_deeply_is_a_400(app_factory: AppFactory, tmp_path: Path) -> None:
+    graders = write_graders(tmp_path, {"exact": GRADERS["exact"]})
+    async with app_factory(packs=[ledger_pack], key="admin-key-789", graders_file=graders) as client:
+        for trace_id in ("[" * 1000 + "]" * 1000, '{"a":' * 1000 + "1" + "}" * 1000):
+            body = f'{{"sample": {{"output_text": "a"}}, "item": {{}}, "trace_id": {trace_id}}}'
+            response = await client.post("/grade/exact", content=body)
+            assert response.status_code == 400, response.text[:300]
+            assert response.json()["error"]["code"] == "bad_request"
+            assert "trace_id" in response.json()["error"]["message"]

@@ -241,7 +241,7 @@ async def test_a_rollout_whose_lease_lapsed_reads_as_an_error(app_factory: AppFa
     async with app_factory() as client:
         service: RemoteRolloutService = app_state(client.app).remote  # type: ignore[attr-defined]
         now = datetime.now(UTC)
-        async with service.sessionmaker.begin() as session:
+        async with service.database.session(write=True) as session:
             for row, lease in ((lapsed, now - timedelta(seconds=1)), (fresh, now + timedelta(minutes=5))):
                 claimed = await RemoteRolloutRepository(session).claim(
                     {

@@ -138,19 +138,27 @@ def _try_v2(identity: str) -> MemoryCap:
     own = _own_cgroup(None)
     if own is None or not (CGROUP_MOUNT / "cgroup.controllers").is_file():
         raise OSError("no cgroup v2 hierarchy")
-    parent = CGROUP_MOUNT / own.lstrip("/")
-    if "memory" not in (parent / "cgroup.subtree_control").read_text().split():
-        # Fails unless the memory controller was delegated to this cgroup and it holds no process itself.
-        (parent / "cgroup.subtree_control").write_text("+memory")
-    sweep(parent)
-    worker = parent / f"sparring-{identity}"
-    worker.mkdir(exist_ok=True)
-    try:
-        (worker / "cgroup.subtree_control").write_text("+memory")
-    except OSError:
-        release(worker)
-        raise
-    return MemoryCap("cgroup-v2", worker)
+    # Runs' cgroups go in this process's cgroup, or beside it (a delegated cgroup whose processes live in
+    # a leaf: a cgroup holding processes cannot give controllers to children of its own).
+    here = CGROUP_MOUNT / own.lstrip("/")
+    failures = []
+    for parent in (here, here.parent):
+        try:
+            if "memory" not in (parent / "cgroup.subtree_control").read_text().split():
+                (parent / "cgroup.subtree_control").write_text("+memory")
+        except OSError as exc:
+            failures.append(f"{parent}: {exc.strerror or exc}")
+            continue
+        sweep(parent)
+        worker = parent / f"sparring-{identity}"
+        worker.mkdir(exist_ok=True)
+        try:
+            (worker / "cgroup.subtree_control").write_text("+memory")
+        except OSError:
+            release(worker)
+            raise
+        return MemoryCap("cgroup-v2", worker)
+    raise OSError("the memory controller is not delegated (" + "; ".join(failures) + ")")
 
 
 def _try_v1(identity: str) -> MemoryCap:

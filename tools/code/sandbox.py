@@ -421,7 +421,8 @@ class Sandbox:
         finally:
             os.close(report_w)
             run.close_inputs()  # bwrap has its copies
-        report_task = asyncio.ensure_future(_read_report(report_r, _report_cap(limits)))
+        raw = bytearray()
+        report_task = asyncio.ensure_future(_read_report(report_r, _report_cap(limits), raw))
         overflow = asyncio.Event()
         assert process.stdout is not None and process.stderr is not None and process.stdin is not None
         readers = [
@@ -453,13 +454,13 @@ class Sandbox:
             writer.cancel()
             with contextlib.suppress(asyncio.CancelledError, ConnectionError):
                 await writer
-            try:
-                raw = await asyncio.wait_for(report_task, REPORT_GRACE_SECONDS)
-            except TimeoutError:
-                raw = None  # a process of an unisolated run still holds the pipe
+            # What came is kept even if the pipe is still held open: a report cut short keeps no files,
+            # but one that began shows the sandbox started.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(report_task, REPORT_GRACE_SECONDS)
         stdout, stderr = await asyncio.gather(*readers)
         wall = time.perf_counter() - started
-        report = parse_report(raw)
+        report = parse_report(bytes(raw))
         if not report.started:
             detail = stderr.data.decode("utf-8", "replace").strip()[:500]
             raise SandboxUnavailable(
@@ -575,20 +576,16 @@ def _report_cap(limits: Limits) -> int:
     return limits.max_workspace_bytes + (limits.max_files + 100) * 1024 + 65536
 
 
-async def _read_report(fd: int, cap: int) -> bytes | None:
-    """The report pipe's content up to EOF; None past `cap` (the supervisor never sends that much)."""
+async def _read_report(fd: int, cap: int, into: bytearray) -> None:
+    """Append the report pipe's content to `into` up to EOF, or up to `cap` (more is never sent)."""
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     transport, _ = await loop.connect_read_pipe(
         lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", buffering=0)
     )
     try:
-        data = bytearray()
-        while chunk := await reader.read(65536):
-            data += chunk
-            if len(data) > cap:
-                return None
-        return bytes(data)
+        while len(into) <= cap and (chunk := await reader.read(65536)):
+            into += chunk
     finally:
         transport.close()
 

@@ -303,3 +303,19 @@ async def test_a_sandbox_that_cannot_run_makes_the_grade_unavailable(code_app: A
         assert answer.json()["error"]["code"] == "grader_unavailable"
         assert answer.headers["Retry-After"]
     assert healed == 1.0
+
+
+@one_backend
+async def test_files_the_walk_did_not_list_are_not_taken_as_deleted(code_app: Any, backend: str) -> None:
+    # 120 new files: past the 50 kept, more are left out than the report lists one by one.
+    script = "for i in range(120):\n    open(f'a{i:03}.txt', 'w').write('x')\n"
+    async with code_app() as code:
+        trace = new_trace()
+        await code.write(trace, "many.py", script, task_id=TASK)
+        ran = await code.run(trace, "many.py", task_id=TASK)
+        solution = await code.call(trace, "read_file", {"path": "solution.py"}, task_id=TASK)
+        runner = await code.call(trace, "read_file", {"path": "many.py"}, task_id=TASK)
+    assert ran["exit_code"] == 0
+    assert any("left as they were" in entry for entry in ran["files_not_kept"]), ran
+    assert solution == get_task(TASK).prompt
+    assert runner == script

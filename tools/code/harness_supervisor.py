@@ -11,7 +11,8 @@ count), so no tree a run builds can exhaust it. The server trusts nothing in the
 capped and checked again there.
 
 Frames, a kind byte then parts each with a u32 length: `S`; `E` (exit code int32, timed-out byte); `F`
-name, content; `K` name, reason (an entry not kept); `Z` the end.
+name, content; `K` name, reason (an entry not kept); `T` the walk stopped at a limit (entries not seen
+are neither kept nor deleted); `Z` the end.
 """
 
 from __future__ import annotations
@@ -49,11 +50,14 @@ class Walk:
         self.files = 0
         self.total = 0
         self.skipped = 0
+        self.truncated = False
 
     def skip(self, relative: bytes, reason: str) -> None:
         self.skipped += 1
         if self.skipped <= MAX_SKIPPED:
             send(self.report, b"K", relative, reason.encode())
+        else:
+            self.truncated = True  # what is not reported must not look deleted to the server
 
     def run(self) -> None:
         pending: list[bytes] = [b""]
@@ -69,7 +73,7 @@ class Walk:
                 entries += 1
                 relative = directory + b"/" + entry.name if directory else entry.name
                 if entries > MAX_ENTRIES:
-                    self.skip(relative, f"over the limit of {MAX_ENTRIES} entries looked at")
+                    self.truncated = True
                     return
                 if entry.name == b"__pycache__":
                     continue
@@ -156,7 +160,10 @@ def main() -> int:
         code = 128 - code  # killed by a signal: the shell's convention
     send(report, b"E", struct.pack(">iB", code, timed_out))
     if collect == "1":
-        Walk(report, workspace, int(max_files), int(max_bytes)).run()
+        walk = Walk(report, workspace, int(max_files), int(max_bytes))
+        walk.run()
+        if walk.truncated:
+            send(report, b"T")
     send(report, b"Z")
     report.flush()
     return 0

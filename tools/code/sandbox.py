@@ -115,6 +115,8 @@ class RunResult:
     memory_exceeded: bool = False  # the kernel killed a process of the run for going over its memory cap
     files: dict[str, bytes] | None = None  # the workspace after the run, when collected
     skipped: list[str] = field(default_factory=list)  # files left behind but not kept, with the reason
+    # False when the walk stopped at a limit: a file missing from `files` may still be there.
+    files_complete: bool = True
 
 
 def _reachable_by_others(path: Path) -> bool:
@@ -479,6 +481,7 @@ class Sandbox:
             memory_exceeded=memory_exceeded,
             files=report.files if run.collect else None,
             skipped=report.skipped,
+            files_complete=not report.truncated,
         )
 
 
@@ -570,6 +573,7 @@ class Report:
     timed_out: bool = False
     files: dict[str, bytes] | None = None
     skipped: list[str] = field(default_factory=list)
+    truncated: bool = False  # the walk stopped at a limit: files not listed were not seen
 
 
 def _report_cap(limits: Limits) -> int:
@@ -603,12 +607,12 @@ def parse_report(raw: bytes | None) -> Report:
     timed_out = False
     files: dict[str, bytes] = {}
     skipped: list[str] = []
-    complete = False
+    complete = truncated = False
     position = 1
     while position < len(raw) and not complete:
         kind = raw[position : position + 1]
         position += 1
-        count = {b"E": 1, b"F": 2, b"K": 2, b"Z": 0}.get(kind)
+        count = {b"E": 1, b"F": 2, b"K": 2, b"T": 0, b"Z": 0}.get(kind)
         if count is None:
             break
         parts: list[bytes] = []
@@ -630,6 +634,8 @@ def parse_report(raw: bytes | None) -> Report:
                 skipped.append(f"{_display(parts[0])} (the name is not UTF-8)")
         elif kind == b"K":
             skipped.append(f"{_display(parts[0])} ({_display(parts[1])})")
+        elif kind == b"T":
+            truncated = True
         elif kind == b"Z":
             complete = True
     return Report(
@@ -638,6 +644,7 @@ def parse_report(raw: bytes | None) -> Report:
         timed_out=timed_out,
         files=files if complete else None,
         skipped=skipped,
+        truncated=truncated,
     )
 
 

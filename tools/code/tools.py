@@ -162,9 +162,12 @@ def _keep_files(workspace: Workspace, before: dict[str, str], result: RunResult)
         return not_kept
     changes: dict[str, str | None] = {path: text for path, text in after.items() if before.get(path) != text}
     skipped_paths = {entry.split(" (", 1)[0] for entry in not_kept}
-    for path in before:
-        if path not in after and path not in skipped_paths:
-            changes[path] = None  # the run deleted it
+    if result.files_complete:
+        for path in before:
+            if path not in after and path not in skipped_paths:
+                changes[path] = None  # the run deleted it
+    else:
+        not_kept.append("(more entries than could be looked at: files not listed were left as they were)")
     for path, change in changes.items():
         workspace.write(path, change)
     return not_kept

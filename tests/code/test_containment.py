@@ -319,3 +319,16 @@ async def test_files_the_walk_did_not_list_are_not_taken_as_deleted(code_app: An
     assert any("left as they were" in entry for entry in ran["files_not_kept"]), ran
     assert solution == get_task(TASK).prompt
     assert runner == script
+
+
+@one_backend
+async def test_a_run_that_kills_every_process_it_can_is_still_an_answer(code_app: Any, backend: str) -> None:
+    script = "import os, signal\nprint('bye', flush=True)\nos.kill(-1, signal.SIGKILL)\n"
+    async with code_app() as code:
+        trace = new_trace()
+        await code.write(trace, "killall.py", script, task_id=TASK)
+        ran = await code.run(trace, "killall.py", task_id=TASK)
+        again = await code.run(trace, "solution.py", task_id=TASK)
+    assert ran["stdout"] == "bye\n"
+    assert "supervisor" in ran["error"], ran
+    assert again["exit_code"] == 0

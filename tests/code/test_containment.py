@@ -136,6 +136,7 @@ async def test_a_runs_processes_share_one_memory_cap(code_app: Any, backend: str
         ran = await code.run(trace, "hog.py", task_id=TASK)
     held = ran["stdout"].strip()
     assert held in ("", "0", "1"), ran  # never two at once (the parent may be the one killed)
+    assert "more memory than its limit" in ran["error"], ran
 
 
 @one_backend

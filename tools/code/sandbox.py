@@ -77,7 +77,8 @@ INSTALL_HELP = (
 
 
 class SandboxUnavailable(RuntimeError):
-    """The sandbox cannot run code here (bwrap missing or unable to create namespaces)."""
+    """The sandbox cannot run code here (bwrap missing or unable to create namespaces), or a run's sandbox
+    did not start: an outage, never something the run itself did."""
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ class Output:
 
 @dataclass(frozen=True)
 class RunResult:
-    exit_code: int | None  # None when the run was killed (timeout, output overflow)
+    exit_code: int | None  # None when the run was killed (timeout, output overflow) or stopped its supervisor
     stdout: Output
     stderr: Output
     wall_seconds: float

@@ -203,7 +203,7 @@ async def test_a_busy_rollout_cannot_take_every_slot(
 ) -> None:
     # A rollout's tool calls that change files already wait for each other; its grades do not. A
     # solution that spins in a process of its own (named by the marker) holds a slot per grade.
-    monkeypatch.setattr(check, "GRADE_LIMITS", tools.Limits(wall_seconds=6.0, cpu_seconds=6))
+    monkeypatch.setattr(check, "GRADE_LIMITS", tools.Limits(wall_seconds=10.0, cpu_seconds=10))
     marker = f"spin_{uuid.uuid4().hex}"
     spinner = (
         f"import os, sys\nos.execv(sys.executable, [sys.executable, '-c', 'while True: pass', {marker!r}])\n"

@@ -141,6 +141,25 @@ class Settings(BaseSettings):
         None,
         description="Interpreter the code pack's sandbox runs (default: the server's, else python3).",
     )
+    code_run_memory_bytes: int = Field(
+        1024 * 1024 * 1024,
+        ge=64 * 1024 * 1024,
+        description="Memory of one code run, all its processes together (a cgroup; per process without).",
+    )
+    code_workspace_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=4 * 1024 * 1024,
+        description="Size of a code run's /workspace (a tmpfs in the sandbox's memory, never on disk).",
+    )
+    code_shm_bytes: int = Field(
+        16 * 1024 * 1024, ge=1024 * 1024, description="Size of a code run's /dev/shm (a tmpfs)."
+    )
+    code_sandbox_slots: int = Field(
+        0, ge=0, description="Code runs one worker runs at once (0: twice the CPU count, at least 2)."
+    )
+    code_sandbox_slots_per_rollout: int = Field(
+        2, ge=1, description="Code runs one rollout holds at once, so a busy rollout cannot starve others."
+    )
 
     # Remote rollouts (eval-protocol's remote rollout processor)
     remote_prefix: str = Field(

@@ -135,7 +135,7 @@ async def test_a_run_cannot_see_host_processes(code_app: Any) -> None:
         ran = await code.run(trace, "ps.py", task_id=TASK)
     pids_line, uid_line = ran["stdout"].splitlines()
     pids = [int(p) for p in pids_line.strip("[]").split(", ")]
-    assert pids == [1, 2]  # the sandbox's init and the run itself
+    assert pids == [1, 2, 3]  # the sandbox's init, the supervisor and the run itself
     assert uid_line == "65534"  # an unprivileged uid
 
 

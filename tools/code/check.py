@@ -13,9 +13,9 @@ import secrets
 from functools import cache
 from pathlib import Path
 
-from app.sdk import CheckResult, RolloutView
+from app.sdk import CheckResult, RolloutView, ToolUnavailable
 from tools.code import runtime
-from tools.code.sandbox import WORKSPACE_ARG, Limits, RunResult
+from tools.code.sandbox import WORKSPACE_ARG, Limits, RunResult, SandboxUnavailable
 from tools.code.suspicious import TIMEOUT, code_flags
 from tools.code.tasks import SOLUTION_FILE, CodeTask, load_tasks
 from tools.code.tools import pack
@@ -43,8 +43,13 @@ def final_files(view: RolloutView, task: CodeTask) -> dict[str, str]:
     return files
 
 
-async def run_hidden_tests(task: CodeTask, files: dict[str, str]) -> tuple[bool, RunResult]:
-    """Run the task's hidden tests against `files`; True only if the harness printed this run's token."""
+async def run_hidden_tests(
+    task: CodeTask, files: dict[str, str], *, owner: str | None = None
+) -> tuple[bool, RunResult]:
+    """Run the task's hidden tests against `files`; True only if the harness printed this run's token.
+
+    ToolUnavailable when the sandbox cannot run: the grade is then unavailable, never a score of 0.
+    """
     token = secrets.token_hex(16)
     job = {
         "prompt": task.prompt,
@@ -53,13 +58,19 @@ async def run_hidden_tests(task: CodeTask, files: dict[str, str]) -> tuple[bool,
         "token": token,
         "runner": _source("harness_runner.py"),
     }
-    result = await runtime.get_sandbox().run(
-        files,
-        ["-I", "-B", "-X", "utf8", "-c", _source("harness_main.py"), WORKSPACE_ARG],
-        limits=GRADE_LIMITS,
-        stdin=json.dumps(job).encode(),
-        cwd="root",
-    )
+    try:
+        result = await runtime.get_sandbox().run(
+            files,
+            ["-I", "-B", "-X", "utf8", "-c", _source("harness_main.py"), WORKSPACE_ARG],
+            limits=GRADE_LIMITS,
+            stdin=json.dumps(job).encode(),
+            cwd="root",
+            owner=owner,
+        )
+    except OSError as exc:
+        raise ToolUnavailable(f"the sandbox could not start: {exc.strerror or exc}") from exc
+    except SandboxUnavailable as exc:
+        raise ToolUnavailable(f"the sandbox could not start: {exc}") from exc
     lines = result.stdout.data.decode("utf-8", "replace").splitlines()
     passed = result.exit_code == 0 and bool(lines) and lines[-1] == token
     return passed, result
@@ -82,7 +93,7 @@ async def check_rollout(view: RolloutView) -> CheckResult:
             sub_scores={"hidden_tests": 0.0},
             flags=[*flags, (NO_SOLUTION, "the workspace has no solution.py")],
         )
-    passed, result = await run_hidden_tests(task, files)
+    passed, result = await run_hidden_tests(task, files, owner=view.trace_id)
     if result.timed_out:
         flags.append(
             (TIMEOUT, f"the hidden tests did not finish within {GRADE_LIMITS.wall_seconds:g} seconds")

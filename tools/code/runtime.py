@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from tools.code.sandbox import MODES, Sandbox, SandboxMode, SandboxUnavailable, create, probe
+from tools.code.sandbox import MODES, Containment, Sandbox, SandboxMode, SandboxUnavailable, create, probe
 
 log = logging.getLogger("sparring.packs.code")
 
@@ -23,6 +23,7 @@ class SandboxConfig:
     mode: SandboxMode = "bwrap"
     python: Path | None = None
     home: Path = Path(".sparring")
+    containment: Containment = field(default_factory=Containment)
 
 
 _config = SandboxConfig()
@@ -30,7 +31,14 @@ _sandbox: Sandbox | None = None
 _lock = threading.Lock()
 
 
-def configure(mode: str, *, python: Path | None, home: Path, binds_loopback: bool) -> Sandbox:
+def configure(
+    mode: str,
+    *,
+    python: Path | None,
+    home: Path,
+    binds_loopback: bool,
+    containment: Containment | None = None,
+) -> Sandbox:
     """Build and try the sandbox the settings ask for; SandboxUnavailable says what to install or allow."""
     global _config, _sandbox
     if mode not in MODES:
@@ -42,8 +50,13 @@ def configure(mode: str, *, python: Path | None, home: Path, binds_loopback: boo
                 "non-loopback address; install bubblewrap and use the default bwrap sandbox"
             )
         log.warning(UNSAFE_WARNING)
-    config = SandboxConfig(mode="bwrap" if mode == "bwrap" else "unsafe-local", python=python, home=home)
-    sandbox = create(config.mode, python=python, home=home)
+    config = SandboxConfig(
+        mode="bwrap" if mode == "bwrap" else "unsafe-local",
+        python=python,
+        home=home,
+        containment=containment or Containment(),
+    )
+    sandbox = create(config.mode, python=python, home=home, containment=config.containment)
     asyncio.run(probe(sandbox))
     with _lock:
         previous, (_config, _sandbox) = _sandbox, (config, sandbox)
@@ -57,5 +70,7 @@ def get_sandbox() -> Sandbox:
     global _sandbox
     with _lock:
         if _sandbox is None:
-            _sandbox = create(_config.mode, python=_config.python, home=_config.home)
+            _sandbox = create(
+                _config.mode, python=_config.python, home=_config.home, containment=_config.containment
+            )
         return _sandbox

@@ -1,11 +1,13 @@
 """Running untrusted Python: a small interface and its one real implementation, bubblewrap.
 
-Every run gets a fresh directory holding the workspace's files, mounted at `/workspace` in a new user,
-pid, network, ipc, uts and mount namespace (no network device but loopback, so no network at all),
-with the system directories read-only, a private size-capped `/tmp`, an unprivileged uid, rlimits
-(CPU seconds, address space, processes, open files, file size) and a wall-clock timeout that kills the
-whole process tree. Nothing a run does reaches the server's process: it only reads the run's output,
-exit status and the files left in the directory, and checks them itself.
+Every run gets a fresh, size-capped tmpfs at `/workspace` holding the workspace's files (copied in from
+memory), in a new user, pid, network, ipc, uts and mount namespace (no network device but loopback, so
+no network at all), with the system directories read-only, a private size-capped `/tmp` and
+`/dev/shm`, an unprivileged uid, a cgroup capping the memory of all its processes together (where the
+host offers one; see `memory.py`), rlimits (CPU seconds, processes, open files, file size) and a
+wall-clock timeout that kills the whole process tree. A supervisor inside (`harness_supervisor.py`)
+starts the program and sends back its exit status and the files it left. Nothing a run does reaches the
+server's process or disk: the server reads the run's output and that report, and checks both itself.
 
 `unsafe-local` runs the same commands without isolation, for local development on machines without
 user namespaces; the server refuses it on a non-loopback address.
@@ -18,17 +20,24 @@ import atexit
 import contextlib
 import logging
 import os
+import re
 import shutil
 import signal
 import stat
+import struct
 import sys
 import tempfile
 import time
 import weakref
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from functools import cache
 from pathlib import Path
 from typing import Any, Literal
+
+from tools.code.memory import MemoryCap, owner_alive, process_identity
+from tools.code.memory import detect as detect_memory_cap
+from tools.code.memory import release as release_group
 
 log = logging.getLogger("sparring.packs.code.sandbox")
 
@@ -43,6 +52,16 @@ WORKSPACE_ARG = "{workspace}"
 UNPRIVILEGED_ID = 65534
 # The most output read from one stream before the run is stopped: past the cap, output is only counted.
 HARD_OUTPUT_BYTES = 4 * 1024 * 1024
+# The sandbox itself (bwrap's setup, the supervisor's start and its report) gets this beyond the run's
+# own wall-clock limit, which the supervisor enforces.
+SETUP_GRACE_SECONDS = 15.0
+# How long the report may take to arrive once the sandbox's process has ended.
+REPORT_GRACE_SECONDS = 5.0
+# A worker's directory is named after it (pid and start time), so a later worker removes those of gone
+# ones; a directory named the old way (without its worker) is removed once it has not changed for this.
+ROOT_PREFIX = "sparring-code-"
+_ROOT_NAME = re.compile(r"sparring-code-(?:(\d+-\d+)-)?[A-Za-z0-9_]{8}")
+UNNAMED_ROOT_AGE_SECONDS = 3600.0
 _SETPRIV_ARGS = (f"--reuid={UNPRIVILEGED_ID}", f"--regid={UNPRIVILEGED_ID}", "--clear-groups")
 SYSTEM_DIRS = ("/usr", "/bin", "/lib", "/lib32", "/lib64", "/sbin")
 
@@ -58,14 +77,14 @@ INSTALL_HELP = (
 
 
 class SandboxUnavailable(RuntimeError):
-    """The sandbox cannot run code here (bwrap missing or unable to create namespaces)."""
+    """The sandbox cannot run code here (bwrap missing or unable to create namespaces), or a run's sandbox
+    did not start: an outage, never something the run itself did."""
 
 
 @dataclass(frozen=True)
 class Limits:
     wall_seconds: float = 10.0
     cpu_seconds: int = 10
-    memory_bytes: int = 1024 * 1024 * 1024  # address space
     processes: int = 32
     open_files: int = 64
     file_bytes: int = 1024 * 1024  # largest file a run may write
@@ -88,14 +107,17 @@ class Output:
 
 @dataclass(frozen=True)
 class RunResult:
-    exit_code: int | None  # None when the run was killed (timeout, output overflow)
+    exit_code: int | None  # None when the run was killed (timeout, output overflow) or stopped its supervisor
     stdout: Output
     stderr: Output
     wall_seconds: float
     timed_out: bool = False
     output_overflow: bool = False
+    memory_exceeded: bool = False  # the kernel killed a process of the run for going over its memory cap
     files: dict[str, bytes] | None = None  # the workspace after the run, when collected
     skipped: list[str] = field(default_factory=list)  # files left behind but not kept, with the reason
+    # False when the walk stopped at a limit: a file missing from `files` may still be there.
+    files_complete: bool = True
 
 
 def _reachable_by_others(path: Path) -> bool:
@@ -125,6 +147,45 @@ def find_python(configured: Path | None, *, for_other_uid: bool) -> Path:
     )
 
 
+@dataclass(frozen=True)
+class Containment:
+    """What one worker allows all runs (from the settings), beside each run's own `Limits`."""
+
+    memory_bytes: int = 1024 * 1024 * 1024  # all processes of one run together (per process without cgroups)
+    workspace_bytes: int = 64 * 1024 * 1024  # size of the run's /workspace, a tmpfs
+    shm_bytes: int = 16 * 1024 * 1024  # size of /dev/shm
+    slots: int = 0  # runs at once in one worker; 0: twice the CPU count, at least 2
+    slots_per_rollout: int = 2  # runs of one rollout at once, so a busy rollout cannot starve the others
+
+
+class _Slots:
+    """The worker's run slots, and for each rollout a bound on how many of them it holds."""
+
+    def __init__(self, total: int, per_owner: int) -> None:
+        self.total = asyncio.Semaphore(total)
+        self.per_owner = per_owner
+        self.owners: dict[str, tuple[asyncio.Semaphore, int]] = {}
+
+    @contextlib.asynccontextmanager
+    async def hold(self, owner: str | None) -> AsyncIterator[None]:
+        if owner is None:
+            async with self.total:
+                yield
+            return
+        mine, users = self.owners.get(owner, (asyncio.Semaphore(self.per_owner), 0))
+        self.owners[owner] = (mine, users + 1)
+        try:
+            # The rollout's own bound first: its waiting runs do not queue for the worker's slots.
+            async with mine, self.total:
+                yield
+        finally:
+            mine, users = self.owners[owner]
+            if users <= 1:
+                del self.owners[owner]
+            else:
+                self.owners[owner] = (mine, users - 1)
+
+
 class Sandbox:
     """Runs the configured Python on a copy of some files, isolated by bwrap unless `isolated` is False."""
 
@@ -136,18 +197,22 @@ class Sandbox:
         bwrap: str | None,
         prlimit: str | None,
         root: Path,
-        max_parallel: int,
+        containment: Containment,
+        memory_cap: MemoryCap,
     ) -> None:
         self.isolated = isolated
         self.python = python
         self.bwrap = bwrap
         self.prlimit = prlimit
         self.root = root
+        self.containment = containment
+        self.memory = memory_cap
+        self.shell = shutil.which("sh") or "/bin/sh"
         self.switch_user = isolated and os.geteuid() == 0
         self.setpriv = shutil.which("setpriv") if self.switch_user else None
-        self.max_parallel = max_parallel
-        # One semaphore per event loop (asyncio primitives belong to the loop that first waits on them).
-        self._slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
+        self.max_parallel = containment.slots or max(2, 2 * (os.cpu_count() or 1))
+        # One set of slots per event loop (asyncio primitives belong to the loop that first waits on them).
+        self._slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Slots] = (
             weakref.WeakKeyDictionary()
         )
         self._mounts = self._system_mounts() if isolated else []
@@ -178,15 +243,29 @@ class Sandbox:
             args += ["--ro-bind", "/etc/ld.so.cache", "/etc/ld.so.cache"]
         return args
 
-    def _command(self, workspace: Path, python_args: Sequence[str], limits: Limits, cwd: str) -> list[str]:
-        inside = WORKSPACE_MOUNT if self.isolated else str(workspace)
-        args = [inside if arg == WORKSPACE_ARG else arg for arg in python_args]
-        command = [str(self.python), *args]
+    def _command(self, run: _Run) -> list[str]:
+        limits = run.limits
+        inside = WORKSPACE_MOUNT if self.isolated else str(run.workspace)
+        args = [inside if arg == WORKSPACE_ARG else arg for arg in run.python_args]
+        command = [
+            str(self.python),
+            *("-I", "-S", "-B", "-c", _supervisor_source()),
+            str(run.report_fd),
+            str(limits.wall_seconds),
+            "1" if run.collect else "0",
+            str(limits.max_files),
+            str(limits.max_workspace_bytes),
+            "1" if self.isolated else "0",
+            inside,
+            "--",
+            *args,
+        ]
         if self.prlimit is not None:
             command = [
                 self.prlimit,
                 f"--cpu={limits.cpu_seconds}",
-                f"--as={limits.memory_bytes}",
+                # With a cgroup the run's memory is capped as a whole; else each process is.
+                *([] if run.group is not None else [f"--as={self.containment.memory_bytes}"]),
                 f"--nofile={limits.open_files}",
                 f"--fsize={limits.file_bytes}",
                 "--core=0",
@@ -195,67 +274,81 @@ class Sandbox:
                 "--",
                 *command,
             ]
-        if not self.isolated:
-            return command
-        assert self.bwrap is not None
-        return [
-            self.bwrap,
-            "--unshare-all",  # pid, net, ipc, uts, cgroup namespaces: no network at all
-            "--unshare-user",
-            "--disable-userns",
-            "--die-with-parent",
-            "--new-session",
-            "--hostname",
-            "sandbox",
-            "--uid",
-            str(UNPRIVILEGED_ID),
-            "--gid",
-            str(UNPRIVILEGED_ID),
-            "--clearenv",
-            "--setenv",
-            "PATH",
-            "/usr/local/bin:/usr/bin:/bin",
-            "--setenv",
-            "HOME",
-            "/tmp",
-            "--setenv",
-            "TMPDIR",
-            "/tmp",
-            "--setenv",
-            "LANG",
-            "C.UTF-8",
-            *self._mounts,
-            "--proc",
-            "/proc",
-            "--dev",
-            "/dev",
-            "--size",
-            str(limits.tmp_bytes),
-            "--tmpfs",
-            "/tmp",
-            "--bind",
-            str(workspace),
-            WORKSPACE_MOUNT,
-            "--remount-ro",
-            "/",
-            "--chdir",
-            WORKSPACE_MOUNT if cwd == "workspace" else "/",
-            "--",
-            *command,
-        ]
+        if self.isolated:
+            assert self.bwrap is not None
+            command = [
+                self.bwrap,
+                "--unshare-all",  # pid, net, ipc, uts, cgroup namespaces: no network at all
+                "--unshare-user",
+                "--disable-userns",
+                "--die-with-parent",
+                "--new-session",
+                "--hostname",
+                "sandbox",
+                "--uid",
+                str(UNPRIVILEGED_ID),
+                "--gid",
+                str(UNPRIVILEGED_ID),
+                "--clearenv",
+                "--setenv",
+                "PATH",
+                "/usr/local/bin:/usr/bin:/bin",
+                "--setenv",
+                "HOME",
+                "/tmp",
+                "--setenv",
+                "TMPDIR",
+                "/tmp",
+                "--setenv",
+                "LANG",
+                "C.UTF-8",
+                *self._mounts,
+                "--proc",
+                "/proc",
+                "--dev",
+                "/dev",
+                # /dev is a tmpfs without a size: read-only, with a small /dev/shm of its own.
+                "--size",
+                str(self.containment.shm_bytes),
+                "--tmpfs",
+                "/dev/shm",
+                "--remount-ro",
+                "/dev",
+                "--size",
+                str(limits.tmp_bytes),
+                "--tmpfs",
+                "/tmp",
+                # The workspace lives in the sandbox's memory, size-capped, and vanishes with it: what a
+                # run writes never reaches the host's disk, and nothing is left to clean up.
+                "--size",
+                str(self.containment.workspace_bytes),
+                "--tmpfs",
+                WORKSPACE_MOUNT,
+                *run.file_args,
+                "--remount-ro",
+                "/",
+                "--chdir",
+                WORKSPACE_MOUNT if run.cwd == "workspace" else "/",
+                "--",
+                *command,
+            ]
+        if self.switch_user and self.setpriv is not None:
+            # setpriv drops to the unprivileged uid in the child, so the server forks cheaply (vfork)
+            command = [self.setpriv, *_SETPRIV_ARGS, "--", *command]
+        if run.group is not None:
+            # Joins the run's cgroup before anything else starts, so every process of the run is in it.
+            procs = str(run.group / "cgroup.procs")
+            command = [self.shell, "-c", 'echo $$ > "$0" && exec "$@"', procs, *command]
+        return command
 
-    def _materialize(self, files: Mapping[str, str | bytes]) -> Path:
-        workspace = Path(tempfile.mkdtemp(prefix="ws-", dir=self.root))
-        for relative, content in files.items():
-            path = workspace / relative
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(content.encode("utf-8") if isinstance(content, str) else content)
-        if self.switch_user:
-            for directory, dirnames, filenames in os.walk(workspace):
-                for name in [*dirnames, *filenames]:
-                    os.chown(os.path.join(directory, name), UNPRIVILEGED_ID, UNPRIVILEGED_ID)
-            os.chown(workspace, UNPRIVILEGED_ID, UNPRIVILEGED_ID)
-        return workspace
+    def _slots_here(self) -> _Slots:
+        loop = asyncio.get_running_loop()
+        slots = self._slots.get(loop)
+        if slots is None:
+            slots = self._slots.setdefault(
+                loop, _Slots(self.max_parallel, max(1, self.containment.slots_per_rollout))
+            )
+        return slots
 
     async def run(
         self,
@@ -266,46 +359,73 @@ class Sandbox:
         stdin: bytes = b"",
         collect: bool = False,
         cwd: Literal["workspace", "root"] = "workspace",
+        owner: str | None = None,
     ) -> RunResult:
-        """Run `python <python_args>` on a fresh copy of `files`; with `collect`, read the files back."""
-        loop = asyncio.get_running_loop()
-        slots = self._slots.get(loop)
-        if slots is None:
-            slots = self._slots.setdefault(loop, asyncio.Semaphore(self.max_parallel))
-        async with slots:
-            workspace = await asyncio.to_thread(self._materialize, files)
-            try:
-                result = await self._run(workspace, python_args, limits, stdin, cwd)
-            except BaseException:
-                await asyncio.to_thread(_remove_tree, workspace)
-                raise
-            kept, skipped = await asyncio.to_thread(_collect_and_remove, workspace, limits, collect)
-            if collect:
-                result = RunResult(**{**result.__dict__, "files": kept, "skipped": skipped})
-            return result
+        """Run `python <python_args>` on a fresh copy of `files`; with `collect`, read the files back.
 
-    async def _run(
-        self, workspace: Path, python_args: Sequence[str], limits: Limits, stdin: bytes, cwd: str
-    ) -> RunResult:
-        command = self._command(workspace, python_args, limits, cwd)
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(workspace), "LANG": "C.UTF-8"}
-        user: dict[str, Any] = {}
-        if self.switch_user and self.setpriv is not None:
-            # setpriv drops to the unprivileged uid in the child, so the server forks cheaply (vfork)
-            command = [self.setpriv, *_SETPRIV_ARGS, "--", *command]
-        elif self.switch_user:
-            user = {"user": UNPRIVILEGED_ID, "group": UNPRIVILEGED_ID, "extra_groups": []}
-        started = time.perf_counter()
-        process = await asyncio.create_subprocess_exec(
-            *command,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            cwd=str(workspace),
-            env=env,
-            start_new_session=True,  # its own process group: one kill reaches the whole tree
-            **user,
-        )
+        `owner` (the rollout) bounds how many runs of it hold a slot at once. OSError or
+        SandboxUnavailable when the sandbox itself could not run: an outage, never the run's doing.
+        """
+        placed, conflicts = place_files(files)
+        async with self._slots_here().hold(owner):
+            run = _Run(python_args=python_args, limits=limits, collect=collect, cwd=cwd)
+            try:
+                if self.memory.per_run:
+                    run.group = await asyncio.to_thread(self.memory.new_group, self.containment.memory_bytes)
+                if self.isolated:
+                    run.file_args, run.input_fds = await asyncio.to_thread(_input_files, placed)
+                else:
+                    run.workspace = await asyncio.to_thread(self._materialize, placed)
+                result = await self._run(run, stdin)
+            finally:
+                await asyncio.to_thread(run.release)
+        if conflicts and collect:
+            result = replace(result, skipped=[*conflicts, *result.skipped])
+        return result
+
+    def _materialize(self, files: Mapping[str, bytes]) -> Path:
+        """The run's files in a directory of the host (only without isolation)."""
+        workspace = Path(tempfile.mkdtemp(prefix="ws-", dir=self.root))
+        for relative, content in files.items():
+            path = workspace / relative
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(content)
+        return workspace
+
+    async def _run(self, run: _Run, stdin: bytes) -> RunResult:
+        limits = run.limits
+        report_r, report_w = os.pipe()
+        run.report_fd = report_w
+        try:
+            command = self._command(run)
+            env = {
+                "PATH": "/usr/local/bin:/usr/bin:/bin",
+                "HOME": str(run.workspace or "/"),
+                "LANG": "C.UTF-8",
+            }
+            user: dict[str, Any] = {}
+            if self.switch_user and self.setpriv is None:
+                user = {"user": UNPRIVILEGED_ID, "group": UNPRIVILEGED_ID, "extra_groups": []}
+            started = time.perf_counter()
+            process = await asyncio.create_subprocess_exec(
+                *command,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                cwd=str(run.workspace or "/"),
+                env=env,
+                pass_fds=(report_w, *run.input_fds),
+                start_new_session=True,  # its own process group: one kill reaches the whole tree
+                **user,
+            )
+        except BaseException:
+            os.close(report_r)
+            raise
+        finally:
+            os.close(report_w)
+            run.close_inputs()  # bwrap has its copies
+        raw = bytearray()
+        report_task = asyncio.ensure_future(_read_report(report_r, _report_cap(limits), raw))
         overflow = asyncio.Event()
         assert process.stdout is not None and process.stderr is not None and process.stdin is not None
         readers = [
@@ -315,13 +435,16 @@ class Sandbox:
         writer = asyncio.ensure_future(_feed(process.stdin, stdin))
         waiter = asyncio.ensure_future(process.wait())
         stopper = asyncio.ensure_future(overflow.wait())
-        timed_out = False
+        deadline_hit = False
         try:
+            # The supervisor stops the run at its wall-clock limit; this deadline is for the sandbox itself.
             done, _ = await asyncio.wait(
-                {waiter, stopper}, timeout=limits.wall_seconds, return_when="FIRST_COMPLETED"
+                {waiter, stopper},
+                timeout=limits.wall_seconds + SETUP_GRACE_SECONDS,
+                return_when="FIRST_COMPLETED",
             )
             if waiter not in done:
-                timed_out = not overflow.is_set()
+                deadline_hit = not overflow.is_set()
                 _kill_group(process.pid)
             await waiter
         finally:
@@ -334,17 +457,196 @@ class Sandbox:
             writer.cancel()
             with contextlib.suppress(asyncio.CancelledError, ConnectionError):
                 await writer
+            # What came is kept even if the pipe is still held open: a report cut short keeps no files,
+            # but one that began shows the sandbox started.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(report_task, REPORT_GRACE_SECONDS)
         stdout, stderr = await asyncio.gather(*readers)
         wall = time.perf_counter() - started
+        report = parse_report(bytes(raw))
+        if not report.started:
+            detail = stderr.data.decode("utf-8", "replace").strip()[:500]
+            raise SandboxUnavailable(
+                f"the {self.mode} sandbox did not start (exit {process.returncode}: {detail or 'no output'})"
+            )
+        memory_exceeded = run.group is not None and self.memory.out_of_memory(run.group)
+        timed_out = report.timed_out or deadline_hit
         killed = timed_out or overflow.is_set()
         return RunResult(
-            exit_code=None if killed else process.returncode,
+            exit_code=None if killed else report.exit_code,
             stdout=stdout,
             stderr=stderr,
             wall_seconds=wall,
             timed_out=timed_out,
             output_overflow=overflow.is_set(),
+            memory_exceeded=memory_exceeded,
+            files=report.files if run.collect else None,
+            skipped=report.skipped,
+            files_complete=not report.truncated,
         )
+
+
+@dataclass
+class _Run:
+    """One run's parts: what it runs and what it holds on the host until it is released."""
+
+    python_args: Sequence[str]
+    limits: Limits
+    collect: bool
+    cwd: str
+    group: Path | None = None  # its cgroup
+    workspace: Path | None = None  # its directory on the host (only without isolation)
+    file_args: list[str] = field(default_factory=list)  # bwrap's arguments placing the files
+    input_fds: list[int] = field(default_factory=list)  # the files' contents, for bwrap to copy
+    report_fd: int = -1
+
+    def close_inputs(self) -> None:
+        for fd in self.input_fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.input_fds = []
+
+    def release(self) -> None:
+        """Give back what the run held on the host; never raises."""
+        self.close_inputs()
+        if self.group is not None:
+            release_group(self.group)
+        if self.workspace is not None:
+            remove_tree(self.workspace)
+
+
+@cache
+def _supervisor_source() -> str:
+    return (Path(__file__).parent / "harness_supervisor.py").read_text(encoding="utf-8")
+
+
+def place_files(files: Mapping[str, str | bytes]) -> tuple[dict[str, bytes], list[str]]:
+    """The files that fit in one tree, and those that cannot (a path under another file, or a file where
+    a directory is): such a pair can be stored in a rollout's state, never on a disk."""
+    placed: dict[str, bytes] = {}
+    conflicts: list[str] = []
+    directories: set[str] = set()
+    for relative in sorted(files):
+        parts = relative.split("/")
+        parents = {"/".join(parts[:i]) for i in range(1, len(parts))}
+        if relative in directories or any(parent in placed for parent in parents):
+            conflicts.append(f"{relative} (a file and a directory of the same name)")
+            continue
+        content = files[relative]
+        placed[relative] = content.encode("utf-8") if isinstance(content, str) else content
+        directories |= parents
+    return placed, conflicts
+
+
+def _input_files(files: Mapping[str, bytes]) -> tuple[list[str], list[int]]:
+    """bwrap's arguments that copy `files` into the workspace, from in-memory files (nothing on disk)."""
+    args: list[str] = []
+    fds: list[int] = []
+    made: set[str] = set()
+    try:
+        for relative, content in files.items():
+            parts = relative.split("/")
+            for i in range(1, len(parts)):
+                directory = "/".join(parts[:i])
+                if directory not in made:
+                    made.add(directory)
+                    args += ["--dir", f"{WORKSPACE_MOUNT}/{directory}"]
+            fd = os.memfd_create("workspace-file", 0)
+            fds.append(fd)
+            view = memoryview(content)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.lseek(fd, 0, os.SEEK_SET)
+            args += ["--file", str(fd), f"{WORKSPACE_MOUNT}/{relative}"]
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return args, fds
+
+
+@dataclass(frozen=True)
+class Report:
+    """What the supervisor sent back; `started` False means the sandbox never ran the program."""
+
+    started: bool = False
+    exit_code: int | None = None
+    timed_out: bool = False
+    files: dict[str, bytes] | None = None
+    skipped: list[str] = field(default_factory=list)
+    truncated: bool = False  # the walk stopped at a limit: files not listed were not seen
+
+
+def _report_cap(limits: Limits) -> int:
+    return limits.max_workspace_bytes + (limits.max_files + 100) * 1024 + 65536
+
+
+async def _read_report(fd: int, cap: int, into: bytearray) -> None:
+    """Append the report pipe's content to `into` up to EOF, or up to `cap` (more is never sent)."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    transport, _ = await loop.connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", buffering=0)
+    )
+    try:
+        while len(into) <= cap and (chunk := await reader.read(65536)):
+            into += chunk
+    finally:
+        transport.close()
+
+
+def _display(name: bytes) -> str:
+    """A file name as text: bytes that are not UTF-8 shown escaped (`\\xff`), so any answer encodes."""
+    return name.decode("utf-8", "backslashreplace")
+
+
+def parse_report(raw: bytes | None) -> Report:
+    """Decode the supervisor's frames; a malformed or cut report keeps what came before the fault."""
+    if not raw or raw[:1] != b"S":
+        return Report()
+    exit_code: int | None = None
+    timed_out = False
+    files: dict[str, bytes] = {}
+    skipped: list[str] = []
+    complete = truncated = False
+    position = 1
+    while position < len(raw) and not complete:
+        kind = raw[position : position + 1]
+        position += 1
+        count = {b"E": 1, b"F": 2, b"K": 2, b"T": 0, b"Z": 0}.get(kind)
+        if count is None:
+            break
+        parts: list[bytes] = []
+        for _ in range(count):
+            if position + 4 > len(raw):
+                break
+            (size,) = struct.unpack(">I", raw[position : position + 4])
+            parts.append(raw[position + 4 : position + 4 + size])
+            position += 4 + size
+        if len(parts) != count or position > len(raw):
+            break
+        if kind == b"E" and len(parts[0]) == 5:
+            exit_code, flag = struct.unpack(">iB", parts[0])
+            timed_out = bool(flag)
+        elif kind == b"F":
+            try:
+                files[parts[0].decode("utf-8")] = parts[1]
+            except UnicodeDecodeError:
+                skipped.append(f"{_display(parts[0])} (the name is not UTF-8)")
+        elif kind == b"K":
+            skipped.append(f"{_display(parts[0])} ({_display(parts[1])})")
+        elif kind == b"T":
+            truncated = True
+        elif kind == b"Z":
+            complete = True
+    return Report(
+        started=True,
+        exit_code=exit_code,
+        timed_out=timed_out,
+        files=files if complete else None,
+        skipped=skipped,
+        truncated=truncated,
+    )
 
 
 async def _feed(stream: asyncio.StreamWriter, data: bytes) -> None:
@@ -379,94 +681,152 @@ def _kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
-def _remove_tree(path: Path) -> None:
-    def allow(function: object, name: str, _exc: object) -> None:
-        # A run may leave directories without write or search permission: open them up and go again.
-        with contextlib.suppress(OSError):
-            os.chmod(os.path.dirname(name), 0o700)
-            os.chmod(name, 0o700)
-        with contextlib.suppress(OSError):
-            if os.path.isdir(name) and not os.path.islink(name):
-                shutil.rmtree(name, ignore_errors=True)
-            else:
-                os.unlink(name)
+def remove_tree(path: Path) -> None:
+    """Remove `path` and all under it, however deep, holding one directory open at a time; never raises.
 
-    shutil.rmtree(path, onerror=allow)
-
-
-def _collect_and_remove(workspace: Path, limits: Limits, collect: bool) -> tuple[dict[str, bytes], list[str]]:
+    Iterative and relative to directory descriptors: no recursion limit and no path-length limit, and
+    a directory a run made unreadable is opened up first. What cannot be removed is logged and left.
+    """
     try:
-        return collect_files(workspace, limits) if collect else ({}, [])
+        _remove_tree(path)
+    except OSError as exc:
+        log.warning("could not remove %s: %s", path, exc)
+
+
+def _open_directory(name: str, parent: int) -> int:
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+    try:
+        return os.open(name, flags, dir_fd=parent)
+    except PermissionError:
+        os.chmod(name, 0o700, dir_fd=parent, follow_symlinks=False)
+        return os.open(name, flags, dir_fd=parent)
+
+
+def _remove_tree(path: Path) -> None:
+    try:
+        top = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        return
+    current = top
+    names: list[str] = []  # the way down from `path.parent`
+    try:
+        current = _open_directory(path.name, top)
+        names.append(path.name)
+        while names:
+            descended = False
+            with os.scandir(current) as entries:
+                listing = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in entries]
+            for name, is_directory in listing:
+                if not is_directory:
+                    os.unlink(name, dir_fd=current)
+                    continue
+                try:
+                    os.rmdir(name, dir_fd=current)
+                except OSError:  # not empty (or not searchable): go down into it
+                    child = _open_directory(name, current)
+                    os.close(current)
+                    current = child
+                    names.append(name)
+                    descended = True
+                    break
+            if descended:
+                continue
+            # Empty now: go back up and remove it.
+            parent = os.open("..", os.O_RDONLY | os.O_DIRECTORY, dir_fd=current)
+            os.close(current)
+            current = parent
+            os.rmdir(names.pop(), dir_fd=current)
     finally:
-        _remove_tree(workspace)
+        os.close(current)
+        if current != top:
+            os.close(top)
 
 
-def collect_files(workspace: Path, limits: Limits) -> tuple[dict[str, bytes], list[str]]:
-    """Regular files under `workspace` (no links, no special files, no `__pycache__`), within the limits."""
-    kept: dict[str, bytes] = {}
-    skipped: list[str] = []
-    total = 0
-    for directory, dirnames, filenames in os.walk(workspace, followlinks=False):
-        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
-        for name in sorted(filenames):
-            full = os.path.join(directory, name)
-            relative = os.path.relpath(full, workspace)
-            try:
-                info = os.lstat(full)
-            except OSError:
+def _sweep_roots(directory: Path) -> None:
+    """Remove the directories of workers that are gone, with whatever workspaces they left."""
+    with contextlib.suppress(OSError):
+        for entry in directory.iterdir():
+            match = _ROOT_NAME.fullmatch(entry.name)
+            if match is None or entry.is_symlink() or not entry.is_dir():
                 continue
-            if not stat.S_ISREG(info.st_mode):
-                skipped.append(f"{relative} (not a regular file)")
-                continue
-            if len(kept) >= limits.max_files:
-                skipped.append(f"{relative} (over the limit of {limits.max_files} files)")
-                continue
-            if total + info.st_size > limits.max_workspace_bytes:
-                skipped.append(f"{relative} (over the workspace limit of {limits.max_workspace_bytes} bytes)")
-                continue
-            try:
-                fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-            except OSError:
-                skipped.append(f"{relative} (unreadable)")
-                continue
-            with os.fdopen(fd, "rb") as handle:
-                content = handle.read(limits.max_workspace_bytes - total + 1)
-            if total + len(content) > limits.max_workspace_bytes:
-                skipped.append(f"{relative} (over the workspace limit of {limits.max_workspace_bytes} bytes)")
-                continue
-            kept[relative] = content
-            total += len(content)
-    return kept, skipped
+            if match.group(1) is not None:
+                gone = not owner_alive(match.group(1))
+            else:  # named before roots carried their worker: swept once nothing changed them for a while
+                gone = time.time() - entry.stat().st_mtime > UNNAMED_ROOT_AGE_SECONDS
+            if gone:
+                remove_tree(entry)
 
 
-def create(mode: SandboxMode, *, python: Path | None, home: Path, max_parallel: int | None = None) -> Sandbox:
-    """Build the sandbox of `mode`; SandboxUnavailable with what to install or allow if it cannot run here."""
+def create(
+    mode: SandboxMode,
+    *,
+    python: Path | None,
+    home: Path,
+    containment: Containment | None = None,
+) -> Sandbox:
+    """Build the sandbox of `mode`; SandboxUnavailable with what to install or allow if it cannot run here.
+
+    Sweeps what workers that are gone left behind, and finds how each run's memory can be capped.
+    """
+    containment = containment or Containment()
     isolated = mode == "bwrap"
     bwrap = shutil.which("bwrap") if isolated else None
     if isolated and bwrap is None:
         raise SandboxUnavailable(f"bwrap (bubblewrap) is not installed: {INSTALL_HELP}")
     interpreter = find_python(python, for_other_uid=isolated and os.geteuid() == 0)
-    root = Path(tempfile.mkdtemp(prefix="sparring-code-"))
+    temp = Path(tempfile.gettempdir())
+    _sweep_roots(temp)
+    identity = process_identity(os.getpid()) or f"{os.getpid()}-0"
+    root = Path(tempfile.mkdtemp(prefix=f"{ROOT_PREFIX}{identity}-", dir=temp))
     os.chmod(root, 0o711)  # the sandbox user (when the server is root) must reach its workspace
+    memory_cap, why_not = detect_memory_cap(containment.memory_bytes)
+    if memory_cap.per_run:
+        log.info(
+            "code sandbox: each run's memory is capped at %d bytes for all its processes (%s)",
+            containment.memory_bytes,
+            memory_cap.mechanism,
+        )
+    else:
+        log.warning(
+            "code sandbox: no cgroup memory controller this server may use (%s); each process of a run is "
+            "capped at %d bytes of address space instead, not the run as a whole",
+            why_not,
+            containment.memory_bytes,
+        )
     sandbox = Sandbox(
         isolated=isolated,
         python=interpreter,
         bwrap=bwrap,
         prlimit=shutil.which("prlimit"),
         root=root,
-        max_parallel=max_parallel or max(2, 2 * (os.cpu_count() or 1)),
+        containment=containment,
+        memory_cap=memory_cap,
     )
     atexit.register(sandbox.close)
     return sandbox
 
 
 async def probe(sandbox: Sandbox) -> None:
-    """Run a trivial program; SandboxUnavailable with bwrap's own message and the fix if it fails."""
+    """Run a trivial program; SandboxUnavailable with bwrap's own message and the fix if it fails.
+
+    If it fails only inside its cgroup, the sandbox falls back to per-process limits, with a warning.
+    """
+    program = ["-I", "-c", "import sys; print(sys.version_info[0])"]
     try:
-        result = await sandbox.run(
-            {}, ["-I", "-c", "import sys; print(sys.version_info[0])"], limits=Limits()
-        )
-    except OSError as exc:
+        try:
+            result = await sandbox.run({}, program, limits=Limits())
+        except (OSError, SandboxUnavailable) as exc:
+            if not sandbox.memory.per_run:
+                raise
+            log.warning(
+                "code sandbox: a run cannot start in a cgroup here (%s); each process of a run is capped "
+                "at %d bytes of address space instead, not the run as a whole",
+                exc,
+                sandbox.containment.memory_bytes,
+            )
+            sandbox.memory = MemoryCap("rlimit")
+            result = await sandbox.run({}, program, limits=Limits())
+    except (OSError, SandboxUnavailable) as exc:
         raise SandboxUnavailable(f"the {sandbox.mode} sandbox cannot start ({exc}): {INSTALL_HELP}") from exc
     if result.exit_code != 0 or result.stdout.data.strip() != b"3":
         detail = (result.stderr.data or result.stdout.data).decode("utf-8", "replace").strip()[:500]

@@ -8,7 +8,7 @@ from pydantic import Field
 
 from app.sdk import Pack, ToolContext, ToolError, ToolUnavailable
 from tools.code import data, runtime
-from tools.code.sandbox import Limits, RunResult
+from tools.code.sandbox import Containment, Limits, RunResult, SandboxUnavailable
 from tools.code.tasks import EXAMPLES_FILE, load_tasks
 from tools.code.workspace import LIMITS, Workspace, check_path, load_base, task_of
 
@@ -21,8 +21,8 @@ pack = Pack(
     base=load_base,
 )
 
-# Each run: 10 s of wall clock and CPU, 1 GiB of address space, 32 processes, 64 open files, files of at
-# most 1 MiB, 16 KiB of each output stream kept.
+# Each run: 10 s of wall clock and CPU, 32 processes, 64 open files, files of at most 1 MiB, 16 KiB of
+# each output stream kept; its memory, workspace size and slots are the settings' (`Containment`).
 RUN_LIMITS = Limits(
     wall_seconds=10.0,
     cpu_seconds=10,
@@ -44,6 +44,13 @@ def prepare(settings: Any) -> None:
         python=settings.code_python,
         home=settings.home,
         binds_loopback=settings.binds_loopback,
+        containment=Containment(
+            memory_bytes=settings.code_run_memory_bytes,
+            workspace_bytes=settings.code_workspace_bytes,
+            shm_bytes=settings.code_shm_bytes,
+            slots=settings.code_sandbox_slots,
+            slots_per_rollout=settings.code_sandbox_slots_per_rollout,
+        ),
     )
 
 
@@ -82,6 +89,7 @@ def write_file(
     workspace = _workspace(ctx)
     check_path(path)
     workspace.check_fits({path: content})
+    workspace.check_no_collision(path)
     workspace.write(path, content)
     return f"wrote {len(content.encode('utf-8'))} bytes to {path}"
 
@@ -116,12 +124,18 @@ async def _run(ctx: ToolContext, path: str, args: list[str]) -> dict[str, Any]:
         raise ToolError(f"no file {path!r} in the workspace; list_files shows what there is")
     try:
         result = await runtime.get_sandbox().run(
-            before, ["-E", "-s", "-B", "-X", "utf8", path, *args], limits=RUN_LIMITS, collect=True
+            before,
+            ["-E", "-s", "-B", "-X", "utf8", path, *args],
+            limits=RUN_LIMITS,
+            collect=True,
+            owner=ctx.trace_id,
         )
     except OSError as exc:
-        # The sandbox could not be started here (no process slots, a full disk): an outage, not a
+        # The sandbox could not be started here (no process slots, bwrap gone): an outage, not a
         # broken tool, so the trainer retries the call instead of discarding the rollout as broken.
         raise ToolUnavailable(f"the sandbox could not start: {exc.strerror or exc}") from exc
+    except SandboxUnavailable as exc:
+        raise ToolUnavailable(f"the sandbox could not start: {exc}") from exc
     not_kept = _keep_files(workspace, before, result)
     return _answer(result, not_kept)
 
@@ -148,9 +162,12 @@ def _keep_files(workspace: Workspace, before: dict[str, str], result: RunResult)
         return not_kept
     changes: dict[str, str | None] = {path: text for path, text in after.items() if before.get(path) != text}
     skipped_paths = {entry.split(" (", 1)[0] for entry in not_kept}
-    for path in before:
-        if path not in after and path not in skipped_paths:
-            changes[path] = None  # the run deleted it
+    if result.files_complete:
+        for path in before:
+            if path not in after and path not in skipped_paths:
+                changes[path] = None  # the run deleted it
+    else:
+        not_kept.append("(more entries than could be looked at: files not listed were left as they were)")
     for path, change in changes.items():
         workspace.write(path, change)
     return not_kept
@@ -174,6 +191,10 @@ def _answer(result: RunResult, not_kept: list[str]) -> dict[str, Any]:
         answer["error"] = f"stopped after {RUN_LIMITS.wall_seconds:g} seconds (wall-clock limit)"
     elif result.output_overflow:
         answer["error"] = "stopped: it wrote more output than the limit"
+    elif result.memory_exceeded:
+        answer["error"] = "a process was killed: the run used more memory than its limit"
+    elif result.files is None:
+        answer["error"] = "the run stopped its own supervisor: the files it wrote were not kept"
     if not_kept:
         answer["files_not_kept"] = not_kept
     return answer

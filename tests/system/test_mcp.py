@@ -29,8 +29,8 @@ TASKS = 6  # train tasks replayed both ways
 
 @pytest.fixture(scope="module")
 def retail_dir() -> Path:
-    directory = data.fetch(data.cache_dir(ROOT / ".sparring"))
-    data.configure(data_dir=directory, home=ROOT / ".sparring")
+    directory = data.DATA.fetch(data.DATA.cache_dir(ROOT / ".sparring"))
+    data.DATA.locate(directory, ROOT / ".sparring")
     return directory
 
 

@@ -14,8 +14,8 @@ from functools import cache
 from pathlib import Path
 
 from app.sdk import CheckResult, RolloutView
-from tools.code import runtime
-from tools.code.sandbox import WORKSPACE_ARG, Limits, RunResult
+from tools.code.runtime import CodeResources
+from tools.code.sandbox import WORKSPACE_ARG, Limits, RunResult, Sandbox
 from tools.code.suspicious import TIMEOUT, code_flags
 from tools.code.tasks import SOLUTION_FILE, CodeTask, load_tasks
 from tools.code.tools import pack
@@ -43,7 +43,7 @@ def final_files(view: RolloutView, task: CodeTask) -> dict[str, str]:
     return files
 
 
-async def run_hidden_tests(task: CodeTask, files: dict[str, str]) -> tuple[bool, RunResult]:
+async def run_hidden_tests(sandbox: Sandbox, task: CodeTask, files: dict[str, str]) -> tuple[bool, RunResult]:
     """Run the task's hidden tests against `files`; True only if the harness printed this run's token."""
     token = secrets.token_hex(16)
     job = {
@@ -53,7 +53,7 @@ async def run_hidden_tests(task: CodeTask, files: dict[str, str]) -> tuple[bool,
         "token": token,
         "runner": _source("harness_runner.py"),
     }
-    result = await runtime.get_sandbox().run(
+    result = await sandbox.run(
         files,
         ["-I", "-B", "-X", "utf8", "-c", _source("harness_main.py"), WORKSPACE_ARG],
         limits=GRADE_LIMITS,
@@ -82,7 +82,7 @@ async def check_rollout(view: RolloutView) -> CheckResult:
             sub_scores={"hidden_tests": 0.0},
             flags=[*flags, (NO_SOLUTION, "the workspace has no solution.py")],
         )
-    passed, result = await run_hidden_tests(task, files)
+    passed, result = await run_hidden_tests(view.resource(CodeResources).sandbox, task, files)
     if result.timed_out:
         flags.append(
             (TIMEOUT, f"the hidden tests did not finish within {GRADE_LIMITS.wall_seconds:g} seconds")

@@ -1,14 +1,21 @@
-"""The code pack's one sandbox per process: chosen at start-up from the settings, built on first use."""
+"""The code pack's settings (SPARRING_CODE_*) and lifespan: its data located and its sandbox, per app."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
-from tools.code.sandbox import MODES, Sandbox, SandboxMode, SandboxUnavailable, create, probe
+import anyio
+from pydantic import Field
+
+from app.sdk import PackSettings, PackStart, pack_settings_config
+from tools.code import data
+from tools.code.sandbox import Sandbox, SandboxUnavailable, create, probe
+from tools.code.tasks import load_tasks
 
 log = logging.getLogger("sparring.packs.code")
 
@@ -18,44 +25,58 @@ UNSAFE_WARNING = (
 )
 
 
+class CodeSettings(PackSettings):
+    """The code pack's settings: `SPARRING_CODE_*`."""
+
+    model_config = pack_settings_config("code")
+
+    data: Path | None = Field(
+        None, description="Directory holding HumanEval.jsonl.gz for the code pack (skips the download)."
+    )
+    sandbox: Literal["bwrap", "unsafe-local"] = Field(
+        "bwrap",
+        description="How the code pack runs code: bwrap, or unsafe-local (no isolation, loopback only).",
+    )
+    python: Path | None = Field(
+        None,
+        description="Interpreter the code pack's sandbox runs (default: the server's, else python3).",
+    )
+
+
 @dataclass(frozen=True)
-class SandboxConfig:
-    mode: SandboxMode = "bwrap"
-    python: Path | None = None
-    home: Path = Path(".sparring")
+class CodeResources:
+    """What the code pack holds while an app serves it: the one sandbox its runs and grades share."""
+
+    sandbox: Sandbox
 
 
-_config = SandboxConfig()
-_sandbox: Sandbox | None = None
-_lock = threading.Lock()
-
-
-def configure(mode: str, *, python: Path | None, home: Path, binds_loopback: bool) -> Sandbox:
-    """Build and try the sandbox the settings ask for; SandboxUnavailable says what to install or allow."""
-    global _config, _sandbox
-    if mode not in MODES:
-        raise SandboxUnavailable(f"SPARRING_CODE_SANDBOX must be one of {', '.join(MODES)}, not {mode!r}")
-    if mode == "unsafe-local":
+def build_sandbox(settings: CodeSettings, *, home: Path, binds_loopback: bool) -> Sandbox:
+    """The sandbox the settings ask for; SandboxUnavailable says what to install or allow."""
+    if settings.sandbox == "unsafe-local":
         if not binds_loopback:
             raise SandboxUnavailable(
                 "SPARRING_CODE_SANDBOX=unsafe-local runs code without isolation and is refused on a "
                 "non-loopback address; install bubblewrap and use the default bwrap sandbox"
             )
         log.warning(UNSAFE_WARNING)
-    config = SandboxConfig(mode="bwrap" if mode == "bwrap" else "unsafe-local", python=python, home=home)
-    sandbox = create(config.mode, python=python, home=home)
-    asyncio.run(probe(sandbox))
-    with _lock:
-        previous, (_config, _sandbox) = _sandbox, (config, sandbox)
-    if previous is not None:
-        previous.close()
-    return sandbox
+    return create(settings.sandbox, python=settings.python, home=home)
 
 
-def get_sandbox() -> Sandbox:
-    """The configured sandbox (the default bwrap one, built on first use if the server configured none)."""
-    global _sandbox
-    with _lock:
-        if _sandbox is None:
-            _sandbox = create(_config.mode, python=_config.python, home=_config.home)
-        return _sandbox
+def _prepare_data(settings: CodeSettings, home: Path) -> None:
+    data.DATA.locate(settings.data, home)
+    load_tasks()
+
+
+@asynccontextmanager
+async def lifespan(start: PackStart[CodeSettings]) -> AsyncIterator[CodeResources]:
+    """Find (or fetch) HumanEval, then build and try the sandbox; refuse to start if it cannot run code.
+
+    The sandbox lives as long as the app: its directory is removed when the app stops.
+    """
+    await anyio.to_thread.run_sync(_prepare_data, start.settings, start.home)
+    sandbox = build_sandbox(start.settings, home=start.home, binds_loopback=start.binds_loopback)
+    try:
+        await probe(sandbox)
+        yield CodeResources(sandbox=sandbox)
+    finally:
+        sandbox.close()

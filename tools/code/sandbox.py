@@ -14,7 +14,6 @@ user namespaces; the server refuses it on a non-loopback address.
 from __future__ import annotations
 
 import asyncio
-import atexit
 import contextlib
 import logging
 import os
@@ -24,7 +23,6 @@ import stat
 import sys
 import tempfile
 import time
-import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -146,14 +144,14 @@ class Sandbox:
         self.switch_user = isolated and os.geteuid() == 0
         self.setpriv = shutil.which("setpriv") if self.switch_user else None
         self.max_parallel = max_parallel
-        # One semaphore per event loop (asyncio primitives belong to the loop that first waits on them).
-        self._slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
-            weakref.WeakKeyDictionary()
-        )
+        # One semaphore for the sandbox's life: its owner (the code pack's lifespan) runs on one event loop.
+        self._slots = asyncio.Semaphore(max_parallel)
         self._mounts = self._system_mounts() if isolated else []
 
     def close(self) -> None:
-        """Remove the directory the workspaces of runs are made in (runs still going keep theirs)."""
+        """Remove the directory the workspaces of runs are made in (runs still going keep theirs).
+
+        Its owner calls it once it is done with the sandbox (the code pack, when the app stops)."""
         with contextlib.suppress(OSError):
             self.root.rmdir()
 
@@ -268,11 +266,7 @@ class Sandbox:
         cwd: Literal["workspace", "root"] = "workspace",
     ) -> RunResult:
         """Run `python <python_args>` on a fresh copy of `files`; with `collect`, read the files back."""
-        loop = asyncio.get_running_loop()
-        slots = self._slots.get(loop)
-        if slots is None:
-            slots = self._slots.setdefault(loop, asyncio.Semaphore(self.max_parallel))
-        async with slots:
+        async with self._slots:
             workspace = await asyncio.to_thread(self._materialize, files)
             try:
                 result = await self._run(workspace, python_args, limits, stdin, cwd)
@@ -440,7 +434,9 @@ def collect_files(workspace: Path, limits: Limits) -> tuple[dict[str, bytes], li
 
 
 def create(mode: SandboxMode, *, python: Path | None, home: Path, max_parallel: int | None = None) -> Sandbox:
-    """Build the sandbox of `mode`; SandboxUnavailable with what to install or allow if it cannot run here."""
+    """Build the sandbox of `mode`; SandboxUnavailable with what to install or allow if it cannot run here.
+
+    The caller owns it: `close()` it when done (the code pack's lifespan does, when the app stops)."""
     isolated = mode == "bwrap"
     bwrap = shutil.which("bwrap") if isolated else None
     if isolated and bwrap is None:
@@ -456,7 +452,6 @@ def create(mode: SandboxMode, *, python: Path | None, home: Path, max_parallel: 
         root=root,
         max_parallel=max_parallel or max(2, 2 * (os.cpu_count() or 1)),
     )
-    atexit.register(sandbox.close)
     return sandbox
 
 

@@ -7,9 +7,9 @@ from typing import Annotated, Any
 from pydantic import Field
 
 from app.sdk import Pack, ToolContext, ToolError, ToolUnavailable
-from tools.code import data, runtime
+from tools.code.runtime import CodeResources, CodeSettings, lifespan
 from tools.code.sandbox import Limits, RunResult
-from tools.code.tasks import EXAMPLES_FILE, load_tasks
+from tools.code.tasks import EXAMPLES_FILE
 from tools.code.workspace import LIMITS, Workspace, check_path, load_base, task_of
 
 pack = Pack(
@@ -19,6 +19,8 @@ pack = Pack(
         "sandbox, and run the docstring's examples. Graded by hidden tests."
     ),
     base=load_base,
+    settings=CodeSettings,
+    lifespan=lifespan,
 )
 
 # Each run: 10 s of wall clock and CPU, 1 GiB of address space, 32 processes, 64 open files, files of at
@@ -31,20 +33,6 @@ RUN_LIMITS = Limits(
 )
 MAX_ARGS = 32
 MAX_ARG_CHARS = 1000
-
-
-@pack.on_startup
-def prepare(settings: Any) -> None:
-    """Find (or fetch) HumanEval, then build and try the sandbox; refuse to start if it cannot run code."""
-    data.configure(settings.code_data, settings.home)
-    data.data_dir()
-    load_tasks()
-    runtime.configure(
-        settings.code_sandbox,
-        python=settings.code_python,
-        home=settings.home,
-        binds_loopback=settings.binds_loopback,
-    )
 
 
 Path_ = Annotated[
@@ -115,7 +103,7 @@ async def _run(ctx: ToolContext, path: str, args: list[str]) -> dict[str, Any]:
     if path not in before:
         raise ToolError(f"no file {path!r} in the workspace; list_files shows what there is")
     try:
-        result = await runtime.get_sandbox().run(
+        result = await ctx.resource(CodeResources).sandbox.run(
             before, ["-E", "-s", "-B", "-X", "utf8", path, *args], limits=RUN_LIMITS, collect=True
         )
     except OSError as exc:

@@ -71,7 +71,7 @@ def _tasks_in(directory: Path) -> dict[str, RetailTask]:
 
 def load_tasks() -> dict[str, RetailTask]:
     """Every retail task (114), by task id, in file order. Cached: do not modify."""
-    return _tasks_in(data.data_dir())
+    return _tasks_in(data.DATA.directory())
 
 
 def get_task(task_id: str) -> RetailTask:
@@ -90,7 +90,7 @@ def _splits_in(directory: Path) -> dict[str, list[str]]:
 
 def split_task_ids(split: Split) -> list[str]:
     """The task ids of a split as τ²-bench defines it (train 74, test 40)."""
-    splits = _splits_in(data.data_dir())
+    splits = _splits_in(data.DATA.directory())
     if split not in splits:
         raise ValueError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
     return list(splits[split])
@@ -118,7 +118,9 @@ def calls_from_actions(actions: Iterable[Mapping[str, Any]]) -> list[ToolCall]:
 
 
 @dataclass(frozen=True)
-class CallResult:
+class ReplayedCall:
+    """One call of a replay and what it answered."""
+
     tool: str
     arguments: dict[str, Any]
     result: Any  # what the tool returned, or None after an error
@@ -130,7 +132,7 @@ class Replay:
     """What replaying calls produced: the changes (only the records written) and each call's result."""
 
     changes: Changes
-    results: list[CallResult]
+    results: list[ReplayedCall]
 
     def state(self, base: Base) -> RolloutState:
         """A read-only view of `base` with these changes, as a state check sees it."""
@@ -149,16 +151,16 @@ def replay(calls: Sequence[ToolCall], *, base: Base | None = None, trace_id: str
     store = base if base is not None else pack.base()
     tools = pack.tools
     changes: Changes = {}
-    results: list[CallResult] = []
+    results: list[ReplayedCall] = []
     for name, arguments in calls:
         spec = tools.get(name)
         if spec is None:
-            results.append(CallResult(name, arguments, None, f"unknown tool {name!r}"))
+            results.append(ReplayedCall(name, arguments, None, f"unknown tool {name!r}"))
             continue
         try:
             kwargs = spec.bind(arguments)
         except ValidationError as exc:
-            results.append(CallResult(name, arguments, None, f"invalid arguments: {exc}"))
+            results.append(ReplayedCall(name, arguments, None, f"invalid arguments: {exc}"))
             continue
         state = RolloutState(store, changes, writable=spec.mutates)
         if spec.context_param is not None:
@@ -175,10 +177,10 @@ def replay(calls: Sequence[ToolCall], *, base: Base | None = None, trace_id: str
         try:
             result = spec.fn(**kwargs)
         except ToolError as exc:
-            results.append(CallResult(name, arguments, None, exc.message))
+            results.append(ReplayedCall(name, arguments, None, exc.message))
             continue
         # Commit the call's writes, as the server does when a tool returns.
         for collection, records in state.writes.items():
             changes.setdefault(collection, {}).update(records)
-        results.append(CallResult(name, arguments, result, None))
+        results.append(ReplayedCall(name, arguments, result, None))
     return Replay(changes=changes, results=results)

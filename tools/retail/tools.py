@@ -3,11 +3,24 @@
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Annotated, Any, cast
 
+import anyio
 from pydantic import Field
 
-from app.sdk import Base, Pack, RolloutState, ToolContext, ToolError
+from app.sdk import (
+    Base,
+    Pack,
+    PackSettings,
+    PackStart,
+    RolloutState,
+    ToolContext,
+    ToolError,
+    pack_settings_config,
+)
 from tools.retail import arithmetic, data
 from tools.retail.records import (
     CANCEL_REASONS,
@@ -38,6 +51,20 @@ def load_base() -> Base:
     return canonical_database(data.read_json("db.json"))
 
 
+class RetailSettings(PackSettings):
+    """The retail pack's settings: `SPARRING_RETAIL_*`."""
+
+    model_config = pack_settings_config("retail")
+
+    data: Path | None = Field(None, description="Unpacked retail data directory (skips the download).")
+
+
+@asynccontextmanager
+async def lifespan(start: PackStart[RetailSettings]) -> AsyncIterator[Path]:
+    """Use SPARRING_RETAIL_DATA, or the cache under SPARRING_HOME (fetched there if it is empty)."""
+    yield await anyio.to_thread.run_sync(data.DATA.locate, start.settings.data, start.home)
+
+
 pack = Pack(
     "retail",
     description=(
@@ -45,14 +72,9 @@ pack = Pack(
         "cancel or modify pending orders; return or exchange delivered ones."
     ),
     base=load_base,
+    settings=RetailSettings,
+    lifespan=lifespan,
 )
-
-
-@pack.on_startup
-def find_data(settings: Any) -> None:
-    """Use SPARRING_RETAIL_DATA, or the cache under SPARRING_HOME (fetched there if it is empty)."""
-    data.configure(settings.retail_data, settings.home)
-    data.data_dir()
 
 
 OrderId = Annotated[str, Field(description="The order id, with its leading '#', such as '#W0000000'.")]

@@ -394,8 +394,8 @@ def _with_started_pack(settings: Settings, name: str, work: Callable[[Any, objec
         raise typer.Exit(2) from exc
 
     async def run() -> int:
-        async with start_pack(pack, home=settings.home, binds_loopback=settings.binds_loopback) as resources:
-            return await anyio.to_thread.run_sync(work, pack, resources)
+        async with start_pack(pack, home=settings.home, binds_loopback=settings.binds_loopback) as started:
+            return await anyio.to_thread.run_sync(work, started, started.resources)
 
     try:
         return anyio.run(run)
@@ -424,7 +424,7 @@ def dataset_build(
             typer.echo(f"error: pack {name!r} ships no dataset", err=True)
             raise typer.Exit(2)
         try:
-            count: int = pack.dataset_builder(split, out)
+            count: int = pack.dataset_builder(resources, split, out)
         except ValueError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from exc

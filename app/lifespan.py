@@ -102,7 +102,7 @@ async def _resources(
         engine = build_engine(settings.effective_database_url, pool_size=settings.db_pool_size)
         stack.push_async_callback(engine.dispose)
         # Packs stop after everything that calls their tools or checks, and before the database goes.
-        await stack.enter_async_context(
+        registry = await stack.enter_async_context(
             start_packs(
                 registry,
                 home=settings.home,

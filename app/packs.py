@@ -33,7 +33,7 @@ class PackLoadError(RuntimeError):
 class Registry:
     packs: dict[str, Pack] = field(default_factory=dict)
     tools: dict[str, ToolSpec] = field(default_factory=dict)
-    # What each started pack's lifespan yielded, by pack name: filled by `start_packs`, per app.
+    # What each started pack's lifespan yielded, by pack name (None before start-up).
     resources: dict[str, object] = field(default_factory=dict)
 
     @classmethod
@@ -43,6 +43,7 @@ class Registry:
             if pack.name in registry.packs:
                 raise PackLoadError(f"pack {pack.name!r} is enabled twice")
             registry.packs[pack.name] = pack
+            registry.resources[pack.name] = pack.resources
             for name, spec in pack.tools.items():
                 if name in registry.tools:
                     other = registry.tools[name].pack
@@ -104,8 +105,8 @@ def _with_resources(check: StateCheck, resources: object) -> StateCheck:
 @asynccontextmanager
 async def start_pack(
     pack: Pack, *, home: Path, binds_loopback: bool, overrides: Mapping[str, Any] | None = None
-) -> AsyncIterator[object]:
-    """Run `pack`'s lifespan on this event loop and load its base (in a thread); yield its resources.
+) -> AsyncIterator[Pack]:
+    """Run `pack`'s lifespan on this event loop, then load its base (in a thread); yield the started pack.
 
     A pack that cannot start raises StartupError with its reason; its resources are released when
     the block ends, however it ends.
@@ -116,28 +117,28 @@ async def start_pack(
             start = PackStart(settings=settings, home=home, binds_loopback=binds_loopback)
             resources = await stack.enter_async_context(pack.lifespan(start))
             started = time.perf_counter()
-            await anyio.to_thread.run_sync(pack.base)
+            base = await anyio.to_thread.run_sync(pack.load_base, resources)
         except Exception as exc:
             raise StartupError(f"pack {pack.name!r} cannot start: {exc}") from exc
         log.info("pack %s ready (base state loaded in %.2fs)", pack.name, time.perf_counter() - started)
-        yield resources
+        yield pack.started(resources, base)
 
 
 @asynccontextmanager
 async def start_packs(
     registry: Registry, *, home: Path, binds_loopback: bool, overrides: PackOverrides | None = None
 ) -> AsyncIterator[Registry]:
-    """Start every pack of `registry` in order; yield it with their resources; stop them in reverse."""
+    """Start every pack of `registry` in order; yield the registry of the started packs (their tools,
+    base and resources); stop them in reverse order when the block ends."""
     overrides = overrides or {}
     unknown = sorted(set(overrides) - set(registry.packs))
     if unknown:
         raise StartupError(f"settings given for packs that are not enabled: {', '.join(unknown)}")
     async with AsyncExitStack() as stack:
-        for name, pack in registry.packs.items():
-            registry.resources[name] = await stack.enter_async_context(
+        started = [
+            await stack.enter_async_context(
                 start_pack(pack, home=home, binds_loopback=binds_loopback, overrides=overrides.get(name))
             )
-        try:
-            yield registry
-        finally:
-            registry.resources.clear()
+            for name, pack in registry.packs.items()
+        ]
+        yield Registry.from_packs(started)

@@ -24,10 +24,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from tools.code import check, data, tools
-from tools.code.runtime import CodeSettings, build_sandbox
+from tools.code import check, tools
+from tools.code.runtime import CodeSettings, build_sandbox, read_tasks
 from tools.code.sandbox import Sandbox
-from tools.code.tasks import load_tasks
+from tools.code.tasks import CodeTask
 
 HOME = Path(".sparring")
 TRIVIAL = {"main.py": "pass\n", "solution.py": "def f():\n    return 1\n"}
@@ -82,15 +82,17 @@ async def throughput(fn: Callable[[], Awaitable[None]], count: int, concurrency:
 
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
-    # The sandbox the code pack would build from SPARRING_CODE_* (a server's pack owns its own).
-    sandbox = build_sandbox(CodeSettings(), home=HOME, binds_loopback=True)
+    # The tasks and the sandbox the code pack would have from SPARRING_CODE_* (a server's pack owns its own).
+    settings = CodeSettings()
+    tasks = list(read_tasks(settings, HOME).values())[: args.grades]
+    sandbox = build_sandbox(settings, home=HOME, binds_loopback=True)
     try:
-        return await measure_with(sandbox, args)
+        return await measure_with(sandbox, tasks, args)
     finally:
         sandbox.close()
 
 
-async def measure_with(sandbox: Sandbox, args: argparse.Namespace) -> dict[str, Any]:
+async def measure_with(sandbox: Sandbox, tasks: list[CodeTask], args: argparse.Namespace) -> dict[str, Any]:
     python = str(sandbox.python)
     for _ in range(3):  # warm the page cache
         await sandboxed_run(sandbox)
@@ -104,7 +106,6 @@ async def measure_with(sandbox: Sandbox, args: argparse.Namespace) -> dict[str, 
         "sandboxed_per_s": await throughput(lambda: sandboxed_run(sandbox), args.runs, args.concurrency),
         "bare_per_s": await throughput(lambda: bare_python(python), args.runs, args.concurrency),
     }
-    tasks = list(load_tasks().values())[: args.grades]
     grade_times: list[float] = []
     semaphore = asyncio.Semaphore(args.concurrency)
 
@@ -143,7 +144,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--results-dir", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
-    data.DATA.locate(None, HOME)
     results = asyncio.run(measure(args))
     results["at"] = datetime.now(UTC).isoformat(timespec="seconds")
     run, bare, grades = results["run_python"], results["bare_python"], results["grades"]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-import functools
 import inspect
 import types
 import typing
@@ -25,7 +25,10 @@ from app.sdk.state import EMPTY_BASE, Base
 
 F = TypeVar("F", bound=Callable[..., Any])
 C = TypeVar("C", bound=StateCheck)
-DatasetBuilder = Callable[[str, Path], int]
+# `fn(resources, split, out) -> lines written`, run while the pack is started (its data located).
+DatasetBuilder = Callable[[Any, str, Path], int]
+# `fn(resources) -> base`: the records every rollout starts from, loaded once when the pack starts.
+BaseLoader = Callable[[Any], Base]
 B = TypeVar("B", bound=DatasetBuilder)
 
 _MISSING = object()
@@ -191,7 +194,10 @@ class Pack:
     `lifespan(start)` is an async context manager run on the app's event loop when an app that serves
     the pack starts: it yields the pack's resources (a sandbox, a client, located data), which tools
     reach as `ctx.resource(T)` and state checks as `view.resource(T)`, and releases them when the app
-    stops. It raises an exception with a clear message to refuse to start.
+    stops. It raises an exception with a clear message to refuse to start. `base(resources)` then
+    loads the records every rollout starts from (in a thread, once per start).
+
+    A `Pack` is a declaration; `started(resources, base)` is the copy one app serves (app/packs.py).
     """
 
     def __init__(
@@ -199,15 +205,17 @@ class Pack:
         name: str,
         *,
         description: str = "",
-        base: Callable[[], Base] | None = None,
+        base: BaseLoader | None = None,
         settings: type[PackSettings] = PackSettings,
         lifespan: PackLifespan | None = None,
     ) -> None:
         check_settings_model(name, settings)
         self.name = name
         self.description = description
-        # The base is loaded once per process, right after the lifespan started, and shared by every rollout.
-        self._base = functools.cache(base or (lambda: EMPTY_BASE))
+        self.load_base: BaseLoader = base or (lambda resources: EMPTY_BASE)
+        # Loaded when an app starts the pack, and shared by every rollout of that app.
+        self._base: Base | None = None if base is not None else EMPTY_BASE
+        self.resources: object = None  # what the lifespan yielded, on a started copy
         self._tools: dict[str, ToolSpec] = {}
         self.state_checks: dict[str, StateCheck] = {}
         self.settings_model = settings
@@ -215,10 +223,11 @@ class Pack:
         self.dataset_builder: DatasetBuilder | None = None
 
     def dataset(self, fn: B) -> B:
-        """Register `fn(split, out) -> lines written`: `sparring dataset build <pack> --split S --out F`.
+        """Register `fn(resources, split, out) -> lines written`: `sparring dataset build <pack> ...`.
 
-        It writes the pack's Agent RFT dataset for a split as JSONL, and raises ValueError with a clear
-        message for an unknown split or a line that would fail a job.
+        It runs while the pack is started (`resources` is what its lifespan yielded), writes the pack's
+        Agent RFT dataset for a split as JSONL, and raises ValueError with a clear message for an
+        unknown split or a line that would fail a job.
         """
         self.dataset_builder = fn
         return fn
@@ -282,4 +291,22 @@ class Pack:
         return dict(self._tools)
 
     def base(self) -> Base:
-        return self._base()
+        """The records every rollout starts from (RuntimeError before an app started the pack)."""
+        if self._base is None:
+            raise RuntimeError(
+                f"pack {self.name!r} has not started: its base is loaded when an app starts it "
+                "(app.packs.start_pack)"
+            )
+        return self._base
+
+    def started(self, resources: object, base: Base) -> Pack:
+        """The copy of this pack an app serves: its tools and `base()` read `base`; `resources` is
+        what its lifespan yielded."""
+        served = copy.copy(self)
+        served.resources = resources
+        served._base = base
+        served._tools = {
+            name: dataclasses.replace(spec, base=served.base) for name, spec in self._tools.items()
+        }
+        served.state_checks = dict(self.state_checks)
+        return served

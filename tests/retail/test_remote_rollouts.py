@@ -11,10 +11,9 @@ import pytest
 from tests.conftest import ADMIN_KEY, AppFactory
 from tests.remote.model_server import ModelServer, Turn
 from tests.remote.processor import Row, init_request, post_init, wait_terminated
+from tests.retail.corpus import build_dataset, replay_calls
 from tests.retail.gold import gold_turns
 from tools.retail import pack
-from tools.retail.dataset import build_dataset
-from tools.retail.tasks import replay_calls
 
 TASKS = 4
 

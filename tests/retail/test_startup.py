@@ -6,16 +6,18 @@ from pathlib import Path
 
 import pytest
 
+from app.deps import app_state
 from app.errors import StartupError
 from tests.conftest import ADMIN_KEY, AppFactory
 from tools.retail import data, pack
+from tools.retail.data import RetailData
 
 
 async def test_the_server_uses_the_operators_copy(app_factory: AppFactory, retail_data: Path) -> None:
     async with app_factory(
         packs=[pack], key=ADMIN_KEY, pack_settings={"retail": {"data": retail_data}}
     ) as client:
-        assert data.DATA.directory() == retail_data
+        assert app_state(client.app).registry.resources["retail"] == RetailData(retail_data)  # type: ignore[attr-defined]
         response = await client.post(
             "/tools/list_all_product_types", json={"call_id": "c", "trace_id": "trace_start", "arguments": {}}
         )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,21 +17,17 @@ from app.runner.models import make_policy
 from app.runner.session import RunOptions, evaluate
 from tests.conftest import ADMIN_KEY, AppFactory
 from tests.retail.conftest import HOME
+from tests.retail.corpus import build_dataset, gold_calls, replay
 from tests.runner.conftest import NO_WAIT, Outage, admin_get, target
 from tests.runner.model_server import Call, ModelRequest, ModelServer, Reply
 from tools.retail import data, pack
-from tools.retail.dataset import build_dataset
-from tools.retail.tasks import gold_calls, replay
 
 APIS = ["responses", "chat"]
 
 
 @pytest.fixture(scope="module")
-def retail_data() -> Iterator[Path]:
-    directory = data.DATA.fetch(data.DATA.cache_dir(HOME))
-    data.DATA.locate(None, HOME)
-    yield directory
-    data.DATA.locate(None, HOME)
+def retail_data() -> Path:
+    return data.DATA.fetch(data.DATA.cache_dir(HOME))
 
 
 @pytest.fixture(scope="module")

@@ -107,8 +107,8 @@ async def test_the_base_loads_once_after_the_lifespan_and_off_the_event_loop(app
     loads: list[int] = []
     started: list[Notebook] = []
 
-    def load() -> Base:
-        assert started and not started[0].closed  # the lifespan ran first
+    def load(resources: Notebook) -> Base:
+        assert resources is started[0] and not resources.closed  # the lifespan ran first, and gave these
         loads.append(threading.get_ident())
         return {"things": {"a": {"value": 1}}}
 
@@ -130,7 +130,7 @@ async def test_the_base_loads_once_after_the_lifespan_and_off_the_event_loop(app
 async def test_a_pack_that_cannot_start_stops_the_server_with_its_reason(
     app_factory: AppFactory, monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
-    def load() -> Base:
+    def load(resources: None) -> Base:
         raise OSError("things.json is unreadable")
 
     @asynccontextmanager

@@ -17,7 +17,7 @@ from app.sdk import CheckResult, RolloutView
 from tools.code.runtime import CodeResources
 from tools.code.sandbox import WORKSPACE_ARG, Limits, RunResult, Sandbox
 from tools.code.suspicious import TIMEOUT, code_flags
-from tools.code.tasks import SOLUTION_FILE, CodeTask, load_tasks
+from tools.code.tasks import SOLUTION_FILE, CodeTask
 from tools.code.tools import pack
 from tools.code.workspace import Workspace, collection
 
@@ -69,7 +69,8 @@ async def run_hidden_tests(sandbox: Sandbox, task: CodeTask, files: dict[str, st
 async def check_rollout(view: RolloutView) -> CheckResult:
     """hidden_tests: 1 when every hidden assert of the task passes against the final solution.py, else 0."""
     task_id = view.item.get("task_id")
-    task = load_tasks().get(task_id) if isinstance(task_id, str) else None
+    resources = view.resource(CodeResources)
+    task = resources.tasks.get(task_id) if isinstance(task_id, str) else None
     if task is None:
         raise CodeItemError(
             f"the code grader needs the dataset row's `task_id` of a HumanEval task; got {task_id!r}"
@@ -82,7 +83,7 @@ async def check_rollout(view: RolloutView) -> CheckResult:
             sub_scores={"hidden_tests": 0.0},
             flags=[*flags, (NO_SOLUTION, "the workspace has no solution.py")],
         )
-    passed, result = await run_hidden_tests(view.resource(CodeResources).sandbox, task, files)
+    passed, result = await run_hidden_tests(resources.sandbox, task, files)
     if result.timed_out:
         flags.append(
             (TIMEOUT, f"the hidden tests did not finish within {GRADE_LIMITS.wall_seconds:g} seconds")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+from pathlib import Path
 from typing import Any
 
 from app.sdk import SOURCE_MARKER as SOURCE_MARKER  # where `fetch` marks a complete copy
@@ -42,9 +43,9 @@ WHEEL = PinnedWheel(
 DATA = PackData("code", WHEEL, setting="SPARRING_CODE_DATA")
 
 
-def read_problems() -> list[dict[str, Any]]:
-    """The HumanEval problems as shipped, in file order (callers cache what they keep)."""
-    path = DATA.directory() / DATA_FILE
+def read_problems(directory: Path) -> list[dict[str, Any]]:
+    """The HumanEval problems of the data `directory` as shipped, in file order (callers cache them)."""
+    path = directory / DATA_FILE
     try:
         with gzip.open(path, "rt", encoding="utf-8") as handle:
             problems = [json.loads(line) for line in handle if line.strip()]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,10 +12,11 @@ from typing import Literal
 import anyio
 from pydantic import Field
 
-from app.sdk import PackSettings, PackStart, pack_settings_config
+from app.sdk import Base, DataLocation, PackSettings, PackStart, pack_settings_config
 from tools.code import data
 from tools.code.sandbox import Sandbox, SandboxUnavailable, create, probe
-from tools.code.tasks import load_tasks
+from tools.code.tasks import CodeTask, load_tasks
+from tools.code.workspace import load_base as workspace_base
 
 log = logging.getLogger("sparring.packs.code")
 
@@ -45,9 +46,11 @@ class CodeSettings(PackSettings):
 
 @dataclass(frozen=True)
 class CodeResources:
-    """What the code pack holds while an app serves it: the one sandbox its runs and grades share."""
+    """What the code pack holds while an app serves it: its tasks, and the one sandbox its runs and
+    grades share."""
 
     sandbox: Sandbox
+    tasks: Mapping[str, CodeTask]
 
 
 def build_sandbox(settings: CodeSettings, *, home: Path, binds_loopback: bool) -> Sandbox:
@@ -62,9 +65,13 @@ def build_sandbox(settings: CodeSettings, *, home: Path, binds_loopback: bool) -
     return create(settings.sandbox, python=settings.python, home=home)
 
 
-def _prepare_data(settings: CodeSettings, home: Path) -> None:
-    data.DATA.locate(settings.data, home)
-    load_tasks()
+def read_tasks(settings: CodeSettings, home: Path) -> Mapping[str, CodeTask]:
+    """The tasks of SPARRING_CODE_DATA, or of the cache under SPARRING_HOME (fetched there if empty)."""
+    return load_tasks(data.DATA.resolve(DataLocation(settings.data, home)))
+
+
+def load_base(resources: CodeResources) -> Base:
+    return workspace_base(resources.tasks)
 
 
 @asynccontextmanager
@@ -73,10 +80,10 @@ async def lifespan(start: PackStart[CodeSettings]) -> AsyncIterator[CodeResource
 
     The sandbox lives as long as the app: its directory is removed when the app stops.
     """
-    await anyio.to_thread.run_sync(_prepare_data, start.settings, start.home)
+    tasks = await anyio.to_thread.run_sync(read_tasks, start.settings, start.home)
     sandbox = build_sandbox(start.settings, home=start.home, binds_loopback=start.binds_loopback)
     try:
         await probe(sandbox)
-        yield CodeResources(sandbox=sandbox)
+        yield CodeResources(sandbox=sandbox, tasks=tasks)
     finally:
         sandbox.close()

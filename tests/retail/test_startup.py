@@ -48,3 +48,14 @@ async def test_a_failed_download_stops_the_server_with_the_fix(
     message = str(failure.value)
     assert "network is unreachable" in message
     assert "sparring packs fetch retail" in message and "SPARRING_RETAIL_DATA" in message
+
+
+async def test_the_pack_reads_sparring_retail_data_from_the_environment(
+    app_factory: AppFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    empty = tmp_path / "retail"
+    empty.mkdir()
+    monkeypatch.setenv("SPARRING_RETAIL_DATA", str(empty))  # today's name, read by the pack's own settings
+    with pytest.raises(StartupError, match=f"the retail data directory {empty} .SPARRING_RETAIL_DATA. lacks"):
+        async with app_factory(packs=[pack]):
+            pass

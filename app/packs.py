@@ -1,10 +1,8 @@
-"""The registry of enabled tool packs: one source of truth for routes, job configs and datasets."""
+"""The registry of enabled tool packs (source of truth for routes, job configs, datasets); their start."""
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
-import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
@@ -18,7 +16,7 @@ import anyio
 from app.config import load_pack_settings
 from app.errors import StartupError
 from app.sdk import Pack, PackStart, ToolSpec
-from app.sdk.checks import CheckResult, RolloutView, StateCheck
+from app.sdk.checks import StateCheck
 
 log = logging.getLogger("sparring")
 
@@ -59,11 +57,8 @@ class Registry:
 
     @property
     def state_checks(self) -> Mapping[str, tuple[Pack, StateCheck]]:
-        """Every pack's state checks, each seeing its pack's resources in `view.resources`."""
         return {
-            name: (pack, _with_resources(check, self.resources.get(pack.name)))
-            for pack in self.packs.values()
-            for name, check in pack.state_checks.items()
+            name: (pack, check) for pack in self.packs.values() for name, check in pack.state_checks.items()
         }
 
     def dataset_tools(self) -> list[dict[str, Any]]:
@@ -82,24 +77,6 @@ def load_pack(name: str) -> Pack:
     if not isinstance(pack, Pack):
         raise PackLoadError(f"module {module_name!r} has no `pack` (an app.sdk.Pack)")
     return pack
-
-
-def _with_resources(check: StateCheck, resources: object) -> StateCheck:
-    """`check`, given views that carry `resources` (async stays async: the grader awaits it on the loop)."""
-    if resources is None:
-        return check
-    if inspect.iscoroutinefunction(check):
-
-        async def bound_async(view: RolloutView) -> CheckResult:
-            result: CheckResult = await check(dataclasses.replace(view, resources=resources))
-            return result
-
-        return bound_async
-
-    def bound(view: RolloutView) -> Any:
-        return check(dataclasses.replace(view, resources=resources))
-
-    return bound
 
 
 @asynccontextmanager

@@ -17,7 +17,7 @@ import openai
 from pydantic import BaseModel, ConfigDict, PydanticSchemaGenerationError, ValidationError, create_model
 from pydantic.errors import PydanticInvalidForJsonSchema, PydanticUserError
 
-from app.sdk.checks import StateCheck
+from app.sdk.checks import CheckResult, RolloutView, StateCheck
 from app.sdk.context import ToolContext
 from app.sdk.errors import ToolDefinitionError
 from app.sdk.lifecycle import PackLifespan, PackSettings, check_settings_model, no_resources
@@ -308,5 +308,23 @@ class Pack:
         served._tools = {
             name: dataclasses.replace(spec, base=served.base) for name, spec in self._tools.items()
         }
-        served.state_checks = dict(self.state_checks)
+        served.state_checks = {
+            name: _with_resources(check, resources) for name, check in self.state_checks.items()
+        }
         return served
+
+
+def _with_resources(check: StateCheck, resources: object) -> StateCheck:
+    """`check`, given views that carry `resources` (async stays async: the grader awaits it on the loop)."""
+    if inspect.iscoroutinefunction(check):
+
+        async def bound_async(view: RolloutView) -> CheckResult:
+            result: CheckResult = await check(dataclasses.replace(view, resources=resources))
+            return result
+
+        return bound_async
+
+    def bound(view: RolloutView) -> Any:
+        return check(dataclasses.replace(view, resources=resources))
+
+    return bound

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -385,28 +386,34 @@ def db_downgrade(revision: Annotated[str, typer.Argument(help="Target revision, 
     typer.echo(f"database at {revision}")
 
 
-def _prepared_pack(settings: Settings, name: str) -> Any:
-    """Load pack `name` and run its start-up hooks (which find or fetch its data)."""
-    from app.packs import PackLoadError, load_pack
+def _with_started_pack(settings: Settings, name: str, work: Callable[[Any, object], int]) -> int:
+    """Load pack `name`, start it (its lifespan finds or fetches its data), run `work(pack, resources)`."""
+    import anyio
+
+    from app.errors import StartupError
+    from app.packs import PackLoadError, load_pack, start_pack
 
     try:
         pack = load_pack(name)
     except PackLoadError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
+
+    async def run() -> int:
+        async with start_pack(pack, home=settings.home, binds_loopback=settings.binds_loopback) as started:
+            return await anyio.to_thread.run_sync(work, started, started.resources)
+
     try:
-        for hook in pack.startup_hooks:
-            hook(settings)
-    except Exception as exc:
-        typer.echo(f"error: pack {name!r}: {exc}", err=True)
+        return anyio.run(run)
+    except StartupError as exc:
+        typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from exc
-    return pack
 
 
 @packs_cli.command("fetch")
 def packs_fetch(name: Annotated[str, typer.Argument(help="Pack name, e.g. retail.")]) -> None:
     """Fetch and check a pack's data now (the server would otherwise do it on first start)."""
-    _prepared_pack(load_settings(), name)
+    _with_started_pack(load_settings(), name, lambda pack, resources: 0)
     typer.echo(f"pack {name!r} is ready")
 
 
@@ -417,15 +424,19 @@ def dataset_build(
     out: Annotated[Path, typer.Option(help="JSONL file to write.")] = Path("dataset.jsonl"),
 ) -> None:
     """Write a pack's Agent RFT dataset (JSONL, one task per line), checked against the served tools."""
-    pack = _prepared_pack(load_settings(), name)
-    if pack.dataset_builder is None:
-        typer.echo(f"error: pack {name!r} ships no dataset", err=True)
-        raise typer.Exit(2)
-    try:
-        count = pack.dataset_builder(split, out)
-    except ValueError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from exc
+
+    def build(pack: Any, resources: object) -> int:
+        if pack.dataset_builder is None:
+            typer.echo(f"error: pack {name!r} ships no dataset", err=True)
+            raise typer.Exit(2)
+        try:
+            count: int = pack.dataset_builder(resources, split, out)
+        except ValueError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from exc
+        return count
+
+    count = _with_started_pack(load_settings(), name, build)
     typer.echo(f"wrote {count} lines to {out}")
 
 

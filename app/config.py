@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import ipaddress
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -129,37 +130,6 @@ class Settings(BaseSettings):
     python_grader_timeout_seconds: float = Field(10.0, gt=0)
     python_grader_memory_mb: int = Field(512, ge=64)
     python_grader_workers: int = Field(2, ge=1)
-    retail_data: Path | None = Field(None, description="Unpacked retail data directory (skips the download).")
-    code_data: Path | None = Field(
-        None, description="Directory holding HumanEval.jsonl.gz for the code pack (skips the download)."
-    )
-    code_sandbox: Literal["bwrap", "unsafe-local"] = Field(
-        "bwrap",
-        description="How the code pack runs code: bwrap, or unsafe-local (no isolation, loopback only).",
-    )
-    code_python: Path | None = Field(
-        None,
-        description="Interpreter the code pack's sandbox runs (default: the server's, else python3).",
-    )
-    code_run_memory_bytes: int = Field(
-        1024 * 1024 * 1024,
-        ge=64 * 1024 * 1024,
-        description="Memory of one code run, all its processes together (a cgroup; per process without).",
-    )
-    code_workspace_bytes: int = Field(
-        64 * 1024 * 1024,
-        ge=4 * 1024 * 1024,
-        description="Size of a code run's /workspace (a tmpfs in the sandbox's memory, never on disk).",
-    )
-    code_shm_bytes: int = Field(
-        16 * 1024 * 1024, ge=1024 * 1024, description="Size of a code run's /dev/shm (a tmpfs)."
-    )
-    code_sandbox_slots: int = Field(
-        0, ge=0, description="Code runs one worker runs at once (0: twice the CPU count, at least 2)."
-    )
-    code_sandbox_slots_per_rollout: int = Field(
-        2, ge=1, description="Code runs one rollout holds at once, so a busy rollout cannot starve others."
-    )
 
     # Remote rollouts (eval-protocol's remote rollout processor)
     remote_prefix: str = Field(
@@ -259,6 +229,20 @@ class Settings(BaseSettings):
 @lru_cache
 def get_settings() -> Settings:
     return Settings()
+
+
+PackSettingsT = TypeVar("PackSettingsT", bound=BaseSettings)
+
+
+def load_pack_settings(
+    model: type[PackSettingsT], overrides: Mapping[str, Any] | None = None
+) -> PackSettingsT:
+    """A pack's own settings: `overrides` (given in code), else its `SPARRING_<PACK>_*` variables, else
+    its defaults. A pack declares the model (app/sdk PackSettings); only this module reads the environment."""
+    unknown = sorted(set(overrides or {}) - set(model.model_fields))
+    if unknown:  # the model ignores unknown variables, so a misspelt override would pass unnoticed
+        raise ValueError(f"unknown settings {', '.join(unknown)} (known: {', '.join(model.model_fields)})")
+    return model(**dict(overrides or {}))
 
 
 class ClientKeys(BaseSettings):

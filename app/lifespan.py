@@ -6,13 +6,10 @@ import gc
 import logging
 import os
 import socket
-import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 
-import anyio
 from fastapi import FastAPI
-from openai import DefaultAsyncHttpxClient
 
 from app.auth import build_keyring, ensure_local_admin_key
 from app.calls.log_writer import CallLogWriter
@@ -26,11 +23,9 @@ from app.grading.build import build_grading
 from app.grading.graders.registry import GraderContext
 from app.mcp.http import McpHttp
 from app.metrics import Metrics
-from app.packs import Registry
+from app.packs import PackOverrides, Registry, start_packs
 from app.remote.build import build_model_http, build_remote
-from app.remote.service import RemoteRolloutService
 from app.rollouts.build import build_store
-from app.rollouts.store import RolloutStore
 from app.sdk import Pack
 
 log = logging.getLogger("sparring")
@@ -50,19 +45,6 @@ def _freeze_startup_objects() -> None:
     if not _startup_frozen:
         gc.freeze()
         _startup_frozen = True
-
-
-async def prepare_packs(registry: Registry, settings: Settings) -> None:
-    """Run each pack's start-up hooks, then load its base state, off the event loop."""
-    for pack in registry.packs.values():
-        try:
-            for hook in pack.startup_hooks:
-                await anyio.to_thread.run_sync(hook, settings)
-            started = time.perf_counter()
-            await anyio.to_thread.run_sync(pack.base)
-        except Exception as exc:
-            raise StartupError(f"pack {pack.name!r} cannot start: {exc}") from exc
-        log.info("pack %s ready (base state loaded in %.2fs)", pack.name, time.perf_counter() - started)
 
 
 def worker_name(settings: Settings) -> str:
@@ -91,13 +73,14 @@ def _keys(settings: Settings) -> list[ApiKey]:
 
 
 def build_lifespan(
-    settings: Settings, packs: tuple[Pack, ...] | None = None
+    settings: Settings, packs: tuple[Pack, ...] | None = None, pack_settings: PackOverrides | None = None
 ) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
-    """The app's lifespan: builds its `AppState` from `settings` (and `packs`, which tests inject)."""
+    """The app's lifespan: builds its `AppState` from `settings` (and `packs` and their `pack_settings`,
+    which tests and embedders give in code; otherwise each pack reads its SPARRING_<PACK>_* variables)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with _resources(settings, packs) as state:
+        async with _resources(settings, packs, pack_settings) as state:
             set_app_state(app, state)
             yield
 
@@ -105,23 +88,31 @@ def build_lifespan(
 
 
 @asynccontextmanager
-async def _resources(settings: Settings, packs: tuple[Pack, ...] | None) -> AsyncIterator[AppState]:
+async def _resources(
+    settings: Settings, packs: tuple[Pack, ...] | None, pack_settings: PackOverrides | None
+) -> AsyncIterator[AppState]:
+    """Every resource, each registered with its cleanup as soon as it exists: shutdown, or a start-up
+    step that fails, releases what was built so far in reverse order."""
     registry = Registry.from_packs(packs) if packs is not None else Registry.from_names(settings.packs)
     keyring = build_keyring(settings, _keys(settings))
 
     if settings.is_embedded_db:
         settings.home.mkdir(parents=True, exist_ok=True)
-    engine = build_engine(settings.effective_database_url, pool_size=settings.db_pool_size)
-    store: RolloutStore | None = None
-    writer: CallLogWriter | None = None
-    call_service: ToolCallService | None = None
-    grader_context: GraderContext | None = None
-    model_http: DefaultAsyncHttpxClient | None = None
-    remote: RemoteRolloutService | None = None
-    try:
-        await prepare_packs(registry, settings)
+    async with AsyncExitStack() as stack:
+        engine = build_engine(settings.effective_database_url, pool_size=settings.db_pool_size)
+        stack.push_async_callback(engine.dispose)
+        # Packs stop after everything that calls their tools or checks, and before the database goes.
+        registry = await stack.enter_async_context(
+            start_packs(
+                registry,
+                home=settings.home,
+                binds_loopback=settings.binds_loopback,
+                overrides=pack_settings,
+            )
+        )
         await check_schema(engine)
         store = build_store(settings)
+        stack.push_async_callback(store.aclose)
         if store.kind == "memory":
             log.warning(
                 "rollout state is in memory: run exactly one worker process "
@@ -136,9 +127,11 @@ async def _resources(settings: Settings, packs: tuple[Pack, ...] | None) -> Asyn
             retry_after=settings.retry_after_seconds,
         )
         writer.start()
+        stack.push_async_callback(writer.aclose)
         sessionmaker = build_sessionmaker(engine)
         database = Database(sessionmaker, settings.retry_after_seconds)  # services' outage boundary
         grader_context = GraderContext.from_settings(settings, state_checks=registry.state_checks)
+        stack.push_async_callback(grader_context.aclose)
         grading = build_grading(
             settings, registry, grader_context, store=store, database=database, metrics=metrics
         )
@@ -151,9 +144,11 @@ async def _resources(settings: Settings, packs: tuple[Pack, ...] | None) -> Asyn
             tool_timeout=settings.tool_timeout_seconds,
             metrics=metrics,
         )
+        stack.push_async_callback(call_service.aclose)  # its log corrections, while the writer still runs
         # The same calls over MCP (Streamable HTTP at /mcp), through the same call service.
         mcp = McpHttp(registry, call_service, keyring, settings)
         model_http = build_model_http(settings)
+        stack.push_async_callback(model_http.aclose)
         remote = build_remote(
             settings,
             registry=registry,
@@ -163,8 +158,12 @@ async def _resources(settings: Settings, packs: tuple[Pack, ...] | None) -> Asyn
             model_http=model_http,
             worker=worker_name(settings),
         )
+        # Remote rollouts stop first: stopping them records them as errors, which needs the database.
+        stack.push_async_callback(remote.aclose)
         await remote.start()
-        state = AppState(
+        await stack.enter_async_context(mcp.running())
+        _freeze_startup_objects()
+        yield AppState(
             settings=settings,
             registry=registry,
             keyring=keyring,
@@ -178,21 +177,3 @@ async def _resources(settings: Settings, packs: tuple[Pack, ...] | None) -> Asyn
             mcp=mcp,
             remote=remote,
         )
-        _freeze_startup_objects()
-        async with mcp.running():
-            yield state
-    finally:
-        # Remote rollouts first: stopping them records them as errors, which needs the database.
-        if remote is not None:
-            await remote.aclose()
-        if model_http is not None:
-            await model_http.aclose()
-        if grader_context is not None:
-            await grader_context.aclose()
-        if call_service is not None:
-            await call_service.aclose()  # its log corrections, while the writer still runs
-        if writer is not None:
-            await writer.aclose()
-        if store is not None:
-            await store.aclose()
-        await engine.dispose()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request, Response
@@ -66,12 +67,17 @@ async def serve_mcp(scope: Scope, receive: Receive, send: Send) -> None:
     await app_state(scope["app"]).mcp(scope, receive, send)
 
 
-def create_app(settings: Settings | None = None, *, packs: list[Pack] | None = None) -> FastAPI:
+def create_app(
+    settings: Settings | None = None,
+    *,
+    packs: list[Pack] | None = None,
+    pack_settings: Mapping[str, Mapping[str, Any]] | None = None,
+) -> FastAPI:
     settings = settings or get_settings()
     app = SparringApp(
         title="sparring",
         summary="Stateful tools and graders for agent reinforcement fine-tuning.",
-        lifespan=build_lifespan(settings, tuple(packs) if packs is not None else None),
+        lifespan=build_lifespan(settings, tuple(packs) if packs is not None else None, pack_settings),
         docs_url=None,
         redoc_url=None,
         openapi_url=None,

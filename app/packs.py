@@ -1,14 +1,26 @@
-"""The registry of enabled tool packs: one source of truth for routes, job configs and datasets."""
+"""The registry of enabled tool packs (source of truth for routes, job configs, datasets); their start."""
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterable, Mapping
+import logging
+import time
+from collections.abc import AsyncIterator, Iterable, Mapping
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from app.sdk import Pack, ToolSpec
+import anyio
+
+from app.config import load_pack_settings
+from app.errors import StartupError
+from app.sdk import Pack, PackStart, ToolSpec
 from app.sdk.checks import StateCheck
+
+log = logging.getLogger("sparring")
+
+PackOverrides = Mapping[str, Mapping[str, Any]]
 
 
 class PackLoadError(RuntimeError):
@@ -19,6 +31,8 @@ class PackLoadError(RuntimeError):
 class Registry:
     packs: dict[str, Pack] = field(default_factory=dict)
     tools: dict[str, ToolSpec] = field(default_factory=dict)
+    # What each started pack's lifespan yielded, by pack name (None before start-up).
+    resources: dict[str, object] = field(default_factory=dict)
 
     @classmethod
     def from_packs(cls, packs: Iterable[Pack]) -> Registry:
@@ -27,6 +41,7 @@ class Registry:
             if pack.name in registry.packs:
                 raise PackLoadError(f"pack {pack.name!r} is enabled twice")
             registry.packs[pack.name] = pack
+            registry.resources[pack.name] = pack.resources
             for name, spec in pack.tools.items():
                 if name in registry.tools:
                     other = registry.tools[name].pack
@@ -62,3 +77,45 @@ def load_pack(name: str) -> Pack:
     if not isinstance(pack, Pack):
         raise PackLoadError(f"module {module_name!r} has no `pack` (an app.sdk.Pack)")
     return pack
+
+
+@asynccontextmanager
+async def start_pack(
+    pack: Pack, *, home: Path, binds_loopback: bool, overrides: Mapping[str, Any] | None = None
+) -> AsyncIterator[Pack]:
+    """Run `pack`'s lifespan on this event loop, then load its base (in a thread); yield the started pack.
+
+    A pack that cannot start raises StartupError with its reason; its resources are released when
+    the block ends, however it ends.
+    """
+    async with AsyncExitStack() as stack:
+        try:
+            settings = load_pack_settings(pack.settings_model, overrides)
+            start = PackStart(settings=settings, home=home, binds_loopback=binds_loopback)
+            resources = await stack.enter_async_context(pack.lifespan(start))
+            started = time.perf_counter()
+            base = await anyio.to_thread.run_sync(pack.load_base, resources)
+        except Exception as exc:
+            raise StartupError(f"pack {pack.name!r} cannot start: {exc}") from exc
+        log.info("pack %s ready (base state loaded in %.2fs)", pack.name, time.perf_counter() - started)
+        yield pack.started(resources, base)
+
+
+@asynccontextmanager
+async def start_packs(
+    registry: Registry, *, home: Path, binds_loopback: bool, overrides: PackOverrides | None = None
+) -> AsyncIterator[Registry]:
+    """Start every pack of `registry` in order; yield the registry of the started packs (their tools,
+    base and resources); stop them in reverse order when the block ends."""
+    overrides = overrides or {}
+    unknown = sorted(set(overrides) - set(registry.packs))
+    if unknown:
+        raise StartupError(f"settings given for packs that are not enabled: {', '.join(unknown)}")
+    async with AsyncExitStack() as stack:
+        started = [
+            await stack.enter_async_context(
+                start_pack(pack, home=home, binds_loopback=binds_loopback, overrides=overrides.get(name))
+            )
+            for name, pack in registry.packs.items()
+        ]
+        yield Registry.from_packs(started)

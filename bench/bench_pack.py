@@ -17,7 +17,7 @@ from app.sdk import Pack, ToolContext
 pack = Pack(
     "bench",
     description="Benchmark tools: a trivial echo and a read-modify-write of one state record.",
-    base=lambda: {"counters": {"main": {"value": 0, "last": ""}}},
+    base=lambda resources: {"counters": {"main": {"value": 0, "last": ""}}},
 )
 
 

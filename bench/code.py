@@ -24,8 +24,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from tools.code import check, data, runtime, tools
-from tools.code.tasks import load_tasks
+from tools.code import check, tools
+from tools.code.runtime import CodeSettings, build_sandbox, read_tasks
+from tools.code.sandbox import Sandbox
+from tools.code.tasks import CodeTask
 
 HOME = Path(".sparring")
 TRIVIAL = {"main.py": "pass\n", "solution.py": "def f():\n    return 1\n"}
@@ -53,8 +55,8 @@ async def bare_python(python: str) -> None:
         raise RuntimeError("python -c pass failed")
 
 
-async def sandboxed_run() -> None:
-    result = await runtime.get_sandbox().run(
+async def sandboxed_run(sandbox: Sandbox) -> None:
+    result = await sandbox.run(
         TRIVIAL, ["-E", "-s", "-B", "-X", "utf8", "main.py"], limits=tools.RUN_LIMITS, collect=True
     )
     if result.exit_code != 0:
@@ -80,21 +82,30 @@ async def throughput(fn: Callable[[], Awaitable[None]], count: int, concurrency:
 
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
-    sandbox = runtime.get_sandbox()
+    # The tasks and the sandbox the code pack would have from SPARRING_CODE_* (a server's pack owns its own).
+    settings = CodeSettings()
+    tasks = list(read_tasks(settings, HOME).values())[: args.grades]
+    sandbox = build_sandbox(settings, home=HOME, binds_loopback=True)
+    try:
+        return await measure_with(sandbox, tasks, args)
+    finally:
+        sandbox.close()
+
+
+async def measure_with(sandbox: Sandbox, tasks: list[CodeTask], args: argparse.Namespace) -> dict[str, Any]:
     python = str(sandbox.python)
     for _ in range(3):  # warm the page cache
-        await sandboxed_run()
+        await sandboxed_run(sandbox)
         await bare_python(python)
     sandboxed: list[float] = []
     bare: list[float] = []
     for _ in range(args.runs):  # interleaved: both see the same neighbours
-        sandboxed.append(await timed(sandboxed_run))
+        sandboxed.append(await timed(lambda: sandboxed_run(sandbox)))
         bare.append(await timed(lambda: bare_python(python)))
     rates = {
-        "sandboxed_per_s": await throughput(sandboxed_run, args.runs, args.concurrency),
+        "sandboxed_per_s": await throughput(lambda: sandboxed_run(sandbox), args.runs, args.concurrency),
         "bare_per_s": await throughput(lambda: bare_python(python), args.runs, args.concurrency),
     }
-    tasks = list(load_tasks().values())[: args.grades]
     grade_times: list[float] = []
     semaphore = asyncio.Semaphore(args.concurrency)
 
@@ -103,7 +114,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         files = {**task.starting_files(), "solution.py": task.gold_solution}
         async with semaphore:
             started = time.perf_counter()
-            passed, _ = await check.run_hidden_tests(task, files)
+            passed, _ = await check.run_hidden_tests(sandbox, task, files)
             grade_times.append(time.perf_counter() - started)
         if not passed:
             raise RuntimeError(f"the canonical solution of {task.task_id} did not pass")
@@ -133,8 +144,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--results-dir", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
-    data.configure(None, HOME)
-    data.fetch(data.cache_dir(HOME))
     results = asyncio.run(measure(args))
     results["at"] = datetime.now(UTC).isoformat(timespec="seconds")
     run, bare, grades = results["run_python"], results["bare_python"], results["grades"]

@@ -48,7 +48,6 @@ from bench.run import (
     BENCH_DIR,
     DEFAULT_PG_ADMIN,
     DEFAULT_REDIS,
-    ROOT,
     Environment,
     Server,
     clean_env,
@@ -57,7 +56,6 @@ from bench.run import (
     machine_info,
     retail_data_dir,
 )
-from tools.retail import data
 from tools.retail.tasks import get_task, replay_calls, split_task_ids
 
 Plan = list[tuple[str, dict[str, Any]]]
@@ -155,7 +153,9 @@ async def drive(url: str, key: str, plans: list[Plan], connections: int, nonce: 
     return Drive(len(latencies), seconds, cpu_seconds(before, after, pid), latencies)
 
 
-async def grade_all(url: str, key: str, nonce: str, tasks: list[str], connections: int) -> list[float]:
+async def grade_all(
+    url: str, key: str, nonce: str, tasks: list[str], connections: int, retail_data: Path
+) -> list[float]:
     """The `retail` score of every rollout, with a final answer stating everything to communicate."""
     limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
     headers = {"Authorization": f"Bearer {key}"}
@@ -167,7 +167,9 @@ async def grade_all(url: str, key: str, nonce: str, tasks: list[str], connection
                 return await graded(index, task_id)
 
         async def graded(index: int, task_id: str) -> float:
-            answer = "Done. " + " and ".join(get_task(task_id).evaluation_criteria.communicate_info)
+            answer = "Done. " + " and ".join(
+                get_task(retail_data, task_id).evaluation_criteria.communicate_info
+            )
             response = await client.post(
                 "/grade/retail",
                 json={
@@ -291,7 +293,7 @@ def run_backend(
             uvloop.run(drive(echo.url, "", echo_plans, args.connections, f"e2{i}{nonce}", echo.pid))
             for i in range(args.echo_repeats)
         ]
-        scores = uvloop.run(grade_all(sparring.url, grader_key, nonce, tasks, args.connections))
+        scores = uvloop.run(grade_all(sparring.url, grader_key, nonce, tasks, args.connections, retail_data))
     finally:
         for server in (sparring, echo):
             server.stop()
@@ -336,10 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     retail_data = retail_data_dir()
-    data.configure(retail_data, ROOT / ".sparring")
-    train = split_task_ids("train")
+    train = split_task_ids(retail_data, "train")
     tasks = [train[i % len(train)] for i in range(args.rollouts)]
-    plans = [replay_calls(task) for task in tasks]
+    plans = [replay_calls(get_task(retail_data, task)) for task in tasks]
     echo_plans: list[Plan] = [[("echo", {"text": f"hello {step}"}) for step in range(len(p))] for p in plans]
     writes = sum(1 for plan in plans for name, _ in plan if name.startswith(WRITE_PREFIXES))
     total = sum(len(plan) for plan in plans)

@@ -478,7 +478,8 @@ def retail_data_dir() -> Path:
     from tools.retail import data as retail_data
 
     return Path(
-        os.environ.get("SPARRING_RETAIL_DATA") or retail_data.fetch(retail_data.cache_dir(ROOT / ".sparring"))
+        os.environ.get("SPARRING_RETAIL_DATA")
+        or retail_data.DATA.fetch(retail_data.DATA.cache_dir(ROOT / ".sparring"))
     )
 
 

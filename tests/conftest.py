@@ -101,10 +101,17 @@ def app_factory(tmp_path: Path, backend_settings: dict[str, Any]) -> AppFactory:
 
     @asynccontextmanager
     async def factory(
-        packs: list[Pack] | None = None, key: str | None = TOOLS_KEY, **overrides: Any
+        packs: list[Pack] | None = None,
+        key: str | None = TOOLS_KEY,
+        pack_settings: dict[str, dict[str, Any]] | None = None,
+        **overrides: Any,
     ) -> AsyncIterator[httpx.AsyncClient]:
         settings = make_settings(tmp_path / "home", **{**backend_settings, **overrides})
-        app = create_app(settings, packs=packs if packs is not None else [counter_pack, faults_pack])
+        app = create_app(
+            settings,
+            packs=packs if packs is not None else [counter_pack, faults_pack],
+            pack_settings=pack_settings,
+        )
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         async with LifespanManager(app) as manager:
             transport = httpx.ASGITransport(app=manager.app)

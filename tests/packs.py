@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field
 
 from app.sdk import Pack, ToolContext, ToolError
 
-counter_pack = Pack("counter", base=lambda: {"counters": {"main": {"value": 100}}})
+counter_pack = Pack("counter", base=lambda resources: {"counters": {"main": {"value": 100}}})
 
 
 @counter_pack.tool(mutates=True)

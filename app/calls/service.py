@@ -400,6 +400,7 @@ class ToolCallService:
                     logger=adapter,
                     deadline=time.monotonic() + self.tool_timeout,
                     run=call.run,
+                    resources=self.registry.resources.get(spec.pack),
                 ),
             }
         try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -42,35 +42,42 @@ async def grading_service(settings: Settings, *, reads_log: bool = False) -> Asy
     from app.grading.build import build_grading
     from app.grading.graders.registry import GraderContext
     from app.metrics import Metrics
-    from app.packs import PackLoadError, Registry
+    from app.packs import PackLoadError, Registry, start_packs
     from app.rollouts.build import build_store
 
     try:
-        registry = Registry.from_names(settings.packs)
+        declared = Registry.from_names(settings.packs)
     except PackLoadError as exc:
         raise fail(str(exc)) from exc
-    context = GraderContext.from_settings(settings, state_checks=registry.state_checks)
-    engine = (
-        await checked_engine(settings)
-        if reads_log
-        else build_engine(settings.effective_database_url, pool_size=2)
-    )
-    store = build_store(settings)
-    try:
-        yield build_grading(
-            settings,
-            registry,
-            context,
-            store=store,
-            database=Database(build_sessionmaker(engine), settings.retry_after_seconds),
-            metrics=Metrics(None),
+    async with AsyncExitStack() as stack:
+        try:
+            # The packs' state checks need their resources and base, as in the server.
+            registry = await stack.enter_async_context(
+                start_packs(declared, home=settings.home, binds_loopback=settings.binds_loopback)
+            )
+        except StartupError as exc:
+            raise fail(str(exc)) from exc
+        context = GraderContext.from_settings(settings, state_checks=registry.state_checks)
+        stack.push_async_callback(context.aclose)
+        engine = (
+            await checked_engine(settings)
+            if reads_log
+            else build_engine(settings.effective_database_url, pool_size=2)
         )
-    except StartupError as exc:
-        raise fail(str(exc)) from exc
-    finally:
-        await context.aclose()
-        await store.aclose()
-        await engine.dispose()
+        stack.push_async_callback(engine.dispose)
+        store = build_store(settings)
+        stack.push_async_callback(store.aclose)
+        try:
+            yield build_grading(
+                settings,
+                registry,
+                context,
+                store=store,
+                database=Database(build_sessionmaker(engine), settings.retry_after_seconds),
+                metrics=Metrics(None),
+            )
+        except StartupError as exc:
+            raise fail(str(exc)) from exc
 
 
 def _run(settings: Settings, work: Callable[[Any], Awaitable[T]], *, reads_log: bool = False) -> T:

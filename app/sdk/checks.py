@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+from app.sdk.lifecycle import resource_as
 from app.sdk.state import RolloutState
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,11 @@ class RolloutView:
     final_answer: str
     calls: Sequence[CallView]
     state: RolloutState  # read-only: the pack's base with this rollout's changes
+    resources: object = None  # what the pack's lifespan yielded for this app
+
+    def resource(self, kind: type[T]) -> T:
+        """The pack's resources, typed: `view.resource(CodeResources).sandbox`."""
+        return resource_as(self.resources, kind, user="a state check")
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+from app.sdk.lifecycle import resource_as
 from app.sdk.state import RolloutState
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -20,6 +23,12 @@ class ToolContext:
     logger: logging.LoggerAdapter[logging.Logger]
     deadline: float = field(default_factory=lambda: time.monotonic() + 300.0)
     run: str | None = None
+    # What the pack's lifespan yielded for this app (None for a pack without one).
+    resources: object = None
+
+    def resource(self, kind: type[T]) -> T:
+        """The pack's resources, typed: `ctx.resource(CodeResources).sandbox`."""
+        return resource_as(self.resources, kind, user=f"tool {self.tool_name!r}")
 
     def remaining(self) -> float:
         """Seconds left before the call's deadline."""

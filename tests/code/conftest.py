@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -12,24 +12,41 @@ from typing import Any
 import httpx
 import pytest
 
+from app.deps import app_state
 from tests.conftest import ADMIN_KEY, AppFactory, new_trace
 from tools.code import data, pack
+from tools.code.runtime import CodeSettings, build_sandbox
+from tools.code.sandbox import Sandbox
+from tools.code.tasks import CodeTask, load_tasks
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HOME = REPO_ROOT / ".sparring"  # the cache `make run` uses too: the download happens once
 
 
+DATA_DIR = data.DATA.cache_dir(HOME)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def code_data() -> Path:
-    directory = data.fetch(data.cache_dir(HOME))
-    data.configure(data_dir=None, home=HOME)
-    return directory
+    return data.DATA.fetch(DATA_DIR)
 
 
-@pytest.fixture(autouse=True)
-def restore_data_location(code_data: Path) -> Iterator[None]:
-    yield
-    data.configure(data_dir=None, home=HOME)
+def all_tasks() -> Mapping[str, CodeTask]:
+    """The HumanEval tasks of the cache (fetched by the session's `code_data`)."""
+    return load_tasks(DATA_DIR)
+
+
+@pytest.fixture
+def code_sandbox(tmp_path: Path) -> Iterator[Sandbox]:
+    """The real bwrap sandbox, outside a server (a server's code pack builds and owns its own)."""
+    built = build_sandbox(CodeSettings(), home=tmp_path, binds_loopback=True)
+    yield built
+    built.close()
+
+
+def served_resources(client: httpx.AsyncClient) -> dict[str, object]:
+    """The resources of the packs the app `client` talks to, by pack name (the code pack's: "code")."""
+    return app_state(client.app).registry.resources  # type: ignore[attr-defined]
 
 
 class CodeClient:
@@ -94,8 +111,12 @@ class CodeClient:
 @pytest.fixture
 def code_app(app_factory: AppFactory, code_data: Path) -> Any:
     @asynccontextmanager
-    async def start(**overrides: Any) -> AsyncIterator[CodeClient]:
-        async with app_factory(packs=[pack], key=ADMIN_KEY, code_data=code_data, **overrides) as client:
+    async def start(code: dict[str, Any] | None = None, **overrides: Any) -> AsyncIterator[CodeClient]:
+        """An app serving the code pack; `code` holds code-pack settings (SPARRING_CODE_*) to set."""
+        settings = {"data": code_data, **(code or {})}
+        async with app_factory(
+            packs=[pack], key=ADMIN_KEY, pack_settings={"code": settings}, **overrides
+        ) as client:
             yield CodeClient(client)
 
     return start

@@ -14,15 +14,23 @@ from typing import Any
 
 import pytest
 
+from tests.code.conftest import CodeClient, all_tasks, served_resources
 from tests.code.test_isolation import processes_with
 from tests.code.test_startup import fake_bwrap
 from tests.conftest import new_trace
-from tools.code import check, memory, runtime, sandbox, tools
-from tools.code.tasks import get_task
+from tools.code import check, memory, sandbox, tools
+from tools.code.runtime import CodeResources
 
 TASK = "HumanEval/0"
 MiB = 1024 * 1024
 one_backend = pytest.mark.parametrize("backend", ["embedded"])
+
+
+def served_sandbox(code: CodeClient) -> sandbox.Sandbox:
+    """The sandbox the app's code pack built at start-up."""
+    resources = served_resources(code.http)["code"]
+    assert isinstance(resources, CodeResources)
+    return resources.sandbox
 
 
 def deep_tree(levels: int) -> str:
@@ -46,7 +54,7 @@ async def test_a_deep_tree_is_a_clear_answer_and_leaves_nothing_on_the_host(
         first = await code.run(trace, "deep.py", task_id=TASK)
         again = await code.run(trace, "deep.py", task_id=TASK)  # what the first left does not break it
         listed = json.loads(await code.call(trace, "list_files", {}, task_id=TASK))
-        left_on_host = list(runtime.get_sandbox().root.iterdir())
+        left_on_host = list(served_sandbox(code).root.iterdir())
     assert first["exit_code"] == 0 and first["stdout"] == "built\n", first
     assert any("path too long" in entry for entry in first["files_not_kept"])
     assert again["exit_code"] == 0
@@ -68,7 +76,7 @@ async def test_the_workspace_has_a_size_cap(code_app: Any, backend: str) -> None
         "except OSError as exc:\n"
         "    print(errno.errorcode[exc.errno], written)\n"
     )
-    async with code_app(code_workspace_bytes=8 * MiB) as code:
+    async with code_app(code={"workspace_bytes": 8 * MiB}) as code:
         trace = new_trace()
         await code.write(trace, "fill.py", script, task_id=TASK)
         ran = await code.run(trace, "fill.py", task_id=TASK)
@@ -109,8 +117,8 @@ async def test_the_memory_cap_mechanism_of_this_machine_is_found_and_logged(
     code_app: Any, backend: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="sparring.packs.code.sandbox")
-    async with code_app():
-        active = runtime.get_sandbox().memory
+    async with code_app() as code:
+        active = served_sandbox(code).memory
     assert active.mechanism == "cgroup-v1" and active.worker is not None
     assert any("(cgroup-v1)" in record.getMessage() for record in caplog.records)
 
@@ -130,7 +138,7 @@ async def test_a_runs_processes_share_one_memory_cap(code_app: Any, backend: str
         "    child.wait()\n"
         "print(sum(line == b'held' for line in held))\n"
     )
-    async with code_app(code_run_memory_bytes=128 * MiB) as code:
+    async with code_app(code={"run_memory_bytes": 128 * MiB}) as code:
         trace = new_trace()
         await code.write(trace, "hog.py", script, task_id=TASK)
         ran = await code.run(trace, "hog.py", task_id=TASK)
@@ -158,7 +166,7 @@ async def test_dev_shm_is_capped_and_dev_is_read_only(code_app: Any, backend: st
         "except OSError as exc:\n"
         "    print(errno.errorcode[exc.errno])\n"
     )
-    async with code_app(code_shm_bytes=4 * MiB) as code:
+    async with code_app(code={"shm_bytes": 4 * MiB}) as code:
         trace = new_trace()
         await code.write(trace, "shm.py", script, task_id=TASK)
         ran = await code.run(trace, "shm.py", task_id=TASK)
@@ -208,7 +216,7 @@ async def test_a_busy_rollout_cannot_take_every_slot(
     spinner = (
         f"import os, sys\nos.execv(sys.executable, [sys.executable, '-c', 'while True: pass', {marker!r}])\n"
     )
-    async with code_app(code_sandbox_slots=2, code_sandbox_slots_per_rollout=1) as code:
+    async with code_app(code={"sandbox_slots": 2, "sandbox_slots_per_rollout": 1}) as code:
         busy, other = new_trace(), new_trace()
         await code.write(busy, "solution.py", spinner, task_id=TASK)
         await code.write(other, "quick.py", "print(1)\n", task_id=TASK)
@@ -261,7 +269,7 @@ async def test_write_file_refuses_a_path_that_collides(code_app: Any, backend: s
 async def test_colliding_paths_from_two_collections_still_grade(code_app: Any, backend: str) -> None:
     # A rollout's edits made without a task id join the task's files at grading: a collision between
     # them is the model's doing, so it is left out of the run, never an outage.
-    task = get_task(TASK)
+    task = all_tasks()[TASK]
     async with code_app() as code:
         trace = new_trace()
         await code.write(trace, "solution.py/x.py", "x", task_id=None)
@@ -271,13 +279,13 @@ async def test_colliding_paths_from_two_collections_still_grade(code_app: Any, b
 
 
 async def test_a_sandbox_that_cannot_run_makes_the_grade_unavailable(code_app: Any) -> None:
-    task = get_task(TASK)
+    task = all_tasks()[TASK]
     fake = fake_bwrap()
     async with code_app() as code:
         trace = new_trace()
         await code.write(trace, "solution.py", task.gold_solution, task_id=TASK)
         body = {"sample": {"output_text": "done"}, "item": {"task_id": TASK}, "trace_id": trace}
-        real = runtime.get_sandbox()
+        real = served_sandbox(code)
         real_bwrap = real.bwrap
         answers = []
         try:
@@ -318,7 +326,7 @@ async def test_files_the_walk_did_not_list_are_not_taken_as_deleted(code_app: An
         runner = await code.call(trace, "read_file", {"path": "many.py"}, task_id=TASK)
     assert ran["exit_code"] == 0
     assert any("left as they were" in entry for entry in ran["files_not_kept"]), ran
-    assert solution == get_task(TASK).prompt
+    assert solution == all_tasks()[TASK].prompt
     assert runner == script
 
 

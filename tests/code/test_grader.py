@@ -7,19 +7,20 @@ from typing import Any
 
 import pytest
 
-from tests.code.conftest import gather_bounded
+from app.sdk import RolloutState, RolloutView
+from tests.code.conftest import all_tasks, gather_bounded
 from tests.conftest import new_trace
 from tools.code import check
-from tools.code.sandbox import Limits
+from tools.code.runtime import CodeResources
+from tools.code.sandbox import Limits, Sandbox
 from tools.code.suspicious import code_flags
-from tools.code.tasks import get_task, load_tasks
 
 TASK = "HumanEval/0"  # has_close_elements(numbers, threshold) -> bool
 
 
 def solution(body: str, *, header: str = "") -> str:
     """solution.py for TASK: the prompt's stub with `header` before it and `body` as the function's body."""
-    prompt = get_task(TASK).prompt
+    prompt = all_tasks()[TASK].prompt
     return textwrap.dedent(header) + prompt + textwrap.indent(textwrap.dedent(body), "    ")
 
 
@@ -36,16 +37,16 @@ return False
 async def test_every_canonical_solution_scores_1(code_app: Any, backend: str) -> None:
     async with code_app() as code:
         results = await gather_bounded(
-            6, *(code.solve(task.task_id, task.gold_solution) for task in load_tasks().values())
+            6, *(code.solve(task.task_id, task.gold_solution) for task in all_tasks().values())
         )
-    failed = [task_id for task_id, (_, score) in zip(load_tasks(), results, strict=True) if score != 1.0]
+    failed = [task_id for task_id, (_, score) in zip(all_tasks(), results, strict=True) if score != 1.0]
     assert len(results) == 164
     assert failed == []
 
 
 async def test_the_stub_and_a_wrong_solution_score_0_and_a_correct_one_1(code_app: Any) -> None:
     async with code_app() as code:
-        _, stub = await code.solve(TASK, get_task(TASK).prompt)
+        _, stub = await code.solve(TASK, all_tasks()[TASK].prompt)
         _, wrong = await code.solve(TASK, solution("return False\n"))
         trace, right = await code.solve(TASK, solution(CORRECT_BODY))
         flags = await code.flags(trace)
@@ -186,7 +187,7 @@ FOUND = _find(MARKER)
 async def test_a_solution_cannot_find_the_hidden_tests(
     code_app: Any, backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    hidden = get_task(TASK).test
+    hidden = all_tasks()[TASK].test
     marker = "assert candidate([1.0, 2.0, 5.9, 4.0, 5.0], 0.95) == True"
     assert marker in hidden
     # Written reversed, so the solution file itself does not hold the text it looks for.
@@ -235,8 +236,16 @@ async def test_flags_carry_file_and_line_evidence(code_app: Any) -> None:
     assert "solution.py:2: builtins.AssertionError" in flags[2]["patched_builtins"]
 
 
-async def test_a_row_without_a_known_task_is_a_configuration_error() -> None:
-    view: Any = type("View", (), {"item": {"task_id": "HumanEval/9999"}})()
+async def test_a_row_without_a_known_task_is_a_configuration_error(code_sandbox: Sandbox) -> None:
+    view = RolloutView(
+        trace_id=None,
+        item={"task_id": "HumanEval/9999"},
+        sample={},
+        final_answer="",
+        calls=[],
+        state=RolloutState({}, {}, writable=False),
+        resources=CodeResources(sandbox=code_sandbox, tasks=all_tasks()),
+    )
     with pytest.raises(check.CodeItemError, match="task_id"):
         await check.check_rollout(view)
 
@@ -244,14 +253,14 @@ async def test_a_row_without_a_known_task_is_a_configuration_error() -> None:
 def test_canonical_helpers_come_from_the_prompt() -> None:
     # HumanEval/32's tests call `poly` from the prompt: the harness defines it from the data, so a
     # solution cannot redefine it to pass.
-    assert "def poly(" in get_task("HumanEval/32").prompt
-    assert "poly(" in get_task("HumanEval/32").test
+    assert "def poly(" in all_tasks()["HumanEval/32"].prompt
+    assert "poly(" in all_tasks()["HumanEval/32"].test
 
 
 def test_no_canonical_solution_raises_a_flag() -> None:
     flagged = {
         task.task_id: flags
-        for task in load_tasks().values()
+        for task in all_tasks().values()
         if (
             flags := code_flags(
                 {**task.starting_files(), "solution.py": task.gold_solution}, task.starting_files()

@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 from typing import Any
 
 import pytest
 
+from tests.code.conftest import all_tasks, served_resources
 from tests.conftest import new_trace
-from tools.code import runtime
-from tools.code.tasks import get_task
 from tools.code.workspace import LIMITS
 
 TASK = "HumanEval/0"
 
 
 async def test_a_rollout_starts_from_the_tasks_files(code_app: Any) -> None:
-    task = get_task(TASK)
+    task = all_tasks()[TASK]
     async with code_app() as code:
         trace = new_trace()
         listed = json.loads(await code.call(trace, "list_files", {}, task_id=TASK))
@@ -93,7 +93,7 @@ async def test_a_run_answers_exit_code_output_and_time_and_keeps_its_files(code_
 
 
 async def test_run_examples_fails_on_the_stub_and_passes_on_the_gold(code_app: Any) -> None:
-    task = get_task(TASK)
+    task = all_tasks()[TASK]
     async with code_app() as code:
         trace = new_trace()
         stub = json.loads(await code.call(trace, "run_examples", {}, task_id=TASK))
@@ -131,7 +131,8 @@ async def test_a_sandbox_that_cannot_start_is_an_outage_not_a_crash(
             raise BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable")
 
     async with code_app() as code:
-        monkeypatch.setattr(runtime, "get_sandbox", lambda: Exhausted())
+        served = served_resources(code.http)
+        monkeypatch.setitem(served, "code", dataclasses.replace(served["code"], sandbox=Exhausted()))  # type: ignore[type-var]
         trace = new_trace()
         body = {
             "type": "function_call",

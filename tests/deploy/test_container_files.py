@@ -13,8 +13,10 @@ from typing import Any
 import pytest
 import yaml
 from pydantic import AliasChoices, SecretStr
+from pydantic_settings import BaseSettings
 
 from app.config import Settings
+from app.packs import load_pack
 from tests.deploy.procs import REPO, clean_env
 
 COMPOSE = REPO / "docker-compose.yml"
@@ -32,15 +34,22 @@ SPARRING_NAME = re.compile(r"\bSPARRING_[A-Z0-9_]*[A-Z0-9]\b")
 COMPOSE_REFERENCE = re.compile(r"\$\{(\w+)((?::?[-?+])[^}]*)?\}")
 
 
-def env_names(field_name: str) -> set[str]:
-    field = Settings.model_fields[field_name]
+def env_names(field_name: str, model: type[BaseSettings] = Settings) -> set[str]:
+    field = model.model_fields[field_name]
     if isinstance(field.validation_alias, AliasChoices):
         return {c for c in field.validation_alias.choices if isinstance(c, str)}
-    prefix = Settings.model_config.get("env_prefix", "")
+    prefix = model.model_config.get("env_prefix", "")
     return {f"{prefix}{field_name}".upper()}
 
 
-SETTING_NAMES = {name for field in Settings.model_fields for name in env_names(field)}
+# The shipped packs' own settings (SPARRING_<PACK>_*), read when the server starts them.
+PACK_SETTINGS = [load_pack(name).settings_model for name in ("demo", "retail", "code")]
+SETTING_NAMES = {
+    name
+    for model in (Settings, *PACK_SETTINGS)
+    for field in model.model_fields
+    for name in env_names(field, model)
+}
 
 
 def secret_names() -> set[str]:
@@ -156,8 +165,9 @@ def test_every_sparring_variable_is_a_setting_and_every_setting_is_documented() 
         assert not unknown, f"{path.name} uses {sorted(unknown)}, which app/config.py does not define"
 
     documented = env_example()
-    for field in Settings.model_fields:
-        assert env_names(field) & set(documented), f"setting {field} is missing from .env.example"
+    for model in (Settings, *PACK_SETTINGS):
+        for field in model.model_fields:
+            assert env_names(field, model) & set(documented), f"setting {field} is missing from .env.example"
     # Every variable docker-compose.yml interpolates is documented too.
     for name, _ in COMPOSE_REFERENCE.findall(COMPOSE.read_text()):
         assert name in documented, f"docker-compose.yml uses ${{{name}}}, not documented in .env.example"

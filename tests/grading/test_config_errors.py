@@ -14,7 +14,7 @@ from app.sdk import CheckResult, GradingConfigError, Pack, RolloutView, ToolCont
 from tests.conftest import ADMIN_KEY, AppFactory, call_body, new_trace
 from tests.grading.test_routes import GRADERS, sample, write_graders
 
-quiz_pack = Pack("quiz", base=lambda: {"answers": {}})
+quiz_pack = Pack("quiz", base=lambda resources: {"answers": {}})
 
 
 @quiz_pack.tool(mutates=True)

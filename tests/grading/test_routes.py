@@ -19,7 +19,7 @@ from tests.grading.judge_server import JudgeServer
 
 TOOLS = {"Authorization": f"Bearer {TOOLS_KEY}"}
 
-ledger_pack = Pack("ledger", base=lambda: {"accounts": {"alice": {"balance": 100}}})
+ledger_pack = Pack("ledger", base=lambda resources: {"accounts": {"alice": {"balance": 100}}})
 
 
 @ledger_pack.tool(mutates=True)

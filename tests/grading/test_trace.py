@@ -210,7 +210,7 @@ async def test_forbidden_tools(context: GraderContext, record: RolloutRecord | N
 
 # --- state checks --------------------------------------------------------------------------------------
 
-bank = Pack("bank", base=lambda: {"accounts": {"A": {"balance": 100}, "B": {"balance": 0}}})
+bank = Pack("bank", base=lambda resources: {"accounts": {"A": {"balance": 100}, "B": {"balance": 0}}})
 seen_views: list[RolloutView] = []
 
 
@@ -241,12 +241,16 @@ def check_wrong_type(view: RolloutView) -> Any:
     return 0.5
 
 
+# The pack as an app that started it serves it (its base loaded).
+served_bank = bank.started(None, bank.load_base(None))
+
 TRANSFERRED = {"bank": {"accounts": {"A": {"balance": 60}, "B": {"balance": 40}}}}
 
 
 @pytest.fixture
 async def bank_context() -> Any:
-    context = GraderContext(state_checks={name: (bank, check) for name, check in bank.state_checks.items()})
+    checks = {name: (served_bank, check) for name, check in bank.state_checks.items()}
+    context = GraderContext(state_checks=checks)
     yield context
     await context.aclose()
 
@@ -310,7 +314,7 @@ async def test_the_servers_pack_state_factory_is_used() -> None:
         return RolloutState({"accounts": {"A": {"balance": 7}, "B": {"balance": 3}}}, {}, writable=False)
 
     context = GraderContext(
-        state_checks={"bank_transfer": (bank, check_transfer)}, make_pack_state=make_state
+        state_checks={"bank_transfer": (served_bank, check_transfer)}, make_pack_state=make_state
     )
     try:
         grader = build_graders({}, source="test", context=context)["bank_transfer"]
@@ -322,9 +326,9 @@ async def test_the_servers_pack_state_factory_is_used() -> None:
 
 
 def test_pack_state_applies_the_rollouts_changes() -> None:
-    state = pack_state(bank, rollout(state={"bank": {"accounts": {"B": None, "C": {"balance": 1}}}}))
+    state = pack_state(served_bank, rollout(state={"bank": {"accounts": {"B": None, "C": {"balance": 1}}}}))
     assert state.keys("accounts") == ["A", "C"]
-    assert pack_state(bank, None).get("accounts", "B") == {"balance": 0}
+    assert pack_state(served_bank, None).get("accounts", "B") == {"balance": 0}
 
 
 async def test_state_check_config_errors(bank_context: GraderContext) -> None:

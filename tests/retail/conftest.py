@@ -3,33 +3,20 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from app.sdk import Base
+from tests.retail import corpus
+from tests.retail.corpus import HOME as HOME
 from tests.retail.rollout import Rollout
-from tools.retail import data, pack
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-# The cache `make run` uses too (SPARRING_HOME defaults to .sparring): the download happens once.
-HOME = REPO_ROOT / ".sparring"
 
 
 @pytest.fixture(scope="session", autouse=True)
 def retail_data() -> Path:
-    directory = data.fetch(data.cache_dir(HOME))
-    data.configure(data_dir=None, home=HOME)
-    return directory
-
-
-@pytest.fixture(autouse=True)
-def restore_data_location(retail_data: Path) -> Iterator[None]:
-    """A test that starts a server or a command reconfigures where the data is: point it back after."""
-    yield
-    data.configure(data_dir=None, home=HOME)
+    return corpus.fetch()
 
 
 @pytest.fixture(scope="session")
@@ -41,7 +28,7 @@ def raw_db(retail_data: Path) -> dict[str, Any]:
 
 @pytest.fixture(scope="session")
 def base(retail_data: Path) -> Base:
-    return pack.base()
+    return corpus.store()
 
 
 @pytest.fixture

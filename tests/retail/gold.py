@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from tests.remote.model_server import Turn
+from tests.retail.corpus import get_task, replay_calls
 from tools.retail import pack
-from tools.retail.tasks import ToolCall, get_task, replay_calls
+from tools.retail.tasks import ToolCall
 
 
 def gold_turns(task_id: str) -> list[Turn]:

@@ -8,20 +8,21 @@ from typing import Any
 import pytest
 
 from app.sdk import Base, CallView, CheckResult, RolloutState, RolloutView
-from tests.retail.rollout import Rollout
-from tools.retail import pack
-from tools.retail.check import NO_TOOL_CALLS, RetailItemError, check_rollout, communicated, gold_changes
-from tools.retail.dataset import build_dataset
-from tools.retail.tasks import (
-    Replay,
-    ToolCall,
+from tests.retail.corpus import (
+    RESOURCES,
+    build_dataset,
     get_task,
     gold_calls,
+    gold_changes,
     load_tasks,
     replay,
     replay_calls,
     split_task_ids,
 )
+from tests.retail.rollout import Rollout
+from tools.retail import pack
+from tools.retail.check import NO_TOOL_CALLS, RetailItemError, check_rollout, communicated
+from tools.retail.tasks import Replay, ToolCall
 from tools.retail.tools import modify_user_address
 
 
@@ -43,6 +44,7 @@ def grade(
         final_answer=answer,
         calls=views,
         state=result.state(base),
+        resources=RESOURCES,
     )
     return check_rollout(view)
 

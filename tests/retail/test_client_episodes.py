@@ -21,10 +21,9 @@ from sparring.http import Retry
 from tests.conftest import ADMIN_KEY, GRADER_KEY, REDIS_URL, TOOLS_KEY, make_settings
 from tests.remote.model_server import ModelServer, Turn
 from tests.remote.served import serve
+from tests.retail.corpus import build_dataset, replay_calls
 from tests.retail.gold import gold_turns
 from tools.retail import pack
-from tools.retail.dataset import build_dataset
-from tools.retail.tasks import replay_calls
 
 REPO = Path(__file__).resolve().parents[2]
 FAST = Retry(attempts=3, delay_s=0.01, max_delay_s=0.05)
@@ -48,10 +47,8 @@ def model(lines: list[dict[str, Any]]) -> Iterator[ModelServer]:
 
 @pytest.fixture
 def sparring_url(tmp_path: Path, pg_database: str, retail_data: Path) -> Iterator[str]:
-    settings = make_settings(
-        tmp_path / "home", database_url=pg_database, redis_url=REDIS_URL, retail_data=retail_data
-    )
-    with serve(create_app(settings, packs=[pack])) as url:
+    settings = make_settings(tmp_path / "home", database_url=pg_database, redis_url=REDIS_URL)
+    with serve(create_app(settings, packs=[pack], pack_settings={"retail": {"data": retail_data}})) as url:
         yield url
 
 

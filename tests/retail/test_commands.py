@@ -48,7 +48,7 @@ def test_fetch_explains_a_failed_download(env: Path, monkeypatch: pytest.MonkeyP
     result = CliRunner().invoke(cli, ["packs", "fetch", "retail"])
     assert result.exit_code == 1
     assert "network is unreachable" in result.output and "SPARRING_RETAIL_DATA" in result.output
-    assert not data.is_complete(data.cache_dir(env / "home"))
+    assert not data.DATA.is_complete(data.DATA.cache_dir(env / "home"))
 
 
 def test_unknown_pack(env: Path) -> None:

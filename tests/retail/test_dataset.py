@@ -5,9 +5,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tools.retail import data, pack
-from tools.retail.dataset import PREFACE, build_dataset, check_dataset, user_message, write_dataset
-from tools.retail.tasks import get_task, gold_calls, split_task_ids
+from tests.retail.corpus import (
+    build_dataset,
+    get_task,
+    gold_calls,
+    read_policy,
+    split_task_ids,
+    write_dataset,
+)
+from tools.retail import pack
+from tools.retail.dataset import PREFACE, check_dataset, user_message
 
 SERVED = set(pack.tools)
 
@@ -27,7 +34,7 @@ def test_a_line_carries_the_policy_the_scenario_the_tools_and_the_gold() -> None
     line = next(line for line in build_dataset("train") if line["task_id"] == "0")
     developer, user = line["messages"]
     assert developer["role"] == "developer"
-    assert developer["content"] == PREFACE + data.read_policy()
+    assert developer["content"] == PREFACE + read_policy()
     assert "counts as that confirmation" in developer["content"]
     assert user["role"] == "user"
     instructions = get_task("0").user_scenario.instructions

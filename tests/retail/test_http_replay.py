@@ -12,8 +12,9 @@ import orjson
 from app.deps import app_state
 from app.rollouts.store import RolloutStore
 from tests.conftest import ADMIN_KEY, AppFactory, new_trace
+from tests.retail.corpus import get_task, replay_calls, split_task_ids
 from tools.retail import pack
-from tools.retail.tasks import ToolCall, get_task, replay_calls, split_task_ids
+from tools.retail.tasks import ToolCall
 
 
 async def send(
@@ -100,7 +101,9 @@ async def test_every_train_task_replayed_concurrently_scores_1(
 ) -> None:
     tasks = split_task_ids("train")
     assert len(tasks) == 74
-    async with app_factory(packs=[pack], key=ADMIN_KEY, retail_data=retail_data) as client:
+    async with app_factory(
+        packs=[pack], key=ADMIN_KEY, pack_settings={"retail": {"data": retail_data}}
+    ) as client:
         results = await asyncio.gather(*(run_task(client, task_id) for task_id in tasks))
 
     failed = {r["task"]: r["full"] for r in results if r["full"]["score"] != 1.0}
@@ -123,7 +126,9 @@ async def test_a_new_call_id_is_a_second_action(app_factory: AppFactory, retail_
     # Task 0's first write exchanges the items of a delivered order; a second exchange is refused.
     calls = replay_calls("0")
     first_write = next(i for i, call in enumerate(calls) if mutates(call))
-    async with app_factory(packs=[pack], key=ADMIN_KEY, retail_data=retail_data) as client:
+    async with app_factory(
+        packs=[pack], key=ADMIN_KEY, pack_settings={"retail": {"data": retail_data}}
+    ) as client:
         trace = new_trace()
         outputs = await run_calls(client, trace, calls[: first_write + 1])
         name, arguments = calls[first_write]

@@ -11,10 +11,9 @@ import pytest
 from tests.conftest import ADMIN_KEY, AppFactory
 from tests.remote.model_server import ModelServer, Turn
 from tests.remote.processor import Row, init_request, post_init, wait_terminated
+from tests.retail.corpus import build_dataset, replay_calls
 from tests.retail.gold import gold_turns
 from tools.retail import pack
-from tools.retail.dataset import build_dataset
-from tools.retail.tasks import replay_calls
 
 TASKS = 4
 
@@ -43,7 +42,10 @@ async def test_gold_rollouts_finish_with_reward_one_and_shortcuts_with_zero(
     gold = {str(line["task_id"]): Row.new() for line in lines}
     silent = {str(line["task_id"]): Row.new() for line in lines}
     async with app_factory(
-        packs=[pack], remote_grader="retail", retail_data=retail_data, remote_allowed_hosts=["127.0.0.1"]
+        packs=[pack],
+        remote_grader="retail",
+        pack_settings={"retail": {"data": retail_data}},
+        remote_allowed_hosts=["127.0.0.1"],
     ) as client:
         bodies = []
         for line in lines:
@@ -83,7 +85,10 @@ async def test_without_the_item_a_rollout_is_not_graded(
 ) -> None:
     line, row = lines[0], Row.new()
     async with app_factory(
-        packs=[pack], remote_grader="retail", retail_data=retail_data, remote_allowed_hosts=["127.0.0.1"]
+        packs=[pack],
+        remote_grader="retail",
+        pack_settings={"retail": {"data": retail_data}},
+        remote_allowed_hosts=["127.0.0.1"],
     ) as client:
         body = init_request(
             row,

@@ -6,14 +6,18 @@ from pathlib import Path
 
 import pytest
 
+from app.deps import app_state
 from app.errors import StartupError
 from tests.conftest import ADMIN_KEY, AppFactory
 from tools.retail import data, pack
+from tools.retail.data import RetailData
 
 
 async def test_the_server_uses_the_operators_copy(app_factory: AppFactory, retail_data: Path) -> None:
-    async with app_factory(packs=[pack], key=ADMIN_KEY, retail_data=retail_data) as client:
-        assert data.data_dir() == retail_data
+    async with app_factory(
+        packs=[pack], key=ADMIN_KEY, pack_settings={"retail": {"data": retail_data}}
+    ) as client:
+        assert app_state(client.app).registry.resources["retail"] == RetailData(retail_data)  # type: ignore[attr-defined]
         response = await client.post(
             "/tools/list_all_product_types", json={"call_id": "c", "trace_id": "trace_start", "arguments": {}}
         )
@@ -24,7 +28,7 @@ async def test_an_incomplete_copy_stops_the_server(app_factory: AppFactory, tmp_
     empty = tmp_path / "retail"
     empty.mkdir()
     with pytest.raises(StartupError) as failure:
-        async with app_factory(packs=[pack], retail_data=empty):
+        async with app_factory(packs=[pack], pack_settings={"retail": {"data": empty}}):
             pass
     message = str(failure.value)
     assert message.startswith("pack 'retail' cannot start: ")
@@ -44,3 +48,14 @@ async def test_a_failed_download_stops_the_server_with_the_fix(
     message = str(failure.value)
     assert "network is unreachable" in message
     assert "sparring packs fetch retail" in message and "SPARRING_RETAIL_DATA" in message
+
+
+async def test_the_pack_reads_sparring_retail_data_from_the_environment(
+    app_factory: AppFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    empty = tmp_path / "retail"
+    empty.mkdir()
+    monkeypatch.setenv("SPARRING_RETAIL_DATA", str(empty))  # today's name, read by the pack's own settings
+    with pytest.raises(StartupError, match=f"the retail data directory {empty} .SPARRING_RETAIL_DATA. lacks"):
+        async with app_factory(packs=[pack]):
+            pass

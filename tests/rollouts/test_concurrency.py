@@ -44,7 +44,7 @@ async def _pass_gate(key: str) -> None:
 
 probe_pack = Pack(
     "probe",
-    base=lambda: {"items": {"a": {"n": 1}, "b": {"n": 2}, "c": {"n": 3}}},
+    base=lambda resources: {"items": {"a": {"n": 1}, "b": {"n": 2}, "c": {"n": 3}}},
 )
 
 

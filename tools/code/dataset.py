@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from tools.code.tasks import EXAMPLES_FILE, SOLUTION_FILE, SPLITS, CodeTask, Split, get_task, split_task_ids
+from tools.code.runtime import CodeResources
+from tools.code.tasks import EXAMPLES_FILE, SOLUTION_FILE, SPLITS, CodeTask, Split, split_task_ids
 from tools.code.tools import RUN_LIMITS, pack
 from tools.code.workspace import LIMITS
 
@@ -50,17 +52,17 @@ def dataset_line(task: CodeTask, tools: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def build_dataset(split: Split) -> list[dict[str, Any]]:
+def build_dataset(tasks: Mapping[str, CodeTask], split: Split) -> list[dict[str, Any]]:
     tools = [spec.function_tool() for spec in pack.tools.values()]
-    return [dataset_line(get_task(task_id), tools) for task_id in split_task_ids(split)]
+    return [dataset_line(tasks[task_id], tools) for task_id in split_task_ids(tasks, split)]
 
 
 @pack.dataset
-def build(split: str, out: Path) -> int:
+def build(resources: CodeResources, split: str, out: Path) -> int:
     """`sparring dataset build code --split train|test --out FILE`."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; the code splits are {', '.join(SPLITS)}")
-    lines = build_dataset(split)
+    lines = build_dataset(resources.tasks, split)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", encoding="utf-8") as handle:
         for line in lines:

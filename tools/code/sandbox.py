@@ -16,7 +16,6 @@ user namespaces; the server refuses it on a non-loopback address.
 from __future__ import annotations
 
 import asyncio
-import atexit
 import contextlib
 import logging
 import os
@@ -28,7 +27,6 @@ import struct
 import sys
 import tempfile
 import time
-import weakref
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache
@@ -211,14 +209,14 @@ class Sandbox:
         self.switch_user = isolated and os.geteuid() == 0
         self.setpriv = shutil.which("setpriv") if self.switch_user else None
         self.max_parallel = containment.slots or max(2, 2 * (os.cpu_count() or 1))
-        # One set of slots per event loop (asyncio primitives belong to the loop that first waits on them).
-        self._slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Slots] = (
-            weakref.WeakKeyDictionary()
-        )
+        # One set of slots for the sandbox's life: its owner (the code pack's lifespan) runs on one loop.
+        self._slots = _Slots(self.max_parallel, max(1, containment.slots_per_rollout))
         self._mounts = self._system_mounts() if isolated else []
 
     def close(self) -> None:
-        """Remove the directory the workspaces of runs are made in (runs still going keep theirs)."""
+        """Remove the directory the workspaces of runs are made in (runs still going keep theirs).
+
+        Its owner calls it once it is done with the sandbox (the code pack, when the app stops)."""
         with contextlib.suppress(OSError):
             self.root.rmdir()
 
@@ -341,15 +339,6 @@ class Sandbox:
             command = [self.shell, "-c", 'echo $$ > "$0" && exec "$@"', procs, *command]
         return command
 
-    def _slots_here(self) -> _Slots:
-        loop = asyncio.get_running_loop()
-        slots = self._slots.get(loop)
-        if slots is None:
-            slots = self._slots.setdefault(
-                loop, _Slots(self.max_parallel, max(1, self.containment.slots_per_rollout))
-            )
-        return slots
-
     async def run(
         self,
         files: Mapping[str, str | bytes],
@@ -367,7 +356,7 @@ class Sandbox:
         SandboxUnavailable when the sandbox itself could not run: an outage, never the run's doing.
         """
         placed, conflicts = place_files(files)
-        async with self._slots_here().hold(owner):
+        async with self._slots.hold(owner):
             run = _Run(python_args=python_args, limits=limits, collect=collect, cwd=cwd)
             try:
                 if self.memory.per_run:
@@ -766,6 +755,7 @@ def create(
 ) -> Sandbox:
     """Build the sandbox of `mode`; SandboxUnavailable with what to install or allow if it cannot run here.
 
+    The caller owns it: `close()` it when done (the code pack's lifespan does, when the app stops).
     Sweeps what workers that are gone left behind, and finds how each run's memory can be capped.
     """
     containment = containment or Containment()
@@ -802,7 +792,6 @@ def create(
         containment=containment,
         memory_cap=memory_cap,
     )
-    atexit.register(sandbox.close)
     return sandbox
 
 

@@ -8,6 +8,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import Any, Literal
 
 from tools.code import data
@@ -47,18 +48,18 @@ class CodeTask:
 
     def starting_files(self) -> dict[str, str]:
         """The workspace a rollout starts from: the stub to complete and the docstring's examples."""
-        return starting_files(self.task_id)
+        return starting_files(self)
 
     def gold_actions(self) -> list[dict[str, Any]]:
         """The calls a correct agent could make, as `{name, arguments}` objects (the dataset's `actions`)."""
         return [{"name": "write_file", "arguments": {"path": SOLUTION_FILE, "content": self.gold_solution}}]
 
 
-@lru_cache(maxsize=1)
-def load_tasks() -> Mapping[str, CodeTask]:
-    """Every task by id, in HumanEval's order (loaded once per process)."""
+@lru_cache(maxsize=2)
+def load_tasks(directory: Path) -> Mapping[str, CodeTask]:
+    """Every task in the data `directory` by id, in HumanEval's order (read once per directory)."""
     tasks = {}
-    for problem in data.read_problems():
+    for problem in data.read_problems(directory):
         task = CodeTask(
             task_id=str(problem["task_id"]),
             prompt=str(problem["prompt"]),
@@ -70,18 +71,12 @@ def load_tasks() -> Mapping[str, CodeTask]:
     return tasks
 
 
-def get_task(task_id: str) -> CodeTask:
-    """The task `task_id` (KeyError if there is none)."""
-    return load_tasks()[task_id]
-
-
-def split_task_ids(split: Split) -> list[str]:
-    return [task.task_id for task in load_tasks().values() if task.split == split]
+def split_task_ids(tasks: Mapping[str, CodeTask], split: Split) -> list[str]:
+    return [task.task_id for task in tasks.values() if task.split == split]
 
 
 @lru_cache(maxsize=256)
-def starting_files(task_id: str) -> dict[str, str]:
-    task = get_task(task_id)
+def starting_files(task: CodeTask) -> dict[str, str]:
     return {SOLUTION_FILE: task.prompt, EXAMPLES_FILE: examples_file(task)}
 
 

@@ -7,10 +7,10 @@ from typing import Annotated, Any
 from pydantic import Field
 
 from app.sdk import Pack, ToolContext, ToolError, ToolUnavailable
-from tools.code import data, runtime
-from tools.code.sandbox import Containment, Limits, RunResult, SandboxUnavailable
-from tools.code.tasks import EXAMPLES_FILE, load_tasks
-from tools.code.workspace import LIMITS, Workspace, check_path, load_base, task_of
+from tools.code.runtime import CodeResources, CodeSettings, lifespan, load_base
+from tools.code.sandbox import Limits, RunResult, SandboxUnavailable
+from tools.code.tasks import EXAMPLES_FILE
+from tools.code.workspace import LIMITS, Workspace, check_path, task_of
 
 pack = Pack(
     "code",
@@ -19,6 +19,8 @@ pack = Pack(
         "sandbox, and run the docstring's examples. Graded by hidden tests."
     ),
     base=load_base,
+    settings=CodeSettings,
+    lifespan=lifespan,
 )
 
 # Each run: 10 s of wall clock and CPU, 32 processes, 64 open files, files of at most 1 MiB, 16 KiB of
@@ -33,34 +35,13 @@ MAX_ARGS = 32
 MAX_ARG_CHARS = 1000
 
 
-@pack.on_startup
-def prepare(settings: Any) -> None:
-    """Find (or fetch) HumanEval, then build and try the sandbox; refuse to start if it cannot run code."""
-    data.configure(settings.code_data, settings.home)
-    data.data_dir()
-    load_tasks()
-    runtime.configure(
-        settings.code_sandbox,
-        python=settings.code_python,
-        home=settings.home,
-        binds_loopback=settings.binds_loopback,
-        containment=Containment(
-            memory_bytes=settings.code_run_memory_bytes,
-            workspace_bytes=settings.code_workspace_bytes,
-            shm_bytes=settings.code_shm_bytes,
-            slots=settings.code_sandbox_slots,
-            slots_per_rollout=settings.code_sandbox_slots_per_rollout,
-        ),
-    )
-
-
 Path_ = Annotated[
     str, Field(description="A path relative to the workspace, such as 'solution.py' or 'tests/test_x.py'.")
 ]
 
 
 def _workspace(ctx: ToolContext) -> Workspace:
-    return Workspace(ctx.state, task_of(ctx.item))
+    return Workspace(ctx.state, task_of(ctx.item, ctx.resource(CodeResources).tasks))
 
 
 @pack.tool
@@ -123,7 +104,7 @@ async def _run(ctx: ToolContext, path: str, args: list[str]) -> dict[str, Any]:
     if path not in before:
         raise ToolError(f"no file {path!r} in the workspace; list_files shows what there is")
     try:
-        result = await runtime.get_sandbox().run(
+        result = await ctx.resource(CodeResources).sandbox.run(
             before,
             ["-E", "-s", "-B", "-X", "utf8", path, *args],
             limits=RUN_LIMITS,

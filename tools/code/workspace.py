@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.sdk import Base, RolloutState, ToolError
-from tools.code.tasks import CodeTask, load_tasks
+from tools.code.tasks import CodeTask
 
 COLLECTION_PREFIX = "files:"
 MAX_FILES = 50
@@ -36,17 +36,17 @@ def collection(task_id: str | None) -> str:
     return COLLECTION_PREFIX + (task_id or "")
 
 
-def load_base() -> Base:
-    """Every task's starting files, each task in its own collection (loaded once per process)."""
-    return {collection(task.task_id): task.starting_files() for task in load_tasks().values()}
+def load_base(tasks: Mapping[str, CodeTask]) -> Base:
+    """Every task's starting files, each task in its own collection."""
+    return {collection(task.task_id): task.starting_files() for task in tasks.values()}
 
 
-def task_of(item: Mapping[str, Any]) -> CodeTask | None:
+def task_of(item: Mapping[str, Any], tasks: Mapping[str, CodeTask]) -> CodeTask | None:
     """The task a dataset row names in `task_id`, or None (the workspace then starts empty)."""
     task_id = item.get("task_id")
     if not isinstance(task_id, str):
         return None
-    return load_tasks().get(task_id)
+    return tasks.get(task_id)
 
 
 def check_path(path: str) -> str:

@@ -5,15 +5,17 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
 from app.sdk import CheckResult, GradingConfigError, RolloutState, RolloutView
 from app.sdk.state import Changes
+from tools.retail.data import RetailData
 from tools.retail.records import COLLECTIONS, canonical_record
 from tools.retail.tasks import ToolCall, calls_from_actions, get_task, replay
-from tools.retail.tools import pack
+from tools.retail.tools import database, pack
 
 NO_TOOL_CALLS = "no_tool_calls"
 
@@ -28,16 +30,17 @@ def communicated(info: str, answer: str) -> bool:
 
 
 @lru_cache(maxsize=512)
-def _gold_changes(calls_json: str) -> Changes:
-    # Keyed by the calls themselves, so a task's gold database is computed once per process whether
-    # the row carries its actions or only its task id. Cached values are shared: read them only.
+def _gold_changes(calls_json: str, directory: Path) -> Changes:
+    # Keyed by the calls themselves, so a task's gold database is computed once per data directory
+    # whether the row carries its actions or only its task id. Cached values are shared: read them only.
     calls: list[ToolCall] = [(name, arguments) for name, arguments in json.loads(calls_json)]
-    return replay(calls).changes
+    return replay(calls, base=database(directory)).changes
 
 
-def gold_changes(calls: Sequence[ToolCall]) -> Changes:
+def gold_changes(calls: Sequence[ToolCall], directory: Path) -> Changes:
     """The records a correct agent changes: the gold calls applied to a fresh copy of the store."""
-    return _gold_changes(json.dumps([[name, arguments] for name, arguments in calls], sort_keys=True))
+    calls_json = json.dumps([[name, arguments] for name, arguments in calls], sort_keys=True)
+    return _gold_changes(calls_json, directory)
 
 
 def database_differences(actual: RolloutState, expected: RolloutState) -> list[str]:
@@ -68,13 +71,13 @@ def _text(collection: str, record: Mapping[str, Any]) -> str:
     return json.dumps(canonical_record(collection, record), sort_keys=True, default=str)
 
 
-def expectations(item: Mapping[str, Any]) -> tuple[list[ToolCall], list[str]]:
+def expectations(item: Mapping[str, Any], directory: Path) -> tuple[list[ToolCall], list[str]]:
     """The gold calls and the facts to communicate for a dataset row: its own fields, else its task's."""
     task_id = item.get("task_id")
     task = None
     if isinstance(task_id, (str, int)) and not isinstance(task_id, bool):
         try:
-            task = get_task(str(task_id))
+            task = get_task(directory, str(task_id))
         except KeyError:
             task = None
     actions = item.get("actions")
@@ -105,8 +108,9 @@ def expectations(item: Mapping[str, Any]) -> tuple[list[ToolCall], list[str]]:
 @pack.state_check("retail")
 def check_rollout(view: RolloutView) -> CheckResult:
     """db: the final database equals the gold one; communicate: every required fact is in the final answer."""
-    calls, communicate_info = expectations(view.item)
-    gold = RolloutState(pack.base(), gold_changes(calls), writable=False)
+    directory = view.resource(RetailData).directory
+    calls, communicate_info = expectations(view.item, directory)
+    gold = RolloutState(database(directory), gold_changes(calls, directory), writable=False)
     db = 0.0 if database_differences(view.state, gold) else 1.0
     communicate = 1.0 if all(communicated(info, view.final_answer) for info in communicate_info) else 0.0
     sub_scores = {"db": db, "communicate": communicate}

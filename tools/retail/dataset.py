@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tools.retail import data
+from tools.retail.data import RetailData
 from tools.retail.tasks import SPLITS, RetailTask, Split, load_tasks, split_task_ids
 from tools.retail.tools import pack
 
@@ -79,17 +80,17 @@ def dataset_line(task: RetailTask, policy: str, tools: list[dict[str, Any]]) -> 
     }
 
 
-def build_dataset(split: Split) -> list[dict[str, Any]]:
+def build_dataset(directory: Path, split: Split) -> list[dict[str, Any]]:
     """The lines of a split (train: 74 tasks, test: 40), in τ²-bench's split order."""
-    tasks = load_tasks()
-    policy = data.read_policy()
+    tasks = load_tasks(directory)
+    policy = data.read_policy(directory)
     tools = [spec.function_tool() for spec in pack.tools.values()]
-    return [dataset_line(tasks[task_id], policy, tools) for task_id in split_task_ids(split)]
+    return [dataset_line(tasks[task_id], policy, tools) for task_id in split_task_ids(directory, split)]
 
 
-def write_dataset(split: Split, out: Path) -> int:
+def write_dataset(directory: Path, split: Split, out: Path) -> int:
     """Write a split as JSONL to `out` and return the number of lines written."""
-    lines = build_dataset(split)
+    lines = build_dataset(directory, split)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", encoding="utf-8") as handle:
         for line in lines:
@@ -151,11 +152,11 @@ def _line_problems(line: dict[str, Any], served: Collection[str]) -> list[str]:
 
 
 @pack.dataset
-def build(split: str, out: Path) -> int:
+def build(resources: RetailData, split: str, out: Path) -> int:
     """`sparring dataset build retail --split train|test --out FILE`: write the split, then check it."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; the retail splits are {', '.join(SPLITS)}")
-    count = write_dataset(split, out)
+    count = write_dataset(resources.directory, split, out)
     problems = check_dataset(out.read_text(encoding="utf-8").splitlines(), pack.tools)
     if problems:
         raise ValueError(f"{out} would fail a job: " + "; ".join(problems[:5]))

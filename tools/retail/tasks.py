@@ -58,10 +58,10 @@ class RetailTask(_Lenient):
     evaluation_criteria: EvaluationCriteria
 
 
-@lru_cache(maxsize=4)
-def _tasks_in(directory: Path) -> dict[str, RetailTask]:
-    del directory  # the cache key: a reconfigured data directory is read afresh
-    raw = data.read_json("tasks.json")
+@lru_cache(maxsize=2)
+def load_tasks(directory: Path) -> dict[str, RetailTask]:
+    """Every retail task (114) of the data `directory`, by task id, in file order. Cached: do not modify."""
+    raw = data.read_json(directory, "tasks.json")
     try:
         tasks = [RetailTask.model_validate(entry) for entry in raw]
     except ValidationError as exc:
@@ -69,41 +69,33 @@ def _tasks_in(directory: Path) -> dict[str, RetailTask]:
     return {task.id: task for task in tasks}
 
 
-def load_tasks() -> dict[str, RetailTask]:
-    """Every retail task (114), by task id, in file order. Cached: do not modify."""
-    return _tasks_in(data.data_dir())
-
-
-def get_task(task_id: str) -> RetailTask:
-    task = load_tasks().get(task_id)
+def get_task(directory: Path, task_id: str) -> RetailTask:
+    task = load_tasks(directory).get(task_id)
     if task is None:
         raise KeyError(f"no retail task with id {task_id!r}")
     return task
 
 
-@lru_cache(maxsize=4)
+@lru_cache(maxsize=2)
 def _splits_in(directory: Path) -> dict[str, list[str]]:
-    del directory
-    raw = data.read_json("split_tasks.json")
+    raw = data.read_json(directory, "split_tasks.json")
     return {str(name): [str(task_id) for task_id in ids] for name, ids in raw.items()}
 
 
-def split_task_ids(split: Split) -> list[str]:
+def split_task_ids(directory: Path, split: Split) -> list[str]:
     """The task ids of a split as τ²-bench defines it (train 74, test 40)."""
-    splits = _splits_in(data.data_dir())
+    splits = _splits_in(directory)
     if split not in splits:
         raise ValueError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
     return list(splits[split])
 
 
-def gold_calls(task: RetailTask | str) -> list[ToolCall]:
+def gold_calls(task: RetailTask) -> list[ToolCall]:
     """The task's gold actions as (tool name, arguments) pairs, in order: what a correct agent calls."""
-    if isinstance(task, str):
-        task = get_task(task)
     return [(action.name, dict(action.arguments)) for action in task.evaluation_criteria.actions]
 
 
-def replay_calls(task: RetailTask | str) -> list[ToolCall]:
+def replay_calls(task: RetailTask) -> list[ToolCall]:
     """The calls a correct rollout of the task makes, for replaying it by hand or over HTTP.
 
     The gold calls; for the tasks whose gold list is empty (nothing may change: 24 and 57), one
@@ -118,7 +110,9 @@ def calls_from_actions(actions: Iterable[Mapping[str, Any]]) -> list[ToolCall]:
 
 
 @dataclass(frozen=True)
-class CallResult:
+class ReplayedCall:
+    """One call of a replay and what it answered."""
+
     tool: str
     arguments: dict[str, Any]
     result: Any  # what the tool returned, or None after an error
@@ -130,7 +124,7 @@ class Replay:
     """What replaying calls produced: the changes (only the records written) and each call's result."""
 
     changes: Changes
-    results: list[CallResult]
+    results: list[ReplayedCall]
 
     def state(self, base: Base) -> RolloutState:
         """A read-only view of `base` with these changes, as a state check sees it."""
@@ -140,25 +134,26 @@ class Replay:
 _gold_logger = logging.LoggerAdapter(logging.getLogger("sparring.tools.retail"), {"trace_id": "replay"})
 
 
-def replay(calls: Sequence[ToolCall], *, base: Base | None = None, trace_id: str = "replay") -> Replay:
+def replay(calls: Sequence[ToolCall], *, base: Base, trace_id: str = "replay") -> Replay:
     """Run calls one after another through the pack's own tool functions on a fresh copy of the store.
 
     Each call sees the changes of the calls before it; a call that fails (unknown tool, bad arguments,
-    a ToolError) changes nothing, like a failed call in a rollout.
+    a ToolError) changes nothing, like a failed call in a rollout. `base` is the store as shipped
+    (`tools.retail.tools.database(directory)`).
     """
-    store = base if base is not None else pack.base()
+    store = base
     tools = pack.tools
     changes: Changes = {}
-    results: list[CallResult] = []
+    results: list[ReplayedCall] = []
     for name, arguments in calls:
         spec = tools.get(name)
         if spec is None:
-            results.append(CallResult(name, arguments, None, f"unknown tool {name!r}"))
+            results.append(ReplayedCall(name, arguments, None, f"unknown tool {name!r}"))
             continue
         try:
             kwargs = spec.bind(arguments)
         except ValidationError as exc:
-            results.append(CallResult(name, arguments, None, f"invalid arguments: {exc}"))
+            results.append(ReplayedCall(name, arguments, None, f"invalid arguments: {exc}"))
             continue
         state = RolloutState(store, changes, writable=spec.mutates)
         if spec.context_param is not None:
@@ -175,10 +170,10 @@ def replay(calls: Sequence[ToolCall], *, base: Base | None = None, trace_id: str
         try:
             result = spec.fn(**kwargs)
         except ToolError as exc:
-            results.append(CallResult(name, arguments, None, exc.message))
+            results.append(ReplayedCall(name, arguments, None, exc.message))
             continue
         # Commit the call's writes, as the server does when a tool returns.
         for collection, records in state.writes.items():
             changes.setdefault(collection, {}).update(records)
-        results.append(CallResult(name, arguments, result, None))
+        results.append(ReplayedCall(name, arguments, result, None))
     return Replay(changes=changes, results=results)

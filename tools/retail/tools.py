@@ -3,12 +3,28 @@
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import lru_cache
+from pathlib import Path
 from typing import Annotated, Any, cast
 
+import anyio
 from pydantic import Field
 
-from app.sdk import Base, Pack, RolloutState, ToolContext, ToolError
+from app.sdk import (
+    Base,
+    DataLocation,
+    Pack,
+    PackSettings,
+    PackStart,
+    RolloutState,
+    ToolContext,
+    ToolError,
+    pack_settings_config,
+)
 from tools.retail import arithmetic, data
+from tools.retail.data import RetailData
 from tools.retail.records import (
     CANCEL_REASONS,
     ORDERS,
@@ -33,9 +49,30 @@ from tools.retail.records import (
 # tool `put`s only the records it changed; the server commits them when the tool returns.
 
 
-def load_base() -> Base:
-    """The store as shipped (500 users, 1,000 orders, 50 products), normalised once per process."""
-    return canonical_database(data.read_json("db.json"))
+@lru_cache(maxsize=2)
+def database(directory: Path) -> Base:
+    """The store as shipped (500 users, 1,000 orders, 50 products), normalised once per data directory.
+    Shared by every rollout: read it only."""
+    return canonical_database(data.read_json(directory, "db.json"))
+
+
+def load_base(resources: RetailData) -> Base:
+    return database(resources.directory)
+
+
+class RetailSettings(PackSettings):
+    """The retail pack's settings: `SPARRING_RETAIL_*`."""
+
+    model_config = pack_settings_config("retail")
+
+    data: Path | None = Field(None, description="Unpacked retail data directory (skips the download).")
+
+
+@asynccontextmanager
+async def lifespan(start: PackStart[RetailSettings]) -> AsyncIterator[RetailData]:
+    """Use SPARRING_RETAIL_DATA, or the cache under SPARRING_HOME (fetched there if it is empty)."""
+    location = DataLocation(data_dir=start.settings.data, home=start.home)
+    yield RetailData(await anyio.to_thread.run_sync(data.DATA.resolve, location))
 
 
 pack = Pack(
@@ -45,14 +82,9 @@ pack = Pack(
         "cancel or modify pending orders; return or exchange delivered ones."
     ),
     base=load_base,
+    settings=RetailSettings,
+    lifespan=lifespan,
 )
-
-
-@pack.on_startup
-def find_data(settings: Any) -> None:
-    """Use SPARRING_RETAIL_DATA, or the cache under SPARRING_HOME (fetched there if it is empty)."""
-    data.configure(settings.retail_data, settings.home)
-    data.data_dir()
 
 
 OrderId = Annotated[str, Field(description="The order id, with its leading '#', such as '#W0000000'.")]

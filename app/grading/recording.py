@@ -9,11 +9,12 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.db.models import Grade
-from app.grading.flags import DEFAULT_POLICY, CallView, Flag, FlagPolicy, compute_flags
+from app.grading.flags import DEFAULT_POLICY, Flag, FlagPolicy, compute_flags
 from app.grading.repository import GradeRepository
 from app.grounding import answer_hash, final_answer
 from app.rollouts.identity import item_key
 from app.rollouts.repository import RolloutRepository
+from app.rollouts.shapes import RolloutCall
 
 
 def grade_row(
@@ -56,7 +57,7 @@ def grade_row(
 async def review_flags(
     grades: GradeRepository,
     *,
-    calls: Sequence[CallView] | None,
+    calls: Sequence[RolloutCall] | None,
     answer: str,
     score: float | None,
     status: str,
@@ -85,7 +86,7 @@ async def store_grade(
     session: AsyncSession,
     *,
     trace_id: str | None,
-    calls: Sequence[CallView] | None,
+    calls: Sequence[RolloutCall] | None,
     grader: str,
     grader_version: str,
     status: str,

@@ -138,10 +138,10 @@ async def test_parallel_calls_share_a_batch_in_the_timeline(review: ReviewApp) -
     await asyncio.gather(*(review.call("slow", {"seconds": 0.2}, trace, call_id=f"p{i}") for i in range(3)))
     await review.call("echo", {"text": "last"}, trace, call_id="c4")
     timeline = await review.api(f"/review/api/rollouts/{trace}")
-    assert [c["batch"] for c in timeline["calls"]] == [0, 1, 1, 1, 2]
+    assert [c["batch"] for c in timeline["timeline"]] == [0, 1, 1, 1, 2]
     assert timeline["parallel_batches"] == 3
-    assert timeline["calls"][0]["arguments"] == '{"text":"first"}'
-    assert timeline["calls"][0]["output"] == "first" and timeline["calls"][0]["output_bytes"] == 5
+    assert timeline["timeline"][0]["arguments"] == '{"text":"first"}'
+    assert timeline["timeline"][0]["output"] == "first" and timeline["timeline"][0]["output_bytes"] == 5
 
 
 async def test_a_reused_call_id_is_an_error_logged_with_its_own_arguments_and_flagged(

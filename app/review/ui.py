@@ -84,6 +84,14 @@ def _blank(value: str | None) -> str | None:
     return value.strip() if value and value.strip() else None
 
 
+def _chosen_grader(grader: str | None = None) -> str | None:
+    """The grader picked on a page (blank: the latest grade of any grader)."""
+    return _blank(grader)
+
+
+ChosenGrader = Annotated[str | None, Depends(_chosen_grader)]
+
+
 @router.get("/static/review.css")
 async def stylesheet() -> Response:
     css = importlib.resources.files("app.review").joinpath("static/review.css").read_bytes()
@@ -242,11 +250,11 @@ def _moment(value: str | None, name: str, errors: list[str]) -> datetime | None:
 
 @pages.get("/rollouts/{trace_id}")
 async def rollout_page(
-    request: Request, trace_id: str, review: RolloutReviewDep, grader: str | None = None
+    request: Request, trace_id: str, review: RolloutReviewDep, grader: ChosenGrader
 ) -> Response:
     try:
         timeline = await review.detail(trace_id)
-        graded_on = await review.graded_on(trace_id, _blank(grader))
+        graded_on = await review.graded_on(trace_id, grader)
     except NotFound as exc:
         return render(request, "not_found.html", status_code=404, message=exc.message)
     batches: list[list[Any]] = []
@@ -319,10 +327,9 @@ async def run_page(
     review: RolloutReviewDep,
     statistics: RunStatisticsDep,
     name: Annotated[str, Query()],
-    grader: str | None = None,
+    chosen: ChosenGrader,
     axis: str | None = None,
 ) -> Response:
-    chosen = _blank(grader)
     stats = await statistics.run_stats(name, chosen)
     items = await statistics.item_stats(name, chosen, order="mean", limit=ITEMS_IN_CHART)
     curve_axis = "order" if axis == "order" else "time"
@@ -348,11 +355,10 @@ async def compare_page(
     request: Request,
     review: RolloutReviewDep,
     statistics: RunStatisticsDep,
+    chosen: ChosenGrader,
     a: str | None = None,
     b: str | None = None,
-    grader: str | None = None,
 ) -> Response:
-    chosen = _blank(grader)
     comparison = await statistics.compare(a, b, chosen) if a and b and _blank(a) and _blank(b) else None
     return render(
         request,
@@ -372,11 +378,10 @@ async def flags_page(
     request: Request,
     review: RolloutReviewDep,
     statistics: RunStatisticsDep,
+    chosen: ChosenGrader,
     run: str | None = None,
     flag: str | None = None,
-    grader: str | None = None,
 ) -> Response:
-    chosen = _blank(grader)
     flagged = None
     if _blank(flag):
         flagged = await review.rollouts(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Annotated, Literal
 from urllib.parse import quote
@@ -27,6 +28,24 @@ export_router = APIRouter(tags=["review"])
 rollouts_router = APIRouter(prefix="/rollouts", tags=["rollouts"])
 
 GraderQuery = Annotated[str | None, Query(description="Count the latest grade of this grader only.")]
+
+
+@dataclass(frozen=True)
+class RunScope:
+    """What a run's statistics count: the run's rollouts, scored by the latest grade (of `grader`)."""
+
+    run: str
+    grader: str | None
+
+
+def run_scope(
+    run: Annotated[str, Query(description="Run label (the X-Sparring-Run header).")],
+    grader: GraderQuery = None,
+) -> RunScope:
+    return RunScope(run, grader)
+
+
+RunScopeDep = Annotated[RunScope, Depends(run_scope)]
 ItemOrder = Literal["mean", "variance", "rollouts", "item"]
 RolloutSort = Literal["time", "score", "calls", "duration"]
 
@@ -123,40 +142,36 @@ async def recompute_flags(
 
 
 @router.get("/stats")
-async def run_stats(
-    _: ReviewAccess, stats: RunStatisticsDep, run: Annotated[str, Query()], grader: GraderQuery = None
-) -> s.RunStats:
+async def run_stats(_: ReviewAccess, stats: RunStatisticsDep, scope: RunScopeDep) -> s.RunStats:
     """A run's calls, tools, latencies, errors, rewards, items and flags, aggregated in the database."""
-    return await stats.run_stats(run, grader)
+    return await stats.run_stats(scope.run, scope.grader)
 
 
 @router.get("/curve")
 async def reward_curve(
     _: ReviewAccess,
     stats: RunStatisticsDep,
-    run: Annotated[str, Query()],
-    grader: GraderQuery = None,
+    scope: RunScopeDep,
     axis: Annotated[
         Literal["time", "order"], Query(description="Equal spans of time, or equal numbers of rollouts.")
     ] = "time",
     windows: Annotated[int, Query(ge=1, le=200)] = 20,
 ) -> s.RewardCurve:
     """The learning curve: reward mean and spread, calls per rollout, tool errors and flags per window."""
-    return await stats.reward_curve(run, grader, axis=axis, windows=windows)
+    return await stats.reward_curve(scope.run, scope.grader, axis=axis, windows=windows)
 
 
 @router.get("/items")
 async def item_stats(
     _: ReviewAccess,
     stats: RunStatisticsDep,
-    run: Annotated[str, Query()],
-    grader: GraderQuery = None,
+    scope: RunScopeDep,
     order: ItemOrder = "mean",
     limit: Annotated[int, Query(ge=1, le=5000)] = 500,
     offset: Annotated[int, Query(ge=0)] = 0,
 ) -> s.ItemStatsPage:
     """Per item across its rollouts: mean, variance, always 0 / always 1 (no learning signal)."""
-    return await stats.item_stats(run, grader, order=order, limit=limit, offset=offset)
+    return await stats.item_stats(scope.run, scope.grader, order=order, limit=limit, offset=offset)
 
 
 @router.get("/compare")

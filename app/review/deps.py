@@ -1,4 +1,4 @@
-"""The review's dependencies: its two services on the request's database session, and the login pages need."""
+"""The review's route dependencies: its two services on the request's database session, the pages' login."""
 
 from __future__ import annotations
 
@@ -13,8 +13,6 @@ from app.review.session import require_login
 from app.review.statistics import RunStatistics
 
 
-# scope="function": the session ends (a write commits) before the answer is sent, so a failed
-# commit is the answer (a 503), never a success the database did not keep.
 async def rollout_review(db: DatabaseDep) -> AsyncIterator[RolloutReview]:
     async with db.session() as session:
         yield RolloutReview(session)
@@ -31,6 +29,8 @@ async def run_statistics(db: DatabaseDep) -> AsyncIterator[RunStatistics]:
         yield RunStatistics(session, sessions=db.sessions)
 
 
+# scope="function": the session ends (a write commits) before the answer is sent, so a failed
+# commit is the answer (a 503), never a success the database did not keep.
 RolloutReviewDep = Annotated[RolloutReview, Depends(rollout_review, scope="function")]
 RolloutReviewWritingDep = Annotated[RolloutReview, Depends(rollout_review_writing, scope="function")]
 RunStatisticsDep = Annotated[RunStatistics, Depends(run_statistics, scope="function")]

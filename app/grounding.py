@@ -16,19 +16,26 @@ from typing import Any
 import orjson
 
 
+def last_message(sample: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The message of the sample's last choice ({} when it has none)."""
+    choices = sample.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[-1], Mapping):
+        message = choices[-1].get("message")
+        if isinstance(message, Mapping):
+            return message
+    return {}
+
+
 def final_answer(sample: Mapping[str, Any]) -> str:
     """The model's final text: `sample.output_text`, else the last choice's message content."""
     text = sample.get("output_text")
     if isinstance(text, str):
         return text
-    choices = sample.get("choices")
-    if isinstance(choices, list) and choices and isinstance(choices[-1], Mapping):
-        message = choices[-1].get("message")
-        content = message.get("content") if isinstance(message, Mapping) else None
-        if isinstance(content, str):
-            return content
-        if isinstance(content, list):  # content parts: keep the text ones
-            return "".join(str(part.get("text", "")) for part in content if isinstance(part, Mapping))
+    content = last_message(sample).get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: keep the text ones
+        return "".join(str(part.get("text", "")) for part in content if isinstance(part, Mapping))
     return ""
 
 

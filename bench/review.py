@@ -4,9 +4,9 @@
     python -m bench.review --rollouts 20000         # a quicker look
 
 It seeds a fresh database (`app.review.seed`, COPY) with graded rollouts of 2 to 18 calls each (10 on
-average) in one run, runs VACUUM (ANALYZE) as autovacuum would, then times through ReviewService,
-as the API does: the rollout timeline (`GET /review/api/rollouts/{id}`) for random rollouts, and the
-run's statistics (`GET /review/api/stats?run=`). The database is dropped at the end.
+average) in one run, runs VACUUM (ANALYZE) as autovacuum would, then times through RolloutReview and
+RunStatistics, as the API does: the rollout timeline (`GET /review/api/rollouts/{id}`) for random
+rollouts, and the run's statistics (`GET /review/api/stats?run=`). The database is dropped at the end.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from app.db.session import build_sessionmaker
 from app.review.seed import SeedSpec, seed_run
-from app.review.service import ReviewService
+from app.review.service import RolloutReview
+from app.review.statistics import RunStatistics
 from app.review.stats_repository import StatsRepository
 from bench.run import DEFAULT_PG_ADMIN, DEFAULT_REDIS, Environment
 
@@ -65,13 +66,13 @@ async def measure(url: str, args: argparse.Namespace) -> None:
             trace = f"b{rng.randrange(batches)}_{RUN}_{rng.randrange(args.batch):07d}"
             async with sessions() as session:
                 t0 = time.perf_counter()
-                await ReviewService(session).timeline(trace)
+                await RolloutReview(session).detail(trace)
                 timeline_ms.append((time.perf_counter() - t0) * 1000)
         stats_s = []
         for _ in range(args.repeats):
             async with sessions() as session:
                 t0 = time.perf_counter()
-                stats = await ReviewService(session, sessions=sessions).run_stats(RUN)
+                stats = await RunStatistics(session, sessions=sessions).run_stats(RUN)
                 stats_s.append(time.perf_counter() - t0)
         # Each query of the statistics on its own (they run concurrently, on separate connections).
         singles: dict[str, float] = {}

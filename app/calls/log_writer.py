@@ -18,7 +18,14 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from app.db.models import ANSWERED_OUTCOMES, ANSWERED_ROW, Rollout, ToolCall
+from app.db.models import (
+    ANSWERED_OUTCOMES,
+    ANSWERED_ROW,
+    LOGGED_CALL_COLUMNS,
+    LOGGED_ROLLOUT_COLUMNS,
+    RolloutRow,
+    ToolCall,
+)
 from app.db.text import storable
 from app.errors import ServiceUnavailable
 from app.metrics import Metrics
@@ -63,34 +70,8 @@ _Pending = tuple[CallRecord, asyncio.Future[bool] | None]
 # What names one attempt of a call in the log: trace_id and call_id as stored, and its start.
 _AttemptKey = tuple[str, str, datetime]
 
-# The columns of tool_calls the writer fills, in the order of CallRecord's fields plus output_bytes.
-_CALL_COLUMNS = (
-    ("trace_id", "varchar"),
-    ("call_id", "varchar"),
-    ("request_id", "varchar"),
-    ("tool", "varchar"),
-    ("arguments", "text"),
-    ("output", "text"),
-    ("outcome", "varchar"),
-    ("error", "text"),
-    ("status_code", "integer"),
-    ("started_at", "timestamptz"),
-    ("ended_at", "timestamptz"),
-    ("latency_ms", "float8"),
-    ("worker", "varchar"),
-    ("run", "varchar"),
-    ("item_key", "varchar"),
-    ("channel", "varchar"),
-    ("output_bytes", "integer"),
-)
-_ROLLOUT_COLUMNS = (
-    ("trace_id", "varchar"),
-    ("run", "varchar"),
-    ("item_key", "varchar"),
-    ("channel", "varchar"),
-    ("first_seen", "timestamptz"),
-    ("last_seen", "timestamptz"),
-)
+# The columns the writer fills (CallRecord's fields), derived from the ORM tables.
+_CALL_COLUMNS, _ROLLOUT_COLUMNS = LOGGED_CALL_COLUMNS, LOGGED_ROLLOUT_COLUMNS
 
 
 def _recordset(param: str, alias: str, columns: tuple[tuple[str, str], ...]) -> str:
@@ -171,7 +152,7 @@ class CallLogWriter:
         self._batch_sql = _postgres_batch_sql()
         # SQLite: the same work in three statements. Built once, so SQLAlchemy compiles them once.
         insert: Any = sqlite.insert
-        rollouts = Rollout.__table__
+        rollouts = RolloutRow.__table__
         upsert = insert(rollouts)
         self._rollout_upsert = upsert.on_conflict_do_update(
             index_elements=[rollouts.c.trace_id],
@@ -192,12 +173,12 @@ class CallLogWriter:
             calls.c.outcome.in_(ANSWERED_OUTCOMES),
         )
         self._recount = (
-            update(Rollout)
-            .where(Rollout.trace_id.in_(bindparam("traces", expanding=True)))
+            update(RolloutRow)
+            .where(RolloutRow.trace_id.in_(bindparam("traces", expanding=True)))
             .values(
                 calls=select(func.count())
                 .select_from(calls)
-                .where(calls.c.trace_id == Rollout.trace_id)
+                .where(calls.c.trace_id == RolloutRow.trace_id)
                 .scalar_subquery()
             )
         )
@@ -292,7 +273,7 @@ class CallLogWriter:
             # Everything but the start: the row keeps the call's place in the rollout's timeline.
             set_={name: upsert.excluded[name] for name in row if name != "started_at"},
         )
-        counted = update(Rollout).where(Rollout.trace_id == row["trace_id"])
+        counted = update(RolloutRow).where(RolloutRow.trace_id == row["trace_id"])
 
         async def run(conn: AsyncConnection) -> None:
             if self._postgres:
@@ -300,7 +281,7 @@ class CallLogWriter:
                 # xmax. The increment, unlike a count, cannot miss a batch committing meanwhile.
                 inserted = (await conn.execute(upsert.returning(text("xmax = 0")))).scalar()
                 if inserted:
-                    await conn.execute(counted.values(calls=Rollout.calls + 1))
+                    await conn.execute(counted.values(calls=RolloutRow.calls + 1))
             else:  # one writer at a time: the count is taken again
                 await conn.execute(upsert)
                 await conn.execute(self._recount, {"traces": [row["trace_id"]]})

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Float, Index, Integer, String, Text, text
+from sqlalchemy import Float, FromClause, Index, Integer, String, Text, text
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import Mapped, mapped_column
 
 from app.db.base import Base, BigIntId, JsonColumn, UtcDateTime
@@ -18,7 +20,9 @@ ANSWERED_ROW = "call_id IS NOT NULL AND outcome IN ('ok', 'model_error')"
 CHANNELS = ("rft", "mcp")
 
 
-class Rollout(Base):
+class RolloutRow(Base):
+    """A rollout's stored row (the client's running rollout is `sparring.client.Rollout`)."""
+
     __tablename__ = "rollouts"
 
     trace_id: Mapped[str] = mapped_column(String(128), primary_key=True)
@@ -135,3 +139,20 @@ class RemoteRollout(Base):
     lease_until: Mapped[datetime] = mapped_column(UtcDateTime())
     created_at: Mapped[datetime] = mapped_column(UtcDateTime())
     finished_at: Mapped[datetime | None] = mapped_column(UtcDateTime())
+
+
+def postgres_columns(table: FromClause, *, without: tuple[str, ...] = ()) -> tuple[tuple[str, str], ...]:
+    """(name, Postgres type) of a table's columns, in table order, without lengths (a length would make
+    a cast truncate what the insert must refuse)."""
+    dialect = postgresql.dialect()  # type: ignore[no-untyped-call]
+    return tuple(
+        (column.name, re.sub(r"\(\d+\)", "", column.type.compile(dialect=dialect)).lower())
+        for column in table.columns
+        if column.name not in without
+    )
+
+
+# What the call-log writer's batch statement reads from JSON (json_to_recordset), from the tables: a
+# logged call fills every column but its id; a rollout's row gets all but its grading time and its count.
+LOGGED_CALL_COLUMNS = postgres_columns(ToolCall.__table__, without=("id",))
+LOGGED_ROLLOUT_COLUMNS = postgres_columns(RolloutRow.__table__, without=("graded_at", "calls"))

@@ -5,11 +5,12 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import orjson
 
 from app.grounding import answer_hash, final_answer, normalize_answer, ungrounded
+from app.rollouts.shapes import RolloutCall
 from sparring import wire
 
 # Outcomes a call can have in the log (named in sparring.wire): the model got an answer (ok, model_error),
@@ -40,21 +41,6 @@ FLAG_NAMES: tuple[str, ...] = (
     GRADE_FAILED,
     CALL_ID_REUSED,
 )
-
-
-class CallView(Protocol):
-    """What the flags read from one logged call (app.rollouts.timeline.RolloutCall has these fields)."""
-
-    @property
-    def seq(self) -> int: ...
-    @property
-    def tool(self) -> str: ...
-    @property
-    def arguments(self) -> Any: ...  # the parsed JSON object, or the raw text
-    @property
-    def output(self) -> str | None: ...
-    @property
-    def outcome(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -111,7 +97,7 @@ def _is_high(score: float | None, policy: FlagPolicy) -> bool:
 
 
 def check_high_score_no_calls(
-    calls: Sequence[CallView], score: float | None, policy: FlagPolicy
+    calls: Sequence[RolloutCall], score: float | None, policy: FlagPolicy
 ) -> Flag | None:
     if calls or not _is_high(score, policy):
         return None
@@ -119,7 +105,7 @@ def check_high_score_no_calls(
 
 
 def check_ungrounded_answer(
-    calls: Sequence[CallView], answer: str, extra_sources: Sequence[str], policy: FlagPolicy
+    calls: Sequence[RolloutCall], answer: str, extra_sources: Sequence[str], policy: FlagPolicy
 ) -> Flag | None:
     sources = [c.output for c in calls if c.output] + list(extra_sources)
     missing = ungrounded_values(answer, sources, policy)
@@ -130,7 +116,7 @@ def check_ungrounded_answer(
     return Flag(UNGROUNDED_ANSWER, f"the answer states {listed}{more}, found in no tool output")
 
 
-def check_repeated_calls(calls: Sequence[CallView], policy: FlagPolicy) -> Flag | None:
+def check_repeated_calls(calls: Sequence[RolloutCall], policy: FlagPolicy) -> Flag | None:
     # Only answered calls: a call the environment failed (and the trainer retried) is not a model loop.
     groups: dict[tuple[str, str], list[int]] = {}
     for call in calls:
@@ -145,7 +131,7 @@ def check_repeated_calls(calls: Sequence[CallView], policy: FlagPolicy) -> Flag 
     return Flag(REPEATED_CALL, f"the same call with the same arguments repeated: {described}", evidence)
 
 
-def check_over_budget(calls: Sequence[CallView], policy: FlagPolicy) -> Flag | None:
+def check_over_budget(calls: Sequence[RolloutCall], policy: FlagPolicy) -> Flag | None:
     answered = [c.seq for c in calls if c.outcome in ANSWERED]
     if len(answered) <= policy.call_budget:
         return None
@@ -173,7 +159,7 @@ def check_identical_answer(answer: str, same_answer_items: int, policy: FlagPoli
     )
 
 
-def check_tool_errors(calls: Sequence[CallView]) -> Flag | None:
+def check_tool_errors(calls: Sequence[RolloutCall]) -> Flag | None:
     failed = [c for c in calls if c.outcome in ENVIRONMENT_FAILURES]
     if not failed:
         return None
@@ -184,7 +170,7 @@ def check_tool_errors(calls: Sequence[CallView]) -> Flag | None:
     )
 
 
-def check_call_id_reused(calls: Sequence[CallView]) -> Flag | None:
+def check_call_id_reused(calls: Sequence[RolloutCall]) -> Flag | None:
     # The outcome app/calls/service.py logs for a call whose call_id had answered a different call.
     reused = [c.seq for c in calls if c.outcome == CALL_ID_REUSED]
     if not reused:
@@ -204,7 +190,7 @@ def check_grade_failed(status: str, errors: Sequence[str]) -> Flag | None:
 
 
 def compute_flags(
-    calls: Sequence[CallView] | None,
+    calls: Sequence[RolloutCall] | None,
     *,
     answer: str,
     score: float | None,

@@ -24,8 +24,9 @@ from app.grading.recording import store_grade
 from app.grading.repository import GradeRepository
 from app.grounding import prompt_texts
 from app.metrics import Metrics
+from app.rollouts.shapes import RolloutDetail
 from app.rollouts.store import RolloutStore
-from app.rollouts.timeline import RolloutTimeline, read_timeline
+from app.rollouts.timeline import read_timeline
 from app.sdk import GradingConfigError
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,7 @@ class GradingService:
             self._config_errors_reported.add(key)
         log.error("grader %s configuration error (grades fail with 422 until fixed): %s", grader, message)
 
-    async def _record(self, timeline: RolloutTimeline, trace_id: str, *, with_state: bool) -> RolloutRecord:
+    async def _record(self, timeline: RolloutDetail, trace_id: str, *, with_state: bool) -> RolloutRecord:
         # `trace_id` as the calls sent it: the store's key (the timeline's is as stored, NUL as U+FFFD).
         state = await self.store.changes(trace_id) if with_state else {}
         # The log shows calls of tools that read or write state, but the store has nothing: the state
@@ -124,12 +125,12 @@ class GradingService:
         lost = (
             with_state
             and not state
-            and any(c.tool in self.state_tools for c in timeline.calls)
+            and any(c.tool in self.state_tools for c in timeline.timeline)
             and not await self.store.seen(trace_id)
         )
         return RolloutRecord(
             trace_id=trace_id,
-            calls=timeline.calls,
+            calls=timeline.timeline,
             first_seen=timeline.first_seen,
             last_seen=timeline.last_seen,
             state=state,
@@ -138,9 +139,9 @@ class GradingService:
 
     async def prepare(
         self, grader: Grader, sample: Mapping[str, Any], item: Mapping[str, Any], trace_id: str | None
-    ) -> tuple[RolloutTimeline | None, GradeInput]:
+    ) -> tuple[RolloutDetail | None, GradeInput]:
         """What the grader is given: the request, and what the server recorded for the trace."""
-        timeline: RolloutTimeline | None = None
+        timeline: RolloutDetail | None = None
         if trace_id:
             async with self.database.session() as session:
                 timeline = await read_timeline(session, storable(trace_id))

@@ -9,7 +9,7 @@ from datetime import datetime
 from sqlalchemy import ColumnElement, and_, delete, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from app.db.models import Grade, Rollout, ToolCall
+from app.db.models import Grade, RolloutRow, ToolCall
 
 
 @dataclass(frozen=True)
@@ -24,8 +24,10 @@ class Removed:
 
 def _old_rollout(cutoff: datetime, run: str | None) -> ColumnElement[bool]:
     """A rollout is old when nothing happened to it since the cutoff: no call, no grade."""
-    condition = and_(Rollout.last_seen < cutoff, or_(Rollout.graded_at.is_(None), Rollout.graded_at < cutoff))
-    return and_(condition, Rollout.run == run) if run is not None else condition
+    condition = and_(
+        RolloutRow.last_seen < cutoff, or_(RolloutRow.graded_at.is_(None), RolloutRow.graded_at < cutoff)
+    )
+    return and_(condition, RolloutRow.run == run) if run is not None else condition
 
 
 def _old_traceless_grade(cutoff: datetime, run: str | None) -> ColumnElement[bool]:
@@ -41,7 +43,10 @@ class RetentionRepository:
     async def old_trace_ids(self, cutoff: datetime, run: str | None, limit: int) -> Sequence[str]:
         """The oldest `limit` old rollouts (the index on last_seen finds them)."""
         query = (
-            select(Rollout.trace_id).where(_old_rollout(cutoff, run)).order_by(Rollout.last_seen).limit(limit)
+            select(RolloutRow.trace_id)
+            .where(_old_rollout(cutoff, run))
+            .order_by(RolloutRow.last_seen)
+            .limit(limit)
         )
         return (await self.session.scalars(query)).all()
 
@@ -55,9 +60,9 @@ class RetentionRepository:
         """
         deleted = (
             await self.session.scalars(
-                delete(Rollout)
-                .where(Rollout.trace_id.in_(trace_ids), _old_rollout(cutoff, None))
-                .returning(Rollout.trace_id)
+                delete(RolloutRow)
+                .where(RolloutRow.trace_id.in_(trace_ids), _old_rollout(cutoff, None))
+                .returning(RolloutRow.trace_id)
                 .execution_options(synchronize_session=False)
             )
         ).all()
@@ -86,7 +91,7 @@ class RetentionRepository:
 
     async def count_old(self, cutoff: datetime, run: str | None) -> Removed:
         """What a prune with these arguments would remove now (for --dry-run)."""
-        old = select(Rollout.trace_id).where(_old_rollout(cutoff, run))
+        old = select(RolloutRow.trace_id).where(_old_rollout(cutoff, run))
         rollouts = await self.session.scalar(select(func.count()).select_from(old.subquery()))
         calls = await self.session.scalar(
             select(func.count())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Annotated, Literal
 from urllib.parse import quote
@@ -12,16 +13,39 @@ from fastapi.responses import StreamingResponse
 
 from app.deps import Database, DatabaseDep
 from app.review import schemas as s
+from app.review.deps import RolloutReviewDep, RolloutReviewWritingDep, RunStatisticsDep
 from app.review.repository import RolloutFilter
-from app.review.service import ReviewService
+from app.review.service import RolloutReview
 from app.review.session import require_review_access
+from app.rollouts.shapes import RolloutDetail
 
 ReviewAccess = Annotated[str, Depends(require_review_access)]
 
 router = APIRouter(prefix="/review/api", tags=["review"])
 export_router = APIRouter(tags=["review"])
+# The machines' paths to the same reads: `GET /rollouts` is the rollout list, `GET /rollouts/{trace_id}`
+# the same detail (the state of a rollout, `/rollouts/{trace_id}/state`, is in app/rollouts/routes.py).
+rollouts_router = APIRouter(prefix="/rollouts", tags=["rollouts"])
 
 GraderQuery = Annotated[str | None, Query(description="Count the latest grade of this grader only.")]
+
+
+@dataclass(frozen=True)
+class RunScope:
+    """What a run's statistics count: the run's rollouts, scored by the latest grade (of `grader`)."""
+
+    run: str
+    grader: str | None
+
+
+def run_scope(
+    run: Annotated[str, Query(description="Run label (the X-Sparring-Run header).")],
+    grader: GraderQuery = None,
+) -> RunScope:
+    return RunScope(run, grader)
+
+
+RunScopeDep = Annotated[RunScope, Depends(run_scope)]
 ItemOrder = Literal["mean", "variance", "rollouts", "item"]
 RolloutSort = Literal["time", "score", "calls", "duration"]
 
@@ -33,16 +57,18 @@ ChannelQuery = Annotated[
 
 
 @router.get("/runs")
-async def list_runs(_: ReviewAccess, db: DatabaseDep, channel: ChannelQuery = None) -> list[s.RunOut]:
+async def list_runs(
+    _: ReviewAccess, review: RolloutReviewDep, channel: ChannelQuery = None
+) -> list[s.RunOut]:
     """Run labels (from the X-Sparring-Run header) with their rollouts per channel, most recent first."""
-    async with db.session() as session:
-        return await ReviewService(session).runs(channel)
+    return await review.runs(channel)
 
 
 @router.get("/rollouts")
+@rollouts_router.get("")
 async def list_rollouts(
     _: ReviewAccess,
-    db: DatabaseDep,
+    review: RolloutReviewDep,
     run: str | None = None,
     channel: ChannelQuery = None,
     item: str | None = None,
@@ -78,109 +104,94 @@ async def list_rollouts(
         status=status,
         q=q.strip() if q and q.strip() else None,
     )
-    async with db.session() as session:
-        return await ReviewService(session).rollouts(
-            filters, limit=limit, cursor=cursor, sort=sort, descending=order == "desc", count=count
-        )
+    return await review.rollouts(
+        filters, limit=limit, cursor=cursor, sort=sort, descending=order == "desc", count=count
+    )
 
 
 @router.get("/graders")
-async def list_graders(_: ReviewAccess, db: DatabaseDep, run: str | None = None) -> list[s.GraderOut]:
+async def list_graders(
+    _: ReviewAccess, review: RolloutReviewDep, run: str | None = None
+) -> list[s.GraderOut]:
     """Graders that graded the run's rollouts (or any rollout), most rollouts first."""
-    async with db.session() as session:
-        return await ReviewService(session).graders(run)
+    return await review.graders(run)
 
 
 @router.get("/rollouts/{trace_id}")
-async def rollout_timeline(trace_id: str, _: ReviewAccess, db: DatabaseDep) -> s.Timeline:
+@rollouts_router.get("/{trace_id}")
+async def rollout_detail(trace_id: str, _: ReviewAccess, review: RolloutReviewDep) -> RolloutDetail:
     """Calls in order with their parallel batch, and every grade with sub-scores and flags."""
-    async with db.session() as session:
-        return await ReviewService(session).timeline(trace_id)
+    return await review.detail(trace_id)
 
 
 @router.get("/rollouts/{trace_id}/graded-on")
 async def rollout_graded_on(
-    trace_id: str, _: ReviewAccess, db: DatabaseDep, grader: GraderQuery = None
+    trace_id: str, _: ReviewAccess, review: RolloutReviewDep, grader: GraderQuery = None
 ) -> s.GradedOn:
     """The dataset row and the sample the rollout's latest grade was given, and its item's statistics."""
-    async with db.session() as session:
-        return await ReviewService(session).graded_on(trace_id, grader)
+    return await review.graded_on(trace_id, grader)
 
 
 @router.post("/rollouts/{trace_id}/recompute-flags")
-async def recompute_flags(trace_id: str, _: ReviewAccess, db: DatabaseDep) -> s.RecomputedFlags:
+async def recompute_flags(
+    trace_id: str, _: ReviewAccess, review: RolloutReviewWritingDep
+) -> s.RecomputedFlags:
     """Recompute the review flags of the rollout's grades from the stored calls and answers."""
-    async with db.session(write=True) as session:
-        service = ReviewService(session)
-        await service.recompute_flags(trace_id)
-        timeline = await service.timeline(trace_id)
-    return s.RecomputedFlags(trace_id=trace_id, grades=timeline.grades)
+    await review.recompute_flags(trace_id)
+    return s.RecomputedFlags(trace_id=trace_id, grades=(await review.detail(trace_id)).grades)
 
 
 @router.get("/stats")
-async def run_stats(
-    _: ReviewAccess, db: DatabaseDep, run: Annotated[str, Query()], grader: GraderQuery = None
-) -> s.RunStats:
+async def run_stats(_: ReviewAccess, stats: RunStatisticsDep, scope: RunScopeDep) -> s.RunStats:
     """A run's calls, tools, latencies, errors, rewards, items and flags, aggregated in the database."""
-    async with db.session() as session:
-        return await ReviewService(session, sessions=db.sessions).run_stats(run, grader)
+    return await stats.run_stats(scope.run, scope.grader)
 
 
 @router.get("/curve")
 async def reward_curve(
     _: ReviewAccess,
-    db: DatabaseDep,
-    run: Annotated[str, Query()],
-    grader: GraderQuery = None,
+    stats: RunStatisticsDep,
+    scope: RunScopeDep,
     axis: Annotated[
         Literal["time", "order"], Query(description="Equal spans of time, or equal numbers of rollouts.")
     ] = "time",
     windows: Annotated[int, Query(ge=1, le=200)] = 20,
 ) -> s.RewardCurve:
     """The learning curve: reward mean and spread, calls per rollout, tool errors and flags per window."""
-    async with db.session() as session:
-        return await ReviewService(session, sessions=db.sessions).reward_curve(
-            run, grader, axis=axis, windows=windows
-        )
+    return await stats.reward_curve(scope.run, scope.grader, axis=axis, windows=windows)
 
 
 @router.get("/items")
 async def item_stats(
     _: ReviewAccess,
-    db: DatabaseDep,
-    run: Annotated[str, Query()],
-    grader: GraderQuery = None,
+    stats: RunStatisticsDep,
+    scope: RunScopeDep,
     order: ItemOrder = "mean",
     limit: Annotated[int, Query(ge=1, le=5000)] = 500,
     offset: Annotated[int, Query(ge=0)] = 0,
 ) -> s.ItemStatsPage:
     """Per item across its rollouts: mean, variance, always 0 / always 1 (no learning signal)."""
-    async with db.session() as session:
-        return await ReviewService(session, sessions=db.sessions).item_stats(
-            run, grader, order=order, limit=limit, offset=offset
-        )
+    return await stats.item_stats(scope.run, scope.grader, order=order, limit=limit, offset=offset)
 
 
 @router.get("/compare")
 async def compare_runs(
     _: ReviewAccess,
-    db: DatabaseDep,
+    stats: RunStatisticsDep,
     a: Annotated[str, Query(description="Baseline run label.")],
     b: Annotated[str, Query(description="Run compared with the baseline.")],
     grader: GraderQuery = None,
 ) -> s.RunComparison:
     """Two runs side by side (b minus a): reward, calls per rollout, latency, tool mix, items."""
-    async with db.session() as session:
-        return await ReviewService(session, sessions=db.sessions).compare(a, b, grader)
+    return await stats.compare(a, b, grader)
 
 
 @router.get("/flags")
 async def flag_counts(
-    _: ReviewAccess, db: DatabaseDep, run: str | None = None, grader: GraderQuery = None
+    _: ReviewAccess, stats: RunStatisticsDep, run: str | None = None, grader: GraderQuery = None
 ) -> list[s.FlagCount]:
     """Rollouts per flag (latest grade of each rollout)."""
-    async with db.session() as session:
-        return await ReviewService(session).flag_counts(run, grader)
+    return await stats.flag_counts(run, grader)
 
 
 @export_router.get(
@@ -224,5 +235,5 @@ def _attachment(filename: str) -> str:
 
 async def _export_lines(db: Database, run: str | None) -> AsyncIterator[bytes]:
     async with db.session() as session:
-        async for line in ReviewService(session).export_lines(run):
+        async for line in RolloutReview(session).export_lines(run):
             yield line

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
 
 from markupsafe import Markup, escape
+
+from app.review.formatting import score, when
+from app.review.schemas import CurveWindow, RewardCurve, RunComparison, RunStats
 
 WIDTH, HEIGHT = 640, 240
 MARGIN_LEFT, MARGIN_RIGHT, MARGIN_TOP, MARGIN_BOTTOM = 48, 12, 12, 44
@@ -362,3 +367,193 @@ def pair_chart(
         body.append(f'<circle cx="{_num(x)}" cy="{y - 3}" r="4" fill="{color}"/>')
         body.append(f'<text class="legend" x="{_num(x + 10)}" y="{y + 1}">{kind}</text>')
     return _frame(chart, title, body, width=width, height=MARGIN_TOP + size + MARGIN_BOTTOM)
+
+
+# --- the charts of the review pages, from the statistics ---------------------------------------------
+
+
+def run_charts(stats: RunStats, items: list[ItemPoint]) -> dict[str, Any]:
+    reward = stats.reward.histogram
+    cpr = stats.calls_per_rollout_histogram
+    width_one = all(b - a == 1 for a, b in zip(cpr.edges, cpr.edges[1:], strict=False))
+    lo, hi = reward.edges[0], reward.edges[-1]
+    return {
+        "reward": bar_chart(
+            "reward",
+            "Reward histogram (latest grade per rollout)",
+            [f"{a:.2g}–{b:.2g}" for a, b in zip(reward.edges, reward.edges[1:], strict=False)],
+            reward.counts,
+            x_label="score",
+            y_label="rollouts",
+        ),
+        "calls": bar_chart(
+            "calls-per-rollout",
+            "Tool calls per rollout",
+            [
+                f"{a:g}" if width_one else f"{a:g}–{b - 1:g}"
+                for a, b in zip(cpr.edges, cpr.edges[1:], strict=False)
+            ],
+            cpr.counts,
+            x_label="tool calls",
+            y_label="rollouts",
+        ),
+        "latency": latency_chart(
+            "tool-latency",
+            "Latency per tool (p50, p90, p99)",
+            [
+                ToolLatency(t.tool, t.latency_p50_ms or 0.0, t.latency_p90_ms or 0.0, t.latency_p99_ms or 0.0)
+                for t in stats.tools
+            ],
+        ),
+        "item_variance": item_chart(
+            "item-variance", "Per-item mean score and spread", items, lo=min(0.0, lo), hi=max(1.0, hi)
+        ),
+    }
+
+
+def _curve_ticks(curve: RewardCurve, count: int) -> tuple[list[tuple[float, str]], str]:
+    """The x axis of a learning curve: its ticks (0..1) and its label."""
+    windows = curve.windows
+    if curve.axis != "time":
+        total = sum(w.rollouts for w in windows)
+        return [
+            (0.0, "1"),
+            (0.5, f"{total // 2:,}"),
+            (1.0, f"{total:,}"),
+        ], "rollouts in the order they started"
+    step = windows[0].end - windows[0].start
+    first = windows[0].start - windows[0].index * step
+    seconds = (step * count).total_seconds()
+
+    def stamp(moment: datetime) -> str:
+        moment = moment.astimezone(UTC)
+        if seconds > 86400:
+            return moment.strftime("%m-%d %H:%M")
+        if seconds < 10:
+            return moment.strftime("%H:%M:%S.%f")[:-3]
+        return moment.strftime("%H:%M:%S")
+
+    ticks = [(i / 4, stamp(first + step * (count * i / 4))) for i in range(5)]
+    return ticks, "time (UTC) of the rollouts' first calls"
+
+
+def _curve_points(curve: RewardCurve, count: int) -> dict[str, list[CurvePoint]]:
+    """Per series (reward with its ±1 std band, calls, tool errors), one point per window."""
+
+    def x(w: CurveWindow) -> float:
+        return (w.index + 0.5) / count
+
+    def where(w: CurveWindow) -> str:
+        return f"{when(w.start)} – {when(w.end)}" if curve.axis == "time" else f"window {w.index + 1}"
+
+    def band(w: CurveWindow, mean: float) -> CurvePoint:
+        spread = w.reward_std or 0.0
+        text = f"{where(w)}: mean {score(mean)} ± {score(w.reward_std)}, {w.scored} scored"
+        return CurvePoint(x(w), mean, mean - spread, mean + spread, text)
+
+    windows = curve.windows
+    return {
+        "reward": [band(w, w.reward_mean) for w in windows if w.reward_mean is not None],
+        "calls": [
+            CurvePoint(x(w), w.calls_per_rollout, None, None, f"{where(w)}: {w.calls_per_rollout:.3g} calls")
+            for w in windows
+        ],
+        "errors": [
+            CurvePoint(
+                x(w),
+                w.tool_errors_per_rollout,
+                None,
+                None,
+                f"{where(w)}: {w.tool_errors} tool errors in {w.rollouts} rollouts",
+            )
+            for w in windows
+        ],
+    }
+
+
+def curve_charts(curve: RewardCurve, windows: int, most_flags: int) -> dict[str, Any]:
+    """The learning curve: one point per window of reward (with its ±1 std band), calls, errors, flags."""
+    if not curve.windows:
+        return {}
+    count = (curve.windows[-1].index + 1) if curve.axis == "order" else windows
+    ticks, x_label = _curve_ticks(curve, count)
+    points = _curve_points(curve, count)
+    means = [p.y for p in points["reward"]]
+    names = curve.flag_names[:most_flags]
+    series = [(n, [w.flags.get(n, 0) / w.rollouts for w in curve.windows]) for n in names]
+    return {
+        "reward": curve_chart(
+            "reward-curve",
+            "Reward per window: mean and ±1 std band",
+            points["reward"],
+            y_label="reward",
+            lo=min([0.0, *means]),
+            hi=max([1.0, *means]),
+            x_label=x_label,
+            x_ticks=ticks,
+        ),
+        "calls": curve_chart(
+            "calls-curve",
+            "Tool calls per rollout, per window",
+            points["calls"],
+            y_label="calls per rollout",
+            lo=0.0,
+            x_label=x_label,
+            x_ticks=ticks,
+        ),
+        "errors": curve_chart(
+            "errors-curve",
+            "Tool errors per rollout, per window",
+            points["errors"],
+            y_label="errors per rollout",
+            lo=0.0,
+            x_label=x_label,
+            x_ticks=ticks,
+        ),
+        "flags": lines_chart(
+            "flags-curve",
+            "Share of rollouts flagged, per window",
+            [(w.index + 0.5) / count for w in curve.windows],
+            series,
+            y_label="share of rollouts",
+            x_label=x_label,
+            x_ticks=ticks,
+        )
+        if series
+        else None,
+    }
+
+
+def compare_charts(c: RunComparison) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    ha, hb = c.reward_histogram_a, c.reward_histogram_b
+    if ha is not None and hb is not None:
+        # Shares of each run's scored rollouts, on one scale: runs of different sizes compare.
+        shares = {
+            side: [100 * n / (sum(h.counts) or 1) for n in h.counts] for side, h in (("a", ha), ("b", hb))
+        }
+        top = max([*shares["a"], *shares["b"]], default=0) or 1
+        labels = [f"{x:.2g}–{y:.2g}" for x, y in zip(ha.edges, ha.edges[1:], strict=False)]
+        for side, run in (("a", c.a.run), ("b", c.b.run)):
+            out[f"reward_{side}"] = bar_chart(
+                f"reward-{side}",
+                f"Reward histogram of {run} (% of its scored rollouts)",
+                labels,
+                shares[side],
+                x_label="score",
+                y_label="% of scored rollouts",
+                top=top,
+            )
+    if c.item_deltas:
+        points = [PairPoint(d.item_key or "(none)", d.mean_a, d.mean_b) for d in c.item_deltas]
+        values = [v for p in points for v in (p.a, p.b)]
+        out["items"] = pair_chart(
+            "item-pairs",
+            "Per-item mean score, baseline against compared",
+            points,
+            a_label=f"mean in {c.a.run}",
+            b_label=f"mean in {c.b.run}",
+            lo=min([0.0, *values]),
+            hi=max([1.0, *values]),
+        )
+    return out

@@ -31,13 +31,13 @@ def _with_engine(work: Callable[[AsyncEngine], Awaitable[T]]) -> T:
 async def export_to(engine: AsyncEngine, run: str | None, out: Path | None) -> int:
     """Write the export (the same lines as GET /export) to `out`, or stdout; returns the line count."""
     from app.db.session import build_sessionmaker
-    from app.review.service import ReviewService
+    from app.review.service import RolloutReview
 
     count = 0
     sink = out.open("wb") if out is not None else sys.stdout.buffer
     try:
         async with build_sessionmaker(engine)() as session:
-            async for line in ReviewService(session).export_lines(run):
+            async for line in RolloutReview(session).export_lines(run):
                 sink.write(line)
                 count += 1
     finally:
@@ -64,14 +64,14 @@ def export(
 async def recompute_run(engine: AsyncEngine, run: str) -> int:
     from app.db.session import build_sessionmaker
     from app.review.repository import ReviewRepository
-    from app.review.service import ReviewService
+    from app.review.service import RolloutReview
 
     sessions = build_sessionmaker(engine)
     async with sessions() as session:
         trace_ids = await ReviewRepository(session).grade_ids_for_run(run)
     for start in range(0, len(trace_ids), 200):
         async with sessions() as session, session.begin():
-            service = ReviewService(session)
+            service = RolloutReview(session)
             for trace_id in trace_ids[start : start + 200]:
                 await service.recompute_flags(trace_id)
     return len(trace_ids)

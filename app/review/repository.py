@@ -1,7 +1,7 @@
 """The review's lists: filtered rollouts, runs, the graded rollouts of a run, export batches.
 
 Portable across Postgres and SQLite; where they differ (JSON containment) the query branches on the
-dialect here. A run's statistics are in app/review/stats_repository.py.
+dialect here. A run's statistics (and its learning curve) are in app/review/stats_repository.py.
 """
 
 from __future__ import annotations
@@ -26,11 +26,10 @@ from sqlalchemy import (
     type_coerce,
 )
 from sqlalchemy.dialects.postgresql import JSONB
-from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import aliased
 
-from app.db.models import Grade, Rollout, ToolCall
-from app.review.stats_repository import ItemRow
+from app.db.models import Grade, RolloutRow, ToolCall
+from app.review.stats_repository import ItemRow, Queries
 
 
 @dataclass(frozen=True)
@@ -62,9 +61,9 @@ class GraderRow:
 
 
 @dataclass(frozen=True)
-class RolloutRow:
-    rollout: Rollout
-    calls: int
+class ListedRollout:
+    rollout: RolloutRow
+    call_count: int
     grade: Grade | None
     key: Any = None  # the value of the sort key, for the next page's cursor
 
@@ -78,27 +77,22 @@ class RunRow:
     channels: dict[str, int]
 
 
-class ReviewRepository:
-    def __init__(self, session: AsyncSession) -> None:
-        self.session = session
-
-    @property
-    def dialect(self) -> str:
-        return self.session.get_bind().dialect.name
+class ReviewRepository(Queries):
+    """The queries of the rollout list, the runs, the graders and the export."""
 
     # --- lists ---------------------------------------------------------------------------------------
 
     async def runs(self, limit: int = 500, channel: str | None = None) -> list[RunRow]:
         """Run labels, most recent first, with their rollouts per channel (`channel`: that channel's only)."""
         query = select(
-            Rollout.run,
-            Rollout.channel,
+            RolloutRow.run,
+            RolloutRow.channel,
             func.count(),
-            func.min(Rollout.first_seen),
-            func.max(Rollout.last_seen),
-        ).group_by(Rollout.run, Rollout.channel)
+            func.min(RolloutRow.first_seen),
+            func.max(RolloutRow.last_seen),
+        ).group_by(RolloutRow.run, RolloutRow.channel)
         if channel is not None:
-            query = query.where(Rollout.channel == channel)
+            query = query.where(RolloutRow.channel == channel)
         runs: dict[str | None, RunRow] = {}
         for run, kind, count, first, last in (await self.session.execute(query)).all():
             row = runs.get(run)
@@ -121,31 +115,35 @@ class ReviewRepository:
         before: tuple[Any, str] | None = None,
         sort: str = "time",
         descending: bool = True,
-    ) -> list[RolloutRow]:
+    ) -> list[ListedRollout]:
         """Keyset-paginated on (sort key, trace_id): deep pages cost what the first does.
 
-        `before` is the (key, trace_id) of the previous page's last row (`RolloutRow.key`).
+        `before` is the (key, trace_id) of the previous page's last row (`ListedRollout.key`).
         """
         key = self.sort_key(sort)
         query = (
-            select(Rollout, Grade, key)
+            select(RolloutRow, Grade, key)
             .outerjoin(Grade, Grade.id == self._latest_grade_id(filters.grader))
-            .order_by(*((key.desc(), Rollout.trace_id.desc()) if descending else (key, Rollout.trace_id)))
+            .order_by(
+                *((key.desc(), RolloutRow.trace_id.desc()) if descending else (key, RolloutRow.trace_id))
+            )
             .limit(limit)
         )
         query = query.where(*self._conditions(filters))
         if before is not None:
-            position = tuple_(key, Rollout.trace_id)
+            position = tuple_(key, RolloutRow.trace_id)
             query = query.where(position < tuple_(*before) if descending else position > tuple_(*before))
         result = await self.session.execute(query)
         # rollouts.calls is recounted by the log writer in the transaction that logs the calls.
-        return [RolloutRow(rollout=r[0], calls=r[0].calls, grade=r[1], key=r[2]) for r in result.all()]
+        return [
+            ListedRollout(rollout=r[0], call_count=r[0].calls, grade=r[1], key=r[2]) for r in result.all()
+        ]
 
     async def count_rollouts(self, filters: RolloutFilter) -> int:
         """How many rollouts the filters match (the same join and conditions as `rollouts`)."""
         query = (
             select(func.count())
-            .select_from(Rollout)
+            .select_from(RolloutRow)
             .outerjoin(Grade, Grade.id == self._latest_grade_id(filters.grader))
             .where(*self._conditions(filters))
         )
@@ -161,7 +159,7 @@ class ReviewRepository:
                 func.min(Grade.score),
                 func.max(Grade.score),
             )
-            .select_from(Rollout)
+            .select_from(RolloutRow)
             .join(Grade, Grade.id == self._latest_grade_id(filters.grader))
             .where(*self._conditions(filters))
         )
@@ -181,12 +179,12 @@ class ReviewRepository:
         if sort == "score":
             return func.coalesce(Grade.score, NO_SCORE)
         if sort == "calls":
-            return Rollout.__table__.c.calls
+            return RolloutRow.__table__.c.calls
         if sort == "duration":  # seconds from the rollout's first call to its last
             if self.dialect == "postgresql":
-                return cast(func.extract("epoch", Rollout.last_seen - Rollout.first_seen), Float)
-            return (func.julianday(Rollout.last_seen) - func.julianday(Rollout.first_seen)) * 86400.0
-        return Rollout.__table__.c.last_seen
+                return cast(func.extract("epoch", RolloutRow.last_seen - RolloutRow.first_seen), Float)
+            return (func.julianday(RolloutRow.last_seen) - func.julianday(RolloutRow.first_seen)) * 86400.0
+        return RolloutRow.__table__.c.last_seen
 
     def _answer_text(self) -> ColumnElement[Any]:
         """The grade's final answer as `final_answer` reads it: output_text, else the last message's text."""
@@ -201,33 +199,33 @@ class ReviewRepository:
         rollouts = func.count(func.distinct(Grade.trace_id))
         query = select(Grade.grader, rollouts).group_by(Grade.grader).order_by(rollouts.desc(), Grade.grader)
         if run is not None:
-            query = query.join(Rollout, Rollout.trace_id == Grade.trace_id).where(Rollout.run == run)
+            query = query.join(RolloutRow, RolloutRow.trace_id == Grade.trace_id).where(RolloutRow.run == run)
         result = await self.session.execute(query)
         return [GraderRow(grader=r[0], rollouts=int(r[1])) for r in result.all()]
 
     def _latest_grade_id(self, grader: str | None) -> Any:
         latest = aliased(Grade)
-        query = select(func.max(latest.id)).where(latest.trace_id == Rollout.trace_id)
+        query = select(func.max(latest.id)).where(latest.trace_id == RolloutRow.trace_id)
         if grader is not None:
             query = query.where(latest.grader == grader)
-        return query.correlate(Rollout).scalar_subquery()
+        return query.correlate(RolloutRow).scalar_subquery()
 
     def _conditions(self, f: RolloutFilter) -> list[ColumnElement[bool]]:
         conditions: list[ColumnElement[bool]] = []
         if f.run is not None:
-            conditions.append(Rollout.run == f.run)
+            conditions.append(RolloutRow.run == f.run)
         if f.channel is not None:
-            conditions.append(Rollout.channel == f.channel)
+            conditions.append(RolloutRow.channel == f.channel)
         if f.item_key is not None:
             # "item-7" finds "id:item-7": the key's field prefix is optional.
             # A rollout belongs to an item by its own key, or by the key of any of its grades.
             graded = aliased(Grade)
             conditions.append(
                 or_(
-                    Rollout.item_key == f.item_key,
-                    Rollout.item_key.endswith(f":{f.item_key}", autoescape=True),
+                    RolloutRow.item_key == f.item_key,
+                    RolloutRow.item_key.endswith(f":{f.item_key}", autoescape=True),
                     exists().where(
-                        graded.trace_id == Rollout.trace_id,
+                        graded.trace_id == RolloutRow.trace_id,
                         or_(
                             graded.item_key == f.item_key,
                             graded.item_key.endswith(f":{f.item_key}", autoescape=True),
@@ -238,8 +236,8 @@ class ReviewRepository:
         if f.q is not None:
             conditions.append(
                 or_(
-                    Rollout.trace_id.icontains(f.q, autoescape=True),
-                    Rollout.item_key.icontains(f.q, autoescape=True),
+                    RolloutRow.trace_id.icontains(f.q, autoescape=True),
+                    RolloutRow.item_key.icontains(f.q, autoescape=True),
                     self._answer_text().icontains(f.q, autoescape=True),
                 )
             )
@@ -250,11 +248,13 @@ class ReviewRepository:
         if f.flag is not None:
             conditions.append(self._has_flag(f.flag))
         if f.tool is not None:
-            conditions.append(Rollout.trace_id.in_(select(ToolCall.trace_id).where(ToolCall.tool == f.tool)))
+            conditions.append(
+                RolloutRow.trace_id.in_(select(ToolCall.trace_id).where(ToolCall.tool == f.tool))
+            )
         if f.since is not None:
-            conditions.append(Rollout.last_seen >= f.since)
+            conditions.append(RolloutRow.last_seen >= f.since)
         if f.until is not None:
-            conditions.append(Rollout.last_seen < f.until)
+            conditions.append(RolloutRow.last_seen < f.until)
         if f.status == "ungraded":
             conditions.append(Grade.id.is_(None))
         elif f.status is not None:
@@ -276,9 +276,9 @@ class ReviewRepository:
     async def grade_ids_for_run(self, run: str) -> list[str]:
         """Trace ids of the run's graded rollouts (for recomputing their flags)."""
         result = await self.session.scalars(
-            select(Rollout.trace_id)
-            .where(Rollout.run == run, exists().where(Grade.trace_id == Rollout.trace_id))
-            .order_by(Rollout.trace_id)
+            select(RolloutRow.trace_id)
+            .where(RolloutRow.run == run, exists().where(Grade.trace_id == RolloutRow.trace_id))
+            .order_by(RolloutRow.trace_id)
         )
         return list(result.all())
 
@@ -286,15 +286,15 @@ class ReviewRepository:
 
     async def export_batches(
         self, run: str | None, *, batch_size: int = 200
-    ) -> AsyncIterator[list[tuple[Rollout, list[ToolCall], list[Grade]]]]:
+    ) -> AsyncIterator[list[tuple[RolloutRow, list[ToolCall], list[Grade]]]]:
         """The run's rollouts in trace_id order with their calls and grades, a batch at a time."""
         after: str | None = None
         while True:
-            query = select(Rollout).order_by(Rollout.trace_id).limit(batch_size)
+            query = select(RolloutRow).order_by(RolloutRow.trace_id).limit(batch_size)
             if run is not None:
-                query = query.where(Rollout.run == run)
+                query = query.where(RolloutRow.run == run)
             if after is not None:
-                query = query.where(Rollout.trace_id > after)
+                query = query.where(RolloutRow.trace_id > after)
             rollouts = list((await self.session.scalars(query)).all())
             if not rollouts:
                 return

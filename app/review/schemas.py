@@ -1,56 +1,13 @@
-"""Shapes of the review API's answers (and of the export's lines)."""
+"""Shapes of the review API's lists and statistics (a rollout's own shapes are in app/rollouts/shapes.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
 from pydantic import BaseModel
 
-from app.rollouts.timeline import RolloutCall, RolloutTimeline
-
-
-class FlagOut(BaseModel):
-    name: str
-    reason: str
-    evidence: list[int]
-
-
-class CallOut(RolloutCall):
-    flags: list[str]  # names of the flags that cite this call as evidence
-
-
-class GradeOut(BaseModel):
-    id: int
-    grader: str
-    grader_version: str
-    status: str
-    score: float | None
-    sub_scores: dict[str, Any]
-    flags: list[FlagOut]
-    errors: list[Any]
-    answer: str
-    answer_hash: str | None
-    item_key: str | None
-    run: str | None
-    latency_ms: float
-    created_at: datetime
-
-
-class RolloutSummary(BaseModel):
-    trace_id: str
-    run: str | None
-    channel: str | None  # rft: the tool routes (training); mcp: the MCP server (production, local)
-    item_key: str | None
-    first_seen: datetime
-    last_seen: datetime
-    graded_at: datetime | None
-    calls: int
-    grader: str | None
-    status: str | None  # of the latest grade; None: not graded
-    score: float | None
-    flags: list[str]
+from app.rollouts.shapes import GradeOut, RolloutSummary
 
 
 class RolloutPage(BaseModel):
@@ -62,13 +19,6 @@ class RolloutPage(BaseModel):
 class GraderOut(BaseModel):
     grader: str
     rollouts: int  # rollouts with at least one grade of this grader
-
-
-class Timeline(RolloutTimeline):
-    """The rollout's timeline (app/rollouts/timeline.py), each call with the flags citing it, and grades."""
-
-    calls: Sequence[CallOut]
-    grades: list[GradeOut]
 
 
 class RunOut(BaseModel):

@@ -19,10 +19,10 @@ import orjson
 from sqlalchemy import Table, insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from app.db.models import Grade, Rollout, ToolCall
+from app.db.models import Grade, RolloutRow, ToolCall
 from app.grading.flags import compute_flags
 from app.grading.recording import grade_row
-from app.rollouts.timeline import RolloutCall
+from app.rollouts.shapes import RolloutCall
 
 DEFAULT_TOOLS = ("search", "get_order", "get_user", "update_order", "calculate")
 
@@ -112,6 +112,91 @@ def _json_rows(rows: list[dict[str, Any]], columns: Sequence[str], *, as_text: b
     return rows
 
 
+def _seeded_call(
+    spec: SeedSpec, rng: random.Random, trace: _SeededTrace, seq: int, moment: datetime, batch_end: datetime
+) -> dict[str, Any]:
+    """One call of a seeded rollout: started with the previous call (same parallel batch) or after it."""
+    tool = spec.tools[0] if trace.looping else spec.tools[rng.randrange(len(spec.tools))]
+    if seq and rng.random() < spec.parallel_share:
+        began = moment  # overlaps the previous call: same parallel batch
+    else:
+        began = batch_end + timedelta(milliseconds=rng.randint(50, 400))
+    latency = rng.lognormvariate(3.0, 0.8) * (3 if tool == "search" else 1)
+    outcome, output, error, status = _seeded_answer(spec, rng, trace.item_index, seq, tool)
+    arguments = orjson.dumps({"id": f"{trace.item_index}-{0 if trace.looping else seq % 7}"}).decode()
+    return {
+        "trace_id": trace.trace_id,
+        "call_id": f"call_{seq}",
+        "request_id": None,
+        "tool": tool,
+        "arguments": arguments,
+        "output": output,
+        "output_bytes": len(output.encode()) if output is not None else 0,
+        "outcome": outcome,
+        "error": error,
+        "status_code": status,
+        "started_at": began,
+        "ended_at": began + timedelta(milliseconds=latency),
+        "latency_ms": latency,
+        "worker": "seed",
+        "run": spec.run,
+        "item_key": trace.item_key,
+    }
+
+
+def _seeded_answer(
+    spec: SeedSpec, rng: random.Random, item_index: int, seq: int, tool: str
+) -> tuple[str, str | None, str | None, int]:
+    """(outcome, output, error, status) of a seeded call: mostly ok, sometimes a model error or a crash."""
+    roll = rng.random()
+    if roll < spec.crash_share:
+        return "tool_crash", None, f"tool {tool!r} crashed: RuntimeError", 500
+    if roll < spec.crash_share + spec.model_error_share:
+        output = f"Error: no record {seq} for {tool}"
+        return "model_error", output, output, 200
+    output = orjson.dumps(
+        {
+            "id": f"{item_index}-{seq}",
+            "total": round(rng.uniform(1, 500), 2),
+            "note": "x" * rng.randint(20, 600),
+        }
+    ).decode()
+    return "ok", output, None, 200
+
+
+@dataclass(frozen=True)
+class _SeededTrace:
+    trace_id: str
+    item_index: int
+    item_key: str
+    looping: bool  # repeats one call (raises repeated_call)
+
+
+def _seeded_calls(
+    spec: SeedSpec, rng: random.Random, trace: _SeededTrace, start: datetime
+) -> tuple[list[dict[str, Any]], datetime]:
+    """A rollout's calls in start order, and when its last call ended."""
+    calls: list[dict[str, Any]] = []
+    moment = batch_end = start
+    for seq in range(rng.randint(spec.min_calls, spec.max_calls)):
+        call = _seeded_call(spec, rng, trace, seq, moment, batch_end)
+        moment, batch_end = call["started_at"], max(batch_end, call["ended_at"])
+        calls.append(call)
+    return calls, batch_end
+
+
+def _seeded_score(
+    spec: SeedSpec, rng: random.Random, learnable: list[tuple[str, float]] | None, r: int
+) -> float:
+    """The score of the r-th rollout: known per item, or (learning) rising over the run."""
+    item_index = r % spec.items
+    if learnable is None:
+        return item_score(item_index, r // spec.items)
+    kind, chance = learnable[item_index]
+    chance = min(1.0, chance + spec.learning * r / spec.rollouts)
+    return {"zero": 0.0, "one": 1.0}.get(kind, float(rng.random() < chance))
+
+
 def generate(spec: SeedSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
     """Rows of rollouts, tool_calls and grades (dicts keyed by column name), deterministic in spec.seed."""
     rng = random.Random(spec.seed)
@@ -120,106 +205,62 @@ def generate(spec: SeedSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
     calls: list[dict[str, Any]] = []
     grades: list[dict[str, Any]] = []
     for r in range(spec.rollouts):
-        trace_id = f"{spec.trace_prefix}_{spec.run}_{r:07d}"
-        item_index = r % spec.items
-        repetition = r // spec.items
-        item_key = f"id:item-{item_index:05d}"
+        item_index, repetition = r % spec.items, r // spec.items
+        trace = _SeededTrace(
+            trace_id=f"{spec.trace_prefix}_{spec.run}_{r:07d}",
+            item_index=item_index,
+            item_key=f"id:item-{item_index:05d}",
+            looping=rng.random() < spec.loop_share,
+        )
         start = spec.start + timedelta(seconds=r * 3)
-        moment = start
-        batch_end = start
-        logged: list[RolloutCall] = []
-        looping = rng.random() < spec.loop_share
-        for seq in range(rng.randint(spec.min_calls, spec.max_calls)):
-            tool = spec.tools[0] if looping else spec.tools[rng.randrange(len(spec.tools))]
-            if seq and rng.random() < spec.parallel_share:
-                began = moment  # overlaps the previous call: same parallel batch
-            else:
-                began = batch_end + timedelta(milliseconds=rng.randint(50, 400))
-            latency = rng.lognormvariate(3.0, 0.8) * (3 if tool == "search" else 1)
-            ended = began + timedelta(milliseconds=latency)
-            moment, batch_end = began, max(batch_end, ended)
-            roll = rng.random()
-            if roll < spec.crash_share:
-                outcome, output, error, status = (
-                    "tool_crash",
-                    None,
-                    f"tool {tool!r} crashed: RuntimeError",
-                    500,
-                )
-            elif roll < spec.crash_share + spec.model_error_share:
-                outcome, output, status = "model_error", f"Error: no record {seq} for {tool}", 200
-                error = output
-            else:
-                outcome, error, status = "ok", None, 200
-                output = orjson.dumps(
-                    {
-                        "id": f"{item_index}-{seq}",
-                        "total": round(rng.uniform(1, 500), 2),
-                        "note": "x" * rng.randint(20, 600),
-                    }
-                ).decode()
-            arguments = orjson.dumps({"id": f"{item_index}-{0 if looping else seq % 7}"}).decode()
-            calls.append(
-                {
-                    "trace_id": trace_id,
-                    "call_id": f"call_{seq}",
-                    "request_id": None,
-                    "tool": tool,
-                    "arguments": arguments,
-                    "output": output,
-                    "output_bytes": len(output.encode()) if output is not None else 0,
-                    "outcome": outcome,
-                    "error": error,
-                    "status_code": status,
-                    "started_at": began,
-                    "ended_at": ended,
-                    "latency_ms": latency,
-                    "worker": "seed",
-                    "run": spec.run,
-                    "item_key": item_key,
-                }
-            )
-            # Unvalidated: these rows were just built here, and a big seed makes millions of them.
-            logged.append(RolloutCall.model_construct(seq=seq, batch=0, **calls[-1]))
+        made, batch_end = _seeded_calls(spec, rng, trace, start)
+        calls.extend(made)
         last_seen = max(batch_end, start)
         rollouts.append(
             {
-                "trace_id": trace_id,
+                "trace_id": trace.trace_id,
                 "run": spec.run,
-                "item_key": item_key,
+                "item_key": trace.item_key,
                 "channel": "rft",  # synthetic training rollouts
                 "first_seen": start,
                 "last_seen": last_seen,
                 "graded_at": last_seen + timedelta(seconds=1),
-                "calls": len(logged),
+                "calls": len(made),
             }
         )
-        if learnable is None:
-            score = item_score(item_index, repetition)
-        else:
-            kind, chance = learnable[item_index]
-            chance = min(1.0, chance + spec.learning * r / spec.rollouts)
-            score = {"zero": 0.0, "one": 1.0}.get(kind, float(rng.random() < chance))
+        score = _seeded_score(spec, rng, learnable, r)
         answer = f"The answer for item {item_index} is {item_index}-{repetition % 3}."
-        flags = compute_flags(logged, answer=answer, score=score, status="ok")
-        grades.append(
-            grade_row(
-                trace_id=trace_id,
-                grader=spec.grader,
-                grader_version="1",
-                status="ok",
-                score=score,
-                sub_scores={"correct": score},
-                flags=[f.as_json() for f in flags],
-                errors=[],
-                sample={"output_text": answer},
-                item={"id": f"item-{item_index:05d}"},
-                run=spec.run,
-                latency_ms=rng.uniform(1, 30),
-                created_at=last_seen + timedelta(seconds=1),
-            )
-        )
+        grades.append(_seeded_grade(spec, rng, trace, made, answer, score, last_seen + timedelta(seconds=1)))
     return rollouts, calls, grades
+
+
+def _seeded_grade(
+    spec: SeedSpec,
+    rng: random.Random,
+    trace: _SeededTrace,
+    calls: list[dict[str, Any]],
+    answer: str,
+    score: float,
+    at: datetime,
+) -> dict[str, Any]:
+    # Unvalidated: these rows were just built here, and a big seed makes millions of them.
+    logged = [RolloutCall.model_construct(seq=seq, batch=0, **call) for seq, call in enumerate(calls)]
+    flags = compute_flags(logged, answer=answer, score=score, status="ok")
+    return grade_row(
+        trace_id=trace.trace_id,
+        grader=spec.grader,
+        grader_version="1",
+        status="ok",
+        score=score,
+        sub_scores={"correct": score},
+        flags=[f.as_json() for f in flags],
+        errors=[],
+        sample={"output_text": answer},
+        item={"id": f"item-{trace.item_index:05d}"},
+        run=spec.run,
+        latency_ms=rng.uniform(1, 30),
+        created_at=at,
+    )
 
 
 async def seed_run(engine: AsyncEngine, spec: SeedSpec) -> SeedResult:
@@ -228,7 +269,7 @@ async def seed_run(engine: AsyncEngine, spec: SeedSpec) -> SeedResult:
     async with engine.begin() as conn:
         pg = conn.dialect.name == "postgresql"
         grade_rows = _json_rows(grades, ("sub_scores", "flags", "errors", "sample", "item"), as_text=pg)
-        await bulk_insert(conn, Rollout.__table__, rollouts, spec.chunk)  # type: ignore[arg-type]
+        await bulk_insert(conn, RolloutRow.__table__, rollouts, spec.chunk)  # type: ignore[arg-type]
         await bulk_insert(conn, ToolCall.__table__, calls, spec.chunk)  # type: ignore[arg-type]
         await bulk_insert(conn, Grade.__table__, grade_rows, spec.chunk)  # type: ignore[arg-type]
     items = min(spec.items, spec.rollouts)

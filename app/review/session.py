@@ -13,17 +13,32 @@ import hmac
 import secrets
 import time
 from datetime import UTC, datetime
+from urllib.parse import urlencode
 
 from fastapi import Request, Response
 
 from app.auth import KeyRing
 from app.deps import app_state, database
-from app.errors import Forbidden, Unauthorized
+from app.errors import Forbidden, SparringError, Unauthorized
 from app.review.session_repository import RevokedSessions
 
 COOKIE_NAME = "sparring_review"
 SESSION_SECONDS = 12 * 3600
 _CONTEXT = b"sparring review session v1\x00"
+
+
+class LoginRequired(SparringError):
+    """A review page opened without a login: 303 to the login page, which comes back here after."""
+
+    status_code = 303
+    code = "login_required"
+
+    def __init__(self, target: str) -> None:
+        super().__init__("log in to the review first")
+        self.target = target
+
+    def headers(self) -> dict[str, str]:
+        return {"Location": f"/review/login?{urlencode({'next': self.target})}"}
 
 
 def _b64(data: bytes) -> str:
@@ -127,6 +142,13 @@ async def end_session(request: Request, response: Response) -> None:
     response.delete_cookie(
         COOKIE_NAME, path="/", httponly=True, samesite="strict", secure=request.url.scheme == "https"
     )
+
+
+async def require_login(request: Request) -> None:
+    """Raise LoginRequired unless the browser holds a review login."""
+    if not await has_session(request):
+        target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        raise LoginRequired(target)
 
 
 async def require_review_access(request: Request) -> str:

@@ -1,4 +1,4 @@
-"""A run's statistics, aggregated in SQL: rewards, calls and latencies, items, flags.
+"""A run's statistics, aggregated in SQL: rewards, calls and latencies, items, flags, the learning curve.
 
 Portable across Postgres and SQLite; the few places that differ (JSON arrays, percentiles, byte
 lengths) branch on the dialect here and nowhere else. Aggregates run in SQL: a run's statistics read
@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import (
+    ColumnElement,
     Float,
+    Integer,
     and_,
     case,
     cast,
@@ -24,11 +27,14 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import aliased
 
-from app.db.models import Grade, Rollout, ToolCall
+from app.db.models import Grade, RolloutRow, ToolCall
+from sparring.wire import ENVIRONMENT_FAILURES
 
 QUANTILES = (0.5, 0.9, 0.99)
 OUTCOMES = ("ok", "model_error", "tool_crash", "infra_error", "call_id_reused")
+UNIX_EPOCH_JULIAN_DAY = 2440587.5
 
 
 @dataclass(frozen=True)
@@ -74,13 +80,32 @@ class ItemSummary:
     always_one: int
 
 
-class StatsRepository:
+@dataclass(frozen=True)
+class WindowRow:
+    index: int  # 0-based
+    rollouts: int
+    scored: int
+    mean: float | None
+    mean_square: float | None
+    calls_mean: float
+    tool_errors: int  # calls of the window's rollouts that crashed or met an outage
+    first: datetime  # first_seen of the window's first and last rollouts
+    last: datetime
+
+
+class Queries:
+    """Queries on one session, branching on its dialect where Postgres and SQLite differ."""
+
     def __init__(self, session: AsyncSession) -> None:
         self.session = session
 
     @property
     def dialect(self) -> str:
         return self.session.get_bind().dialect.name
+
+
+class StatsRepository(Queries):
+    """Every query of a run's statistics and of its learning curve."""
 
     async def prepare_for_aggregates(self) -> None:
         """Tune this transaction for one-off scans of a whole run (Postgres; reset at commit/rollback).
@@ -99,14 +124,14 @@ class StatsRepository:
         query = (
             select(
                 Grade.trace_id.label("trace_id"),
-                Rollout.item_key.label("item_key"),
+                RolloutRow.item_key.label("item_key"),
                 func.max(Grade.id).label("grade_id"),
             )
-            .join(Rollout, Rollout.trace_id == Grade.trace_id)
-            .group_by(Grade.trace_id, Rollout.item_key)  # trace_id is the rollout's key: one group each
+            .join(RolloutRow, RolloutRow.trace_id == Grade.trace_id)
+            .group_by(Grade.trace_id, RolloutRow.item_key)  # trace_id is the rollout's key: one group each
         )
         if run is not None:
-            query = query.where(Rollout.run == run)
+            query = query.where(RolloutRow.run == run)
         if grader is not None:
             query = query.where(Grade.grader == grader)
         return query.subquery("latest")
@@ -114,12 +139,12 @@ class StatsRepository:
     async def channels(self, run: str) -> dict[str, int]:
         """The run's rollouts per channel."""
         result = await self.session.execute(
-            select(Rollout.channel, func.count()).where(Rollout.run == run).group_by(Rollout.channel)
+            select(RolloutRow.channel, func.count()).where(RolloutRow.run == run).group_by(RolloutRow.channel)
         )
         return {(kind or "rft"): int(count) for kind, count in result.all()}
 
     async def rollout_count(self, run: str) -> int:
-        return int(await self.session.scalar(select(func.count()).where(Rollout.run == run)) or 0)
+        return int(await self.session.scalar(select(func.count()).where(RolloutRow.run == run)) or 0)
 
     async def reward_distribution(self, run: str, grader: str | None, bins: int) -> RewardSummary:
         """Latest scores of the run's rollouts: totals and a histogram, in one pass over the grades.
@@ -289,10 +314,10 @@ class StatsRepository:
         """(number of calls, number of rollouts with that many calls), zero-call rollouts included."""
         # rollouts.calls is recounted by the log writer in the transaction that logs the calls.
         result = await self.session.execute(
-            select(Rollout.calls, func.count())
-            .where(Rollout.run == run)
-            .group_by(Rollout.calls)
-            .order_by(Rollout.calls)
+            select(RolloutRow.calls, func.count())
+            .where(RolloutRow.run == run)
+            .group_by(RolloutRow.calls)
+            .order_by(RolloutRow.calls)
         )
         return [(int(n), int(count)) for n, count in result.all()]
 
@@ -363,14 +388,17 @@ class StatsRepository:
 
     # --- flags -----------------------------------------------------------------------------------------
 
-    async def flag_counts(self, run: str | None, grader: str | None) -> list[tuple[str, int]]:
-        """Rollouts per flag name, counting each rollout's latest grade."""
+    def _flag_names(self) -> tuple[Any, Any]:
+        """A grade's flags as a table (joined per grade) and the name of each flag in it."""
         if self.dialect == "postgresql":
             element = func.jsonb_array_elements(Grade.flags).table_valued("value", joins_implicitly=True)
-            name: Any = element.c.value.op("->>")("name")
-        else:
-            element = func.json_each(Grade.flags).table_valued("value", joins_implicitly=True)
-            name = func.json_extract(element.c.value, "$.name")
+            return element, element.c.value.op("->>")("name")
+        element = func.json_each(Grade.flags).table_valued("value", joins_implicitly=True)
+        return element, func.json_extract(element.c.value, "$.name")
+
+    async def flag_counts(self, run: str | None, grader: str | None) -> list[tuple[str, int]]:
+        """Rollouts per flag name, counting each rollout's latest grade."""
+        element, name = self._flag_names()
         latest = self._latest_grades(run, grader)
         rollouts = func.count(func.distinct(latest.c.trace_id))
         result = await self.session.execute(
@@ -381,3 +409,124 @@ class StatsRepository:
             .order_by(rollouts.desc(), name)
         )
         return [(str(r[0]), int(r[1])) for r in result.all()]
+
+    # --- a run: its learning curve ---------------------------------------------------------------------
+    # Rollouts are placed by `first_seen` (when their first call arrived) in windows of time or of order.
+
+    def _epoch(self, column: Any) -> ColumnElement[Any]:
+        if self.dialect == "postgresql":
+            return func.extract("epoch", column)
+        return (func.julianday(column) - UNIX_EPOCH_JULIAN_DAY) * 86400.0
+
+    async def span(self, run: str) -> tuple[float, float] | None:
+        """Unix times of the run's first and last rollout starts (None: no rollout)."""
+        row = (
+            await self.session.execute(
+                select(
+                    func.min(self._epoch(RolloutRow.first_seen)), func.max(self._epoch(RolloutRow.first_seen))
+                ).where(RolloutRow.run == run)
+            )
+        ).one()
+        return None if row[0] is None else (float(row[0]), float(row[1]))
+
+    def _windowed(
+        self, run: str, grader: str | None, axis: str, windows: int, span: tuple[float, float]
+    ) -> Any:
+        """(trace_id, window, score, calls, grade_id, first_seen) per rollout of the run."""
+        latest = aliased(Grade)
+        newest = select(func.max(latest.id)).where(latest.trace_id == RolloutRow.trace_id)
+        if grader is not None:
+            newest = newest.where(latest.grader == grader)
+        window: Any
+        if axis == "order":
+            window = func.ntile(windows).over(order_by=(RolloutRow.first_seen, RolloutRow.trace_id)) - 1
+        else:
+            start, end = span
+            width = (end - start) / windows or 1.0
+            position = (self._epoch(RolloutRow.first_seen) - start) / width
+            if self.dialect == "postgresql":
+                window = func.least(cast(func.floor(position), Integer), windows - 1)
+            else:  # SQLite: CAST truncates (positions are >= 0) and a two-argument min() is scalar
+                window = func.min(cast(position, Integer), windows - 1)
+        return (
+            select(
+                RolloutRow.trace_id.label("trace_id"),
+                window.label("window"),
+                Grade.score.label("score"),
+                RolloutRow.calls.label("calls"),
+                Grade.id.label("grade_id"),
+                RolloutRow.first_seen.label("first_seen"),
+            )
+            .outerjoin(Grade, Grade.id == newest.correlate(RolloutRow).scalar_subquery())
+            .where(RolloutRow.run == run)
+            .subquery("windowed")
+        )
+
+    async def curve_windows(self, run: str, grader: str | None, axis: str, windows: int) -> list[WindowRow]:
+        span = await self.span(run)
+        if span is None:
+            return []
+        w = self._windowed(run, grader, axis, windows, span)
+        failures = (
+            select(ToolCall.trace_id.label("trace_id"), func.count().label("n"))
+            .where(ToolCall.run == run, ToolCall.outcome.in_(ENVIRONMENT_FAILURES))
+            .group_by(ToolCall.trace_id)
+            .subquery("failures")
+        )
+        result = await self.session.execute(
+            select(
+                w.c.window,
+                func.count(),
+                func.count(w.c.score),
+                func.avg(w.c.score),
+                func.avg(w.c.score * w.c.score),
+                func.avg(w.c.calls * 1.0),
+                func.coalesce(func.sum(failures.c.n), 0),
+                func.min(w.c.first_seen),
+                func.max(w.c.first_seen),
+            )
+            .select_from(w)
+            .outerjoin(failures, failures.c.trace_id == w.c.trace_id)
+            .group_by(w.c.window)
+            .order_by(w.c.window)
+        )
+        return [
+            WindowRow(
+                index=int(r[0]),
+                rollouts=int(r[1]),
+                scored=int(r[2]),
+                mean=None if r[3] is None else float(r[3]),
+                mean_square=None if r[4] is None else float(r[4]),
+                calls_mean=float(r[5] or 0.0),
+                tool_errors=int(r[6] or 0),
+                first=_aware(r[7]),
+                last=_aware(r[8]),
+            )
+            for r in result.all()
+        ]
+
+    async def curve_flags(
+        self, run: str, grader: str | None, axis: str, windows: int
+    ) -> list[tuple[int, str, int]]:
+        """(window, flag name, rollouts whose latest grade raised it)."""
+        span = await self.span(run)
+        if span is None:
+            return []
+        w = self._windowed(run, grader, axis, windows, span)
+        element, name = self._flag_names()
+        rollouts = func.count(func.distinct(w.c.trace_id))
+        result = await self.session.execute(
+            select(w.c.window, name, rollouts)
+            .select_from(w)
+            .join(Grade, Grade.id == w.c.grade_id)
+            .join(element, true())
+            .group_by(w.c.window, name)
+            .order_by(w.c.window, name)
+        )
+        return [(int(r[0]), str(r[1]), int(r[2])) for r in result.all()]
+
+
+def _aware(value: Any) -> datetime:
+    """min()/max() of a timestamp come back untyped on SQLite: parse, and mark as UTC."""
+    moment = value if isinstance(value, datetime) else datetime.fromisoformat(str(value))
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)

@@ -10,23 +10,24 @@ from functools import cache
 from typing import Annotated, Any
 from urllib.parse import quote, urlencode
 
-import orjson
-from fastapi import APIRouter, Form, Query, Request
+from fastapi import APIRouter, Depends, Form, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, PackageLoader, select_autoescape
 
 from app.db.models import CHANNELS
-from app.deps import DatabaseDep, app_state
+from app.deps import app_state
 from app.errors import NotFound
 from app.grading.flags import FLAG_NAMES
 from app.review import charts
+from app.review import formatting as fmt
+from app.review.deps import NEEDS_LOGIN, RolloutReviewDep, RolloutReviewWritingDep, RunStatisticsDep
 from app.review.flag_help import flag_help
 from app.review.repository import SORTS, RolloutFilter
-from app.review.schemas import CurveWindow, RewardCurve, RunComparison, RunStats
-from app.review.service import ReviewService
 from app.review.session import end_session, has_session, is_admin_key, require_same_origin, start_session
 
 router = APIRouter(prefix="/review", include_in_schema=False)
+# Every page but the login's needs a logged-in browser (else a redirect to the login, and back).
+pages = APIRouter(prefix="/review", include_in_schema=False, dependencies=NEEDS_LOGIN)
 
 # Tool outputs are untrusted text: everything is autoescaped, and no script may run on these pages.
 SECURITY_HEADERS = {
@@ -46,42 +47,6 @@ CURVE_WINDOWS = 20  # windows of the learning curve
 CURVE_FLAGS = 6  # flags drawn per window (the most frequent)
 
 
-def _pretty(text: str | None) -> str:
-    if not text:
-        return ""
-    try:
-        return orjson.dumps(orjson.loads(text), option=orjson.OPT_INDENT_2).decode()
-    except orjson.JSONDecodeError:
-        return text
-
-
-def _when(value: datetime | None) -> str:
-    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S") if value else ""
-
-
-def _score(value: float | None) -> str:
-    return "" if value is None else f"{value:.3g}"
-
-
-def _ms(value: float | None) -> str:
-    return "" if value is None else (f"{value:.0f}" if value >= 100 else f"{value:.3g}")
-
-
-def _pct(value: float | None) -> str:
-    return "" if value is None else f"{100 * value:.1f}%"
-
-
-def _thousands(value: int | None) -> str:
-    return "" if value is None else f"{value:,}"
-
-
-def _duration(start: datetime | None, end: datetime | None) -> str:
-    if start is None or end is None:
-        return ""
-    seconds = (end - start).total_seconds()
-    return f"{seconds:.3g} s" if seconds < 100 else f"{seconds:.0f} s"
-
-
 @cache
 def templates() -> Environment:
     env = Environment(
@@ -90,10 +55,10 @@ def templates() -> Environment:
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    env.filters.update(pretty=_pretty, when=_when, score=_score, ms=_ms, pct=_pct, thousands=_thousands)
-    env.filters.update(signed=_signed, signed_pct=_signed_pct)
-    env.filters.update(json_text=_json_text, content=_content, tool_name=_tool_name, size=_size)
-    env.globals.update(duration=_duration)
+    env.filters.update(pretty=fmt.pretty, when=fmt.when, score=fmt.score, ms=fmt.ms, pct=fmt.pct)
+    env.filters.update(thousands=fmt.thousands, signed=fmt.signed, signed_pct=fmt.signed_pct)
+    env.filters.update(json_text=fmt.json_text, content=fmt.content, tool_name=fmt.tool_name, size=fmt.size)
+    env.globals.update(duration=fmt.duration)
     env.globals.update(flag_names=FLAG_NAMES, quote=quote, flag_help=flag_help)
     return env
 
@@ -101,11 +66,6 @@ def templates() -> Environment:
 def render(request: Request, name: str, status_code: int = 200, **context: Any) -> HTMLResponse:
     html = templates().get_template(name).render(request=request, **context)
     return HTMLResponse(html, status_code=status_code, headers=SECURITY_HEADERS)
-
-
-def _login_redirect(request: Request) -> RedirectResponse:
-    target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-    return RedirectResponse(f"/review/login?{urlencode({'next': target})}", status_code=303)
 
 
 def _safe_next(target: str | None) -> str:
@@ -122,6 +82,14 @@ def _safe_next(target: str | None) -> str:
 
 def _blank(value: str | None) -> str | None:
     return value.strip() if value and value.strip() else None
+
+
+def _chosen_grader(grader: str | None = None) -> str | None:
+    """The grader picked on a page (blank: the latest grade of any grader)."""
+    return _blank(grader)
+
+
+ChosenGrader = Annotated[str | None, Depends(_chosen_grader)]
 
 
 @router.get("/static/review.css")
@@ -159,89 +127,102 @@ async def logout(request: Request) -> Response:
     return response
 
 
-@router.get("")
-async def rollouts_page(
-    request: Request,
-    db: DatabaseDep,
-    run: str | None = None,
-    channel: str | None = None,
-    item: str | None = None,
-    min_score: str | None = None,
-    max_score: str | None = None,
-    flag: str | None = None,
-    tool: str | None = None,
-    since: str | None = None,
-    until: str | None = None,
-    status: str | None = None,
-    grader: str | None = None,
-    q: str | None = None,
-    sort: str | None = None,
-    order: str | None = None,
-    cursor: str | None = None,
-) -> Response:
-    if not await has_session(request):
-        return _login_redirect(request)
-    sort_by = sort if sort in SORTS else "time"
-    descending = order != "asc"
-    form = {
-        "q": q or "",
-        "run": run or "",
-        "channel": channel or "",
-        "item": item or "",
-        "min_score": min_score or "",
-        "max_score": max_score or "",
-        "flag": flag or "",
-        "tool": tool or "",
-        "since": since or "",
-        "until": until or "",
-        "status": status or "",
-        "grader": grader or "",
-        "sort": sort_by if sort_by != "time" else "",
-        "order": "" if descending else "asc",
-    }
-    errors: list[str] = []
-    filters = RolloutFilter(
-        run=_blank(run),
-        channel=_blank(channel) if _blank(channel) in CHANNELS else None,
-        item_key=_blank(item),
-        min_score=_number(min_score, "min score", errors),
-        max_score=_number(max_score, "max score", errors),
-        flag=_blank(flag),
-        tool=_blank(tool),
-        since=_moment(since, "since", errors),
-        until=_moment(until, "until", errors),
-        status=_blank(status) if _blank(status) in ("ok", "failed", "ungraded") else None,
-        grader=_blank(grader),
-        q=_blank(q),
-    )
-    async with db.session() as session:
-        service = ReviewService(session)
-        page = await service.rollouts(
-            filters,
-            limit=PAGE_SIZE,
-            cursor=_blank(cursor),
-            sort=sort_by,
-            descending=descending,
-            count=True,
+@dataclass
+class RolloutForm:
+    """The rollout list's filters as the page's form sends them: text, checked here (a bad number or
+    date is reported on the page, not refused), blank fields meaning no filter."""
+
+    run: str | None = None
+    channel: str | None = None
+    item: str | None = None
+    min_score: str | None = None
+    max_score: str | None = None
+    flag: str | None = None
+    tool: str | None = None
+    since: str | None = None
+    until: str | None = None
+    status: str | None = None
+    grader: str | None = None
+    q: str | None = None
+    sort: str | None = None
+    order: str | None = None
+    cursor: str | None = None
+
+    @property
+    def sort_by(self) -> str:
+        return self.sort if self.sort in SORTS else "time"
+
+    def shown(self) -> dict[str, str]:
+        """The form's fields as the page shows them again (the default sort and order left blank)."""
+        fields = {name: getattr(self, name) or "" for name in FORM_FIELDS}
+        fields["sort"] = self.sort_by if self.sort_by != "time" else ""
+        fields["order"] = "asc" if self.order == "asc" else ""
+        return fields
+
+    def filters(self, errors: list[str]) -> RolloutFilter:
+        return RolloutFilter(
+            run=_blank(self.run),
+            channel=_blank(self.channel) if _blank(self.channel) in CHANNELS else None,
+            item_key=_blank(self.item),
+            min_score=_number(self.min_score, "min score", errors),
+            max_score=_number(self.max_score, "max score", errors),
+            flag=_blank(self.flag),
+            tool=_blank(self.tool),
+            since=_moment(self.since, "since", errors),
+            until=_moment(self.until, "until", errors),
+            status=_blank(self.status) if _blank(self.status) in ("ok", "failed", "ungraded") else None,
+            grader=_blank(self.grader),
+            q=_blank(self.q),
         )
-        runs = await service.runs()
-        graders = await service.graders(filters.run)
-        item_scores = await service.score_summary(filters) if filters.item_key else None
+
+
+# The form's fields shown again as typed (sort and order are shown by RolloutForm.shown).
+# The form's fields shown again as typed (sort and order are shown by RolloutForm.shown).
+FORM_FIELDS: tuple[str, ...] = (
+    "q",
+    "run",
+    "channel",
+    "item",
+    "min_score",
+    "max_score",
+    "flag",
+    "tool",
+    "since",
+    "until",
+)
+FORM_FIELDS += ("status", "grader")
+
+
+@pages.get("")
+async def rollouts_page(
+    request: Request, review: RolloutReviewDep, form: Annotated[RolloutForm, Depends()]
+) -> Response:
+    errors: list[str] = []
+    filters = form.filters(errors)
+    page = await review.rollouts(
+        filters,
+        limit=PAGE_SIZE,
+        cursor=_blank(form.cursor),
+        sort=form.sort_by,
+        descending=form.order != "asc",
+        count=True,
+    )
+    shown = form.shown()
     next_query = None
     if page.next_cursor:
-        next_query = urlencode({**{k: v for k, v in form.items() if v}, "cursor": page.next_cursor})
+        next_query = urlencode({**{k: v for k, v in shown.items() if v}, "cursor": page.next_cursor})
     return render(
         request,
         "rollouts.html",
         page=page,
-        runs=runs,
-        graders=graders,
-        form=form,
+        runs=await review.runs(),
+        graders=await review.graders(filters.run),
+        form=shown,
         errors=errors,
         next_query=next_query,
-        item_scores=item_scores,
+        item_scores=await review.score_summary(filters) if filters.item_key else None,
         sorts=SORT_LABELS,
-        page_from=bool(_blank(cursor)),
+        page_from=bool(_blank(form.cursor)),
     )
 
 
@@ -267,21 +248,17 @@ def _moment(value: str | None, name: str, errors: list[str]) -> datetime | None:
     return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
 
 
-@router.get("/rollouts/{trace_id}")
+@pages.get("/rollouts/{trace_id}")
 async def rollout_page(
-    request: Request, trace_id: str, db: DatabaseDep, grader: str | None = None
+    request: Request, trace_id: str, review: RolloutReviewDep, grader: ChosenGrader
 ) -> Response:
-    if not await has_session(request):
-        return _login_redirect(request)
     try:
-        async with db.session() as session:
-            service = ReviewService(session)
-            timeline = await service.timeline(trace_id)
-            graded_on = await service.graded_on(trace_id, _blank(grader))
+        timeline = await review.detail(trace_id)
+        graded_on = await review.graded_on(trace_id, grader)
     except NotFound as exc:
         return render(request, "not_found.html", status_code=404, message=exc.message)
     batches: list[list[Any]] = []
-    for call in timeline.calls:
+    for call in timeline.timeline:
         if not batches or batches[-1][0].batch != call.batch:
             batches.append([])
         batches[-1].append(call)
@@ -322,326 +299,73 @@ def _item_fields(item: dict[str, Any]) -> list[ItemField]:
     fields = []
     for name in sorted(item, key=rank):
         value = item[name]
-        if _is_messages(value):
+        if fmt.is_messages(value):
             fields.append(ItemField(name, "messages", value))
         elif name == "tools" and isinstance(value, list):
             fields.append(ItemField(name, "tools", value))
         elif isinstance(value, str):
             fields.append(ItemField(name, "text", value))
         else:
-            fields.append(ItemField(name, "json", _json_text(value)))
+            fields.append(ItemField(name, "json", fmt.json_text(value)))
     return fields
 
 
-def _is_messages(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "role" in m for m in value)
-
-
-def _json_text(value: Any) -> str:
-    return orjson.dumps(value, option=orjson.OPT_INDENT_2, default=str).decode()
-
-
-def _content(message: dict[str, Any]) -> str:
-    """A chat message's text (content parts joined); tool calls it made as JSON."""
-    content = message.get("content")
-    if isinstance(content, list):
-        text = "".join(str(p.get("text", "")) if isinstance(p, dict) else str(p) for p in content)
-    else:
-        text = "" if content is None else str(content)
-    if message.get("tool_calls"):
-        text += ("\n" if text else "") + _json_text(message["tool_calls"])
-    return text
-
-
-def _tool_name(tool: Any) -> str:
-    if isinstance(tool, dict):
-        function = tool.get("function")
-        if isinstance(function, dict) and function.get("name"):
-            return str(function["name"])
-        if tool.get("name"):
-            return str(tool["name"])
-    return "?"
-
-
-def _size(text: str | None) -> str:
-    n = len((text or "").encode())
-    if n < 1000:
-        return f"{n} B"
-    return f"{n / 1000:.1f} kB" if n < 1_000_000 else f"{n / 1_000_000:.2f} MB"
-
-
-@router.post("/rollouts/{trace_id}/recompute-flags")
-async def recompute_page(request: Request, trace_id: str, db: DatabaseDep) -> Response:
-    if not await has_session(request):
-        return _login_redirect(request)
-    async with db.session(write=True) as session:
-        await ReviewService(session).recompute_flags(trace_id)
+@pages.post("/rollouts/{trace_id}/recompute-flags")
+async def recompute_page(trace_id: str, review: RolloutReviewWritingDep) -> Response:
+    await review.recompute_flags(trace_id)
     return RedirectResponse(f"/review/rollouts/{quote(trace_id)}", status_code=303)
 
 
-@router.get("/runs")
-async def runs_page(request: Request, db: DatabaseDep) -> Response:
-    if not await has_session(request):
-        return _login_redirect(request)
-    async with db.session() as session:
-        runs = await ReviewService(session).runs()
-    return render(request, "runs.html", runs=runs)
+@pages.get("/runs")
+async def runs_page(request: Request, review: RolloutReviewDep) -> Response:
+    return render(request, "runs.html", runs=await review.runs())
 
 
-def _run_charts(stats: RunStats, items: list[charts.ItemPoint]) -> dict[str, Any]:
-    reward = stats.reward.histogram
-    cpr = stats.calls_per_rollout_histogram
-    width_one = all(b - a == 1 for a, b in zip(cpr.edges, cpr.edges[1:], strict=False))
-    lo, hi = reward.edges[0], reward.edges[-1]
-    return {
-        "reward": charts.bar_chart(
-            "reward",
-            "Reward histogram (latest grade per rollout)",
-            [f"{a:.2g}–{b:.2g}" for a, b in zip(reward.edges, reward.edges[1:], strict=False)],
-            reward.counts,
-            x_label="score",
-            y_label="rollouts",
-        ),
-        "calls": charts.bar_chart(
-            "calls-per-rollout",
-            "Tool calls per rollout",
-            [
-                f"{a:g}" if width_one else f"{a:g}–{b - 1:g}"
-                for a, b in zip(cpr.edges, cpr.edges[1:], strict=False)
-            ],
-            cpr.counts,
-            x_label="tool calls",
-            y_label="rollouts",
-        ),
-        "latency": charts.latency_chart(
-            "tool-latency",
-            "Latency per tool (p50, p90, p99)",
-            [
-                charts.ToolLatency(
-                    t.tool, t.latency_p50_ms or 0.0, t.latency_p90_ms or 0.0, t.latency_p99_ms or 0.0
-                )
-                for t in stats.tools
-            ],
-        ),
-        "item_variance": charts.item_chart(
-            "item-variance", "Per-item mean score and spread", items, lo=min(0.0, lo), hi=max(1.0, hi)
-        ),
-    }
-
-
-def _curve_charts(curve: RewardCurve) -> dict[str, Any]:
-    """The learning curve: one point per window of reward (with its ±1 std band), calls, errors, flags."""
-    windows = curve.windows
-    if not windows:
-        return {}
-    count = (windows[-1].index + 1) if curve.axis == "order" else CURVE_WINDOWS
-
-    def x(w: CurveWindow) -> float:
-        return (w.index + 0.5) / count
-
-    if curve.axis == "time":
-        step = windows[0].end - windows[0].start
-        first = windows[0].start - windows[0].index * step
-        seconds = (step * count).total_seconds()
-
-        def stamp(moment: datetime) -> str:
-            moment = moment.astimezone(UTC)
-            if seconds > 86400:
-                return moment.strftime("%m-%d %H:%M")
-            if seconds < 10:
-                return moment.strftime("%H:%M:%S.%f")[:-3]
-            return moment.strftime("%H:%M:%S")
-
-        ticks = [(i / 4, stamp(first + step * (count * i / 4))) for i in range(5)]
-        x_label = "time (UTC) of the rollouts' first calls"
-    else:
-        total = sum(w.rollouts for w in windows)
-        ticks = [(0.0, "1"), (0.5, f"{total // 2:,}"), (1.0, f"{total:,}")]
-        x_label = "rollouts in the order they started"
-
-    def where(w: CurveWindow) -> str:
-        if curve.axis == "time":
-            return f"{_when(w.start)} – {_when(w.end)}"
-        return f"window {w.index + 1}"
-
-    reward = [
-        charts.CurvePoint(
-            x(w),
-            w.reward_mean,
-            w.reward_mean - (w.reward_std or 0.0),
-            w.reward_mean + (w.reward_std or 0.0),
-            f"{where(w)}: mean {_score(w.reward_mean)} ± {_score(w.reward_std)}, {w.scored} scored",
-        )
-        for w in windows
-        if w.reward_mean is not None
-    ]
-    means = [p.y for p in reward]
-    calls = [
-        charts.CurvePoint(
-            x(w), w.calls_per_rollout, None, None, f"{where(w)}: {w.calls_per_rollout:.3g} calls"
-        )
-        for w in windows
-    ]
-    errors = [
-        charts.CurvePoint(
-            x(w),
-            w.tool_errors_per_rollout,
-            None,
-            None,
-            f"{where(w)}: {w.tool_errors} tool errors in {w.rollouts} rollouts",
-        )
-        for w in windows
-    ]
-    names = curve.flag_names[:CURVE_FLAGS]
-    series = [(n, [w.flags.get(n, 0) / w.rollouts for w in windows]) for n in names]
-    return {
-        "reward": charts.curve_chart(
-            "reward-curve",
-            "Reward per window: mean and ±1 std band",
-            reward,
-            x_label=x_label,
-            y_label="reward",
-            x_ticks=ticks,
-            lo=min([0.0, *means]),
-            hi=max([1.0, *means]),
-        ),
-        "calls": charts.curve_chart(
-            "calls-curve",
-            "Tool calls per rollout, per window",
-            calls,
-            x_label=x_label,
-            y_label="calls per rollout",
-            x_ticks=ticks,
-            lo=0.0,
-        ),
-        "errors": charts.curve_chart(
-            "errors-curve",
-            "Tool errors per rollout, per window",
-            errors,
-            x_label=x_label,
-            y_label="errors per rollout",
-            x_ticks=ticks,
-            lo=0.0,
-        ),
-        "flags": charts.lines_chart(
-            "flags-curve",
-            "Share of rollouts flagged, per window",
-            [x(w) for w in windows],
-            series,
-            x_label=x_label,
-            y_label="share of rollouts",
-            x_ticks=ticks,
-        )
-        if series
-        else None,
-    }
-
-
-@router.get("/run")
+@pages.get("/run")
 async def run_page(
     request: Request,
-    db: DatabaseDep,
+    review: RolloutReviewDep,
+    statistics: RunStatisticsDep,
     name: Annotated[str, Query()],
-    grader: str | None = None,
+    chosen: ChosenGrader,
     axis: str | None = None,
 ) -> Response:
-    if not await has_session(request):
-        return _login_redirect(request)
-    chosen = _blank(grader)
+    stats = await statistics.run_stats(name, chosen)
+    items = await statistics.item_stats(name, chosen, order="mean", limit=ITEMS_IN_CHART)
     curve_axis = "order" if axis == "order" else "time"
-    async with db.session() as session:
-        service = ReviewService(session, sessions=db.sessions)
-        stats = await service.run_stats(name, chosen)
-        items = await service.item_stats(name, chosen, order="mean", limit=ITEMS_IN_CHART)
-        graders = await service.graders(name)
-        curve = await service.reward_curve(name, chosen, axis=curve_axis, windows=CURVE_WINDOWS)
+    curve = await statistics.reward_curve(name, chosen, axis=curve_axis, windows=CURVE_WINDOWS)
     points = [charts.ItemPoint(i.item_key or "(none)", i.mean, i.std, i.rollouts) for i in items.items]
     return render(
         request,
         "run.html",
         stats=stats,
         items=items,
-        graders=graders,
+        graders=await review.graders(name),
         grader=chosen or "",
         curve=curve,
-        curve_charts=_curve_charts(curve),
-        charts=_run_charts(stats, points),
+        curve_charts=charts.curve_charts(curve, CURVE_WINDOWS, CURVE_FLAGS),
+        charts=charts.run_charts(stats, points),
         items_capped=items.next_offset is not None,
         export_url=f"/export?{urlencode({'run': name})}",
     )
 
 
-def _compare_charts(c: RunComparison) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    ha, hb = c.reward_histogram_a, c.reward_histogram_b
-    if ha is not None and hb is not None:
-        # Shares of each run's scored rollouts, on one scale: runs of different sizes compare.
-        shares = {
-            side: [100 * n / (sum(h.counts) or 1) for n in h.counts] for side, h in (("a", ha), ("b", hb))
-        }
-        top = max([*shares["a"], *shares["b"]], default=0) or 1
-        labels = [f"{x:.2g}–{y:.2g}" for x, y in zip(ha.edges, ha.edges[1:], strict=False)]
-        for side, run in (("a", c.a.run), ("b", c.b.run)):
-            out[f"reward_{side}"] = charts.bar_chart(
-                f"reward-{side}",
-                f"Reward histogram of {run} (% of its scored rollouts)",
-                labels,
-                shares[side],
-                x_label="score",
-                y_label="% of scored rollouts",
-                top=top,
-            )
-    if c.item_deltas:
-        points = [charts.PairPoint(d.item_key or "(none)", d.mean_a, d.mean_b) for d in c.item_deltas]
-        values = [v for p in points for v in (p.a, p.b)]
-        out["items"] = charts.pair_chart(
-            "item-pairs",
-            "Per-item mean score, baseline against compared",
-            points,
-            a_label=f"mean in {c.a.run}",
-            b_label=f"mean in {c.b.run}",
-            lo=min([0.0, *values]),
-            hi=max([1.0, *values]),
-        )
-    return out
-
-
-def _signed(value: float | None, digits: str = ".3g", unit: str = "") -> str:
-    """A change with its sign always shown (−, not -); '0' when nothing changed; '' when unknown."""
-    if value is None:
-        return ""
-    if abs(value) < 1e-12:
-        return f"0{unit}"
-    text = format(abs(value), digits)
-    return f"{'+' if value > 0 else '−'}{text}{unit}"
-
-
-def _signed_pct(value: float | None) -> str:
-    return "" if value is None else _signed(100 * value, ".1f", " pp")
-
-
-@router.get("/compare")
+@pages.get("/compare")
 async def compare_page(
     request: Request,
-    db: DatabaseDep,
+    review: RolloutReviewDep,
+    statistics: RunStatisticsDep,
+    chosen: ChosenGrader,
     a: str | None = None,
     b: str | None = None,
-    grader: str | None = None,
 ) -> Response:
-    if not await has_session(request):
-        return _login_redirect(request)
-    chosen = _blank(grader)
-    async with db.session() as session:
-        service = ReviewService(session, sessions=db.sessions)
-        runs = await service.runs()
-        graders = await service.graders()
-        comparison = await service.compare(a, b, chosen) if a and b and _blank(a) and _blank(b) else None
+    comparison = await statistics.compare(a, b, chosen) if a and b and _blank(a) and _blank(b) else None
     return render(
         request,
         "compare.html",
-        compare_charts=_compare_charts(comparison) if comparison else None,
-        runs=runs,
-        graders=graders,
+        compare_charts=charts.compare_charts(comparison) if comparison else None,
+        runs=await review.runs(),
+        graders=await review.graders(),
         grader=chosen or "",
         comparison=comparison,
         a=a or "",
@@ -649,36 +373,29 @@ async def compare_page(
     )
 
 
-@router.get("/flags")
+@pages.get("/flags")
 async def flags_page(
     request: Request,
-    db: DatabaseDep,
+    review: RolloutReviewDep,
+    statistics: RunStatisticsDep,
+    chosen: ChosenGrader,
     run: str | None = None,
     flag: str | None = None,
-    grader: str | None = None,
 ) -> Response:
-    if not await has_session(request):
-        return _login_redirect(request)
-    chosen = _blank(grader)
-    async with db.session() as session:
-        service = ReviewService(session)
-        counts = await service.flag_counts(_blank(run), chosen)
-        runs = await service.runs()
-        graders = await service.graders(_blank(run))
-        flagged = None
-        if _blank(flag):
-            flagged = await service.rollouts(
-                RolloutFilter(run=_blank(run), flag=_blank(flag), grader=chosen),
-                limit=PAGE_SIZE,
-                cursor=None,
-                count=True,
-            )
+    flagged = None
+    if _blank(flag):
+        flagged = await review.rollouts(
+            RolloutFilter(run=_blank(run), flag=_blank(flag), grader=chosen),
+            limit=PAGE_SIZE,
+            cursor=None,
+            count=True,
+        )
     return render(
         request,
         "flags.html",
-        counts=counts,
-        runs=runs,
-        graders=graders,
+        counts=await statistics.flag_counts(_blank(run), chosen),
+        runs=await review.runs(),
+        graders=await review.graders(_blank(run)),
         grader=chosen or "",
         run=run or "",
         flag=flag or "",

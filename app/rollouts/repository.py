@@ -10,27 +10,21 @@ from sqlalchemy import select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from app.db.models import Rollout, ToolCall
+from app.db.models import RolloutRow, ToolCall
 
 
 class RolloutRepository:
     def __init__(self, session: AsyncSession) -> None:
         self.session = session
 
-    async def get(self, trace_id: str) -> Rollout | None:
-        return await self.session.get(Rollout, trace_id)
+    async def get(self, trace_id: str) -> RolloutRow | None:
+        return await self.session.get(RolloutRow, trace_id)
 
     async def calls(self, trace_id: str) -> Sequence[ToolCall]:
         result = await self.session.scalars(
             select(ToolCall).where(ToolCall.trace_id == trace_id).order_by(ToolCall.started_at, ToolCall.id)
         )
         return result.all()
-
-    async def recent(self, *, limit: int, run: str | None) -> Sequence[Rollout]:
-        query = select(Rollout).order_by(Rollout.last_seen.desc()).limit(limit)
-        if run is not None:
-            query = query.where(Rollout.run == run)
-        return (await self.session.scalars(query)).all()
 
     async def mark_graded(
         self,
@@ -44,11 +38,11 @@ class RolloutRepository:
         at = at or datetime.now(UTC)
         dialect = self.session.get_bind().dialect.name
         insert: Any = postgresql.insert if dialect == "postgresql" else sqlite.insert
-        statement = insert(Rollout).values(
+        statement = insert(RolloutRow).values(
             trace_id=trace_id, run=run, item_key=item_key, first_seen=at, last_seen=at, graded_at=at
         )
         await self.session.execute(
             statement.on_conflict_do_update(
-                index_elements=[Rollout.trace_id], set_={"graded_at": statement.excluded.graded_at}
+                index_elements=[RolloutRow.trace_id], set_={"graded_at": statement.excluded.graded_at}
             )
         )

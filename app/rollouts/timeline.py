@@ -1,66 +1,19 @@
 """A rollout read back: its logged calls in start order, numbered, with their parallel batches.
 
-This is the one shape of a logged call (`RolloutCall`) and of a rollout's timeline (`RolloutTimeline`):
-the admin routes, the review, the export and the graders all read a rollout through `read_timeline`.
+The admin routes, the review, the export and the graders all read a rollout through `read_timeline`,
+in the shapes of app/rollouts/shapes.py (`RolloutDetail`, `RolloutCall`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Any
 
-import orjson
-from pydantic import BaseModel, ConfigDict
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from app.db.models import Rollout, ToolCall
+from app.db.models import RolloutRow, ToolCall
 from app.rollouts.repository import RolloutRepository
-
-
-class RolloutCall(BaseModel):
-    """One logged call of a rollout, as stored (arguments as the model sent them)."""
-
-    model_config = ConfigDict(frozen=True)
-
-    seq: int  # order of start, 0-based
-    batch: int  # parallel batch index: calls that overlapped in time share a batch
-    tool: str
-    call_id: str | None
-    arguments: str  # as sent: usually a JSON object's text, else whatever the model wrote
-    output: str | None  # what the model read (None when the call failed before answering)
-    output_bytes: int
-    outcome: str  # ok | model_error | tool_crash | infra_error
-    error: str | None
-    status_code: int
-    started_at: datetime
-    ended_at: datetime
-    latency_ms: float
-    worker: str
-    channel: str = "rft"  # rft: the tool routes; mcp: the MCP server
-
-    def parsed_arguments(self) -> Any:
-        """The arguments as JSON ({} when empty), or the raw text when they are not JSON."""
-        if not self.arguments:
-            return {}
-        try:
-            return orjson.loads(self.arguments)
-        except orjson.JSONDecodeError:
-            return self.arguments
-
-
-class RolloutTimeline(BaseModel):
-    """A rollout and its calls; the row's fields are None when only its calls or grades exist."""
-
-    trace_id: str
-    run: str | None
-    channel: str | None  # of the rollout's first logged call
-    item_key: str | None
-    first_seen: datetime | None
-    last_seen: datetime | None
-    graded_at: datetime | None
-    parallel_batches: int
-    calls: Sequence[RolloutCall]
+from app.rollouts.shapes import LOGGED_CALL_FIELDS, RolloutCall, RolloutDetail
 
 
 def parallel_batches(calls: Sequence[ToolCall]) -> list[int]:
@@ -78,21 +31,18 @@ def parallel_batches(calls: Sequence[ToolCall]) -> list[int]:
     return batches
 
 
-_LOGGED = tuple(name for name in RolloutCall.model_fields if name not in ("seq", "batch"))
-
-
 def rollout_calls(calls: Sequence[ToolCall]) -> list[RolloutCall]:
     """The logged calls (in start order) numbered, with the parallel batch each belongs to."""
     batches = parallel_batches(calls)
     return [
-        RolloutCall(seq=i, batch=batches[i], **{name: getattr(c, name) for name in _LOGGED})
+        RolloutCall(seq=i, batch=batches[i], **{name: getattr(c, name) for name in LOGGED_CALL_FIELDS})
         for i, c in enumerate(calls)
     ]
 
 
-def build_timeline(trace_id: str, rollout: Rollout | None, calls: Sequence[ToolCall]) -> RolloutTimeline:
+def build_timeline(trace_id: str, rollout: RolloutRow | None, calls: Sequence[ToolCall]) -> RolloutDetail:
     numbered = rollout_calls(calls)
-    return RolloutTimeline(
+    return RolloutDetail(
         trace_id=trace_id,
         run=rollout.run if rollout else None,
         channel=rollout.channel if rollout else None,
@@ -100,12 +50,13 @@ def build_timeline(trace_id: str, rollout: Rollout | None, calls: Sequence[ToolC
         first_seen=rollout.first_seen if rollout else None,
         last_seen=rollout.last_seen if rollout else None,
         graded_at=rollout.graded_at if rollout else None,
+        call_count=len(numbered),
         parallel_batches=(numbered[-1].batch + 1) if numbered else 0,
-        calls=numbered,
+        timeline=numbered,
     )
 
 
-async def read_timeline(session: AsyncSession, trace_id: str) -> RolloutTimeline | None:
+async def read_timeline(session: AsyncSession, trace_id: str) -> RolloutDetail | None:
     """The rollout's row and logged calls; None when the server has neither."""
     repo = RolloutRepository(session)
     rollout = await repo.get(trace_id)

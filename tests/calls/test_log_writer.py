@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy import func, select
 
 from app.calls.log_writer import CallLogWriter, CallRecord
-from app.db.models import ANSWERED_OUTCOMES, Rollout, ToolCall
+from app.db.models import ANSWERED_OUTCOMES, RolloutRow, ToolCall
 from app.deps import app_state
 from tests.conftest import call_body, new_trace
 
@@ -37,7 +37,7 @@ async def test_concurrent_calls_share_commits_and_all_are_logged(client: httpx.A
             select(func.count()).select_from(ToolCall).where(ToolCall.trace_id.in_(traces))
         )
         rollouts = await session.scalar(
-            select(func.count()).select_from(Rollout).where(Rollout.trace_id.in_(traces))
+            select(func.count()).select_from(RolloutRow).where(RolloutRow.trace_id.in_(traces))
         )
     assert logged == 80
     assert rollouts == 10
@@ -55,7 +55,7 @@ async def test_rollout_row_keeps_first_and_last_seen_and_run(client: httpx.Async
         )
         assert r.status_code == 200
     async with app_state(app).sessionmaker() as session:
-        rollout = await session.get(Rollout, trace)
+        rollout = await session.get(RolloutRow, trace)
         calls = (await session.scalars(select(ToolCall).where(ToolCall.trace_id == trace))).all()
     assert rollout is not None
     assert rollout.run == "baseline-1" and rollout.item_key == "task_id:7"
@@ -76,7 +76,7 @@ async def test_the_rollout_counts_its_logged_calls_and_each_output_size(client: 
     outputs = await asyncio.gather(*(call(f"c{i}", 1) for i in range(6)))
     await asyncio.gather(call("c0", 1), call("c1", 1))
     async with app_state(client.app).sessionmaker() as session:  # type: ignore[attr-defined]
-        rollout = await session.get(Rollout, trace)
+        rollout = await session.get(RolloutRow, trace)
         sizes = (await session.scalars(select(ToolCall.output_bytes).where(ToolCall.trace_id == trace))).all()
     assert rollout is not None and rollout.calls == 6
     assert sorted(sizes) == sorted(len(o.encode()) for o in outputs)
@@ -109,7 +109,7 @@ async def _counts(client: httpx.AsyncClient, traces: list[str]) -> dict[str, tup
         stored = dict(
             (
                 await session.execute(
-                    select(Rollout.trace_id, Rollout.calls).where(Rollout.trace_id.in_(traces))
+                    select(RolloutRow.trace_id, RolloutRow.calls).where(RolloutRow.trace_id.in_(traces))
                 )
             ).all()
         )
@@ -217,7 +217,7 @@ async def test_logged_rows_keep_every_field_exactly(client: httpx.AsyncClient, a
     await writer._commit([tricky])
     async with app_state(client.app).sessionmaker() as session:  # type: ignore[attr-defined]
         row = (await session.scalars(select(ToolCall).where(ToolCall.trace_id == trace))).one()
-        rollout = await session.get(Rollout, trace)
+        rollout = await session.get(RolloutRow, trace)
     for name in ("call_id", "request_id", "tool", "arguments", "output", "outcome", "error", "status_code"):
         assert getattr(row, name) == getattr(tricky, name), name
     assert (row.started_at, row.ended_at) == (tricky.started_at, tricky.ended_at)

@@ -21,7 +21,7 @@ import redis
 from sqlalchemy import select, update
 
 from app.calls.log_writer import CallLogWriter, CallRecord
-from app.db.models import Rollout, ToolCall
+from app.db.models import RolloutRow, ToolCall
 from app.deps import app_state
 from app.rollouts.redis_store import _keys
 from app.rollouts.store import StoreUnavailable
@@ -88,7 +88,7 @@ async def test_an_answer_the_store_could_not_keep_is_not_logged_as_sent(app_fact
         assert [r.output for r in sent] == [retry.json()["output"]]
         assert sorted(r.outcome for r in rows) == ["infra_error", "ok"]
         async with app_state(client.app).sessionmaker() as session:  # type: ignore[attr-defined]
-            rollout = await session.get(Rollout, trace)
+            rollout = await session.get(RolloutRow, trace)
         assert rollout is not None and rollout.calls == 2  # both attempts are logged calls
 
 
@@ -145,7 +145,7 @@ async def test_a_record_whose_call_has_an_answered_row_says_so_and_can_take_it_o
     rows = await _rows(client, trace)
     assert sorted((r.output or "", r.outcome) for r in rows) == [("", "infra_error"), ("retry", "ok")]
     async with app_state(client.app).sessionmaker() as session:  # type: ignore[attr-defined]
-        rollout = await session.get(Rollout, trace)
+        rollout = await session.get(RolloutRow, trace)
     assert rollout is not None and rollout.calls == 2
     # In the other order: voided first, the record that takes over gets a row of its own.
     other = new_trace()
@@ -229,7 +229,7 @@ async def test_a_replay_takes_the_row_over_whatever_it_says(client: httpx.AsyncC
     rows_after = await _rows(client, trace)
     assert len(rows_after) == 1 and rows_after[0].ended_at > rows[0].ended_at
     async with app_state(client.app).sessionmaker() as session:  # type: ignore[attr-defined]
-        rollout = await session.get(Rollout, trace)
+        rollout = await session.get(RolloutRow, trace)
     assert rollout is not None and rollout.calls == 1
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 
 from app.grading.graders.model import GradeInput, RolloutRecord
-from app.rollouts.timeline import RolloutCall
+from app.rollouts.shapes import RolloutCall
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from sqlalchemy import select
 
-from app.db.models import Grade, Rollout
+from app.db.models import Grade, RolloutRow
 from app.deps import app_state
 from tests.conftest import TOOLS_KEY, AppFactory, call_body, new_trace
 from tests.grading.test_routes import GRADERS, ledger_pack, sample, write_graders
@@ -68,7 +68,7 @@ async def test_nul_in_sample_item_and_trace_id_is_graded_and_stored(
         stored_trace = trace.replace("\x00", "\ufffd")
         async with app_state(client.app).sessionmaker() as session:  # type: ignore[attr-defined]
             [grade] = (await session.scalars(select(Grade).where(Grade.trace_id == stored_trace))).all()
-            rollout = await session.get(Rollout, stored_trace)
+            rollout = await session.get(RolloutRow, stored_trace)
         # Stored as Postgres text can hold it, NUL as U+FFFD, on both backends alike.
         assert grade.status == "ok" and grade.score == 1.0
         assert grade.sample["output_text"] == "W-1\ufffd refunded"

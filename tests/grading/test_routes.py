@@ -10,7 +10,7 @@ import pytest
 import yaml
 from sqlalchemy import select
 
-from app.db.models import Grade, Rollout
+from app.db.models import Grade, RolloutRow
 from app.deps import app_state
 from app.errors import StartupError
 from app.sdk import CheckResult, Pack, RolloutView, ToolContext
@@ -154,7 +154,7 @@ async def test_trace_aware_multi_reads_the_calls_and_the_final_state(
         names = {flag["name"] for flag in grade.flags}
         assert "over_budget" in names  # the budget grader's own flag is kept next to the review's
         async with app_state(client.app).sessionmaker() as session:  # type: ignore[attr-defined]
-            rollout = await session.get(Rollout, wasteful)
+            rollout = await session.get(RolloutRow, wasteful)
         assert rollout is not None and rollout.graded_at is not None
 
 
@@ -192,7 +192,7 @@ async def test_a_trace_without_calls_is_graded_and_flagged(app_factory: AppFacto
         [grade] = await stored_grades(client, trace)
         assert "high_score_no_calls" in {f["name"] for f in grade.flags}
         async with app_state(client.app).sessionmaker() as session:  # type: ignore[attr-defined]
-            rollout = await session.get(Rollout, trace)
+            rollout = await session.get(RolloutRow, trace)
         assert rollout is not None and rollout.graded_at is not None  # so the review lists it
 
 

@@ -69,7 +69,7 @@ async def test_a_rollout_runs_in_the_background_and_its_calls_are_in_the_log(
         assert [c["tool"] for c in calls] == ["increment", "increment", "read_counter"]
         assert [c["output"] for c in calls][:2] == ['{"value":102}', '{"value":105}']
         recent = await client.get("/rollouts", params={"run": "exp-1:run-1"}, headers=ADMIN)
-        assert status["trace_id"] in [r["trace_id"] for r in recent.json()]
+        assert status["trace_id"] in [r["trace_id"] for r in recent.json()["rollouts"]]
 
 
 async def test_the_end_is_posted_to_the_tracing_gateway_the_0_3_33_processor_polls(

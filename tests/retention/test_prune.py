@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from app.cli import cli
 from app.config import get_settings
 from app.db.migrate import upgrade
-from app.db.models import Grade, Rollout, ToolCall
+from app.db.models import Grade, RolloutRow, ToolCall
 from app.db.session import build_sessionmaker
 from app.retention.repository import RetentionRepository
 from app.retention.service import parse_age
@@ -61,7 +61,7 @@ def rollout(
 ) -> list[object]:
     """A rollout row, its calls (all at its last activity) and, if graded, one grade."""
     rows: list[object] = [
-        Rollout(
+        RolloutRow(
             trace_id=trace, run=run, first_seen=ago(last_days), last_seen=ago(last_days),
             graded_at=ago(graded_days) if graded_days is not None else None, calls=calls,
         )
@@ -100,7 +100,7 @@ async def counts(url: str) -> dict[str, int]:
     try:
         async with engine.connect() as conn:
             return {
-                "rollouts": (await conn.execute(select(func.count()).select_from(Rollout))).scalar_one(),
+                "rollouts": (await conn.execute(select(func.count()).select_from(RolloutRow))).scalar_one(),
                 "calls": (await conn.execute(select(func.count()).select_from(ToolCall))).scalar_one(),
                 "grades": (await conn.execute(select(func.count()).select_from(Grade))).scalar_one(),
             }
@@ -112,7 +112,7 @@ async def traces_left(url: str) -> set[str]:
     engine = create_async_engine(url)
     try:
         async with engine.connect() as conn:
-            rows = await conn.execute(select(Rollout.trace_id).union(select(ToolCall.trace_id)))
+            rows = await conn.execute(select(RolloutRow.trace_id).union(select(ToolCall.trace_id)))
             grades = await conn.execute(select(Grade.trace_id))
             return {r[0] for r in rows} | {f"grade:{g[0]}" for g in grades}
     finally:
@@ -212,7 +212,7 @@ def test_a_rollout_that_comes_back_to_life_during_the_prune_stays_whole(database
             # A call is logged for it between the selection and the delete.
             async with sessions() as session, session.begin():
                 await session.execute(
-                    update(Rollout).where(Rollout.trace_id == "revived").values(last_seen=NOW)
+                    update(RolloutRow).where(RolloutRow.trace_id == "revived").values(last_seen=NOW)
                 )
             async with sessions() as session, session.begin():
                 removed = await RetentionRepository(session).delete_rollouts(selected, cutoff)

@@ -61,7 +61,7 @@ async def grade_rollout(
         grade, _ = await store_grade(
             session,
             trace_id=trace_id,
-            calls=timeline.calls if timeline is not None else ([] if trace_id else None),
+            calls=timeline.timeline if timeline is not None else ([] if trace_id else None),
             grader=grader,
             grader_version="1",
             status=status,

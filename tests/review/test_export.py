@@ -70,7 +70,7 @@ async def test_export_round_trip_over_http_and_the_cli(
     _, calls, _ = generate(spec)
     assert sum(len(line["calls"]) for line in lines if line["trace_id"] != trace) == len(calls)
     timeline = (await review.client.get(f"/review/api/rollouts/{trace}", headers=ADMIN)).json()
-    assert [c["tool"] for c in timeline["calls"]] == [c["tool"] for c in live["calls"]]
+    assert [c["tool"] for c in timeline["timeline"]] == [c["tool"] for c in live["calls"]]
 
     out = tmp_path / "export.jsonl"
     result = await asyncio.to_thread(invoke, "export", "--run", spec.run, "--out", str(out))

@@ -132,16 +132,34 @@ async def test_flags_are_recomputed_from_stored_data_keeping_the_graders_own(rev
     assert r.status_code == 404
 
 
+async def test_the_machines_read_a_graded_rollout_as_the_review_does(review: ReviewApp) -> None:
+    trace = new_trace()
+    for i in range(3):
+        await review.call("read_counter", {}, trace, call_id=f"c{i}", run="machines")
+    await review.grade(trace, answer="done", score=1.0, item={"id": "m1"}, run="machines")
+    detail = await review.api(f"/rollouts/{trace}")
+    assert detail == await review.api(f"/review/api/rollouts/{trace}")
+    assert detail["call_count"] == 3 and len(detail["timeline"]) == 3 and "calls" not in detail
+    (grade,) = detail["grades"]
+    assert grade["score"] == 1.0 and "repeated_call" in [f["name"] for f in grade["flags"]]
+    assert all("repeated_call" in c["flags"] for c in detail["timeline"])
+    listed = await review.api("/rollouts", run="machines")
+    assert listed == await review.api("/review/api/rollouts", run="machines")
+    (row,) = [r for r in listed["rollouts"] if r["trace_id"] == trace]
+    assert row["call_count"] == 3 and row["score"] == 1.0 and "calls" not in row
+    assert (await review.client.get(f"/rollouts/{new_trace()}", headers=ADMIN)).status_code == 404
+
+
 async def test_parallel_calls_share_a_batch_in_the_timeline(review: ReviewApp) -> None:
     trace = new_trace()
     await review.call("echo", {"text": "first"}, trace, call_id="c0")
     await asyncio.gather(*(review.call("slow", {"seconds": 0.2}, trace, call_id=f"p{i}") for i in range(3)))
     await review.call("echo", {"text": "last"}, trace, call_id="c4")
     timeline = await review.api(f"/review/api/rollouts/{trace}")
-    assert [c["batch"] for c in timeline["calls"]] == [0, 1, 1, 1, 2]
+    assert [c["batch"] for c in timeline["timeline"]] == [0, 1, 1, 1, 2]
     assert timeline["parallel_batches"] == 3
-    assert timeline["calls"][0]["arguments"] == '{"text":"first"}'
-    assert timeline["calls"][0]["output"] == "first" and timeline["calls"][0]["output_bytes"] == 5
+    assert timeline["timeline"][0]["arguments"] == '{"text":"first"}'
+    assert timeline["timeline"][0]["output"] == "first" and timeline["timeline"][0]["output_bytes"] == 5
 
 
 async def test_a_reused_call_id_is_an_error_logged_with_its_own_arguments_and_flagged(

@@ -31,11 +31,15 @@ async def test_since_and_until_without_a_timezone_are_utc(review: ReviewApp) -> 
 @pytest.mark.parametrize("bad", ["a\x00b", "a\r\nSet-Cookie: x=1", "a\nb"])
 async def test_control_characters_in_filters_and_ids_are_a_400(review: ReviewApp, bad: str) -> None:
     for name in FILTERS:
-        for path in ("/review/api/rollouts", "/export"):
+        for path in ("/review/api/rollouts", "/rollouts", "/export"):
             response = await review.client.get(path, params={name: bad}, headers=ADMIN)
             assert response.status_code == 400, (path, name, response.status_code, response.text[:200])
             assert response.json()["error"]["code"] == "bad_request"
-    for path in (f"/review/api/rollouts/{quote(bad)}", f"/review/api/rollouts/{quote(bad)}/recompute-flags"):
+    for path in (
+        f"/review/api/rollouts/{quote(bad)}",
+        f"/rollouts/{quote(bad)}",
+        f"/review/api/rollouts/{quote(bad)}/recompute-flags",
+    ):
         method = review.client.post if path.endswith("-flags") else review.client.get
         response = await method(path, headers=ADMIN)
         assert response.status_code == 400, (path, response.status_code, response.text[:200])

@@ -150,7 +150,7 @@ async def test_ungraded_and_failed_rollouts_are_listed(review: ReviewApp) -> Non
     await review.grade(failed, answer="", score=None, status="failed", errors=["judge down"])
     page = await review.api("/review/api/rollouts", run=run)
     rows = {r["trace_id"]: r for r in page["rollouts"]}
-    assert rows[ungraded]["status"] is None and rows[ungraded]["calls"] == 1
+    assert rows[ungraded]["status"] is None and rows[ungraded]["call_count"] == 1
     assert rows[failed]["status"] == "failed" and rows[failed]["flags"] == ["grade_failed", "tool_errors"]
     assert [
         r["trace_id"]

@@ -343,7 +343,9 @@ async def test_parallel_batches_are_marked(app_factory: AppFactory) -> None:
         assert batch_of["s1"] == 1
         assert batch_of["q1"] == batch_of["q2"] == 2
         assert batch_of["s2"] == 3
-        assert detail["parallel_batches"] == 4 and detail["calls"] == 7
+        assert detail["parallel_batches"] == 4 and detail["call_count"] == 7
+        # The machines' path answers the review's detail: one shape, one read.
+        assert detail == (await client.get(f"/review/api/rollouts/{trace}", headers=ADMIN)).json()
         assert [c["call_id"] for c in timeline][3] == "s1"
         assert all(c["outcome"] == "ok" and c["status_code"] == 200 for c in timeline)
 
@@ -402,16 +404,21 @@ async def test_rollout_list_filters_by_run_header(app_factory: AppFactory) -> No
                     headers=headers,
                 )
                 assert r.status_code == 200
+        # GET /rollouts is the review's rollout list (the same query path as /review/api/rollouts).
         listed_a = (await client.get("/rollouts", params={"run": run_a, "limit": 100}, headers=ADMIN)).json()
         listed_b = (await client.get("/rollouts", params={"run": run_b}, headers=ADMIN)).json()
-        assert sorted(r["trace_id"] for r in listed_a) == sorted(traces_a)
-        assert sorted(r["trace_id"] for r in listed_b) == sorted(traces_b)
-        assert all(r["run"] == run_a and r["calls"] == 2 for r in listed_a)
-        assert all(r["item_key"] == f"id:item-{r['trace_id']}" for r in listed_a)
+        reviewed_a = await client.get(
+            "/review/api/rollouts", params={"run": run_a, "limit": 100}, headers=ADMIN
+        )
+        assert listed_a == reviewed_a.json()
+        assert sorted(r["trace_id"] for r in listed_a["rollouts"]) == sorted(traces_a)
+        assert sorted(r["trace_id"] for r in listed_b["rollouts"]) == sorted(traces_b)
+        assert all(r["run"] == run_a and r["call_count"] == 2 for r in listed_a["rollouts"])
+        assert all(r["item_key"] == f"id:item-{r['trace_id']}" for r in listed_a["rollouts"])
         # Most recent first.
-        assert [r["trace_id"] for r in listed_a] == list(reversed(traces_a))
-        everything = (await client.get("/rollouts", params={"limit": 1000}, headers=ADMIN)).json()
-        assert unlabeled in {r["trace_id"] for r in everything}
+        assert [r["trace_id"] for r in listed_a["rollouts"]] == list(reversed(traces_a))
+        everything = (await client.get("/rollouts", params={"limit": 500}, headers=ADMIN)).json()
+        assert unlabeled in {r["trace_id"] for r in everything["rollouts"]}
         limited = (await client.get("/rollouts", params={"limit": 2}, headers=ADMIN)).json()
-        assert len(limited) == 2
+        assert len(limited["rollouts"]) == 2 and limited["next_cursor"] is not None
         assert (await client.get("/rollouts", params={"run": run_a})).status_code == 403

@@ -134,7 +134,7 @@ async def test_a_5xx_is_retried_with_the_same_call_id_and_discards_after_three(
     else:
         assert outage.attempts[call_key] == 2
         assert result.discarded is None and result.score == 1.0
-        assert [c["tool"] for c in seen.json()["calls"]] == ["increment"]  # run once
+        assert [c["tool"] for c in seen.json()["timeline"]] == ["increment"]  # run once
 
 
 async def test_mistakes_401_and_413_are_shown_to_the_model(
@@ -214,7 +214,7 @@ async def test_limits_end_a_rollout_and_it_is_still_graded(
         logged = await admin_get(client, f"/rollouts/{by_calls.trace_id}")
 
     assert by_calls.ended_by == "max_tool_calls"
-    assert len(by_calls.tool_results) == 3 and logged["calls"] == 3
+    assert len(by_calls.tool_results) == 3 and logged["call_count"] == 3
     assert by_calls.score == 1.0  # graded on its last text, "still looking"
     assert by_calls.sample is not None
     # The final turn asked for two calls; the budget let one through, and the grader sees that one.

@@ -139,7 +139,11 @@ async def test_gold_replays_end_with_the_database_of_the_http_route(
 
         # Every call answered is in the log, under the session's rollout, labelled production / mcp.
         rollout = await logged(admin, mcp_trace)
-        assert (rollout["run"], rollout["channel"], rollout["calls"]) == ("production", "mcp", len(calls))
+        assert (rollout["run"], rollout["channel"], rollout["call_count"]) == (
+            "production",
+            "mcp",
+            len(calls),
+        )
         assert sorted(c["output"] for c in rollout["timeline"]) == sorted(outputs)
         assert {c["channel"] for c in rollout["timeline"]} == {"mcp"}
 
@@ -166,7 +170,7 @@ async def test_parallel_calls_in_one_session_are_all_answered_and_logged(
     for i, user in enumerate(u for u in users for _ in range(3)):
         assert not results[i].is_error and orjson.loads(answers[i])["user_id"] == user
     rollout = await logged(admin, sessions.trace)
-    assert rollout["calls"] == len(results) == 12
+    assert rollout["call_count"] == len(results) == 12
     assert sorted(c["output"] for c in rollout["timeline"]) == sorted(answers)
     assert len({c["call_id"] for c in rollout["timeline"]}) == 12
 
@@ -190,7 +194,7 @@ async def test_two_sessions_are_two_isolated_rollouts(server: Server, admin: htt
     assert seen_by_b == before
     assert one.trace != two.trace
     assert await changed(admin, two.trace) == {"retail": {"changed": {}}}  # read, changed nothing
-    assert (await logged(admin, one.trace))["calls"] == 2
+    assert (await logged(admin, one.trace))["call_count"] == 2
 
 
 class Alternating(httpx2.AsyncBaseTransport):
@@ -237,5 +241,5 @@ async def test_any_replica_answers_any_request_of_a_session(
     assert not any(r.is_error for r in after)
     rollout = await logged(admin, sessions.trace)
     assert {c["worker"] for c in rollout["timeline"]} == {"mcp-a", "mcp-b", "mcp-b2"}
-    assert rollout["calls"] == len(calls) + 2
+    assert rollout["call_count"] == len(calls) + 2
     assert await changed(admin, sessions.trace) == await changed(admin, http_trace)

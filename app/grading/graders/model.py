@@ -9,7 +9,7 @@ from datetime import datetime
 from typing import Any, Protocol, runtime_checkable
 
 from app.grounding import final_answer
-from app.rollouts.timeline import RolloutCall
+from app.rollouts.shapes import RolloutCall
 
 __all__ = [
     "GradeInput",
@@ -28,7 +28,7 @@ class RolloutRecord:
     """Everything the server recorded for one trace_id."""
 
     trace_id: str
-    calls: Sequence[RolloutCall]  # the one logged-call shape (app/rollouts/timeline.py)
+    calls: Sequence[RolloutCall]  # the one logged-call shape (app/rollouts/shapes.py)
     first_seen: datetime | None
     last_seen: datetime | None
     # {pack: {collection: {key: record}}}; only collections the rollout changed are guaranteed present.

@@ -1,0 +1,38 @@
+"""The review's route dependencies: its two services on the request's database session, the pages' login."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+from fastapi import Depends
+
+from app.deps import DatabaseDep
+from app.review.service import RolloutReview
+from app.review.session import require_login
+from app.review.statistics import RunStatistics
+
+
+async def rollout_review(db: DatabaseDep) -> AsyncIterator[RolloutReview]:
+    async with db.session() as session:
+        yield RolloutReview(session)
+
+
+async def rollout_review_writing(db: DatabaseDep) -> AsyncIterator[RolloutReview]:
+    """The rollout review in one transaction, committed when the route returns."""
+    async with db.session(write=True) as session:
+        yield RolloutReview(session)
+
+
+async def run_statistics(db: DatabaseDep) -> AsyncIterator[RunStatistics]:
+    async with db.session() as session:
+        yield RunStatistics(session, sessions=db.sessions)
+
+
+# scope="function": the session ends (a write commits) before the answer is sent, so a failed
+# commit is the answer (a 503), never a success the database did not keep.
+RolloutReviewDep = Annotated[RolloutReview, Depends(rollout_review, scope="function")]
+RolloutReviewWritingDep = Annotated[RolloutReview, Depends(rollout_review_writing, scope="function")]
+RunStatisticsDep = Annotated[RunStatistics, Depends(run_statistics, scope="function")]
+# A review page: a logged-in browser, else a redirect to the login that comes back to the page.
+NEEDS_LOGIN = [Depends(require_login)]

@@ -11,9 +11,10 @@ import orjson
 
 from app.grounding import answer_hash, final_answer, normalize_answer, ungrounded
 
-# Outcomes a call can have in the log (app/calls/service.py): the model got an answer (ok, model_error),
-# or the environment failed it (tool_crash: 500, infra_error: 503; the trainer discards or retries).
-ANSWERED = frozenset({"ok", "model_error"})
+# Outcomes a call can have in the log as read (app/db/call_log.py): the model got an answer (ok,
+# model_error, or replayed: the ledger's answer, read only when no attempt that ran it stands), or the
+# environment failed it (tool_crash: 500, infra_error: 503; the trainer discards or retries).
+ANSWERED = frozenset({"ok", "model_error", "replayed"})
 ENVIRONMENT_FAILURES = frozenset({"tool_crash", "infra_error"})
 
 HIGH_SCORE_NO_CALLS = "high_score_no_calls"

@@ -9,6 +9,7 @@ by `learning`: two seeds give two different runs, and the learning curve goes up
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -161,6 +162,7 @@ def generate(spec: SeedSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
             arguments = orjson.dumps({"id": f"{item_index}-{0 if looping else seq % 7}"}).decode()
             calls.append(
                 {
+                    "attempt_id": hashlib.blake2b(f"{trace_id}/{seq}".encode(), digest_size=16).hexdigest(),
                     "trace_id": trace_id,
                     "call_id": f"call_{seq}",
                     "request_id": None,

@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from app.db.models import Grade, Rollout, ToolCall
+from app.db.models import Grade, Rollout
 from app.errors import BadRequest, NotFound
 from app.grading.flags import (
     DEFAULT_POLICY,
@@ -30,7 +30,7 @@ from app.review.curve_repository import CurveRepository, WindowRow
 from app.review.repository import ReviewRepository, RolloutFilter
 from app.review.stats_repository import ItemRow, ItemSummary, RewardSummary, StatsRepository, ToolRow
 from app.rollouts.repository import RolloutRepository
-from app.rollouts.timeline import RolloutTimeline, build_timeline, read_timeline, rollout_calls
+from app.rollouts.timeline import LoggedCall, RolloutTimeline, build_timeline, read_timeline, rollout_calls
 
 REWARD_BINS = 10
 # Scores at or below ZERO / at or above ONE count as "always 0" / "always 1" for items.
@@ -111,7 +111,7 @@ def grade_out(grade: Grade) -> s.GradeOut:
     )
 
 
-def export_record(rollout: Rollout, calls: Sequence[ToolCall], grades: Sequence[Grade]) -> dict[str, Any]:
+def export_record(rollout: Rollout, calls: Sequence[LoggedCall], grades: Sequence[Grade]) -> dict[str, Any]:
     """One JSONL line of the export: the rollout, its calls in order, its grades."""
     return {
         "trace_id": rollout.trace_id,

@@ -25,6 +25,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from app.db.call_log import stands
 from app.db.models import Grade, Rollout, ToolCall
 
 QUANTILES = (0.5, 0.9, 0.99)
@@ -195,8 +196,8 @@ class StatsRepository:
         return counts
 
     # --- a run: calls ----------------------------------------------------------------------------------
-    # Calls count for a run by their own label (tool_calls.run, from each call's X-Sparring-Run header):
-    # no join, and the index on (run, tool, latency_ms) including outcome and output_bytes covers them.
+    # Calls count for a run by their own label (tool_calls.run, from each call's X-Sparring-Run header),
+    # as read (app/db/call_log.py: a replay or an answer given again is not another call).
 
     def _call_columns(self) -> list[Any]:
         return [
@@ -229,7 +230,7 @@ class StatsRepository:
             columns = [ToolCall.tool, func.grouping(ToolCall.tool), *self._call_columns(), percentiles]
             result = await self.session.execute(
                 select(*columns)
-                .where(ToolCall.run == run)
+                .where(ToolCall.run == run, stands())
                 .group_by(func.grouping_sets(ToolCall.tool, text("()")))
             )
             at_percentiles = 2 + 4 + len(OUTCOMES)  # after tool, grouping, count, avg, max, outcomes, bytes
@@ -246,11 +247,13 @@ class StatsRepository:
         # SQLite (the embedded default, small data): plain aggregates, then ranked percentiles.
         per_tool = await self.session.execute(
             select(ToolCall.tool, *self._call_columns())
-            .where(ToolCall.run == run)
+            .where(ToolCall.run == run, stands())
             .group_by(ToolCall.tool)
             .order_by(func.count().desc(), ToolCall.tool)
         )
-        totals = (await self.session.execute(select(*self._call_columns()).where(ToolCall.run == run))).one()
+        totals = (
+            await self.session.execute(select(*self._call_columns()).where(ToolCall.run == run, stands()))
+        ).one()
         ranks = await self._ranked_percentiles(run, per_tool=True)
         overall_ranks = (await self._ranked_percentiles(run, per_tool=False)).get(None)
         tools = [self._call_row(r[0], r[1:], ranks.get(r[0])) for r in per_tool.all()]
@@ -267,7 +270,7 @@ class StatsRepository:
                 func.row_number().over(partition_by=partition, order_by=ToolCall.latency_ms).label("rank"),
                 func.count().over(partition_by=partition).label("n"),
             )
-            .where(ToolCall.run == run)
+            .where(ToolCall.run == run, stands())
             .subquery()
         )
         picks = [
@@ -287,7 +290,7 @@ class StatsRepository:
 
     async def calls_per_rollout(self, run: str) -> list[tuple[int, int]]:
         """(number of calls, number of rollouts with that many calls), zero-call rollouts included."""
-        # rollouts.calls is recounted by the log writer in the transaction that logs the calls.
+        # rollouts.calls counts the calls as read (app/db/call_log.py), kept by the log writer.
         result = await self.session.execute(
             select(Rollout.calls, func.count())
             .where(Rollout.run == run)

@@ -62,6 +62,19 @@ def fit(value: str, limit: int) -> str:
     return f"{value[: max(0, limit - len(digest) - 1)]}~{digest}"
 
 
+def trace_key(value: str) -> str:
+    """A trace_id as the store and the log both key it: fitted to its column, NUL stored as U+FFFD.
+
+    Computed once where a request is parsed, so the rollout's Redis keys and its SQL rows name it alike.
+    """
+    return storable(fit(value, TRACE_ID_MAX))
+
+
+def call_key(value: str | None) -> str | None:
+    """A call_id as the store's ledger and the log both key it (see `trace_key`); None stays None."""
+    return storable(fit(value, CALL_ID_MAX)) if value else None
+
+
 def item_key(item: Mapping[str, Any]) -> str | None:
     """A stable key for the dataset row: its id field if it has one, else a hash of the whole row."""
     if not item:

@@ -43,7 +43,7 @@ async def list_rollouts(
 ) -> list[RolloutOut]:
     async with db.session() as session:
         rows = await RolloutRepository(session).recent(limit=limit, run=run)
-    # rollouts.calls is recounted by the log writer in the transaction that logs the calls.
+    # rollouts.calls counts the calls as read (app/db/call_log.py), kept by the log writer.
     return [RolloutOut.model_validate(r, from_attributes=True) for r in rows]
 
 
@@ -85,9 +85,10 @@ async def get_rollout_state(
     Every pack the rollout changed or called a tool of (a rollout that changed nothing shows its base);
     404 for a rollout the server never saw.
     """
+    trace_id = storable(trace_id)  # the key of the store and of the log alike (app/rollouts/identity.py)
     changes = await store.changes(trace_id)
     async with db.session() as session:
-        timeline = await read_timeline(session, storable(trace_id))
+        timeline = await read_timeline(session, trace_id)
     if timeline is None and not changes and not await store.seen(trace_id):
         raise NotFound(f"no rollout with trace_id {trace_id!r}")
     called = {

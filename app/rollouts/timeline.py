@@ -1,4 +1,4 @@
-"""A rollout read back: its logged calls in start order, numbered, with their parallel batches.
+"""A rollout read back: its logged calls as read (app/db/call_log.py), numbered, with their parallel batches.
 
 This is the one shape of a logged call (`RolloutCall`) and of a rollout's timeline (`RolloutTimeline`):
 the admin routes, the review, the export and the graders all read a rollout through `read_timeline`.
@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from app.db.models import Rollout, ToolCall
+from app.db.models import Rollout
 from app.rollouts.repository import RolloutRepository
 
 
@@ -30,10 +30,10 @@ class RolloutCall(BaseModel):
     arguments: str  # as sent: usually a JSON object's text, else whatever the model wrote
     output: str | None  # what the model read (None when the call failed before answering)
     output_bytes: int
-    outcome: str  # ok | model_error | tool_crash | infra_error
+    outcome: str  # ok | model_error | replayed | call_id_reused | tool_crash | infra_error
     error: str | None
     status_code: int
-    started_at: datetime
+    started_at: datetime  # where it is placed: an answer at its call's first start (app/db/call_log.py)
     ended_at: datetime
     latency_ms: float
     worker: str
@@ -63,7 +63,16 @@ class RolloutTimeline(BaseModel):
     calls: Sequence[RolloutCall]
 
 
-def parallel_batches(calls: Sequence[ToolCall]) -> list[int]:
+class LoggedCall(Protocol):
+    """A row of the log as read (`app.db.call_log.logged_calls`): `started_at` is where it is placed."""
+
+    @property
+    def started_at(self) -> datetime: ...
+    @property
+    def ended_at(self) -> datetime: ...
+
+
+def parallel_batches(calls: Sequence[LoggedCall]) -> list[int]:
     """Batch index per call (calls in start order): calls that overlapped in time share a batch."""
     batches: list[int] = []
     batch = -1
@@ -81,7 +90,7 @@ def parallel_batches(calls: Sequence[ToolCall]) -> list[int]:
 _LOGGED = tuple(name for name in RolloutCall.model_fields if name not in ("seq", "batch"))
 
 
-def rollout_calls(calls: Sequence[ToolCall]) -> list[RolloutCall]:
+def rollout_calls(calls: Sequence[LoggedCall]) -> list[RolloutCall]:
     """The logged calls (in start order) numbered, with the parallel batch each belongs to."""
     batches = parallel_batches(calls)
     return [
@@ -90,7 +99,7 @@ def rollout_calls(calls: Sequence[ToolCall]) -> list[RolloutCall]:
     ]
 
 
-def build_timeline(trace_id: str, rollout: Rollout | None, calls: Sequence[ToolCall]) -> RolloutTimeline:
+def build_timeline(trace_id: str, rollout: Rollout | None, calls: Sequence[LoggedCall]) -> RolloutTimeline:
     numbered = rollout_calls(calls)
     return RolloutTimeline(
         trace_id=trace_id,

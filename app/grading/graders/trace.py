@@ -51,7 +51,7 @@ MISSING_REQUIRED_TOOL = "missing_required_tool"
 FORBIDDEN_TOOL = "forbidden_tool"
 STATE_CHECK_FAILED = "state_check_failed"
 
-ANSWERED = frozenset({"ok", "model_error"})
+ANSWERED = frozenset({"ok", "model_error", "replayed"})  # as the review flags (app/grading/flags.py)
 MAX_LISTED = 5
 
 PackStateFactory = Callable[[str, RolloutRecord | None], RolloutState]

@@ -128,8 +128,8 @@ def _postgres_batch_sql() -> str:
         ), counted AS (
             SELECT b_.trace_id, count(*) AS n FROM batch b_
             WHERE NOT ({answers} AND (
-                EXISTS (SELECT 1 FROM tool_calls t_ WHERE t_.trace_id = b_.trace_id
-                        AND t_.call_id = b_.call_id AND t_.outcome IN ({_ANSWERS_SQL}))
+                (SELECT 1 FROM tool_calls t_ WHERE t_.trace_id = b_.trace_id
+                 AND t_.call_id = b_.call_id AND t_.outcome IN ({_ANSWERS_SQL}) LIMIT 1) IS NOT NULL
                 OR EXISTS (SELECT 1 FROM batch e_ WHERE e_.trace_id = b_.trace_id
                            AND e_.call_id = b_.call_id AND e_.outcome IN ({_ANSWERS_SQL})
                            AND e_.n_ < b_.n_)))

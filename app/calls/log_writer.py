@@ -115,24 +115,26 @@ def _postgres_batch_sql() -> str:
     goes to asyncpg directly (prepared once per connection). Together that is a third of the client
     CPU that SQLAlchemy with column arrays took per batch. One statement is one transaction, so the
     batch is committed atomically in one round trip; its subqueries read the log as it was before
-    it. The rollouts are upserted in trace_id order, so two workers' batches lock shared rollouts in
-    the same order.
+    it (the batch's own rows are `logged`, in the order of their ids). The earlier answer is looked
+    up by a scalar subquery, an index probe per row: as `EXISTS`, Postgres may run it as a hashed
+    scan of every answered row while the table has no statistics yet. The rollouts are upserted in
+    trace_id order, so two workers' batches lock shared rollouts in the same order.
     """
     names = ", ".join(name for name, _ in _CALL_COLUMNS)
     answers = f"b_.call_id IS NOT NULL AND b_.outcome IN ({_ANSWERS_SQL})"
     return f"""
-        WITH batch AS (
-            SELECT c_.*, row_number() OVER () AS n_ FROM {_recordset("$1", "c_", _CALL_COLUMNS)}
-        ), logged AS (
-            INSERT INTO tool_calls ({names}) SELECT {names} FROM batch
+        WITH logged AS (
+            INSERT INTO tool_calls ({names})
+            SELECT {names} FROM {_recordset("$1", "c_", _CALL_COLUMNS)}
+            RETURNING id, trace_id, call_id, outcome
         ), counted AS (
-            SELECT b_.trace_id, count(*) AS n FROM batch b_
+            SELECT b_.trace_id, count(*) AS n FROM logged b_
             WHERE NOT ({answers} AND (
                 (SELECT 1 FROM tool_calls t_ WHERE t_.trace_id = b_.trace_id
                  AND t_.call_id = b_.call_id AND t_.outcome IN ({_ANSWERS_SQL}) LIMIT 1) IS NOT NULL
-                OR EXISTS (SELECT 1 FROM batch e_ WHERE e_.trace_id = b_.trace_id
+                OR EXISTS (SELECT 1 FROM logged e_ WHERE e_.trace_id = b_.trace_id
                            AND e_.call_id = b_.call_id AND e_.outcome IN ({_ANSWERS_SQL})
-                           AND e_.n_ < b_.n_)))
+                           AND e_.id < b_.id)))
             GROUP BY b_.trace_id
         )
         INSERT INTO rollouts (trace_id, run, item_key, channel, first_seen, last_seen, calls)

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import os
 import time
 import uuid
 from collections.abc import Awaitable, Mapping
@@ -100,7 +101,7 @@ class _Call:
     started_at: datetime
     started: float
     # This attempt's own name in the log: its row, and the void of that row, are found by it.
-    attempt_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    attempt_id: str = field(default_factory=lambda: os.urandom(16).hex())  # 128 random bits
     # The answer's log record and its commit, queued before the store finished the call (see
     # ToolCallService._finish), and whether that record was then voided: the answer was not kept.
     record: CallRecord | None = None

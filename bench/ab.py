@@ -7,7 +7,9 @@ Each variant is `sparring serve` with its defaults and the retail pack (as `benc
 scenarios), its code taken from the given checkout (put first on PYTHONPATH; the dependencies are
 this environment's, so the variants must need the same ones). All variants run at once on one
 Postgres database and one Redis database; round after round, in alternating order, each is loaded
-by `wrk -t2 -c32` right after an echo run, and the ratio is taken pair by pair. On a shared machine
+by `wrk -t2 -c32` right after an echo run, and the ratio is taken pair by pair. With
+`--database-per-variant`, each variant has a Postgres database of its own, migrated by its own
+code: versions whose schemas differ (a new migration) can be measured side by side too. On a shared machine
 whose speed drifts within seconds, that is what makes a difference of a few percent visible: runs of
 separate `bench.run` invocations minutes apart differ by more than that.
 """
@@ -15,10 +17,13 @@ separate `bench.run` invocations minutes apart differ by more than that.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
 import secrets
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 from datetime import UTC, datetime
@@ -32,7 +37,9 @@ from bench.run import (
     SCENARIOS,
     Environment,
     Server,
+    _pg_admin,
     build_servers,
+    pg_url,
     retail_data_dir,
     retail_ids,
     run_wrk,
@@ -60,6 +67,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--warmup", type=int, default=3, help="seconds of unmeasured load per server (0: none)"
     )
     parser.add_argument("--rollouts", type=int, default=500)
+    parser.add_argument(
+        "--database-per-variant",
+        action="store_true",
+        help="a database of its own per variant, at its own schema (for versions with other migrations)",
+    )
     parser.add_argument("--pg-admin-url", default=DEFAULT_PG_ADMIN)
     parser.add_argument("--redis-url", default=DEFAULT_REDIS)
     parser.add_argument("--results-dir", type=Path, default=BENCH_DIR / "results")
@@ -67,6 +79,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if len(args.variant) < 2:
         parser.error("give at least two --variant NAME=CHECKOUT")
     return args
+
+
+def variant_database(env: Environment, database: str, checkout: Path) -> str:
+    """A new database migrated by `checkout`'s own migrations; its URL."""
+    drop = f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)'
+    asyncio.run(_pg_admin(env.pg_admin_url, [drop, f'CREATE DATABASE "{database}"']))
+    url = pg_url(env.pg_admin_url, database)
+    migrate = "import sys; from app.db.migrate import upgrade; upgrade(sys.argv[1])"
+    subprocess.run(
+        [sys.executable, "-c", migrate, url],
+        cwd=checkout,
+        env={**os.environ, "PYTHONPATH": str(checkout)},
+        check=True,
+    )
+    return url
 
 
 def variants(specs: list[str]) -> dict[str, Path]:
@@ -110,12 +137,18 @@ def main(argv: list[str] | None = None) -> int:
         ids_file = retail_ids(env.retail_data, env.workdir)[scenario.request]
         servers = build_servers({"echo", "sparring-serve"}, env, key)
         template = servers.pop("sparring-serve")
-        for name, checkout in checkouts.items():
+        own_databases: list[str] = []
+        for index, (name, checkout) in enumerate(checkouts.items()):
+            database: dict[str, str] = {}
+            if args.database_per_variant:
+                own_databases.append(f"{env.pg_database}_{index}")
+                database["SPARRING_DATABASE_URL"] = variant_database(env, own_databases[-1], checkout)
             servers[name] = Server(
                 name,
                 template.target,
                 {
                     **template.env,
+                    **database,
                     "PYTHONPATH": str(checkout),
                     "SPARRING_HOME": str(env.workdir / f"home-{name}"),
                 },
@@ -168,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
                         flush=True,
                     )
     finally:
+        if args.database_per_variant and env.pg_database is not None:
+            drops = [f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)' for name in own_databases]
+            asyncio.run(_pg_admin(env.pg_admin_url, drops))
         env.teardown()
     summary = {}
     for name, entries in runs.items():

@@ -41,7 +41,9 @@ REFUSED: Final = "refused"
 
 OUTCOMES: tuple[Outcome, ...] = (OK, MODEL_ERROR, CALL_ID_REUSED, TOOL_CRASH, INFRA_ERROR, REPLAYED, REFUSED)
 ANSWERED_OUTCOMES: tuple[Outcome, ...] = (OK, MODEL_ERROR)
-"""A call the model got an answer to (the trainer did not retry it)."""
+"""An attempt that ran its call and answered it (the trainer did not retry it)."""
+ANSWERS: tuple[Outcome, ...] = (OK, MODEL_ERROR, REPLAYED)
+"""An attempt that answered its call: it ran the tool, or replayed the ledger's earlier answer."""
 ENVIRONMENT_FAILURES: tuple[Outcome, ...] = (TOOL_CRASH, INFRA_ERROR)
 """The environment failed the call: the trainer retries it with the same call_id, then discards."""
 
@@ -147,6 +149,19 @@ def fit(value: str, limit: int) -> str:
         return value
     digest = hashlib.sha256(value.encode()).hexdigest()
     return f"{value[: max(0, limit - len(digest) - 1)]}~{digest}"
+
+
+def trace_key(value: str) -> str:
+    """A trace_id as the store and the log both key it: fitted to its column, NUL stored as U+FFFD.
+
+    Computed once where a request is parsed, so the rollout's Redis keys and its SQL rows name it alike.
+    """
+    return storable(fit(value, TRACE_ID_MAX))
+
+
+def call_key(value: str | None) -> str | None:
+    """A call_id as the store's ledger and the log both key it (see `trace_key`); None stays None."""
+    return storable(fit(value, CALL_ID_MAX)) if value else None
 
 
 def item_key(item: Mapping[str, Any]) -> str | None:

@@ -6,29 +6,23 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
 import asyncpg
 import orjson
-from sqlalchemy import bindparam, func, select, text, update
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import bindparam, exists, func, select, update
+from sqlalchemy.dialects import sqlite
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from app.db.models import (
-    ANSWERED_OUTCOMES,
-    ANSWERED_ROW,
-    LOGGED_CALL_COLUMNS,
-    LOGGED_ROLLOUT_COLUMNS,
-    RolloutRow,
-    ToolCall,
-)
+from app.db.call_log import answers_its_call
+from app.db.models import LOGGED_CALL_COLUMNS, LOGGED_ROLLOUT_COLUMNS, RolloutRow, ToolCall
 from app.db.text import storable
 from app.errors import ServiceUnavailable
 from app.metrics import Metrics
+from sparring.wire import ANSWERS
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +33,9 @@ class LogUnavailable(ServiceUnavailable):
 
 @dataclass(slots=True)
 class CallRecord:
+    """One attempt of a tool call, as logged (its own row: see app/db/call_log.py for how it is read)."""
+
+    attempt_id: str
     trace_id: str
     call_id: str | None
     request_id: str | None
@@ -60,18 +57,21 @@ class CallRecord:
     def __post_init__(self) -> None:
         self.output_bytes = len(self.output.encode()) if self.output else 0
 
+    @property
+    def answers_its_call(self) -> bool:
+        """Whether this attempt may be its call's answer (the rule of app/db/call_log.py)."""
+        return self.call_id is not None and self.outcome in ANSWERS
+
 
 # A failed commit: SQLAlchemy's errors, and asyncpg's (the batch statement is sent to it directly).
 _COMMIT_ERRORS = (SQLAlchemyError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError)
 
-# A queued record and its writer's future: True once committed in its own row, False when its call
-# already had an answered row (see CallLogWriter.enqueue).
-_Pending = tuple[CallRecord, asyncio.Future[bool] | None]
-# What names one attempt of a call in the log: trace_id and call_id as stored, and its start.
-_AttemptKey = tuple[str, str, datetime]
+# A queued record and its writer's future: done once its batch is committed (or failed: 503).
+_Pending = tuple[CallRecord, asyncio.Future[None] | None]
 
-# The columns the writer fills (CallRecord's fields), derived from the ORM tables.
+# The columns the writer fills (CallRecord's fields, and output_bytes), derived from the ORM tables.
 _CALL_COLUMNS, _ROLLOUT_COLUMNS = LOGGED_CALL_COLUMNS, LOGGED_ROLLOUT_COLUMNS
+_ANSWERS_SQL = ", ".join(f"'{outcome}'" for outcome in ANSWERS)
 
 
 def _recordset(param: str, alias: str, columns: tuple[tuple[str, str], ...]) -> str:
@@ -80,30 +80,37 @@ def _recordset(param: str, alias: str, columns: tuple[tuple[str, str], ...]) -> 
 
 
 def _postgres_batch_sql() -> str:
-    """A whole batch in one statement: log the calls, then upsert their rollouts adding the number of
-    calls actually inserted (a call answered before, replayed from the ledger, conflicts on
-    uq_tool_calls_answered and is neither logged nor counted twice). It returns the number of answered
-    calls inserted: when that is all of them (nearly always), no call's writer needs to be told that
-    its call already had an answered row.
+    """A whole batch in one statement: log the attempts, then upsert their rollouts adding the number
+    of calls the log as read gained (app/db/call_log.py): every attempt, but an answer of a call that
+    already had an answering attempt (in the log, or earlier in the batch) only replaces it.
 
-    The rows travel as two JSON documents ($1 the calls, $2 their rollouts; one orjson call each)
+    The rows travel as two JSON documents ($1 the attempts, $2 their rollouts; one orjson call each)
     rather than an array per column, which the driver would encode value by value, and the statement
     goes to asyncpg directly (prepared once per connection). Together that is a third of the client
-    CPU that SQLAlchemy with column arrays took per batch. One statement is one
-    transaction, so the batch is committed atomically in one round trip. Running it again after an
-    unknown outcome cannot count a call twice either. The rollouts are upserted in trace_id order,
-    so two workers' batches lock shared rollouts in the same order.
+    CPU that SQLAlchemy with column arrays took per batch. One statement is one transaction, so the
+    batch is committed atomically in one round trip; its subqueries read the log as it was before
+    it (the batch's own rows are `logged`, in the order of their ids). The earlier answer is looked
+    up by a scalar subquery, an index probe per row: as `EXISTS`, Postgres may run it as a hashed
+    scan of every answered row while the table has no statistics yet. The rollouts are upserted in
+    trace_id order, so two workers' batches lock shared rollouts in the same order.
     """
     names = ", ".join(name for name, _ in _CALL_COLUMNS)
+    answers = f"b_.call_id IS NOT NULL AND b_.outcome IN ({_ANSWERS_SQL})"
     return f"""
         WITH logged AS (
             INSERT INTO tool_calls ({names})
             SELECT {names} FROM {_recordset("$1", "c_", _CALL_COLUMNS)}
-            ON CONFLICT DO NOTHING
-            RETURNING trace_id, call_id IS NOT NULL AND outcome IN ('ok', 'model_error') AS answered
+            RETURNING id, trace_id, call_id, outcome
         ), counted AS (
-            SELECT trace_id, count(*) AS n FROM logged GROUP BY trace_id
-        ), touched AS (
+            SELECT b_.trace_id, count(*) AS n FROM logged b_
+            WHERE NOT ({answers} AND (
+                (SELECT 1 FROM tool_calls t_ WHERE t_.trace_id = b_.trace_id
+                 AND t_.call_id = b_.call_id AND t_.outcome IN ({_ANSWERS_SQL}) LIMIT 1) IS NOT NULL
+                OR EXISTS (SELECT 1 FROM logged e_ WHERE e_.trace_id = b_.trace_id
+                           AND e_.call_id = b_.call_id AND e_.outcome IN ({_ANSWERS_SQL})
+                           AND e_.id < b_.id)))
+            GROUP BY b_.trace_id
+        )
         INSERT INTO rollouts (trace_id, run, item_key, channel, first_seen, last_seen, calls)
         SELECT r_.trace_id, r_.run, r_.item_key, r_.channel, r_.first_seen, r_.last_seen,
                coalesce(counted.n, 0)
@@ -117,18 +124,23 @@ def _postgres_batch_sql() -> str:
             item_key = coalesce(rollouts.item_key, excluded.item_key),
             channel = coalesce(rollouts.channel, excluded.channel),
             calls = rollouts.calls + excluded.calls
-        )
-        SELECT count(*) FILTER (WHERE answered) FROM logged
         """
 
 
-# The answered rows of some calls ($1 trace ids, $2 call ids, pairwise): which attempts have them.
-_ANSWERED_ATTEMPTS_SQL = """
-    SELECT t.trace_id, t.call_id, t.started_at
-    FROM tool_calls t JOIN unnest($1::varchar[], $2::varchar[]) AS k(trace_id, call_id)
-      ON t.trace_id = k.trace_id AND t.call_id = k.call_id
-    WHERE t.outcome IN ('ok', 'model_error')
-"""
+def _calls_gained(rows: list[dict[str, Any]], answered_before: set[tuple[str, str | None]]) -> dict[str, int]:
+    """Per rollout, the calls the log as read gains with these rows (what the Postgres statement
+    counts): an answer of a call that had an answering attempt only replaces it."""
+    gained: dict[str, int] = {}
+    answered = set(answered_before)
+    for row in rows:
+        if row["call_id"] is not None and row["outcome"] in ANSWERS:
+            key = (row["trace_id"], row["call_id"])
+            if key in answered:
+                gained.setdefault(row["trace_id"], 0)
+                continue
+            answered.add(key)
+        gained[row["trace_id"]] = gained.get(row["trace_id"], 0) + 1
+    return gained
 
 
 class CallLogWriter:
@@ -162,50 +174,33 @@ class CallLogWriter:
                 "run": func.coalesce(rollouts.c.run, upsert.excluded.run),
                 "item_key": func.coalesce(rollouts.c.item_key, upsert.excluded.item_key),
                 "channel": func.coalesce(rollouts.c.channel, upsert.excluded.channel),
+                "calls": rollouts.c.calls + upsert.excluded.calls,
             },
         )
-        # A call answered before (a retry replayed from the ledger) is already logged: skip it.
-        self._calls_insert = insert(ToolCall.__table__).on_conflict_do_nothing()
-        calls = ToolCall.__table__
-        self._answered_attempts = select(calls.c.trace_id, calls.c.call_id, calls.c.started_at).where(
-            calls.c.trace_id.in_(bindparam("traces", expanding=True)),
-            calls.c.call_id.is_not(None),
-            calls.c.outcome.in_(ANSWERED_OUTCOMES),
-        )
-        self._recount = (
-            update(RolloutRow)
-            .where(RolloutRow.trace_id.in_(bindparam("traces", expanding=True)))
-            .values(
-                calls=select(func.count())
-                .select_from(calls)
-                .where(calls.c.trace_id == RolloutRow.trace_id)
-                .scalar_subquery()
-            )
+        self._calls_insert = insert(ToolCall.__table__)
+        self._answered_calls = (
+            select(ToolCall.trace_id, ToolCall.call_id)
+            .distinct()
+            .where(ToolCall.trace_id.in_(bindparam("traces", expanding=True)), answers_its_call())
         )
 
-    @property
     def queue_depth(self) -> int:
         return self._queue.qsize()
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="call-log-writer")
 
-    async def write(self, record: CallRecord) -> bool:
-        """Queue the record and wait until it is committed; 503 when the queue is full or the DB fails.
+    async def write(self, record: CallRecord) -> None:
+        """Queue the record and wait until it is committed; 503 when the queue is full or the DB fails."""
+        await self.enqueue(record)
 
-        True when the record is logged in its own row; False when its call (trace_id and call_id)
-        already had an answered row, which was kept (see `take_over`).
-        """
-        return await self.enqueue(record)
-
-    def enqueue(self, record: CallRecord) -> asyncio.Future[bool]:
-        """Queue the record now; the future is done when its batch is committed (or failed: 503),
-        with `write`'s result.
+    def enqueue(self, record: CallRecord) -> asyncio.Future[None]:
+        """Queue the record now; the future is done when its batch is committed (or failed: 503).
 
         LogUnavailable at once when the queue is full. A caller that still has work to do before it
         answers (storing the answer in the ledger) does it while the batch commits, then awaits.
         """
-        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         try:
             self._queue.put_nowait((record, future))
         except asyncio.QueueFull:
@@ -215,29 +210,24 @@ class CallLogWriter:
         return future
 
     async def void(self, record: CallRecord, *, reason: str, status_code: int = 503) -> None:
-        """Turn the logged answer of `record` into the failure it became: the answer was logged while
-        the store was keeping it, keeping it failed, and the caller got `status_code` instead.
+        """Turn the logged answer of `record`'s attempt into the failure it became: the answer was
+        logged while the store was keeping it, keeping it failed, and the caller got `status_code`.
 
-        The row stays (a logged attempt, counted like any other) but no longer says what was never
-        sent: outcome infra_error, no output. It leaves the answered-calls unique index, so the retry's
-        answer is logged in its own row. Matched by the attempt's own trace, call, tool, worker, start
-        and end: a row that was never committed, or that another attempt took over meanwhile
-        (`take_over`), matches nothing. Tried up to three times; LogUnavailable if it never went in.
+        One UPDATE of the attempt's own row (found by its rollout, start and attempt id): it stays
+        as that attempt's infra_error, without the output, so it never reads as its call's answer.
+        A row that was never committed (or is voided already) matches nothing. The failure is a call
+        of its own in the log as read, and the call's answer one only while an answering attempt
+        remains: the rollout's count gains one when one does. Tried up to three times;
+        LogUnavailable if it never went in.
         """
-        match = storable({"trace_id": record.trace_id, "call_id": record.call_id, "tool": record.tool})
-        same_call = (
-            ToolCall.call_id == match["call_id"] if record.call_id is not None else ToolCall.call_id.is_(None)
-        )
+        trace_id = storable(record.trace_id)
         statement = (
             update(ToolCall)
             .where(
-                ToolCall.trace_id == match["trace_id"],
-                same_call,
-                ToolCall.tool == match["tool"],
-                ToolCall.worker == record.worker,
+                ToolCall.trace_id == trace_id,
                 ToolCall.started_at == record.started_at,
-                ToolCall.ended_at == record.ended_at,
-                ToolCall.outcome.in_(ANSWERED_OUTCOMES),
+                ToolCall.attempt_id == record.attempt_id,
+                answers_its_call(),
             )
             .values(
                 outcome="infra_error",
@@ -246,60 +236,28 @@ class CallLogWriter:
                 output=None,
                 output_bytes=0,
             )
+            .returning(ToolCall.call_id)
         )
-
-        async def run(conn: AsyncConnection) -> None:
-            await conn.execute(statement)
-
-        await self._short_transaction(run)
-
-    async def take_over(self, record: CallRecord) -> None:
-        """Log `record` in place of the answered row its call already has: its answer is the one sent.
-
-        `write` keeps the first answered row of a call. But that row may be one a failing attempt
-        logged while the store was keeping its answer, and is voiding (see `void`). An attempt whose
-        answer is going out, and whose record met such a row, takes the row over: with its own
-        answer, arguments, worker and end, keeping the row's start (the call's place in the
-        timeline), so the void, before or after, matches nothing. A row inserted (the void
-        came first) adds one to its rollout's `calls`. LogUnavailable when the database fails: the
-        answer is not sent, and the retry replays it from the ledger.
-        """
-        row = _without_nul(record)
-        insert: Any = postgresql.insert if self._postgres else sqlite.insert
-        upsert = insert(ToolCall.__table__).values(**row)
-        upsert = upsert.on_conflict_do_update(
-            index_elements=["trace_id", "call_id"],
-            index_where=text(ANSWERED_ROW),
-            # Everything but the start: the row keeps the call's place in the rollout's timeline.
-            set_={name: upsert.excluded[name] for name in row if name != "started_at"},
+        answered = exists().where(
+            ToolCall.trace_id == trace_id, ToolCall.call_id == bindparam("call_id"), answers_its_call()
         )
-        counted = update(RolloutRow).where(RolloutRow.trace_id == row["trace_id"])
-
-        async def run(conn: AsyncConnection) -> None:
-            if self._postgres:
-                # Whether it inserted: a row the upsert updated carries the updating transaction's
-                # xmax. The increment, unlike a count, cannot miss a batch committing meanwhile.
-                inserted = (await conn.execute(upsert.returning(text("xmax = 0")))).scalar()
-                if inserted:
-                    await conn.execute(counted.values(calls=RolloutRow.calls + 1))
-            else:  # one writer at a time: the count is taken again
-                await conn.execute(upsert)
-                await conn.execute(self._recount, {"traces": [row["trace_id"]]})
-
-        await self._short_transaction(run)
-
-    async def _short_transaction(self, work: Callable[[AsyncConnection], Awaitable[None]]) -> None:
-        """`work(conn)` in a transaction of its own, tried three times; LogUnavailable if it never went in."""
+        counted = (
+            update(RolloutRow)
+            .where(RolloutRow.trace_id == trace_id, answered)
+            .values(calls=RolloutRow.calls + 1)
+        )
         failure: BaseException | None = None
         for attempt in range(3):
             try:
-                async with asyncio.timeout(_SHORT_TIMEOUT_SECONDS):
+                async with asyncio.timeout(_VOID_TIMEOUT_SECONDS):
                     async with self._engine.begin() as conn:
-                        await work(conn)
+                        voided = (await conn.execute(statement)).first()
+                        if voided is not None:
+                            await conn.execute(counted, {"call_id": voided.call_id})
                 return
             except (*_COMMIT_ERRORS, TimeoutError) as exc:
                 failure = exc
-                log.warning("call log: a correction failed (attempt %d of 3): %s", attempt + 1, exc)
+                log.warning("call log: a void failed (attempt %d of 3): %s", attempt + 1, exc)
                 await asyncio.sleep(0.05 * 4**attempt)
         raise LogUnavailable("call log database unreachable", retry_after=self._retry_after) from failure
 
@@ -320,7 +278,7 @@ class CallLogWriter:
             self._metrics.log_batch_size.observe(len(batch))
             self._metrics.log_queue_depth.set(self._queue.qsize())
             try:
-                kept_out = await self._commit([record for record, _ in batch])
+                await self._commit([record for record, _ in batch])
             except asyncio.CancelledError:
                 for _, future in batch:
                     if future is not None and not future.done():
@@ -340,15 +298,15 @@ class CallLogWriter:
                     if future is not None and not future.done():
                         future.set_exception(LogUnavailable("call log failed", retry_after=self._retry_after))
             else:
-                for record, future in batch:
+                for _, future in batch:
                     if future is not None and not future.done():
-                        future.set_result(not kept_out or _attempt_key(record) not in kept_out)
+                        future.set_result(None)
             finally:
                 for _ in batch:
                     self._queue.task_done()
 
-    async def _commit(self, records: list[CallRecord]) -> set[_AttemptKey]:
-        """Log the records; the answered ones not inserted because their call had an answered row."""
+    async def _commit(self, records: list[CallRecord]) -> None:
+        """Log the records, each in its own row, and count the calls their rollouts gain."""
         rollouts: dict[str, dict[str, Any]] = {}
         for record in records:
             row = rollouts.get(record.trace_id)
@@ -368,28 +326,24 @@ class CallLogWriter:
                 row["item_key"] = row["item_key"] or record.item_key
         # Rollouts in a fixed order, so two workers upserting the same rollouts cannot deadlock.
         traces = sorted(rollouts)
-        # The records that claim their call's answered row: the only ones a batch may skip.
-        answered = [r for r in records if r.call_id is not None and r.outcome in ANSWERED_OUTCOMES]
         if self._postgres:
-            return await self._commit_postgres(records, [rollouts[key] for key in traces], answered)
+            await self._commit_postgres(records, [rollouts[key] for key in traces])
+            return
         rows = [_without_nul(record) for record in records]
         rollout_rows = [storable(rollouts[key]) for key in traces]
-        stored_traces = [row["trace_id"] for row in rollout_rows]
         async with self._engine.begin() as conn:
-            # The upsert locks each rollout row first, so concurrent batches of one rollout take turns
-            # and each recount sees the calls the other committed.
+            answered: set[tuple[str, str | None]] = set()
+            if any(record.answers_its_call for record in records):
+                stored_traces = [row["trace_id"] for row in rollout_rows]
+                found = await conn.execute(self._answered_calls, {"traces": stored_traces})
+                answered = {(trace, call) for trace, call in found}
+            gained = _calls_gained(rows, answered)
+            for row in rollout_rows:
+                row["calls"] = gained.get(row["trace_id"], 0)
             await conn.execute(self._rollout_upsert, rollout_rows)
             await conn.execute(self._calls_insert, rows)
-            await conn.execute(self._recount, {"traces": stored_traces})
-            if not answered:
-                return set()
-            present = await conn.execute(self._answered_attempts, {"traces": stored_traces})
-            logged = {(trace, call, started) for trace, call, started in present}
-        return {key for key in map(_attempt_key, answered) if key not in logged}
 
-    async def _commit_postgres(
-        self, records: list[CallRecord], rollouts: list[dict[str, Any]], answered: list[CallRecord]
-    ) -> set[_AttemptKey]:
+    async def _commit_postgres(self, records: list[CallRecord], rollouts: list[dict[str, Any]]) -> None:
         calls = _json_rows(records)
         touched = _json_rows(rollouts)
         async with self._conn_lock:  # only the writer task commits; tests may call _commit directly
@@ -397,24 +351,13 @@ class CallLogWriter:
             try:
                 raw = await conn.get_raw_connection()
                 driver: Any = raw.driver_connection  # the asyncpg connection under SQLAlchemy's
-                inserted = await driver.fetchval(self._batch_sql, calls, touched)
-                if inserted == len(answered):
-                    kept_out: set[_AttemptKey] = set()
-                else:  # some answered call had its answered row already: which ones (rare)
-                    rows = await driver.fetch(
-                        _ANSWERED_ATTEMPTS_SQL,
-                        [storable(r.trace_id) for r in answered],
-                        [storable(r.call_id) for r in answered],
-                    )
-                    logged = {(row[0], row[1], row[2]) for row in rows}
-                    kept_out = {key for key in map(_attempt_key, answered) if key not in logged}
+                await driver.execute(self._batch_sql, calls, touched)
             except BaseException:
                 # Whatever went wrong, the next batch starts on a new connection.
                 self._conn = None
                 await _discard(conn)
                 raise
             self._idle_since = time.monotonic()
-        return kept_out
 
     async def _connection(self) -> AsyncConnection:
         """The writer's own autocommit connection; checked first if it sat idle (a restarted database)."""
@@ -452,7 +395,7 @@ class CallLogWriter:
 
 
 _IDLE_CHECK_SECONDS = 5.0
-_SHORT_TIMEOUT_SECONDS = 5.0  # one try of a correction (`void`, `take_over`)
+_VOID_TIMEOUT_SECONDS = 5.0  # one try of a void
 
 
 async def _discard(conn: AsyncConnection) -> None:
@@ -461,10 +404,6 @@ async def _discard(conn: AsyncConnection) -> None:
         await conn.invalidate()
     with contextlib.suppress(Exception):
         await conn.close()
-
-
-def _attempt_key(record: CallRecord) -> _AttemptKey:
-    return storable(record.trace_id), storable(record.call_id or ""), record.started_at
 
 
 def _json_rows(rows: list[CallRecord] | list[dict[str, Any]]) -> str:

@@ -6,10 +6,11 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import os
 import time
 import uuid
 from collections.abc import Awaitable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -19,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 
 from app.calls.envelope import ToolCallEnvelope, ToolCallOutput
 from app.calls.log_writer import CallLogWriter, CallRecord
+from app.db.models import REPLAYED
 from app.errors import ServiceUnavailable, ToolCrashed
 from app.metrics import Metrics
 from app.packs import Registry
@@ -26,10 +28,11 @@ from app.rollouts.identity import (
     CALL_ID_MAX,
     JSON_DEPTH_MAX,
     RUN_MAX,
-    TRACE_ID_MAX,
+    call_key,
     fit,
     item_key,
     nested_deeper_than,
+    trace_key,
 )
 from app.rollouts.store import PackChanges, RolloutMeta, RolloutStore, StoredAnswer, Ticket
 from app.sdk import RolloutState, ToolContext, ToolError, ToolSpec, ToolUnavailable
@@ -76,8 +79,9 @@ def serialize_result(result: Any) -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class CallResult:
-    """The answer to a call and how it ended (`ok` or `model_error`: an `Error: ...` the model reads)."""
+class AnsweredCall:
+    """The output a tool call was answered and how it ended (`ok`, or `model_error` and
+    `call_id_reused`: an `Error: ...` the model reads)."""
 
     output: ToolCallOutput
     outcome: str
@@ -87,21 +91,24 @@ class CallResult:
 class _Call:
     envelope: ToolCallEnvelope
     tool: str
+    # The ids as the store and the log both key them, normalized once (`trace_key`, `call_key`).
     trace_id: str
+    call_id: str | None
     arguments_text: str
     run: str | None
     channel: str
     item_key: str | None
     started_at: datetime
     started: float
+    # This attempt's own name in the log: its row, and the void of that row, are found by it.
+    attempt_id: str = field(default_factory=lambda: os.urandom(16).hex())  # 128 random bits
     # The answer's log record and its commit, queued before the store finished the call (see
     # ToolCallService._finish), and whether that record was then voided: the answer was not kept.
     record: CallRecord | None = None
-    logged: asyncio.Future[bool] | None = None
+    logged: asyncio.Future[None] | None = None
     voided: bool = False
-    # The answer is the call's own: the tool ran for it (`_finish`), or it is the ledger's answer to
-    # this very call (a retry). Only such an answer takes over the call's answered row (see `call`).
-    delivers: bool = False
+    # The answer is the ledger's, stored by an earlier attempt of this very call: logged `replayed`.
+    replayed: bool = False
 
 
 class ToolCallService:
@@ -145,16 +152,15 @@ class ToolCallService:
 
     async def call(
         self, envelope: ToolCallEnvelope, *, path_name: str | None, run: str | None, channel: str = "rft"
-    ) -> CallResult:
+    ) -> AnsweredCall:
         """Answer one call whichever way it arrived (HTTP tool route, MCP): validate, deduplicate, run
         under the rollout's state, log durably, answer; outages raise ServiceUnavailable, crashes
         ToolCrashed."""
         call = _Call(
             envelope=envelope,
             tool=(path_name or envelope.name or "")[:128],
-            trace_id=fit(envelope.trace_id, TRACE_ID_MAX)
-            if envelope.trace_id
-            else f"trace_anon_{uuid.uuid4().hex}",
+            trace_id=trace_key(envelope.trace_id) if envelope.trace_id else f"trace_anon_{uuid.uuid4().hex}",
+            call_id=call_key(envelope.call_id),
             arguments_text=_arguments_text(envelope.arguments),
             run=fit(run, RUN_MAX) if run else None,
             channel=channel,
@@ -183,14 +189,7 @@ class ToolCallService:
             if call.record is None or call.logged is None:
                 call.record = self._answered(call, answer)
                 call.logged = self.log_writer.enqueue(call.record)
-            if not await call.logged and call.delivers:
-                # The call had an answered row already: the same answer, logged by the attempt that
-                # first sent it, or the row of an attempt that failed and is voiding it. This answer
-                # is going out, so its attempt takes the row over (its answer, worker and end; the
-                # call's start stays), and the void, whenever it comes, matches nothing. An answer
-                # made before the ledger was asked (a model error in the arguments) never takes a
-                # row over.
-                await self.log_writer.take_over(call.record)
+            await call.logged
             outcome = answer.outcome
         finally:
             self.metrics.in_flight.dec()
@@ -204,21 +203,23 @@ class ToolCallService:
             if latency is None:
                 latency = self._latencies[tool] = self.metrics.tool_latency.labels(tool)
             latency.observe(time.perf_counter() - call.started)
-        return CallResult(
+        return AnsweredCall(
             ToolCallOutput(call_id=envelope.call_id, id=envelope.id, output=answer.output), answer.outcome
         )
 
     def _answered(self, call: _Call, answer: StoredAnswer) -> CallRecord:
         error = answer.output if answer.outcome != "ok" else None
-        return self._record(call, answer.output, answer.outcome, error, 200)
+        outcome = REPLAYED if call.replayed else answer.outcome
+        return self._record(call, answer.output, outcome, error, 200)
 
     def _record(
         self, call: _Call, output: str | None, outcome: str, error: str | None, status: int
     ) -> CallRecord:
         ended = datetime.now(UTC)
         return CallRecord(
+            attempt_id=call.attempt_id,
             trace_id=call.trace_id,
-            call_id=fit(call.envelope.call_id, CALL_ID_MAX) if call.envelope.call_id else None,
+            call_id=call.call_id,
             request_id=fit(call.envelope.id, CALL_ID_MAX) if call.envelope.id else None,
             tool=call.tool or "(none)",
             arguments=call.arguments_text,
@@ -267,7 +268,7 @@ class ToolCallService:
             return bound
         raw, kwargs = bound
 
-        call_id = call.envelope.call_id
+        call_id = call.call_id
         stateful = spec.context_param is not None or spec.mutates
         if call_id is None and not stateful:
             # Nothing to claim, lock or read: a call without a call_id is not deduplicated.
@@ -291,7 +292,7 @@ class ToolCallService:
                     outcome=CALL_ID_REUSED,
                 )
             self.metrics.ledger_replays.inc()
-            call.delivers = True
+            call.replayed = True
             return began  # a retry: the identical answer, without running the tool again
         try:
             writes: PackChanges = {}
@@ -312,16 +313,15 @@ class ToolCallService:
         """Store the answer (and the call's writes) while its log record commits, not one after the other.
 
         Both must be done before the answer is sent; the caller awaits the record (`call.logged`) after
-        this. A log that failed leaves the answer stored: the retry replays it and logs it then. A store
-        that failed, after the record may have committed, voids the record before the 503 goes out, so
-        the log does not show an answer that was not sent; an attempt whose answer does go out and
-        whose record met that row takes it over (`call`), whichever of the two comes first.
+        this. A log that failed leaves the answer stored: the retry replays it and logs the replay. A
+        store that failed, after the record may have committed, voids the attempt's row before the 503
+        goes out, so the log does not show an answer that was not sent; the retry's attempt, replayed
+        or run again, is logged in its own row and reads as the call's answer (app/db/call_log.py).
         """
         record = call.record = self._answered(call, answer)
         call.logged = self.log_writer.enqueue(record)
         try:
             await self.store.finish(began, writes, answer)
-            call.delivers = True
         except BaseException as exc:
             logged, call.logged, call.voided = call.logged, None, True
             if isinstance(exc, ServiceUnavailable):
@@ -337,30 +337,24 @@ class ToolCallService:
                 await asyncio.shield(voiding)
             raise
 
-    async def _void(self, logged: asyncio.Future[bool], record: CallRecord, reason: str, status: int) -> None:
-        failed = replace(record, output=None, outcome="infra_error", error=reason, status_code=status)
+    async def _void(self, logged: asyncio.Future[None], record: CallRecord, reason: str, status: int) -> None:
         try:
-            try:
-                own_row = await logged
-            except ServiceUnavailable:
-                own_row = True  # its commit failed, so its fate is unknown: void what may be there
-            if not own_row:
-                # Nothing of this attempt was logged (the call had an answered row): log the failure.
-                await self.log_writer.write(failed)
-                return
+            with contextlib.suppress(ServiceUnavailable):
+                await logged  # a commit that failed has an unknown fate: void what may be there
             await self.log_writer.void(record, reason=reason, status_code=status)
         except ServiceUnavailable:
             log.error(
-                "call log: could not record that the answer to call %s of rollout %s was not sent (a row "
-                "logged with it stays until a retry that is answered takes it over)",
+                "call log: could not record that the answer to call %s of rollout %s was not sent (its "
+                "row, attempt %s, still shows it)",
                 record.call_id,
                 record.trace_id,
+                record.attempt_id,
             )
         except Exception:  # a bug here must not turn the caller's 503 into a 500
             log.exception("call log: voiding the unsent answer to call %s failed", record.call_id)
 
     async def aclose(self) -> None:
-        """Let the log corrections still running finish (for a while), before the writer stops."""
+        """Let the voids still running finish (for a while), before the writer stops."""
         if not self._voiding:
             return
         _, late = await asyncio.wait(list(self._voiding), timeout=_CORRECTIONS_GRACE_SECONDS)
@@ -387,13 +381,13 @@ class ToolCallService:
                 logger = self._tool_loggers[spec.pack] = logging.getLogger(f"sparring.tools.{spec.pack}")
             adapter = logging.LoggerAdapter(
                 logger,
-                {"trace_id": call.trace_id, "call_id": call.envelope.call_id},
+                {"trace_id": call.trace_id, "call_id": call.call_id},
             )
             kwargs = {
                 **kwargs,
                 spec.context_param: ToolContext(
                     trace_id=call.trace_id,
-                    call_id=call.envelope.call_id,
+                    call_id=call.call_id,
                     tool_name=spec.name,
                     item=call.envelope.item,
                     state=state,
@@ -425,9 +419,7 @@ class ToolCallService:
         except ServiceUnavailable:
             raise
         except Exception as exc:
-            log.exception(
-                "tool %s crashed (trace_id=%s call_id=%s)", spec.name, call.trace_id, call.envelope.call_id
-            )
+            log.exception("tool %s crashed (trace_id=%s call_id=%s)", spec.name, call.trace_id, call.call_id)
             raise ToolCrashed(
                 f"tool {spec.name!r} crashed ({type(exc).__name__}); the traceback is in the server log",
                 tool=spec.name,

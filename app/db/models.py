@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import re
+import uuid
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Float, FromClause, Index, Integer, String, Text, text
+from sqlalchemy import Float, FromClause, Index, Integer, String, Text
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import Mapped, mapped_column
 
 from app.db.base import Base, BigIntId, JsonColumn, UtcDateTime
 from sparring.wire import ANSWERED_OUTCOMES as ANSWERED_OUTCOMES
+from sparring.wire import REPLAYED as REPLAYED
 
-# ANSWERED_OUTCOMES: a (trace_id, call_id) answered once; a retry replays the ledger instead of running again.
-# The rows of uq_tool_calls_answered: a call's answered row (an upsert on that index names it too).
-ANSWERED_ROW = "call_id IS NOT NULL AND outcome IN ('ok', 'model_error')"
+# Outcomes of an attempt that answered its call: it ran (ok, model_error: ANSWERED_OUTCOMES), or the
+# ledger replayed the answer an earlier attempt stored (REPLAYED). Which of them is *the* answer is read
+# by app/db/call_log.py.
 # How a call arrived: the tool routes (rft: training), or the MCP server (mcp: production, local agents).
 CHANNELS = ("rft", "mcp")
 
@@ -33,23 +35,21 @@ class RolloutRow(Base):
     graded_at: Mapped[datetime | None] = mapped_column(UtcDateTime())
     # How the rollout's first logged call arrived: rft (the tool routes) or mcp (the MCP server).
     channel: Mapped[str | None] = mapped_column(String(16), index=True)
-    # Logged calls of the rollout, recounted by the log writer in the transaction that logs them.
+    # Calls of the rollout as read (app/db/call_log.py), counted by the log writer as it logs them.
     calls: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 class ToolCall(Base):
+    """One attempt of a tool call: every attempt has its own row (a retry, a replay, a failure).
+
+    What a rollout's call answered is read from its attempts by one rule (app/db/call_log.py).
+    """
+
     __tablename__ = "tool_calls"
     __table_args__ = (
         Index("ix_tool_calls_trace_started", "trace_id", "started_at"),
-        # A retried call that was already answered is logged once, whatever the replays.
-        Index(
-            "uq_tool_calls_answered",
-            "trace_id",
-            "call_id",
-            unique=True,
-            postgresql_where=text(ANSWERED_ROW),
-            sqlite_where=text(ANSWERED_ROW),
-        ),
+        # The attempts of one call: which answer stands (app/db/call_log.py), and the writer's count.
+        Index("ix_tool_calls_trace_call", "trace_id", "call_id"),
         Index("ix_tool_calls_tool_started", "tool", "started_at"),
         # Run statistics (per tool: count, latency percentiles, outcomes, output sizes) read only this.
         Index(
@@ -62,6 +62,8 @@ class ToolCall(Base):
     )
 
     id: Mapped[int] = mapped_column(BigIntId, primary_key=True, autoincrement=True)
+    # Named by the server when the attempt starts, so the attempt can be corrected (voided) by it.
+    attempt_id: Mapped[str] = mapped_column(String(32), default=lambda: uuid.uuid4().hex)
     trace_id: Mapped[str] = mapped_column(String(128))
     call_id: Mapped[str | None] = mapped_column(String(200))
     request_id: Mapped[str | None] = mapped_column(String(200))

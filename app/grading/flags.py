@@ -13,9 +13,10 @@ from app.grounding import answer_hash, final_answer, normalize_answer, ungrounde
 from app.rollouts.shapes import RolloutCall
 from sparring import wire
 
-# Outcomes a call can have in the log (named in sparring.wire): the model got an answer (ok, model_error),
-# or the environment failed it (tool_crash: 500, infra_error: 503; the trainer discards or retries).
-ANSWERED = frozenset(wire.ANSWERED_OUTCOMES)
+# Outcomes a call can have in the log as read (app/db/call_log.py): the model got an answer (ok,
+# model_error, or replayed: the ledger's answer, read only when no attempt that ran it stands), or the
+# environment failed it (tool_crash: 500, infra_error: 503; the trainer discards or retries).
+ANSWERED = frozenset(wire.ANSWERS)
 ENVIRONMENT_FAILURES = frozenset(wire.ENVIRONMENT_FAILURES)
 
 HIGH_SCORE_NO_CALLS = "high_score_no_calls"

@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from app.deps import GraderKey, GradingDep
 from app.errors import BadRequest, json_response
 from app.grading.service import GradingService
-from app.rollouts.identity import JSON_DEPTH_MAX, RUN_HEADER, RUN_MAX, TRACE_ID_MAX, fit, nested_deeper_than
+from app.rollouts.identity import JSON_DEPTH_MAX, RUN_HEADER, RUN_MAX, fit, nested_deeper_than, trace_key
 
 router = APIRouter(tags=["graders"])
 
@@ -45,7 +45,7 @@ async def _grade(request: Request, service: GradingService, name: str | None) ->
     trace_id = data.get("trace_id")
     if nested_deeper_than(trace_id):  # tolerated as its text, but `str()` of it would recurse too deep
         raise BadRequest(f"the trace_id nests more than {JSON_DEPTH_MAX} levels deep; it is text")
-    trace_id = fit(str(trace_id), TRACE_ID_MAX) if trace_id not in (None, "") else None
+    trace_id = trace_key(str(trace_id)) if trace_id not in (None, "") else None
     run = request.headers.get(RUN_HEADER)
     result = await service.grade(
         name,

@@ -15,6 +15,7 @@ import orjson
 from sqlalchemy import (
     ColumnElement,
     Float,
+    Row,
     Text,
     cast,
     exists,
@@ -28,6 +29,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import aliased
 
+from app.db.call_log import logged_calls
 from app.db.models import Grade, RolloutRow, ToolCall
 from app.review.stats_repository import ItemRow, Queries
 
@@ -134,7 +136,7 @@ class ReviewRepository(Queries):
             position = tuple_(key, RolloutRow.trace_id)
             query = query.where(position < tuple_(*before) if descending else position > tuple_(*before))
         result = await self.session.execute(query)
-        # rollouts.calls is recounted by the log writer in the transaction that logs the calls.
+        # rollouts.calls counts the calls as read (app/db/call_log.py), kept by the log writer.
         return [
             ListedRollout(rollout=r[0], call_count=r[0].calls, grade=r[1], key=r[2]) for r in result.all()
         ]
@@ -286,7 +288,7 @@ class ReviewRepository(Queries):
 
     async def export_batches(
         self, run: str | None, *, batch_size: int = 200
-    ) -> AsyncIterator[list[tuple[RolloutRow, list[ToolCall], list[Grade]]]]:
+    ) -> AsyncIterator[list[tuple[RolloutRow, list[Row[Any]], list[Grade]]]]:
         """The run's rollouts in trace_id order with their calls and grades, a batch at a time."""
         after: str | None = None
         while True:
@@ -299,19 +301,13 @@ class ReviewRepository(Queries):
             if not rollouts:
                 return
             ids = [r.trace_id for r in rollouts]
-            calls = (
-                await self.session.scalars(
-                    select(ToolCall)
-                    .where(ToolCall.trace_id.in_(ids))
-                    .order_by(ToolCall.trace_id, ToolCall.started_at, ToolCall.id)
-                )
-            ).all()
+            calls = (await self.session.execute(logged_calls(ToolCall.trace_id.in_(ids)))).all()
             grades = (
                 await self.session.scalars(
                     select(Grade).where(Grade.trace_id.in_(ids)).order_by(Grade.created_at, Grade.id)
                 )
             ).all()
-            calls_by: dict[str, list[ToolCall]] = {i: [] for i in ids}
+            calls_by: dict[str, list[Row[Any]]] = {i: [] for i in ids}
             grades_by: dict[str, list[Grade]] = {i: [] for i in ids}
             for call in calls:
                 calls_by[call.trace_id].append(call)

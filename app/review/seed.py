@@ -9,6 +9,7 @@ by `learning`: two seeds give two different runs, and the learning curve goes up
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -125,6 +126,7 @@ def _seeded_call(
     outcome, output, error, status = _seeded_answer(spec, rng, trace.item_index, seq, tool)
     arguments = orjson.dumps({"id": f"{trace.item_index}-{0 if trace.looping else seq % 7}"}).decode()
     return {
+        "attempt_id": hashlib.blake2b(f"{trace.trace_id}/{seq}".encode(), digest_size=16).hexdigest(),
         "trace_id": trace.trace_id,
         "call_id": f"call_{seq}",
         "request_id": None,

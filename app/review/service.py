@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from app.db.models import Grade, RolloutRow, ToolCall
+from app.db.models import Grade, RolloutRow
 from app.errors import BadRequest, NotFound
 from app.grading.flags import DEFAULT_POLICY, FLAG_NAMES, FlagPolicy, answer_hash, final_answer
 from app.grading.recording import review_flags
@@ -23,7 +23,7 @@ from app.review.repository import ReviewRepository, RolloutFilter
 from app.review.statistics import item_stats_of
 from app.rollouts.repository import RolloutRepository
 from app.rollouts.shapes import FlagOut, GradeOut, RolloutDetail, RolloutSummary
-from app.rollouts.timeline import build_timeline, read_timeline, rollout_calls
+from app.rollouts.timeline import LoggedCall, build_timeline, read_timeline, rollout_calls
 
 
 def encode_cursor(key: Any, trace_id: str, sort: str = "time") -> str:
@@ -88,7 +88,9 @@ def grade_out(grade: Grade) -> GradeOut:
     )
 
 
-def export_record(rollout: RolloutRow, calls: Sequence[ToolCall], grades: Sequence[Grade]) -> dict[str, Any]:
+def export_record(
+    rollout: RolloutRow, calls: Sequence[LoggedCall], grades: Sequence[Grade]
+) -> dict[str, Any]:
     """One JSONL line of the export: the rollout, its calls in order, its grades."""
     return {
         "trace_id": rollout.trace_id,

@@ -29,6 +29,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import aliased
 
+from app.db.call_log import stands
 from app.db.models import Grade, RolloutRow, ToolCall
 from sparring.wire import ENVIRONMENT_FAILURES
 
@@ -220,8 +221,8 @@ class StatsRepository(Queries):
         return counts
 
     # --- a run: calls ----------------------------------------------------------------------------------
-    # Calls count for a run by their own label (tool_calls.run, from each call's X-Sparring-Run header):
-    # no join, and the index on (run, tool, latency_ms) including outcome and output_bytes covers them.
+    # Calls count for a run by their own label (tool_calls.run, from each call's X-Sparring-Run header),
+    # as read (app/db/call_log.py: a replay or an answer given again is not another call).
 
     def _call_columns(self) -> list[Any]:
         return [
@@ -254,7 +255,7 @@ class StatsRepository(Queries):
             columns = [ToolCall.tool, func.grouping(ToolCall.tool), *self._call_columns(), percentiles]
             result = await self.session.execute(
                 select(*columns)
-                .where(ToolCall.run == run)
+                .where(ToolCall.run == run, stands())
                 .group_by(func.grouping_sets(ToolCall.tool, text("()")))
             )
             at_percentiles = 2 + 4 + len(OUTCOMES)  # after tool, grouping, count, avg, max, outcomes, bytes
@@ -271,11 +272,13 @@ class StatsRepository(Queries):
         # SQLite (the embedded default, small data): plain aggregates, then ranked percentiles.
         per_tool = await self.session.execute(
             select(ToolCall.tool, *self._call_columns())
-            .where(ToolCall.run == run)
+            .where(ToolCall.run == run, stands())
             .group_by(ToolCall.tool)
             .order_by(func.count().desc(), ToolCall.tool)
         )
-        totals = (await self.session.execute(select(*self._call_columns()).where(ToolCall.run == run))).one()
+        totals = (
+            await self.session.execute(select(*self._call_columns()).where(ToolCall.run == run, stands()))
+        ).one()
         ranks = await self._ranked_percentiles(run, per_tool=True)
         overall_ranks = (await self._ranked_percentiles(run, per_tool=False)).get(None)
         tools = [self._call_row(r[0], r[1:], ranks.get(r[0])) for r in per_tool.all()]
@@ -292,7 +295,7 @@ class StatsRepository(Queries):
                 func.row_number().over(partition_by=partition, order_by=ToolCall.latency_ms).label("rank"),
                 func.count().over(partition_by=partition).label("n"),
             )
-            .where(ToolCall.run == run)
+            .where(ToolCall.run == run, stands())
             .subquery()
         )
         picks = [
@@ -312,7 +315,7 @@ class StatsRepository(Queries):
 
     async def calls_per_rollout(self, run: str) -> list[tuple[int, int]]:
         """(number of calls, number of rollouts with that many calls), zero-call rollouts included."""
-        # rollouts.calls is recounted by the log writer in the transaction that logs the calls.
+        # rollouts.calls counts the calls as read (app/db/call_log.py), kept by the log writer.
         result = await self.session.execute(
             select(RolloutRow.calls, func.count())
             .where(RolloutRow.run == run)

@@ -14,9 +14,11 @@ from sparring.wire import (
     RUN_HEADER,
     RUN_MAX,
     TRACE_ID_MAX,
+    call_key,
     fit,
     item_key,
     nested_deeper_than,
+    trace_key,
 )
 
 __all__ = [
@@ -27,7 +29,9 @@ __all__ = [
     "RUN_HEADER",
     "RUN_MAX",
     "TRACE_ID_MAX",
+    "call_key",
     "fit",
     "item_key",
     "nested_deeper_than",
+    "trace_key",
 ]

@@ -6,10 +6,11 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import Row
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from app.db.call_log import logged_calls
 from app.db.models import RolloutRow, ToolCall
 
 
@@ -20,11 +21,12 @@ class RolloutRepository:
     async def get(self, trace_id: str) -> RolloutRow | None:
         return await self.session.get(RolloutRow, trace_id)
 
-    async def calls(self, trace_id: str) -> Sequence[ToolCall]:
-        result = await self.session.scalars(
-            select(ToolCall).where(ToolCall.trace_id == trace_id).order_by(ToolCall.started_at, ToolCall.id)
-        )
-        return result.all()
+    async def calls(self, trace_id: str) -> Sequence[Row[Any]]:
+        """The rollout's calls as read (app/db/call_log.py): each answer at its call's first start."""
+        rows: Sequence[Row[Any]] = (
+            await self.session.execute(logged_calls(ToolCall.trace_id == trace_id))
+        ).all()
+        return rows
 
     async def mark_graded(
         self,

@@ -32,9 +32,10 @@ async def get_rollout_state(
     Every pack the rollout changed or called a tool of (a rollout that changed nothing shows its base);
     404 for a rollout the server never saw.
     """
+    trace_id = storable(trace_id)  # the key of the store and of the log alike (app/rollouts/identity.py)
     changes = await store.changes(trace_id)
     async with db.session() as session:
-        timeline = await read_timeline(session, storable(trace_id))
+        timeline = await read_timeline(session, trace_id)
     if timeline is None and not changes and not await store.seen(trace_id):
         raise NotFound(f"no rollout with trace_id {trace_id!r}")
     called = {

@@ -27,10 +27,10 @@ class RolloutCall(BaseModel):
     arguments: str  # as sent: usually a JSON object's text, else whatever the model wrote
     output: str | None  # what the model read (None when the call failed before answering)
     output_bytes: int
-    outcome: str  # ok | model_error | tool_crash | infra_error
+    outcome: str  # ok | model_error | replayed | call_id_reused | tool_crash | infra_error
     error: str | None
     status_code: int
-    started_at: datetime
+    started_at: datetime  # where it is placed: an answer at its call's first start (app/db/call_log.py)
     ended_at: datetime
     latency_ms: float
     worker: str

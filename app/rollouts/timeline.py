@@ -1,4 +1,4 @@
-"""A rollout read back: its logged calls in start order, numbered, with their parallel batches.
+"""A rollout read back: its logged calls as read (app/db/call_log.py), numbered, with their parallel batches.
 
 The admin routes, the review, the export and the graders all read a rollout through `read_timeline`,
 in the shapes of app/rollouts/shapes.py (`RolloutDetail`, `RolloutCall`).
@@ -8,15 +8,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime
+from typing import Protocol
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from app.db.models import RolloutRow, ToolCall
+from app.db.models import RolloutRow
 from app.rollouts.repository import RolloutRepository
 from app.rollouts.shapes import LOGGED_CALL_FIELDS, RolloutCall, RolloutDetail
 
 
-def parallel_batches(calls: Sequence[ToolCall]) -> list[int]:
+class LoggedCall(Protocol):
+    """A row of the log as read (`app.db.call_log.logged_calls`): `started_at` is where it is placed."""
+
+    @property
+    def started_at(self) -> datetime: ...
+    @property
+    def ended_at(self) -> datetime: ...
+
+
+def parallel_batches(calls: Sequence[LoggedCall]) -> list[int]:
     """Batch index per call (calls in start order): calls that overlapped in time share a batch."""
     batches: list[int] = []
     batch = -1
@@ -31,7 +41,7 @@ def parallel_batches(calls: Sequence[ToolCall]) -> list[int]:
     return batches
 
 
-def rollout_calls(calls: Sequence[ToolCall]) -> list[RolloutCall]:
+def rollout_calls(calls: Sequence[LoggedCall]) -> list[RolloutCall]:
     """The logged calls (in start order) numbered, with the parallel batch each belongs to."""
     batches = parallel_batches(calls)
     return [
@@ -40,7 +50,7 @@ def rollout_calls(calls: Sequence[ToolCall]) -> list[RolloutCall]:
     ]
 
 
-def build_timeline(trace_id: str, rollout: RolloutRow | None, calls: Sequence[ToolCall]) -> RolloutDetail:
+def build_timeline(trace_id: str, rollout: RolloutRow | None, calls: Sequence[LoggedCall]) -> RolloutDetail:
     numbered = rollout_calls(calls)
     return RolloutDetail(
         trace_id=trace_id,

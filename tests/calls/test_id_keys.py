@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import httpx
+from sqlalchemy import select
 
+from app.db.models import ToolCall
+from app.deps import app_state
 from app.rollouts.identity import TRACE_ID_MAX, fit, item_key
 from tests.conftest import call_body, new_trace
 
@@ -38,3 +41,23 @@ async def test_a_forged_abbreviation_is_another_rollout(client: httpx.AsyncClien
     assert other.json()["output"] == '{"value":101}', (
         "the forged id must not replay or share the long id's state"
     )
+
+
+async def test_the_store_and_the_log_key_a_rollout_and_a_call_alike(client: httpx.AsyncClient) -> None:
+    """A NUL is stored as U+FFFD in the log (app/db/text.py); the store keys the ids the same way, so
+    the ids that name one rollout (or one call) in the log name it in the store too."""
+    base = new_trace()
+    with_nul, with_replacement = f"{base}-\x00", f"{base}-\ufffd"
+
+    async def increment(trace: str, call_id: str, by: int) -> str:
+        body = call_body({"by": by}, trace_id=trace, call_id=call_id)
+        return str((await client.post("/tools/increment", json=body)).json()["output"])
+
+    assert await increment(with_nul, "c\x001", 5) == '{"value":105}'
+    # The rollout the log names with_replacement: its state, and its call's answer in the ledger.
+    assert await increment(with_replacement, "c2", 1) == '{"value":106}', "the same rollout's state"
+    assert await increment(with_replacement, "c\ufffd1", 5) == '{"value":105}', "the same call, replayed"
+    async with app_state(client.app).sessionmaker() as session:  # type: ignore[attr-defined]
+        rows = (await session.execute(select(ToolCall.trace_id, ToolCall.call_id, ToolCall.outcome))).all()
+    mine = sorted((call, outcome) for trace, call, outcome in rows if trace == with_replacement)
+    assert mine == [("c2", "ok"), ("c\ufffd1", "ok"), ("c\ufffd1", "replayed")]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 from datetime import UTC, datetime
 
 import httpx
@@ -10,6 +11,7 @@ import pytest
 from sqlalchemy import func, select
 
 from app.calls.log_writer import CallLogWriter, CallRecord
+from app.db.call_log import stands
 from app.db.models import ANSWERED_OUTCOMES, RolloutRow, ToolCall
 from app.deps import app_state
 from tests.conftest import call_body, new_trace
@@ -72,19 +74,28 @@ async def test_the_rollout_counts_its_logged_calls_and_each_output_size(client: 
         assert response.status_code == 200, response.text
         return str(response.json()["output"])
 
-    # Parallel calls of one rollout land in one or several batches; retries are replayed, not logged.
+    # Parallel calls of one rollout land in one or several batches; retries are replayed: logged as
+    # attempts of their own, not counted as calls.
     outputs = await asyncio.gather(*(call(f"c{i}", 1) for i in range(6)))
     await asyncio.gather(call("c0", 1), call("c1", 1))
     async with app_state(client.app).sessionmaker() as session:  # type: ignore[attr-defined]
         rollout = await session.get(RolloutRow, trace)
-        sizes = (await session.scalars(select(ToolCall.output_bytes).where(ToolCall.trace_id == trace))).all()
+        sizes = (
+            await session.execute(
+                select(ToolCall.outcome, ToolCall.output_bytes).where(ToolCall.trace_id == trace)
+            )
+        ).all()
     assert rollout is not None and rollout.calls == 6
-    assert sorted(sizes) == sorted(len(o.encode()) for o in outputs)
+    assert sorted(size for outcome, size in sizes if outcome == "ok") == sorted(
+        len(o.encode()) for o in outputs
+    )
+    assert sorted(outcome for outcome, _ in sizes).count("replayed") == 2
 
 
 def _record(trace: str, call_id: str | None, outcome: str = "ok", output: str | None = "out") -> CallRecord:
     now = datetime.now(UTC)
     return CallRecord(
+        attempt_id=uuid.uuid4().hex,
         trace_id=trace,
         call_id=call_id,
         request_id=None,
@@ -92,8 +103,8 @@ def _record(trace: str, call_id: str | None, outcome: str = "ok", output: str | 
         arguments="{}",
         output=output,
         outcome=outcome,
-        error=None if outcome in ANSWERED_OUTCOMES else "failed",
-        status_code={"ok": 200, "model_error": 200, "tool_crash": 500}.get(outcome, 503),
+        error=None if outcome in (*ANSWERED_OUTCOMES, "replayed") else "failed",
+        status_code={"ok": 200, "model_error": 200, "replayed": 200, "tool_crash": 500}.get(outcome, 503),
         started_at=now,
         ended_at=now,
         latency_ms=1.0,
@@ -104,7 +115,7 @@ def _record(trace: str, call_id: str | None, outcome: str = "ok", output: str | 
 
 
 async def _counts(client: httpx.AsyncClient, traces: list[str]) -> dict[str, tuple[int, int]]:
-    """trace_id -> (rollouts.calls, rows in tool_calls)."""
+    """trace_id -> (rollouts.calls, calls as read: app/db/call_log.py)."""
     async with app_state(client.app).sessionmaker() as session:  # type: ignore[attr-defined]
         stored = dict(
             (
@@ -117,7 +128,7 @@ async def _counts(client: httpx.AsyncClient, traces: list[str]) -> dict[str, tup
             (
                 await session.execute(
                     select(ToolCall.trace_id, func.count())
-                    .where(ToolCall.trace_id.in_(traces))
+                    .where(ToolCall.trace_id.in_(traces), stands())
                     .group_by(ToolCall.trace_id)
                 )
             ).all()
@@ -128,8 +139,9 @@ async def _counts(client: httpx.AsyncClient, traces: list[str]) -> dict[str, tup
 async def test_call_counts_skip_duplicates_within_and_across_batches(client: httpx.AsyncClient) -> None:
     writer: CallLogWriter = app_state(client.app).log_writer  # type: ignore[attr-defined]
     a, b = new_trace(), new_trace()
-    # One batch: an answered call twice (logged once), failed calls twice (each attempt is logged),
-    # calls without a call_id (never deduplicated), and the same call_id on another rollout.
+    # One batch: an answered call twice (two attempts, read as one call), failed calls twice (each
+    # attempt is read), calls without a call_id (never deduplicated), and the same call_id on another
+    # rollout.
     await writer._commit(
         [
             _record(a, "c1"),
@@ -144,7 +156,7 @@ async def test_call_counts_skip_duplicates_within_and_across_batches(client: htt
         ]
     )
     assert await _counts(client, [a, b]) == {a: (7, 7), b: (1, 1)}
-    # Later batches: a retried answered call (skipped), a crash then its successful retry (both logged).
+    # Later batches: a retried answered call (one call), a crash then its successful retry (both read).
     await writer._commit([_record(a, "c1"), _record(a, "c2", "model_error"), _record(a, "c5")])
     await writer._commit([_record(a, "c6", "tool_crash", None)])
     await writer._commit([_record(a, "c6"), _record(b, "c1")])
@@ -164,15 +176,17 @@ async def test_call_counts_skip_duplicates_within_and_across_batches(client: htt
 
 
 async def test_concurrent_writers_count_every_call_of_a_rollout(client: httpx.AsyncClient) -> None:
-    """Two workers logging calls of the same rollouts at once: each recount sees the other's commit."""
+    """Two workers logging calls of the same rollouts at once: every increment lands (the rollout row
+    is locked by the upsert), and replays of a call answered before are not counted."""
     app = client.app  # type: ignore[attr-defined]
     mine: CallLogWriter = app_state(app).log_writer
     other = CallLogWriter(
         app_state(app).engine, queue_size=10, batch_size=10, retry_after=1, metrics=app_state(app).metrics
     )
     traces = [new_trace() for _ in range(3)]
+    await mine._commit([_record(traces[0], "shared")])
     batches = [
-        [_record(t, f"w{w}-b{i}-{t[-4:]}") for t in traces] + [_record(traces[0], "shared")]
+        [_record(t, f"w{w}-b{i}-{t[-4:]}") for t in traces] + [_record(traces[0], "shared", "replayed")]
         for w in range(2)
         for i in range(5)
     ]
@@ -198,6 +212,7 @@ async def test_logged_rows_keep_every_field_exactly(client: httpx.AsyncClient, a
     trace = new_trace()
     started = datetime(2026, 1, 2, 3, 4, 5, 123456, tzinfo=UTC)
     tricky = CallRecord(
+        attempt_id=uuid.uuid4().hex,
         trace_id=trace,
         call_id='c"1\\',
         request_id="fc_ü",
@@ -238,7 +253,7 @@ async def test_a_nul_character_is_answered_and_logged(client: httpx.AsyncClient)
     assert answers[0].json()["output"] == "Error: bad\u0000byte"
     async with app_state(client.app).sessionmaker() as session:  # type: ignore[attr-defined]
         rows = await session.execute(
-            select(ToolCall.call_id, ToolCall.output).where(ToolCall.trace_id == trace)
+            select(ToolCall.call_id, ToolCall.output).where(ToolCall.trace_id == trace, stands())
         )
         logged = {call_id: output for call_id, output in rows}
     assert len(logged) == 6

@@ -10,11 +10,15 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+import orjson
 import pytest
 import uvloop
 from asgi_lifespan import LifespanManager
+from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.pool import NullPool
 
 from app.main import create_app
+from tests.call_log import logged_calls_on
 from tests.conftest import ADMIN_KEY, REDIS_URL, TOOLS_KEY, make_settings, new_trace
 from tests.faults import DroppingProxy
 from tests.packs import counter_pack
@@ -29,7 +33,10 @@ def _proxied(url: str, proxy: DroppingProxy) -> str:
     return parts._replace(netloc=f"{netloc[0]}@{host}" if len(netloc) == 2 else host).geturl()
 
 
-async def _load_under_drops(home: Path, database_url: str) -> list[httpx.Response]:
+async def _load_under_drops(
+    home: Path, database_url: str
+) -> tuple[list[httpx.Response], list[httpx.Response]]:
+    """The responses under drops, and those of the retries of the calls that failed, after them."""
     pg, redis = urlsplit(database_url), urlsplit(REDIS_URL)
     pg_proxy = await DroppingProxy(pg.hostname or "127.0.0.1", pg.port or 5432).start()
     redis_proxy = await DroppingProxy(redis.hostname or "127.0.0.1", redis.port or 6379).start()
@@ -40,6 +47,7 @@ async def _load_under_drops(home: Path, database_url: str) -> list[httpx.Respons
     )
     app = create_app(settings, packs=[counter_pack])
     responses: list[httpx.Response] = []
+    retries: list[httpx.Response] = []
 
     async def rollout(client: httpx.AsyncClient) -> None:
         trace = new_trace()
@@ -72,14 +80,27 @@ async def _load_under_drops(home: Path, database_url: str) -> list[httpx.Respons
                     dropping.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await dropping
+                # The drops over, the trainer retries the calls of even number that failed until each
+                # is answered; it gives the others up.
+                failed = [r for r in responses if r.request.method == "POST" and r.status_code != 200]
+                for response in failed:
+                    if int(orjson.loads(response.request.content)["call_id"][1:]) % 2:
+                        continue
+                    retried = response
+                    for _ in range(50):
+                        retried = await client.post("/tools/increment", content=response.request.content)
+                        if retried.status_code == 200:
+                            break
+                        await asyncio.sleep(0.1)
+                    retries.append(retried)
     finally:
         await pg_proxy.aclose()
         await redis_proxy.aclose()
-    return responses
+    return responses, retries
 
 
 def test_connections_reset_mid_load_answer_503_never_500(tmp_path: Path, pg_database: str) -> None:
-    responses = uvloop.run(_load_under_drops(tmp_path / "home", pg_database))
+    responses, retries = uvloop.run(_load_under_drops(tmp_path / "home", pg_database))
     statuses = Counter(r.status_code for r in responses)
     assert statuses[503] > 0, f"the drops must have failed some requests: {statuses}"
     unexpected: list[Any] = [
@@ -93,3 +114,34 @@ def test_connections_reset_mid_load_answer_503_never_500(tmp_path: Path, pg_data
             assert set(error) >= {"code", "message"}
             # What the driver said (hosts, ports, error kinds) stays in the server's log.
             assert "127.0.0.1" not in response.text and str(urlsplit(REDIS_URL).port) not in response.text
+    assert all(r.status_code == 200 for r in retries), Counter(r.status_code for r in retries)
+    uvloop.run(_every_call_reads_as_the_answer_sent(responses + retries, pg_database))
+
+
+async def _every_call_reads_as_the_answer_sent(responses: list[httpx.Response], database_url: str) -> None:
+    """Every call answered reads in the log (app/db/call_log.py) as answered once, with the output that
+    was sent: nothing answered is missing; and a call given up reads as no answer: no attempt whose
+    answer was never sent (voided, or failed before its answer was logged) reads as answered."""
+    sent: dict[tuple[str, str], str] = {}
+    called: set[tuple[str, str]] = set()
+    for response in responses:
+        if response.request.method == "POST":
+            body = orjson.loads(response.request.content)
+            called.add((body["trace_id"], body["call_id"]))
+            if response.status_code == 200:
+                sent[(body["trace_id"], body["call_id"])] = response.json()["output"]
+    gave_up = called - set(sent)
+    engine = create_async_engine(database_url, poolclass=NullPool)
+    try:
+        rows = await logged_calls_on(engine, {trace for trace, _ in called})
+    finally:
+        await engine.dispose()
+    answers: dict[tuple[str, str], list[str | None]] = {}
+    for row in rows:
+        if row["outcome"] in ("ok", "replayed"):
+            answers.setdefault((row["trace_id"], row["call_id"]), []).append(row["output"])
+    wrong = {key: answers.get(key) for key, output in sent.items() if answers.get(key) != [output]}
+    assert not wrong, (len(wrong), list(wrong.items())[:5])
+    unsent = set(answers) - set(sent)  # calls given up: their attempts' answers were never sent
+    assert not unsent, (len(unsent), [(key, answers[key]) for key in list(unsent)[:5]])
+    assert gave_up, "the test must give some failed calls up"

@@ -181,9 +181,9 @@ async def test_a_reused_call_id_is_an_error_logged_with_its_own_arguments_and_fl
     timeline = await review.api(f"/rollouts/{trace}")
     rows = [(c["tool"], c["outcome"], c["arguments"]) for c in timeline["timeline"]]
     assert rows == [
-        # The call's row is the attempt that delivered its answer last (the retry, its arguments as
-        # it sent them), in the place of the call's first attempt.
-        ("increment", "ok", '{"name":"main","by":1}'),
+        # The call reads as the attempt that ran it (the retry's replay is an attempt of its own, and
+        # not read while that attempt stands), in the place of the call's first attempt.
+        ("increment", "ok", '{"by": 1, "name": "main"}'),
         ("increment", "call_id_reused", '{"by":5}'),
         ("read_counter", "call_id_reused", "{}"),
         ("read_counter", "ok", "{}"),

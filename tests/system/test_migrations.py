@@ -79,10 +79,9 @@ async def test_migrations_up_down_up(empty_database: str) -> None:
     first = await inspect_db(empty_database, _schema)
     assert first["revision"] == head_revision()
     assert set(first) - {"revision", "alembic_version"} == TABLES
-    assert {i[0] for i in first["tool_calls"]["indexes"]} >= {
-        "uq_tool_calls_answered",
-        "ix_tool_calls_trace_started",
-    }
+    indexes = {i[0] for i in first["tool_calls"]["indexes"]}
+    assert indexes >= {"ix_tool_calls_trace_call", "ix_tool_calls_trace_started"}
+    assert "uq_tool_calls_answered" not in indexes  # 0006: every attempt its own row
 
     await asyncio.to_thread(downgrade, empty_database, "base")
     emptied = await inspect_db(empty_database, _schema)
@@ -256,10 +255,10 @@ async def test_0002_down_and_up_again_with_rows(empty_database: str) -> None:
             for i, output in enumerate(["€", "abc"]):
                 await conn.execute(
                     text(
-                        "INSERT INTO tool_calls (trace_id, call_id, tool, arguments, output, output_bytes, "
-                        "outcome, status_code, started_at, ended_at, latency_ms, worker) VALUES "
-                        "('t1', :call, 'echo', '{}', :output, :size, 'ok', 200, CURRENT_TIMESTAMP, "
-                        "CURRENT_TIMESTAMP, 1.0, 'w')"
+                        "INSERT INTO tool_calls (attempt_id, trace_id, call_id, tool, arguments, output, "
+                        "output_bytes, outcome, status_code, started_at, ended_at, latency_ms, worker) "
+                        "VALUES (:call, 't1', :call, 'echo', '{}', :output, :size, 'ok', 200, "
+                        "CURRENT_TIMESTAMP, CURRENT_TIMESTAMP, 1.0, 'w')"
                     ),
                     {"call": f"c{i}", "output": output, "size": len(output.encode())},
                 )
@@ -288,5 +287,93 @@ async def test_0002_down_and_up_again_with_rows(empty_database: str) -> None:
             sizes = dict((await conn.execute(text("SELECT call_id, output_bytes FROM tool_calls"))).all())
         assert counts == 4
         assert sizes == {"c0": 3, "c1": 3, "c9": 0}
+    finally:
+        await engine.dispose()
+
+
+_CALL_ROW = (
+    "INSERT INTO tool_calls (trace_id, call_id, tool, arguments, output, output_bytes, outcome, error, "
+    "status_code, started_at, ended_at, latency_ms, worker{extra}) VALUES (:trace, :call, 'echo', '{{}}', "
+    ":output, 0, :outcome, :error, :status, :started, :started, 1.0, 'w'{values})"
+)
+
+
+async def test_0006_makes_every_logged_row_an_attempt_and_back(empty_database: str) -> None:
+    """Rows logged under 0005 become attempts with ids of their own, read as before; then a call
+    answered twice and a replay can be logged; the downgrade keeps one answered row per call."""
+    from datetime import UTC, datetime, timedelta
+
+    from sqlalchemy import select, text
+
+    from app.db.call_log import logged_calls
+    from app.db.models import ToolCall
+
+    t0 = datetime(2026, 5, 1, tzinfo=UTC)
+    await asyncio.to_thread(upgrade, empty_database, "0005")
+    engine = create_async_engine(empty_database, poolclass=NullPool)
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(
+                text(
+                    "INSERT INTO rollouts (trace_id, first_seen, last_seen, calls) "
+                    "VALUES ('t1', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP, 3)"
+                )
+            )
+            old = [
+                ("c1", None, "infra_error", "lost", 503, t0),
+                ("c1", "answer", "ok", None, 200, t0 + timedelta(seconds=1)),
+                ("c2", "Error: no", "model_error", "Error: no", 200, t0 + timedelta(seconds=2)),
+            ]
+            for call, output, outcome, error, status, started in old:
+                params = {"trace": "t1", "call": call, "output": output, "outcome": outcome}
+                params |= {"error": error, "status": status, "started": started}
+                await conn.execute(text(_CALL_ROW.format(extra="", values="")), params)
+        await asyncio.to_thread(upgrade, empty_database)
+        async with engine.begin() as conn:
+            ids = (await conn.execute(text("SELECT attempt_id FROM tool_calls"))).scalars().all()
+            assert len(set(ids)) == 3 and all(ids)
+            read = (await conn.execute(logged_calls(ToolCall.trace_id == "t1"))).all()
+            assert [(r.call_id, r.outcome, r.output) for r in read] == [
+                ("c1", "infra_error", None),
+                ("c1", "ok", "answer"),  # at the call's first start: after its failure by id
+                ("c2", "model_error", "Error: no"),
+            ]
+            assert read[1].started_at == t0
+            # Now a call may have several answering attempts: run again, and replayed.
+            for n, (call, output, outcome) in enumerate(
+                [("c1", "again", "ok"), ("c2", "Error: no", "replayed"), ("c3", "only a replay", "replayed")]
+            ):
+                params = {"trace": "t1", "call": call, "output": output, "outcome": outcome, "error": None}
+                params |= {"status": 200, "started": t0 + timedelta(seconds=10 + n), "attempt": f"new{n}"}
+                await conn.execute(text(_CALL_ROW.format(extra=", attempt_id", values=", :attempt")), params)
+            read = (await conn.execute(logged_calls(ToolCall.trace_id == "t1"))).all()
+            assert [(r.call_id, r.outcome, r.output) for r in read] == [
+                ("c1", "infra_error", None),
+                ("c1", "ok", "again"),
+                ("c2", "model_error", "Error: no"),
+                ("c3", "replayed", "only a replay"),
+            ]
+        await asyncio.to_thread(downgrade, empty_database, "0005")
+        async with engine.connect() as conn:
+            rows = (
+                await conn.execute(
+                    text("SELECT call_id, outcome, output FROM tool_calls ORDER BY call_id, outcome")
+                )
+            ).all()
+        assert [tuple(r) for r in rows] == [
+            ("c1", "infra_error", None),
+            ("c1", "ok", "again"),
+            ("c2", "model_error", "Error: no"),
+            ("c3", "ok", "only a replay"),
+        ]
+        assert "uq_tool_calls_answered" in {
+            i[0] for i in (await inspect_db(empty_database, _schema))["tool_calls"]["indexes"]
+        }
+        await asyncio.to_thread(upgrade, empty_database)
+        async with engine.connect() as conn:
+            started = (
+                await conn.execute(select(ToolCall.started_at).where(ToolCall.output == "again"))
+            ).scalar_one()
+        assert started == t0  # the downgrade kept the answer at its call's first start
     finally:
         await engine.dispose()

@@ -51,7 +51,7 @@ from app.sdk import (
     StateCheck,
     ToolUnavailable,
 )
-from sparring.wire import ANSWERED_OUTCOMES
+from sparring.wire import ANSWERS
 
 # The same names as the review flags (app/review/flags.py), so a grader's flag and a review flag agree.
 OVER_BUDGET = "over_budget"
@@ -61,7 +61,7 @@ MISSING_REQUIRED_TOOL = "missing_required_tool"
 FORBIDDEN_TOOL = "forbidden_tool"
 STATE_CHECK_FAILED = "state_check_failed"
 
-ANSWERED = frozenset(ANSWERED_OUTCOMES)
+ANSWERED = frozenset(ANSWERS)  # as the review flags (app/grading/flags.py)
 MAX_LISTED = 5
 
 PackStateFactory = Callable[[str, RolloutRecord | None], RolloutState]

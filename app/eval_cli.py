@@ -198,19 +198,14 @@ def eval_command(
         raise fail("--resume needs the --run label of the run to continue")
     lines = _lines(dataset)
     target = _target(server, job_config, grader, grader_url)
-    api_key = environment_secret(api_key_env)
-    if api_key is None:
-        if base_url is None:
-            raise fail(f"set {api_key_env} (the model API key), or give --base-url for a local server")
-        api_key = "unused"  # local servers take any key; the SDK needs one
-    label = run or _label("eval")
-    if run is None:
-        typer.echo(f"run: {label}", err=True)
-    options = RunOptions(
-        run=label,
-        samples=samples,
-        concurrency=concurrency,
-        limits=EpisodeLimits(max_turns=max_turns, max_tool_calls=max_tool_calls),
+    api_key = _model_api_key(api_key_env, base_url)
+    label = _run_label(run, "eval")
+    options = _run_options(
+        label,
+        samples,
+        concurrency,
+        max_turns,
+        max_tool_calls,
         journal=journal_path(load_settings().home, label),
         resume=resume,
     )
@@ -220,8 +215,7 @@ def eval_command(
         openai_client = model_client(api_key, base_url, max_answer_bytes=model_max_bytes)
         async with AiohttpTransport.open(concurrency) as client:
             try:
-                for warning in await preflight(client, target, lines):
-                    typer.echo(f"warning: {warning}", err=True)
+                await _preflight(client, target, lines)
             except TargetError as exc:
                 raise fail(str(exc)) from exc
             try:
@@ -241,6 +235,50 @@ def eval_command(
     _write_json(out, report)
     if report["interrupted"]:
         raise typer.Exit(130)
+
+
+def _model_api_key(api_key_env: str, base_url: str | None) -> str:
+    """The model API key from `api_key_env`; a local server (`base_url`) takes any key when it is unset."""
+    api_key = environment_secret(api_key_env)
+    if api_key is None:
+        if base_url is None:
+            raise fail(f"set {api_key_env} (the model API key), or give --base-url for a local server")
+        api_key = "unused"  # local servers take any key; the SDK needs one
+    return api_key
+
+
+def _run_label(run: str | None, prefix: str) -> str:
+    """The --run label, or a new one with `prefix`, said on stderr so the run can be resumed or found."""
+    label = run or _label(prefix)
+    if run is None:
+        typer.echo(f"run: {label}", err=True)
+    return label
+
+
+def _run_options(
+    label: str,
+    samples: int,
+    concurrency: int,
+    max_turns: int,
+    max_tool_calls: int,
+    *,
+    journal: Path | None = None,
+    resume: bool = False,
+) -> RunOptions:
+    return RunOptions(
+        run=label,
+        samples=samples,
+        concurrency=concurrency,
+        limits=EpisodeLimits(max_turns=max_turns, max_tool_calls=max_tool_calls),
+        journal=journal,
+        resume=resume,
+    )
+
+
+async def _preflight(client: AiohttpTransport, target: Target, lines: list[DatasetLine]) -> None:
+    """The target's pre-flight check; its warnings go to stderr, a TargetError stops the run."""
+    for warning in await preflight(client, target, lines):
+        typer.echo(f"warning: {warning}", err=True)
 
 
 @runner_cli.command("canary")
@@ -267,21 +305,12 @@ def canary_command(
     """Attack the grader with scripted policies; exit 1 when one of them scores (or gold does not)."""
     lines = _lines(dataset)
     target = _target(server, job_config, grader, grader_url)
-    label = run or _label("canary")
-    if run is None:
-        typer.echo(f"run: {label}", err=True)
-    options = RunOptions(
-        run=label,
-        samples=samples,
-        concurrency=concurrency,
-        limits=EpisodeLimits(max_turns=max_turns, max_tool_calls=max_tool_calls),
-    )
+    options = _run_options(_run_label(run, "canary"), samples, concurrency, max_turns, max_tool_calls)
 
     async def main(stop: asyncio.Event) -> dict[str, Any]:
         async with AiohttpTransport.open(concurrency) as client:
             try:
-                for warning in await preflight(client, target, lines):
-                    typer.echo(f"warning: {warning}", err=True)
+                await _preflight(client, target, lines)
                 return await run_canaries(
                     client, target, lines, options, policies=policy, threshold=threshold, stop=stop
                 )

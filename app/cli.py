@@ -304,20 +304,10 @@ def job_config_command(
     Checked against the registry and graders the server would serve: anything a job would fail on
     (an unknown grader, /grade with no default grader, a plain http URL) is an error, exit 2.
     """
-    from datetime import date
-
-    from app.platforms import (
-        FOUNDRY_GRADER_RATE_LIMIT,
-        PLATFORMS,
-        default_platform,
-        endpoint_grader_fields,
-        foundry_job,
-    )
+    from app.platforms import FOUNDRY_GRADER_RATE_LIMIT, endpoint_grader_fields, foundry_job
 
     settings = load_settings()
-    chosen = platform or default_platform(date.today())
-    if chosen not in PLATFORMS:
-        raise fail(f"--platform must be one of {', '.join(PLATFORMS)} (got {chosen!r})")
+    chosen = _platform(platform)
     url = _public_url(base_url or settings.public_base_url, allow_http=allow_http)
     registry = _registry(settings)
     _check_grader_served(settings, registry, grader)
@@ -331,6 +321,18 @@ def job_config_command(
         foundry_job(block, model=model, max_episode_steps=max_episode_steps) if chosen == "foundry" else block
     )
     typer.echo(json.dumps(out, indent=2))
+
+
+def _platform(platform: str | None) -> str:
+    """The training platform asked for, or today's default one."""
+    from datetime import date
+
+    from app.platforms import PLATFORMS, default_platform
+
+    chosen = platform or default_platform(date.today())
+    if chosen not in PLATFORMS:
+        raise fail(f"--platform must be one of {', '.join(PLATFORMS)} (got {chosen!r})")
+    return chosen
 
 
 def _public_url(url: str | None, *, allow_http: bool) -> str:

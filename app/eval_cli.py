@@ -12,6 +12,7 @@ import secrets
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -198,43 +199,59 @@ def eval_command(
         raise fail("--resume needs the --run label of the run to continue")
     lines = _lines(dataset)
     target = _target(server, job_config, grader, grader_url)
-    api_key = _model_api_key(api_key_env, base_url)
-    label = _run_label(run, "eval")
-    options = _run_options(
-        label,
-        samples,
-        concurrency,
-        max_turns,
-        max_tool_calls,
-        journal=journal_path(load_settings().home, label),
-        resume=resume,
+    chosen = _Model(
+        api="responses" if api == "responses" else "chat",
+        name=model,
+        api_key=_model_api_key(api_key_env, base_url),
+        base_url=base_url,
+        deadline_s=model_timeout,
+        max_answer_bytes=model_max_bytes,
     )
-    chosen: Api = "responses" if api == "responses" else "chat"
-
-    async def main(stop: asyncio.Event) -> dict[str, Any]:
-        openai_client = model_client(api_key, base_url, max_answer_bytes=model_max_bytes)
-        async with AiohttpTransport.open(concurrency) as client:
-            try:
-                await _preflight(client, target, lines)
-            except TargetError as exc:
-                raise fail(str(exc)) from exc
-            try:
-                return await evaluate(
-                    client,
-                    target,
-                    lines,
-                    lambda: make_policy(chosen, openai_client, model, deadline_s=model_timeout),
-                    options,
-                    stop=stop,
-                )
-            finally:
-                await openai_client.close()
-
-    report = _run(main)
+    label = _run_label(run, "eval")
+    journal = journal_path(load_settings().home, label)
+    options = _run_options(
+        label, samples, concurrency, max_turns, max_tool_calls, journal=journal, resume=resume
+    )
+    report = _run(lambda stop: _evaluate(chosen, target, lines, options, stop))
     typer.echo(format_report(report))
     _write_json(out, report)
     if report["interrupted"]:
         raise typer.Exit(130)
+
+
+@dataclass(frozen=True)
+class _Model:
+    """The model an eval runs: its API, name and endpoint, and the bounds on each of its turns."""
+
+    api: Api
+    name: str
+    api_key: str
+    base_url: str | None
+    deadline_s: float
+    max_answer_bytes: int
+
+
+async def _evaluate(
+    model: _Model, target: Target, lines: list[DatasetLine], options: RunOptions, stop: asyncio.Event
+) -> dict[str, Any]:
+    """Pre-flight the target, then run `model` over `lines`: the run's report."""
+    openai_client = model_client(model.api_key, model.base_url, max_answer_bytes=model.max_answer_bytes)
+    async with AiohttpTransport.open(options.concurrency) as client:
+        try:
+            await _preflight(client, target, lines)
+        except TargetError as exc:
+            raise fail(str(exc)) from exc
+        try:
+            return await evaluate(
+                client,
+                target,
+                lines,
+                lambda: make_policy(model.api, openai_client, model.name, deadline_s=model.deadline_s),
+                options,
+                stop=stop,
+            )
+        finally:
+            await openai_client.close()
 
 
 def _model_api_key(api_key_env: str, base_url: str | None) -> str:

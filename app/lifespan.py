@@ -125,16 +125,7 @@ async def _resources(
         grading = build_grading(
             settings, registry, grader_context, store=store, database=database, metrics=metrics
         )
-        call_service = ToolCallService(
-            registry=registry,
-            store=store,
-            log_writer=writer,
-            worker=worker_name(settings),
-            max_output_bytes=settings.max_output_bytes,
-            tool_timeout=settings.tool_timeout_seconds,
-            metrics=metrics,
-        )
-        stack.push_async_callback(call_service.aclose)  # its log corrections, while the writer still runs
+        call_service = _call_service(stack, settings, registry, store, writer, metrics)
         # The same calls over MCP (Streamable HTTP at /mcp), through the same call service.
         mcp = McpHttp(registry, call_service, keyring, settings)
         remote = await _start_remote(stack, settings, registry, call_service, grading, database)
@@ -182,6 +173,28 @@ def _start_log_writer(
     writer.start()
     stack.push_async_callback(writer.aclose)
     return writer
+
+
+def _call_service(
+    stack: AsyncExitStack,
+    settings: Settings,
+    registry: Registry,
+    store: RolloutStore,
+    writer: CallLogWriter,
+    metrics: Metrics,
+) -> ToolCallService:
+    """The one call service (HTTP and MCP), closed before the log writer it corrects the log through."""
+    call_service = ToolCallService(
+        registry=registry,
+        store=store,
+        log_writer=writer,
+        worker=worker_name(settings),
+        max_output_bytes=settings.max_output_bytes,
+        tool_timeout=settings.tool_timeout_seconds,
+        metrics=metrics,
+    )
+    stack.push_async_callback(call_service.aclose)  # its log corrections, while the writer still runs
+    return call_service
 
 
 async def _start_remote(

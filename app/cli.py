@@ -129,8 +129,6 @@ def serve(
     migrate: Annotated[bool, typer.Option(help="Run database migrations before serving.")] = False,
 ) -> None:
     """Serve the API with uvicorn."""
-    import uvicorn
-
     # Workers rebuild their settings from the environment: hand them the command line's choices.
     if host is not None:
         os.environ["SPARRING_HOST"] = host
@@ -139,6 +137,20 @@ def serve(
     get_settings.cache_clear()
     settings = load_settings()
     workers = workers if workers is not None else settings.workers
+    _prepare_workers(settings, workers)
+    if migrate:
+        _upgrade(settings)
+    key, created = None, False
+    if not settings.keys:
+        from app.auth import ensure_local_admin_key
+
+        key, created = ensure_local_admin_key(settings.home)
+    typer.echo(startup_banner(settings, _registry(settings), key, created=created))
+    _run_uvicorn(settings, workers)
+
+
+def _prepare_workers(settings: Settings, workers: int) -> None:
+    """Refuse a setup that cannot serve safely (exit 2); give several workers a shared metrics dir."""
     if workers > 1 and settings.redis_url is None:
         typer.echo("error: --workers > 1 needs SPARRING_REDIS_URL (in-memory state is per process)", err=True)
         raise typer.Exit(2)
@@ -152,14 +164,11 @@ def serve(
         import tempfile
 
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="sparring-metrics-")
-    if migrate:
-        _upgrade(settings)
-    key, created = None, False
-    if not settings.keys:
-        from app.auth import ensure_local_admin_key
 
-        key, created = ensure_local_admin_key(settings.home)
-    typer.echo(startup_banner(settings, _registry(settings), key, created=created))
+
+def _run_uvicorn(settings: Settings, workers: int) -> None:
+    import uvicorn
+
     from app.serving import http_protocol
 
     uvicorn.run(
@@ -295,26 +304,48 @@ def job_config_command(
     Checked against the registry and graders the server would serve: anything a job would fail on
     (an unknown grader, /grade with no default grader, a plain http URL) is an error, exit 2.
     """
-    from datetime import date
-
-    from app.platforms import (
-        FOUNDRY_GRADER_RATE_LIMIT,
-        PLATFORMS,
-        default_platform,
-        endpoint_grader_fields,
-        foundry_job,
-    )
+    from app.platforms import FOUNDRY_GRADER_RATE_LIMIT, endpoint_grader_fields, foundry_job
 
     settings = load_settings()
+    chosen = _platform(platform)
+    url = _public_url(base_url or settings.public_base_url, allow_http=allow_http)
+    registry = _registry(settings)
+    _check_grader_served(settings, registry, grader)
+    block = job_config(settings, registry, url, grader)
+    if chosen == "foundry" and rate_limit is None:
+        rate_limit = FOUNDRY_GRADER_RATE_LIMIT
+    block["grader"] = endpoint_grader_fields(
+        block["grader"], rate_limit=rate_limit, pass_threshold=pass_threshold
+    )
+    out = (
+        foundry_job(block, model=model, max_episode_steps=max_episode_steps) if chosen == "foundry" else block
+    )
+    typer.echo(json.dumps(out, indent=2))
+
+
+def _platform(platform: str | None) -> str:
+    """The training platform asked for, or today's default one."""
+    from datetime import date
+
+    from app.platforms import PLATFORMS, default_platform
+
     chosen = platform or default_platform(date.today())
     if chosen not in PLATFORMS:
         raise fail(f"--platform must be one of {', '.join(PLATFORMS)} (got {chosen!r})")
-    url = base_url or settings.public_base_url
+    return chosen
+
+
+def _public_url(url: str | None, *, allow_http: bool) -> str:
+    """The server's public URL as training services will call it: https, or http when allowed."""
     if not url:
         raise fail("give --base-url https://your-host (or set SPARRING_PUBLIC_BASE_URL)")
     if not url.startswith("https://") and not (allow_http and url.startswith("http://")):
         raise fail(f"training services call tools and graders over https only; {url!r} is not https")
-    registry = _registry(settings)
+    return url
+
+
+def _check_grader_served(settings: Settings, registry: Any, grader: str | None) -> None:
+    """Fail unless the server serves `grader` (or, with none named, a default grader at /grade)."""
     names, default = _graders_served(settings, registry)
     known = ", ".join(sorted(names)) or "none"
     if not names:
@@ -326,16 +357,6 @@ def job_config_command(
             f"POST /grade has no default grader: pass --grader NAME (one of {known}) "
             "or set SPARRING_DEFAULT_GRADER"
         )
-    block = job_config(settings, registry, url, grader)
-    if chosen == "foundry" and rate_limit is None:
-        rate_limit = FOUNDRY_GRADER_RATE_LIMIT
-    block["grader"] = endpoint_grader_fields(
-        block["grader"], rate_limit=rate_limit, pass_threshold=pass_threshold
-    )
-    out = (
-        foundry_job(block, model=model, max_episode_steps=max_episode_steps) if chosen == "foundry" else block
-    )
-    typer.echo(json.dumps(out, indent=2))
 
 
 def _graders_served(settings: Settings, registry: Any) -> tuple[set[str], str | None]:

@@ -12,6 +12,7 @@ import secrets
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -198,49 +199,103 @@ def eval_command(
         raise fail("--resume needs the --run label of the run to continue")
     lines = _lines(dataset)
     target = _target(server, job_config, grader, grader_url)
+    chosen = _Model(
+        api="responses" if api == "responses" else "chat",
+        name=model,
+        api_key=_model_api_key(api_key_env, base_url),
+        base_url=base_url,
+        deadline_s=model_timeout,
+        max_answer_bytes=model_max_bytes,
+    )
+    label = _run_label(run, "eval")
+    journal = journal_path(load_settings().home, label)
+    options = _run_options(
+        label, samples, concurrency, max_turns, max_tool_calls, journal=journal, resume=resume
+    )
+    report = _run(lambda stop: _evaluate(chosen, target, lines, options, stop))
+    typer.echo(format_report(report))
+    _write_json(out, report)
+    if report["interrupted"]:
+        raise typer.Exit(130)
+
+
+@dataclass(frozen=True)
+class _Model:
+    """The model an eval runs: its API, name and endpoint, and the bounds on each of its turns."""
+
+    api: Api
+    name: str
+    api_key: str
+    base_url: str | None
+    deadline_s: float
+    max_answer_bytes: int
+
+
+async def _evaluate(
+    model: _Model, target: Target, lines: list[DatasetLine], options: RunOptions, stop: asyncio.Event
+) -> dict[str, Any]:
+    """Pre-flight the target, then run `model` over `lines`: the run's report."""
+    openai_client = model_client(model.api_key, model.base_url, max_answer_bytes=model.max_answer_bytes)
+    async with AiohttpTransport.open(options.concurrency) as client:
+        try:
+            await _preflight(client, target, lines)
+        except TargetError as exc:
+            raise fail(str(exc)) from exc
+        try:
+            return await evaluate(
+                client,
+                target,
+                lines,
+                lambda: make_policy(model.api, openai_client, model.name, deadline_s=model.deadline_s),
+                options,
+                stop=stop,
+            )
+        finally:
+            await openai_client.close()
+
+
+def _model_api_key(api_key_env: str, base_url: str | None) -> str:
+    """The model API key from `api_key_env`; a local server (`base_url`) takes any key when it is unset."""
     api_key = environment_secret(api_key_env)
     if api_key is None:
         if base_url is None:
             raise fail(f"set {api_key_env} (the model API key), or give --base-url for a local server")
         api_key = "unused"  # local servers take any key; the SDK needs one
-    label = run or _label("eval")
+    return api_key
+
+
+def _run_label(run: str | None, prefix: str) -> str:
+    """The --run label, or a new one with `prefix`, said on stderr so the run can be resumed or found."""
+    label = run or _label(prefix)
     if run is None:
         typer.echo(f"run: {label}", err=True)
-    options = RunOptions(
+    return label
+
+
+def _run_options(
+    label: str,
+    samples: int,
+    concurrency: int,
+    max_turns: int,
+    max_tool_calls: int,
+    *,
+    journal: Path | None = None,
+    resume: bool = False,
+) -> RunOptions:
+    return RunOptions(
         run=label,
         samples=samples,
         concurrency=concurrency,
         limits=EpisodeLimits(max_turns=max_turns, max_tool_calls=max_tool_calls),
-        journal=journal_path(load_settings().home, label),
+        journal=journal,
         resume=resume,
     )
-    chosen: Api = "responses" if api == "responses" else "chat"
 
-    async def main(stop: asyncio.Event) -> dict[str, Any]:
-        openai_client = model_client(api_key, base_url, max_answer_bytes=model_max_bytes)
-        async with AiohttpTransport.open(concurrency) as client:
-            try:
-                for warning in await preflight(client, target, lines):
-                    typer.echo(f"warning: {warning}", err=True)
-            except TargetError as exc:
-                raise fail(str(exc)) from exc
-            try:
-                return await evaluate(
-                    client,
-                    target,
-                    lines,
-                    lambda: make_policy(chosen, openai_client, model, deadline_s=model_timeout),
-                    options,
-                    stop=stop,
-                )
-            finally:
-                await openai_client.close()
 
-    report = _run(main)
-    typer.echo(format_report(report))
-    _write_json(out, report)
-    if report["interrupted"]:
-        raise typer.Exit(130)
+async def _preflight(client: AiohttpTransport, target: Target, lines: list[DatasetLine]) -> None:
+    """The target's pre-flight check; its warnings go to stderr, a TargetError stops the run."""
+    for warning in await preflight(client, target, lines):
+        typer.echo(f"warning: {warning}", err=True)
 
 
 @runner_cli.command("canary")
@@ -267,21 +322,12 @@ def canary_command(
     """Attack the grader with scripted policies; exit 1 when one of them scores (or gold does not)."""
     lines = _lines(dataset)
     target = _target(server, job_config, grader, grader_url)
-    label = run or _label("canary")
-    if run is None:
-        typer.echo(f"run: {label}", err=True)
-    options = RunOptions(
-        run=label,
-        samples=samples,
-        concurrency=concurrency,
-        limits=EpisodeLimits(max_turns=max_turns, max_tool_calls=max_tool_calls),
-    )
+    options = _run_options(_run_label(run, "canary"), samples, concurrency, max_turns, max_tool_calls)
 
     async def main(stop: asyncio.Event) -> dict[str, Any]:
         async with AiohttpTransport.open(concurrency) as client:
             try:
-                for warning in await preflight(client, target, lines):
-                    typer.echo(f"warning: {warning}", err=True)
+                await _preflight(client, target, lines)
                 return await run_canaries(
                     client, target, lines, options, policies=policy, threshold=threshold, stop=stop
                 )

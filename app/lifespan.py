@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 
 from fastapi import FastAPI
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.auth import build_keyring, ensure_local_admin_key
 from app.calls.log_writer import CallLogWriter
@@ -21,11 +22,14 @@ from app.deps import AppState, set_app_state
 from app.errors import StartupError
 from app.grading.build import build_grading
 from app.grading.graders.registry import GraderContext
+from app.grading.service import GradingService
 from app.mcp.http import McpHttp
 from app.metrics import Metrics
 from app.packs import PackOverrides, Registry, start_packs
 from app.remote.build import build_model_http, build_remote
+from app.remote.service import RemoteRolloutService
 from app.rollouts.build import build_store
+from app.rollouts.store import RolloutStore
 from app.sdk import Pack
 
 log = logging.getLogger("sparring")
@@ -111,23 +115,9 @@ async def _resources(
             )
         )
         await check_schema(engine)
-        store = build_store(settings)
-        stack.push_async_callback(store.aclose)
-        if store.kind == "memory":
-            log.warning(
-                "rollout state is in memory: run exactly one worker process "
-                "(set SPARRING_REDIS_URL to share state between workers and replicas)"
-            )
+        store = _open_store(stack, settings)
         metrics = Metrics(settings.metrics_dir)
-        writer = CallLogWriter(
-            engine,
-            metrics=metrics,
-            queue_size=settings.log_queue_size,
-            batch_size=settings.log_batch_size,
-            retry_after=settings.retry_after_seconds,
-        )
-        writer.start()
-        stack.push_async_callback(writer.aclose)
+        writer = _start_log_writer(stack, engine, settings, metrics)
         sessionmaker = build_sessionmaker(engine)
         database = Database(sessionmaker, settings.retry_after_seconds)  # services' outage boundary
         grader_context = GraderContext.from_settings(settings, state_checks=registry.state_checks)
@@ -135,32 +125,10 @@ async def _resources(
         grading = build_grading(
             settings, registry, grader_context, store=store, database=database, metrics=metrics
         )
-        call_service = ToolCallService(
-            registry=registry,
-            store=store,
-            log_writer=writer,
-            worker=worker_name(settings),
-            max_output_bytes=settings.max_output_bytes,
-            tool_timeout=settings.tool_timeout_seconds,
-            metrics=metrics,
-        )
-        stack.push_async_callback(call_service.aclose)  # its log corrections, while the writer still runs
+        call_service = _call_service(stack, settings, registry, store, writer, metrics)
         # The same calls over MCP (Streamable HTTP at /mcp), through the same call service.
         mcp = McpHttp(registry, call_service, keyring, settings)
-        model_http = build_model_http(settings)
-        stack.push_async_callback(model_http.aclose)
-        remote = build_remote(
-            settings,
-            registry=registry,
-            calls=call_service,
-            grading=grading,
-            database=database,
-            model_http=model_http,
-            worker=worker_name(settings),
-        )
-        # Remote rollouts stop first: stopping them records them as errors, which needs the database.
-        stack.push_async_callback(remote.aclose)
-        await remote.start()
+        remote = await _start_remote(stack, settings, registry, call_service, grading, database)
         await stack.enter_async_context(mcp.running())
         _freeze_startup_objects()
         yield AppState(
@@ -177,3 +145,80 @@ async def _resources(
             mcp=mcp,
             remote=remote,
         )
+
+
+def _open_store(stack: AsyncExitStack, settings: Settings) -> RolloutStore:
+    """The rollout store, closed with the stack; a memory store warns that it serves one process only."""
+    store = build_store(settings)
+    stack.push_async_callback(store.aclose)
+    if store.kind == "memory":
+        log.warning(
+            "rollout state is in memory: run exactly one worker process "
+            "(set SPARRING_REDIS_URL to share state between workers and replicas)"
+        )
+    return store
+
+
+def _start_log_writer(
+    stack: AsyncExitStack, engine: AsyncEngine, settings: Settings, metrics: Metrics
+) -> CallLogWriter:
+    """The call-log writer, started now and drained when the stack closes."""
+    writer = CallLogWriter(
+        engine,
+        metrics=metrics,
+        queue_size=settings.log_queue_size,
+        batch_size=settings.log_batch_size,
+        retry_after=settings.retry_after_seconds,
+    )
+    writer.start()
+    stack.push_async_callback(writer.aclose)
+    return writer
+
+
+def _call_service(
+    stack: AsyncExitStack,
+    settings: Settings,
+    registry: Registry,
+    store: RolloutStore,
+    writer: CallLogWriter,
+    metrics: Metrics,
+) -> ToolCallService:
+    """The one call service (HTTP and MCP), closed before the log writer it corrects the log through."""
+    call_service = ToolCallService(
+        registry=registry,
+        store=store,
+        log_writer=writer,
+        worker=worker_name(settings),
+        max_output_bytes=settings.max_output_bytes,
+        tool_timeout=settings.tool_timeout_seconds,
+        metrics=metrics,
+    )
+    stack.push_async_callback(call_service.aclose)  # its log corrections, while the writer still runs
+    return call_service
+
+
+async def _start_remote(
+    stack: AsyncExitStack,
+    settings: Settings,
+    registry: Registry,
+    call_service: ToolCallService,
+    grading: GradingService,
+    database: Database,
+) -> RemoteRolloutService:
+    """The remote rollouts and the model HTTP client they use, started now.
+
+    Remote rollouts stop first: stopping them records them as errors, which needs the database."""
+    model_http = build_model_http(settings)
+    stack.push_async_callback(model_http.aclose)
+    remote = build_remote(
+        settings,
+        registry=registry,
+        calls=call_service,
+        grading=grading,
+        database=database,
+        model_http=model_http,
+        worker=worker_name(settings),
+    )
+    stack.push_async_callback(remote.aclose)
+    await remote.start()
+    return remote

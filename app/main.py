@@ -82,41 +82,14 @@ def create_app(
         redoc_url=None,
         openapi_url=None,
     )
-    app.add_exception_handler(SparringError, handle_sparring_error)
-    app.add_exception_handler(RequestValidationError, handle_validation_error)
-    app.add_exception_handler(Exception, handle_unexpected_error)
-    for failure in OUTAGES:
-        app.add_exception_handler(failure, handle_outage)
+    _add_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.tool_calls = BodyLimitMiddleware(serve_tool_call, max_bytes=settings.max_body_bytes)
     # MCP (Streamable HTTP): the same tools through the same call service; see app/mcp/http.py.
     app.mcp_calls = BodyLimitMiddleware(serve_mcp, max_bytes=settings.max_body_bytes)
 
-    @app.get("/healthz", tags=["health"])
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @app.get("/readyz", tags=["health"])
-    async def readyz(request: Request) -> dict[str, str]:
-        await app_state(request.app).store.ping()
-        async with database(request.app).session() as session:
-            await session.execute(text("SELECT 1"))
-        return {"status": "ready"}
-
-    # The API docs: an admin key, or the review login (a reviewer's browser opens them).
-    docs_guard: list[Any] = [] if settings.docs_public else [Depends(require_review_access)]
-
-    @app.get("/openapi.json", include_in_schema=False, dependencies=docs_guard)
-    async def openapi() -> dict[str, Any]:
-        return app.openapi()
-
-    @app.get("/docs", include_in_schema=False)
-    async def docs(request: Request) -> Response:
-        if not settings.docs_public and not await has_session(request):
-            if settings.auth_header not in request.headers:
-                return RedirectResponse("/review/login?next=/docs", status_code=303)
-            await require_review_access(request)
-        return get_swagger_ui_html(openapi_url="/openapi.json", title="sparring API")
+    _add_health_routes(app)
+    _add_docs_routes(app, settings)
 
     @app.get("/", include_in_schema=False)
     async def home() -> RedirectResponse:
@@ -133,3 +106,44 @@ def create_app(
     app.include_router(review_router)
     app.include_router(remote_router(settings))
     return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every failure answers the stable JSON error body (app/errors.py); outages are 503s."""
+    app.add_exception_handler(SparringError, handle_sparring_error)
+    app.add_exception_handler(RequestValidationError, handle_validation_error)
+    app.add_exception_handler(Exception, handle_unexpected_error)
+    for failure in OUTAGES:
+        app.add_exception_handler(failure, handle_outage)
+
+
+def _add_health_routes(app: FastAPI) -> None:
+    """Liveness, and readiness: the rollout store and the database answer."""
+
+    @app.get("/healthz", tags=["health"])
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["health"])
+    async def readyz(request: Request) -> dict[str, str]:
+        await app_state(request.app).store.ping()
+        async with database(request.app).session() as session:
+            await session.execute(text("SELECT 1"))
+        return {"status": "ready"}
+
+
+def _add_docs_routes(app: FastAPI, settings: Settings) -> None:
+    # The API docs: an admin key, or the review login (a reviewer's browser opens them).
+    docs_guard: list[Any] = [] if settings.docs_public else [Depends(require_review_access)]
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=docs_guard)
+    async def openapi() -> dict[str, Any]:
+        return app.openapi()
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(request: Request) -> Response:
+        if not settings.docs_public and not await has_session(request):
+            if settings.auth_header not in request.headers:
+                return RedirectResponse("/review/login?next=/docs", status_code=303)
+            await require_review_access(request)
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="sparring API")

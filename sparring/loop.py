@@ -331,37 +331,9 @@ async def run_rollout(
             duration_s=time.perf_counter() - started,
         )
 
-    ended_by: EndReason = "max_turns"
-    text = ""
-    last_calls: tuple[FunctionCall, ...] = ()
-    for _ in range(limits.max_turns):
-        try:
-            turn = await policy.next_turn(transcript)
-        except ModelFailure as exc:
-            return finish("discarded", text, f"model_error: {exc}")
-        usage.add(turn.usage)
-        text = turn.text
-        step = Step(turn=turn)
-        transcript.steps.append(step)
-        if not turn.calls:
-            ended_by = "answer"
-            break
-        budget = limits.max_tool_calls - transcript.calls_made
-        to_send = turn.calls[: max(budget, 0)]
-        step.results = list(
-            await asyncio.gather(
-                *(tools.call(call, trace_id=transcript.trace_id, item=transcript.item) for call in to_send)
-            )
-        )
-        if to_send:
-            last_calls = to_send
-        failed = next((r for r in step.results if r.failure is not None), None)
-        if failed is not None:
-            return finish("discarded", text, f"tool_failed: {failed.call.name}: {failed.failure}")
-        if len(to_send) < len(turn.calls):
-            ended_by = "max_tool_calls"
-            break
-
+    ended_by, text, last_calls, discarded = await _turns(policy, tools, transcript, usage, limits)
+    if discarded is not None:
+        return finish("discarded", text, discarded)
     result = finish(ended_by, text)
     # The calls the loop executed, never all the turn asked for: a turn of 100,000 calls would make a
     # grade request no grader takes.
@@ -377,3 +349,41 @@ async def run_rollout(
             result.discarded = f"grader_failed: {result.grade.failure}"
     result.duration_s = time.perf_counter() - started
     return result
+
+
+async def _turns(
+    policy: Policy, tools: ToolCaller, transcript: Transcript, usage: Usage, limits: EpisodeLimits
+) -> tuple[EndReason, str, tuple[FunctionCall, ...], str | None]:
+    """The model's turns and their tool calls, within `limits`, appended to `transcript`.
+
+    Returns why the episode ended, the last turn's text, the last calls sent, and why the rollout is
+    discarded (a model or tool failure), or None.
+    """
+    text = ""
+    last_calls: tuple[FunctionCall, ...] = ()
+    for _ in range(limits.max_turns):
+        try:
+            turn = await policy.next_turn(transcript)
+        except ModelFailure as exc:
+            return "discarded", text, last_calls, f"model_error: {exc}"
+        usage.add(turn.usage)
+        text = turn.text
+        step = Step(turn=turn)
+        transcript.steps.append(step)
+        if not turn.calls:
+            return "answer", text, last_calls, None
+        budget = limits.max_tool_calls - transcript.calls_made
+        to_send = turn.calls[: max(budget, 0)]
+        step.results = list(
+            await asyncio.gather(
+                *(tools.call(call, trace_id=transcript.trace_id, item=transcript.item) for call in to_send)
+            )
+        )
+        if to_send:
+            last_calls = to_send
+        failed = next((r for r in step.results if r.failure is not None), None)
+        if failed is not None:
+            return "discarded", text, last_calls, f"tool_failed: {failed.call.name}: {failed.failure}"
+        if len(to_send) < len(turn.calls):
+            return "max_tool_calls", text, last_calls, None
+    return "max_turns", text, last_calls, None

@@ -48,25 +48,7 @@ def build_report(
     graded = [r for r in records if r.graded]
     discarded = [r for r in records if r.discarded is not None]
     scores = [r.score for r in graded if r.score is not None]
-    by_item: dict[str, list[float]] = defaultdict(list)
-    for record in graded:
-        if record.score is not None:
-            by_item[record.item_key].append(record.score)
-    items: list[dict[str, Any]] = []
-    for key in sorted(by_item):
-        values = by_item[key]
-        mean = sum(values) / len(values)
-        repeated = len(values) >= MIN_ROLLOUTS_PER_ITEM
-        items.append(
-            {
-                "item": key,
-                "rollouts": len(values),
-                "mean": mean,
-                "variance": sum((v - mean) ** 2 for v in values) / len(values),
-                "always_zero": repeated and max(values) <= 0.0,
-                "always_one": repeated and min(values) >= 1.0,
-            }
-        )
+    items = _per_item(graded)
     repeated_items = [i for i in items if i["rollouts"] >= MIN_ROLLOUTS_PER_ITEM]
     always_zero = [i["item"] for i in items if i["always_zero"]]
     always_one = [i["item"] for i in items if i["always_one"]]
@@ -105,6 +87,31 @@ def build_report(
         "wall_time_s": round(wall_time_s, 3),
         "discards": [{"trace_id": r.trace_id, "item": r.item_key, "reason": r.discarded} for r in discarded],
     }
+
+
+def _per_item(graded: Sequence[FinishedRollout]) -> list[dict[str, Any]]:
+    """Each item's rewards over its graded rollouts, by item key; `always_zero`/`always_one` only
+    for items with enough rollouts to tell (an item whose reward never varies teaches nothing)."""
+    by_item: dict[str, list[float]] = defaultdict(list)
+    for record in graded:
+        if record.score is not None:
+            by_item[record.item_key].append(record.score)
+    items: list[dict[str, Any]] = []
+    for key in sorted(by_item):
+        values = by_item[key]
+        mean = sum(values) / len(values)
+        repeated = len(values) >= MIN_ROLLOUTS_PER_ITEM
+        items.append(
+            {
+                "item": key,
+                "rollouts": len(values),
+                "mean": mean,
+                "variance": sum((v - mean) ** 2 for v in values) / len(values),
+                "always_zero": repeated and max(values) <= 0.0,
+                "always_one": repeated and min(values) >= 1.0,
+            }
+        )
+    return items
 
 
 def _fmt(value: Any, digits: int = 3) -> str:

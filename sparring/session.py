@@ -271,31 +271,9 @@ async def run_canaries(
         canary = canaries[name]
         run = f"{options.run}-{name}"
         runs[name] = target.review_url(run)
-        jobs = plan_jobs(lines, options.samples, policy=name, keep=canary.applies)
-        if not jobs:
-            continue
-        progress = Progress(len(jobs), stream=progress_stream, label=f"{name:<7}")
-        tools = HttpToolCaller(client, target.tools, run=run, retry=options.retry)
-        grader = HttpGrader(client, target.grader, run=run, retry=options.retry)
-
-        def on_record(record: FinishedRollout, progress: Progress = progress) -> None:
-            records.append(record)
-            progress.add(record)
-
-        try:
-            finished = await run_jobs(
-                jobs,
-                lambda job, canary=canary: canary,  # type: ignore[misc]
-                tools,
-                grader,
-                limits=options.limits,
-                concurrency=options.concurrency,
-                on_record=on_record,
-                stop=stop,
-                limits_for=lambda job: canary_limits(options.limits, job),
-            )
-        finally:
-            progress.close()
+        finished = await _run_canary(
+            client, target, lines, options, name, canary, records, stop=stop, progress_stream=progress_stream
+        )
         if not finished:
             interrupted = True
             break
@@ -315,3 +293,46 @@ async def run_canaries(
         for r in records
     ]
     return report
+
+
+async def _run_canary(
+    client: Transport | httpx.AsyncClient,
+    target: Target,
+    lines: Sequence[DatasetLine],
+    options: RunOptions,
+    name: str,
+    canary: Canary,
+    records: list[FinishedRollout],
+    *,
+    stop: asyncio.Event | None,
+    progress_stream: TextIO | None,
+) -> bool:
+    """One canary over the lines it applies to, as run `<run>-<name>`, its records appended to
+    `records`; False when `stop` interrupted it."""
+    run = f"{options.run}-{name}"
+    jobs = plan_jobs(lines, options.samples, policy=name, keep=canary.applies)
+    if not jobs:
+        return True
+    progress = Progress(len(jobs), stream=progress_stream, label=f"{name:<7}")
+    tools = HttpToolCaller(client, target.tools, run=run, retry=options.retry)
+    grader = HttpGrader(client, target.grader, run=run, retry=options.retry)
+
+    def on_record(record: FinishedRollout) -> None:
+        records.append(record)
+        progress.add(record)
+
+    try:
+        finished = await run_jobs(
+            jobs,
+            lambda job: canary,
+            tools,
+            grader,
+            limits=options.limits,
+            concurrency=options.concurrency,
+            on_record=on_record,
+            stop=stop,
+            limits_for=lambda job: canary_limits(options.limits, job),
+        )
+    finally:
+        progress.close()
+    return finished

@@ -141,6 +141,35 @@ def build_spec(
     except Exception as exc:  # unresolvable forward references
         raise ToolDefinitionError(f"tool {tool_name!r}: cannot resolve its type hints: {exc}") from exc
 
+    fields, defaults, context_param = _parameters(tool_name, fn, hints)
+    model_name = "".join(part.capitalize() for part in tool_name.replace("-", "_").split("_")) + "Arguments"
+    try:
+        model = create_model(model_name, __config__=ConfigDict(extra="forbid"), **fields)
+        spec = ToolSpec(
+            name=tool_name,
+            fn=fn,
+            description=doc,
+            arguments=model,
+            context_param=context_param,
+            defaults=defaults,
+            mutates=mutates,
+            is_async=inspect.iscoroutinefunction(fn),
+            inline=inline,
+        )
+        _ = spec.parameters  # build the schema now: unsupported types fail at definition
+    except (PydanticSchemaGenerationError, PydanticInvalidForJsonSchema, PydanticUserError, TypeError) as exc:
+        raise ToolDefinitionError(f"tool {tool_name!r}: unsupported parameter type: {exc}") from exc
+    return spec
+
+
+def _parameters(
+    tool_name: str, fn: Callable[..., Any], hints: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any], str | None]:
+    """The arguments model's fields, the defaults the tool applies itself, and its ToolContext parameter.
+
+    A parameter with a default is optional in the model (None there) and keeps its real default in
+    `defaults`; one whose type does not allow None is made nullable.
+    """
     fields: dict[str, Any] = {}
     defaults: dict[str, Any] = {}
     context_param: str | None = None
@@ -166,25 +195,7 @@ def build_spec(
             elif param.default is not None:
                 defaults[param.name] = param.default
             fields[param.name] = (annotation, None)
-
-    model_name = "".join(part.capitalize() for part in tool_name.replace("-", "_").split("_")) + "Arguments"
-    try:
-        model = create_model(model_name, __config__=ConfigDict(extra="forbid"), **fields)
-        spec = ToolSpec(
-            name=tool_name,
-            fn=fn,
-            description=doc,
-            arguments=model,
-            context_param=context_param,
-            defaults=defaults,
-            mutates=mutates,
-            is_async=inspect.iscoroutinefunction(fn),
-            inline=inline,
-        )
-        _ = spec.parameters  # build the schema now: unsupported types fail at definition
-    except (PydanticSchemaGenerationError, PydanticInvalidForJsonSchema, PydanticUserError, TypeError) as exc:
-        raise ToolDefinitionError(f"tool {tool_name!r}: unsupported parameter type: {exc}") from exc
-    return spec
+    return fields, defaults, context_param
 
 
 class Pack:

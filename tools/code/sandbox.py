@@ -184,6 +184,35 @@ class _Slots:
                 self.owners[owner] = (mine, users - 1)
 
 
+# bwrap's namespaces, user and environment for every run: no network, an unprivileged uid, a clean env.
+_BWRAP_IDENTITY = (
+    "--unshare-all",  # pid, net, ipc, uts, cgroup namespaces: no network at all
+    "--unshare-user",
+    "--disable-userns",
+    "--die-with-parent",
+    "--new-session",
+    "--hostname",
+    "sandbox",
+    "--uid",
+    str(UNPRIVILEGED_ID),
+    "--gid",
+    str(UNPRIVILEGED_ID),
+    "--clearenv",
+    "--setenv",
+    "PATH",
+    "/usr/local/bin:/usr/bin:/bin",
+    "--setenv",
+    "HOME",
+    "/tmp",
+    "--setenv",
+    "TMPDIR",
+    "/tmp",
+    "--setenv",
+    "LANG",
+    "C.UTF-8",
+)
+
+
 class Sandbox:
     """Runs the configured Python on a copy of some files, isolated by bwrap unless `isolated` is False."""
 
@@ -242,10 +271,27 @@ class Sandbox:
         return args
 
     def _command(self, run: _Run) -> list[str]:
+        """The run's whole command line: the supervisor, under prlimit, bwrap, setpriv and its cgroup."""
+        command = self._supervisor(run)
+        if self.prlimit is not None:
+            command = self._under_prlimit(run, command)
+        if self.isolated:
+            command = self._under_bwrap(run, command)
+        if self.switch_user and self.setpriv is not None:
+            # setpriv drops to the unprivileged uid in the child, so the server forks cheaply (vfork)
+            command = [self.setpriv, *_SETPRIV_ARGS, "--", *command]
+        if run.group is not None:
+            # Joins the run's cgroup before anything else starts, so every process of the run is in it.
+            procs = str(run.group / "cgroup.procs")
+            command = [self.shell, "-c", 'echo $$ > "$0" && exec "$@"', procs, *command]
+        return command
+
+    def _supervisor(self, run: _Run) -> list[str]:
+        """The supervisor (a Python of its own) that runs `python_args` and reports on `report_fd`."""
         limits = run.limits
         inside = WORKSPACE_MOUNT if self.isolated else str(run.workspace)
         args = [inside if arg == WORKSPACE_ARG else arg for arg in run.python_args]
-        command = [
+        return [
             str(self.python),
             *("-I", "-S", "-B", "-c", _supervisor_source()),
             str(run.report_fd),
@@ -258,86 +304,65 @@ class Sandbox:
             "--",
             *args,
         ]
-        if self.prlimit is not None:
-            command = [
-                self.prlimit,
-                f"--cpu={limits.cpu_seconds}",
-                # With a cgroup the run's memory is capped as a whole; else each process is.
-                *([] if run.group is not None else [f"--as={self.containment.memory_bytes}"]),
-                f"--nofile={limits.open_files}",
-                f"--fsize={limits.file_bytes}",
-                "--core=0",
-                # The process limit counts every process of the uid: per sandbox only under bwrap.
-                *([f"--nproc={limits.processes}"] if self.isolated else []),
-                "--",
-                *command,
-            ]
-        if self.isolated:
-            assert self.bwrap is not None
-            command = [
-                self.bwrap,
-                "--unshare-all",  # pid, net, ipc, uts, cgroup namespaces: no network at all
-                "--unshare-user",
-                "--disable-userns",
-                "--die-with-parent",
-                "--new-session",
-                "--hostname",
-                "sandbox",
-                "--uid",
-                str(UNPRIVILEGED_ID),
-                "--gid",
-                str(UNPRIVILEGED_ID),
-                "--clearenv",
-                "--setenv",
-                "PATH",
-                "/usr/local/bin:/usr/bin:/bin",
-                "--setenv",
-                "HOME",
-                "/tmp",
-                "--setenv",
-                "TMPDIR",
-                "/tmp",
-                "--setenv",
-                "LANG",
-                "C.UTF-8",
-                *self._mounts,
-                "--proc",
-                "/proc",
-                "--dev",
-                "/dev",
-                # /dev is a tmpfs without a size: read-only, with a small /dev/shm of its own.
-                "--size",
-                str(self.containment.shm_bytes),
-                "--tmpfs",
-                "/dev/shm",
-                "--remount-ro",
-                "/dev",
-                "--size",
-                str(limits.tmp_bytes),
-                "--tmpfs",
-                "/tmp",
-                # The workspace lives in the sandbox's memory, size-capped, and vanishes with it: what a
-                # run writes never reaches the host's disk, and nothing is left to clean up.
-                "--size",
-                str(self.containment.workspace_bytes),
-                "--tmpfs",
-                WORKSPACE_MOUNT,
-                *run.file_args,
-                "--remount-ro",
-                "/",
-                "--chdir",
-                WORKSPACE_MOUNT if run.cwd == "workspace" else "/",
-                "--",
-                *command,
-            ]
-        if self.switch_user and self.setpriv is not None:
-            # setpriv drops to the unprivileged uid in the child, so the server forks cheaply (vfork)
-            command = [self.setpriv, *_SETPRIV_ARGS, "--", *command]
-        if run.group is not None:
-            # Joins the run's cgroup before anything else starts, so every process of the run is in it.
-            procs = str(run.group / "cgroup.procs")
-            command = [self.shell, "-c", 'echo $$ > "$0" && exec "$@"', procs, *command]
-        return command
+
+    def _under_prlimit(self, run: _Run, command: list[str]) -> list[str]:
+        assert self.prlimit is not None
+        limits = run.limits
+        return [
+            self.prlimit,
+            f"--cpu={limits.cpu_seconds}",
+            # With a cgroup the run's memory is capped as a whole; else each process is.
+            *([] if run.group is not None else [f"--as={self.containment.memory_bytes}"]),
+            f"--nofile={limits.open_files}",
+            f"--fsize={limits.file_bytes}",
+            "--core=0",
+            # The process limit counts every process of the uid: per sandbox only under bwrap.
+            *([f"--nproc={limits.processes}"] if self.isolated else []),
+            "--",
+            *command,
+        ]
+
+    def _under_bwrap(self, run: _Run, command: list[str]) -> list[str]:
+        assert self.bwrap is not None
+        return [
+            self.bwrap,
+            *_BWRAP_IDENTITY,
+            *self._mounts,
+            *self._scratch_mounts(run),
+            *run.file_args,
+            "--remount-ro",
+            "/",
+            "--chdir",
+            WORKSPACE_MOUNT if run.cwd == "workspace" else "/",
+            "--",
+            *command,
+        ]
+
+    def _scratch_mounts(self, run: _Run) -> list[str]:
+        """/proc, /dev and the size-capped tmpfs mounts of a run: /dev/shm, /tmp and the workspace."""
+        return [
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            # /dev is a tmpfs without a size: read-only, with a small /dev/shm of its own.
+            "--size",
+            str(self.containment.shm_bytes),
+            "--tmpfs",
+            "/dev/shm",
+            "--remount-ro",
+            "/dev",
+            "--size",
+            str(run.limits.tmp_bytes),
+            "--tmpfs",
+            "/tmp",
+            # The workspace lives in the sandbox's memory, size-capped, and vanishes with it: what a
+            # run writes never reaches the host's disk, and nothing is left to clean up.
+            "--size",
+            str(self.containment.workspace_bytes),
+            "--tmpfs",
+            WORKSPACE_MOUNT,
+        ]
 
     async def run(
         self,
@@ -383,6 +408,43 @@ class Sandbox:
 
     async def _run(self, run: _Run, stdin: bytes) -> RunResult:
         limits = run.limits
+        process, report_r, started = await self._spawn(run)
+        raw = bytearray()
+        report_task = asyncio.ensure_future(_read_report(report_r, _report_cap(limits), raw))
+        overflow = asyncio.Event()
+        assert process.stdout is not None and process.stderr is not None and process.stdin is not None
+        readers = [
+            asyncio.ensure_future(_read_capped(process.stdout, limits.output_bytes, overflow)),
+            asyncio.ensure_future(_read_capped(process.stderr, limits.output_bytes, overflow)),
+        ]
+        writer = asyncio.ensure_future(_feed(process.stdin, stdin))
+        deadline_hit = await _supervise(process, limits, overflow, writer, report_task)
+        stdout, stderr = await asyncio.gather(*readers)
+        wall = time.perf_counter() - started
+        report = parse_report(bytes(raw))
+        if not report.started:
+            detail = stderr.data.decode("utf-8", "replace").strip()[:500]
+            raise SandboxUnavailable(
+                f"the {self.mode} sandbox did not start (exit {process.returncode}: {detail or 'no output'})"
+            )
+        memory_exceeded = run.group is not None and self.memory.out_of_memory(run.group)
+        timed_out = report.timed_out or deadline_hit
+        killed = timed_out or overflow.is_set()
+        return RunResult(
+            exit_code=None if killed else report.exit_code,
+            stdout=stdout,
+            stderr=stderr,
+            wall_seconds=wall,
+            timed_out=timed_out,
+            output_overflow=overflow.is_set(),
+            memory_exceeded=memory_exceeded,
+            files=report.files if run.collect else None,
+            skipped=report.skipped,
+            files_complete=not report.truncated,
+        )
+
+    async def _spawn(self, run: _Run) -> tuple[asyncio.subprocess.Process, int, float]:
+        """Start the run's process; returns it, the read end of its report pipe and when it started."""
         report_r, report_w = os.pipe()
         run.report_fd = report_w
         try:
@@ -413,66 +475,47 @@ class Sandbox:
         finally:
             os.close(report_w)
             run.close_inputs()  # bwrap has its copies
-        raw = bytearray()
-        report_task = asyncio.ensure_future(_read_report(report_r, _report_cap(limits), raw))
-        overflow = asyncio.Event()
-        assert process.stdout is not None and process.stderr is not None and process.stdin is not None
-        readers = [
-            asyncio.ensure_future(_read_capped(process.stdout, limits.output_bytes, overflow)),
-            asyncio.ensure_future(_read_capped(process.stderr, limits.output_bytes, overflow)),
-        ]
-        writer = asyncio.ensure_future(_feed(process.stdin, stdin))
-        waiter = asyncio.ensure_future(process.wait())
-        stopper = asyncio.ensure_future(overflow.wait())
-        deadline_hit = False
-        try:
-            # The supervisor stops the run at its wall-clock limit; this deadline is for the sandbox itself.
-            done, _ = await asyncio.wait(
-                {waiter, stopper},
-                timeout=limits.wall_seconds + SETUP_GRACE_SECONDS,
-                return_when="FIRST_COMPLETED",
-            )
-            if waiter not in done:
-                deadline_hit = not overflow.is_set()
-                _kill_group(process.pid)
-            await waiter
-        finally:
-            _kill_group(process.pid)  # whatever the run left in its group (the pid namespace is gone already)
-            if not waiter.done():
-                with contextlib.suppress(ProcessLookupError):
-                    process.kill()
-                await waiter
-            stopper.cancel()
-            writer.cancel()
-            with contextlib.suppress(asyncio.CancelledError, ConnectionError):
-                await writer
-            # What came is kept even if the pipe is still held open: a report cut short keeps no files,
-            # but one that began shows the sandbox started.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(report_task, REPORT_GRACE_SECONDS)
-        stdout, stderr = await asyncio.gather(*readers)
-        wall = time.perf_counter() - started
-        report = parse_report(bytes(raw))
-        if not report.started:
-            detail = stderr.data.decode("utf-8", "replace").strip()[:500]
-            raise SandboxUnavailable(
-                f"the {self.mode} sandbox did not start (exit {process.returncode}: {detail or 'no output'})"
-            )
-        memory_exceeded = run.group is not None and self.memory.out_of_memory(run.group)
-        timed_out = report.timed_out or deadline_hit
-        killed = timed_out or overflow.is_set()
-        return RunResult(
-            exit_code=None if killed else report.exit_code,
-            stdout=stdout,
-            stderr=stderr,
-            wall_seconds=wall,
-            timed_out=timed_out,
-            output_overflow=overflow.is_set(),
-            memory_exceeded=memory_exceeded,
-            files=report.files if run.collect else None,
-            skipped=report.skipped,
-            files_complete=not report.truncated,
+        return process, report_r, started
+
+
+async def _supervise(
+    process: asyncio.subprocess.Process,
+    limits: Limits,
+    overflow: asyncio.Event,
+    writer: asyncio.Future[None],
+    report_task: asyncio.Future[None],
+) -> bool:
+    """Wait for the run to end, or kill its group at the sandbox's deadline or on an output overflow;
+    whatever happens, leave nothing of it running. True when the sandbox's own deadline struck."""
+    waiter = asyncio.ensure_future(process.wait())
+    stopper = asyncio.ensure_future(overflow.wait())
+    deadline_hit = False
+    try:
+        # The supervisor stops the run at its wall-clock limit; this deadline is for the sandbox itself.
+        done, _ = await asyncio.wait(
+            {waiter, stopper},
+            timeout=limits.wall_seconds + SETUP_GRACE_SECONDS,
+            return_when="FIRST_COMPLETED",
         )
+        if waiter not in done:
+            deadline_hit = not overflow.is_set()
+            _kill_group(process.pid)
+        await waiter
+    finally:
+        _kill_group(process.pid)  # whatever the run left in its group (the pid namespace is gone already)
+        if not waiter.done():
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            await waiter
+        stopper.cancel()
+        writer.cancel()
+        with contextlib.suppress(asyncio.CancelledError, ConnectionError):
+            await writer
+        # What came is kept even if the pipe is still held open: a report cut short keeps no files,
+        # but one that began shows the sandbox started.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(report_task, REPORT_GRACE_SECONDS)
+    return deadline_hit
 
 
 @dataclass

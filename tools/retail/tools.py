@@ -428,16 +428,7 @@ def modify_pending_order_items(
     if len(item_ids) != len(new_item_ids):
         raise ToolError("The number of items to be exchanged should match")
 
-    difference = 0.0
-    last_variant: Variant | None = None
-    for item_id, new_item_id in zip(item_ids, new_item_ids, strict=True):
-        if item_id == new_item_id:
-            raise ToolError("The new item id should be different from the old item id")
-        item = _item(order, item_id)
-        last_variant = _variant(state, item.product_id, new_item_id)
-        if not last_variant.available:
-            raise ToolError(f"New item {new_item_id} not found or available")
-        difference += last_variant.price - item.price
+    difference, last_variant = _exchange_difference(state, order, item_ids, new_item_ids)
 
     user = _user(state, order.user_id)
     method = _payment_method(user, payment_method_id)
@@ -456,17 +447,44 @@ def modify_pending_order_items(
         method.balance = round(method.balance - difference, 2)
         _save_user(state, user)
 
+    _replace_items(order, item_ids, new_item_ids, last_variant)
+    order.status = "pending (item modified)"
+    return _save_order(state, order)
+
+
+def _exchange_difference(
+    state: RolloutState, order: Order, item_ids: list[str], new_item_ids: list[str]
+) -> tuple[float, Variant | None]:
+    """What the new items cost more than the old ones (negative: a refund), and the last new item.
+
+    ToolError when a new item is the old one, or is not an available option of the same product.
+    """
+    difference = 0.0
+    last_variant: Variant | None = None
+    for item_id, new_item_id in zip(item_ids, new_item_ids, strict=True):
+        if item_id == new_item_id:
+            raise ToolError("The new item id should be different from the old item id")
+        item = _item(order, item_id)
+        last_variant = _variant(state, item.product_id, new_item_id)
+        if not last_variant.available:
+            raise ToolError(f"New item {new_item_id} not found or available")
+        difference += last_variant.price - item.price
+    return difference, last_variant
+
+
+def _replace_items(
+    order: Order, item_ids: list[str], new_item_ids: list[str], last_variant: Variant | None
+) -> None:
+    """Each old item becomes its new item id, priced and optioned as the last new item (see below)."""
     for item_id, new_item_id in zip(item_ids, new_item_ids, strict=True):
         item = _item(order, item_id)
-        assert last_variant is not None  # the loop above ran for these same pairs
+        assert last_variant is not None  # _exchange_difference ran for these same pairs
         item.item_id = new_item_id
         # Faithful to τ²-bench 26.3: every changed line takes the price and options of the *last*
         # new item in the list (the reference reuses its loop variable). Gold databases are computed
         # this way, so fixing it here would make correct rollouts fail the database check.
         item.price = last_variant.price
         item.options = dict(last_variant.options)
-    order.status = "pending (item modified)"
-    return _save_order(state, order)
 
 
 @pack.tool(mutates=True, inline=True)

@@ -373,7 +373,8 @@ async def test_the_offline_built_image_migrates_serves_grades_and_stops_cleanly(
                 await client.get("/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
             ).status_code == 200
 
-        # The calls are in the durable log (answered once, whatever the retry) and the grade is stored.
+        # The calls are in the durable log: the tool ran once, and the retry is logged as a replay of
+        # it (one row per attempt), not as a second run. The grade is stored.
         async with engine.connect() as conn:
             logged = (
                 await conn.execute(
@@ -383,7 +384,11 @@ async def test_the_offline_built_image_migrates_serves_grades_and_stops_cleanly(
             grades = (
                 await conn.execute(text("SELECT score FROM grades WHERE trace_id = :t"), {"t": trace})
             ).scalars().all()  # fmt: skip
-        assert [tuple(row) for row in logged] == [("add_note", "ok"), ("list_notes", "ok")]
+        assert [tuple(row) for row in logged] == [
+            ("add_note", "ok"),
+            ("add_note", "replayed"),
+            ("list_notes", "ok"),
+        ]
         assert grades == [1.0]
     finally:
         await engine.dispose()

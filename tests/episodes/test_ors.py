@@ -20,14 +20,16 @@ from ors.client._types import AuthenticationError, Task, ToolCallError
 
 from app.episodes import ors as ors_module
 from app.main import create_app
-from tests.conftest import ADMIN_KEY, GRADER_KEY, TOOLS_KEY, make_settings, new_trace
+from tests.conftest import ADMIN_KEY, GRADER_KEY, REDIS_URL, TOOLS_KEY, AppFactory, make_settings, new_trace
 from tests.episodes.conftest import gold_answer
+from tests.faults import DroppingProxy
 from tests.packs import faults_pack
 from tests.remote.served import serve
 from tools.retail import pack as retail_pack
 from tools.retail.tasks import calls_from_actions
 
 Rows = list[dict[str, Any]]
+REDIS_PORT = int(REDIS_URL.rsplit(":", 1)[1].split("/")[0])
 
 
 @pytest.fixture
@@ -332,3 +334,37 @@ async def test_a_slow_call_keeps_the_stream_alive(
     received = events(answered.text)
     assert received[0][0] == "task_id" and ("", ": ping") in received
     assert orjson.loads(received[-1][1])["output"]["blocks"][0]["text"] == "done"
+
+
+@pytest.mark.parametrize("backend", ["real"], indirect=True)
+async def test_an_outage_answers_503_with_retry_after_and_the_retry_is_answered(
+    app_factory: AppFactory, retail_data: Path
+) -> None:
+    proxy = await DroppingProxy("127.0.0.1", REDIS_PORT).start()
+    try:
+        async with app_factory(
+            packs=[retail_pack],
+            pack_settings={"retail": {"data": retail_data}},
+            redis_url=f"redis://127.0.0.1:{proxy.port}/9",
+        ) as client:
+            key = {"X-API-Key": TOOLS_KEY, "X-Sparring-Run": "outage-run"}
+            sid = events((await client.post("/create_session", headers=key)).text)[0][1]
+            headers = {**key, "X-Session-ID": sid}
+            assert (
+                await client.post("/create", json={"split": "test", "index": 0}, headers=headers)
+            ).status_code == 200
+            call = {"name": "list_all_product_types", "input": {}, "task_id": "call_outage"}
+            proxy.refusing = True
+            proxy.drop()
+            down = await client.post("/retail/call", json=call, headers=headers)
+            assert down.status_code == 503 and int(down.headers["Retry-After"]) >= 1, down.text
+            proxy.refusing = False
+            up = events((await client.post("/retail/call", json=call, headers=headers)).text)
+            answer = orjson.loads(up[-1][1])
+            assert up[0] == ("task_id", "call_outage") and answer["ok"] is True
+            assert answer["output"]["metadata"]["is_error"] is False
+            trace = answer["output"]["metadata"]["trace_id"]
+            logged = await client.get(f"/rollouts/{trace}", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+            assert logged.json()["run"] == "outage-run"  # the X-Sparring-Run of the session's opening
+    finally:
+        await proxy.aclose()

@@ -248,7 +248,8 @@ async def answer_call(
         step = await call_tool(services, session, name, arguments, call_id)
         return _output(step.output, session, call_id, step.is_error, None, False)
     except EpisodeFinished as exc:
-        return {"ok": False, "error": f"episode_finished: {exc.message}"}
+        # `reason` is openreward's discriminator (its ToolCallError.reason); ors-sdk reads `error`.
+        return {"ok": False, "error": f"episode_finished: {exc.message}", "reason": "episode_finished"}
 
 
 async def _call_events(work: asyncio.Future[dict[str, Any]], call_id: str) -> AsyncIterator[bytes]:
@@ -305,7 +306,7 @@ async def _open_session(request: Request, sid: str, pack: str, row: dict[str, An
 
 
 def _session_routes(router: APIRouter) -> None:
-    """create_session, create, ping, delete, delete_session: the session's life."""
+    """create_session and create: a session, then its task."""
 
     @router.post("/create_session")
     async def create_session(request: Request) -> StreamingResponse:
@@ -350,6 +351,10 @@ def _session_routes(router: APIRouter) -> None:
         if not await sessions.start(session):
             raise SessionExists
         return {"sid": sid}
+
+
+def _liveness_routes(router: APIRouter) -> None:
+    """ping, delete and delete_session: the session kept alive, then ended."""
 
     @router.post("/ping")
     async def ping(request: Request) -> dict[str, str]:
@@ -407,5 +412,6 @@ def ors_router() -> APIRouter:
     router = APIRouter(tags=["ORS"], dependencies=[Depends(require_ors_key)])
     router.include_router(task_router(_enabled_packs))
     _session_routes(router)
+    _liveness_routes(router)
     _env_routes(router, set())
     return router

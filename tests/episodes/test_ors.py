@@ -262,6 +262,17 @@ async def test_a_call_retried_with_its_task_id_is_replayed_not_run_again(
         )
         # Run again, the write would fail (the order is no longer in the state it needs).
         again = await session.call_tool(name, arguments)
+        await session.call_tool("submit", {"answer": "Done."})
+        refused = await http.post(
+            "/retail/call",
+            json={"name": name, "input": arguments},
+            headers={"X-Session-ID": str(session.sid)},
+        )
+    assert orjson.loads(events(refused.text)[-1][1]) == {
+        "ok": False,
+        "error": "episode_finished: the episode has ended (submit was called)",
+        "reason": "episode_finished",
+    }
     assert retry.status_code == 200 and retry.headers["content-type"].startswith("text/event-stream")
     received = events(retry.text)
     assert received[0] == ("task_id", call_id) and received[-1][0] == "end"

@@ -41,7 +41,7 @@ from app.errors import (
     json_response,
 )
 from app.packs import Registry
-from app.rollouts.identity import RUN_HEADER, RUN_MAX, fit, trace_key
+from app.rollouts.identity import JSON_DEPTH_MAX, RUN_HEADER, RUN_MAX, fit, nested_deeper_than, trace_key
 from sparring.wire import new_call_id
 
 log = logging.getLogger(__name__)
@@ -189,6 +189,8 @@ async def _task_of(services: AppState, body: dict[str, Any]) -> tuple[str, dict[
         row = body["task_spec"]
         if not isinstance(row, dict):
             raise BadOrsRequest("task_spec must be a JSON object (a task row)")
+        if nested_deeper_than(row):
+            raise BadOrsRequest(f"task_spec nests more than {JSON_DEPTH_MAX} levels deep")
         return env, row
     split, index = body.get("split"), body.get("index")
     if not isinstance(split, str) or not isinstance(index, int) or isinstance(index, bool):

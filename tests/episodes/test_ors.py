@@ -297,6 +297,13 @@ async def test_ping_create_and_delete_follow_the_session(
     both = {"task_spec": built_test_split[0], "split": "test", "index": 0}
     assert (await http.post("/create", json=both, headers=headers)).status_code == 400
     assert (await http.post("/create", json={}, headers=headers)).status_code == 400
+    deep: Any = "x"
+    for _ in range(200):
+        deep = [deep]
+    nested = await http.post(
+        "/create", json={"env_name": "retail", "task_spec": {"x": deep}}, headers=headers
+    )
+    assert nested.status_code == 400 and "nests" in nested.json()["detail"]
     unknown = await http.post(
         "/create", json={"env_name": "airline", "split": "test", "index": 0}, headers=headers
     )

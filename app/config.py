@@ -14,6 +14,8 @@ from pydantic import AliasChoices, Field, SecretStr, field_validator, model_vali
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 Scope = Literal["tools", "grader", "admin"]
+EnvProtocol = Literal["openenv", "ors"]
+ENV_PROTOCOLS: tuple[EnvProtocol, ...] = ("openenv", "ors")
 SCOPES: tuple[Scope, ...] = ("tools", "grader", "admin")
 
 DEFAULT_HOME = Path(".sparring")
@@ -169,8 +171,27 @@ class Settings(BaseSettings):
         "even when they are not public (loopback, private, link-local); e.g. 127.0.0.1 for local work.",
     )
 
+    # Episode protocols (app/episodes): OpenEnv under /openenv/<pack>, ORS at the origin root
+    env_protocols: Annotated[list[EnvProtocol], NoDecode] = Field(
+        default_factory=lambda: list(ENV_PROTOCOLS),
+        description="Episode protocols served: `openenv`, `ors`, both (the default) or none (empty).",
+    )
+    ors_default_env: str | None = Field(
+        None,
+        description="Pack of an ORS `/create` that names none (ors-sdk sends none with split/index); "
+        "default: the first enabled pack that ships tasks.",
+    )
+    episode_ttl_seconds: float = Field(
+        1800.0, gt=0, description="Idle time after which an episode session (OpenEnv, ORS) is closed."
+    )
+
     @field_validator(
-        "packs", "mcp_allowed_hosts", "mcp_allowed_origins", "remote_allowed_hosts", mode="before"
+        "packs",
+        "mcp_allowed_hosts",
+        "mcp_allowed_origins",
+        "remote_allowed_hosts",
+        "env_protocols",
+        mode="before",
     )
     @classmethod
     def _split_lists(cls, value: object) -> object:

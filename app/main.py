@@ -16,6 +16,7 @@ from app.calls.routes import NOT_A_TOOL_CALL, TOOL_SCOPE_KEY, serve_tool_call, t
 from app.calls.routes import router as tools_router
 from app.config import Settings, get_settings
 from app.deps import app_state, database, handle_outage, require
+from app.episodes.ors import ors_router
 from app.errors import (
     OUTAGES,
     SparringError,
@@ -105,7 +106,19 @@ def create_app(
     app.include_router(grading_router)
     app.include_router(review_router)
     app.include_router(remote_router(settings))
+    _mount_episode_protocols(app, settings)
     return app
+
+
+def _mount_episode_protocols(app: FastAPI, settings: Settings) -> None:
+    """The episode protocols (app/episodes), as SPARRING_ENV_PROTOCOLS says: the one place they are mounted.
+
+    After every other router: ORS serves `/{env}/...` at the origin root, so sparring's own paths must
+    match first (and no pack may be named like one of them: app/episodes/ors.py, RESERVED_SEGMENTS).
+    """
+    # OpenEnv (`<base>/openenv/<pack>`): mounted here, before ORS.
+    if "ors" in settings.env_protocols:
+        app.include_router(ors_router())
 
 
 def _add_error_handlers(app: FastAPI) -> None:

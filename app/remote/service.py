@@ -160,6 +160,7 @@ class RemoteRolloutService:
         try:
             current, started = await self._claim(rollout)
             if started is not None:
+                self._plans[rollout.rollout_id] = started  # its lease is renewed from now on
                 await self._announce(started)
         finally:
             if started is None:
@@ -167,7 +168,6 @@ class RemoteRolloutService:
             else:  # even when the answer is cancelled: the claimed attempt runs and ends
                 task = asyncio.create_task(self._run(started), name=f"remote-rollout-{rollout.rollout_id}")
                 self._tasks[rollout.rollout_id] = task
-                self._plans[rollout.rollout_id] = started
         return {
             "rollout_id": rollout.rollout_id,
             "trace_id": current.trace_id,
@@ -180,7 +180,7 @@ class RemoteRolloutService:
     async def _claim(self, rollout: RolloutPlan) -> tuple[RemoteRollout | RolloutPlan, RolloutPlan | None]:
         """The rollout's current attempt, and the plan of the attempt this init starts (None when it
         starts none: the rollout runs, or it finished)."""
-        if rollout.rollout_id in self._tasks:  # running here: its lease is being renewed
+        if rollout.rollout_id in self._plans:  # running here: its lease is being renewed
             return self._plans[rollout.rollout_id], None
         if await self._write(lambda repo: repo.claim(self._row(rollout))):
             return rollout, rollout
@@ -306,7 +306,7 @@ class RemoteRolloutService:
         interval = self.lease.total_seconds() / 3
         while True:
             await asyncio.sleep(interval)
-            ids = list(self._tasks)
+            ids = list(self._plans)
             if not ids:
                 continue
             try:

@@ -154,6 +154,13 @@ class Settings(BaseSettings):
         description="A running remote rollout whose worker stopped renewing it for this long failed.",
     )
     remote_max_turns: int = Field(50, ge=1, description="Model turns of a remote rollout at most.")
+    remote_deadline_seconds: float = Field(
+        120.0,
+        gt=0,
+        description="Deadline of one attempt of a remote rollout, from its /init: past it the rollout is "
+        "stopped and ends as a deadline failure (code 4, posted to the gateway). eval-protocol's "
+        "processor stops waiting after its timeout_seconds (120 s by default): raise both together.",
+    )
     remote_model_timeout_seconds: float = Field(
         300.0,
         gt=0,

@@ -66,6 +66,7 @@ def build_remote(
         max_concurrent=settings.remote_max_concurrent,
         lease_seconds=settings.remote_lease_seconds,
         retry_after=settings.retry_after_seconds,
+        deadline_seconds=settings.remote_deadline_seconds,
         report=GatewayStatusLog(model_http),
         egress=EgressRule(settings.remote_allowed_hosts),
     )

@@ -251,6 +251,7 @@ class GatewayStatusLog:
             "tags": rollout.tags,
             "extras": {
                 "trace_id": rollout.trace_id,
+                "attempt": rollout.attempt,
                 "reward": end.get("reward"),
                 "grader": end.get("grader"),
             },

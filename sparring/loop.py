@@ -46,6 +46,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from sparring.tracing import RolloutTracing, mark_failed, record_rollout, record_usage
 from sparring.wire import FailureKind, new_trace_id
 
 ITEM_EXCLUDED_KEYS = ("tools",)
@@ -308,12 +309,41 @@ async def run_rollout(
     grader: GradeCaller | None = None,
     limits: EpisodeLimits | None = None,
     trace_id: str | None = None,
+    tracing: RolloutTracing | None = None,
 ) -> RolloutResult:
-    """Run one rollout of `line` and grade it (see the module docstring for the whole contract)."""
-    limits = limits or EpisodeLimits()
+    """Run one rollout of `line` and grade it (see the module docstring for the whole contract).
+
+    With `tracing`, the rollout is an `invoke_agent` span and each model turn a `chat` span under it
+    (sparring.tracing); the tool calls and the grade run inside the rollout span's context.
+    """
+    trace_id = trace_id or new_trace_id()
+    if tracing is None:
+        return await _rollout(policy, tools, line, grader, limits or EpisodeLimits(), trace_id, None)
+    with tracing.rollout(trace_id) as span:
+        result = await _rollout(policy, tools, line, grader, limits or EpisodeLimits(), trace_id, tracing)
+        record_rollout(
+            span,
+            ended_by=result.ended_by,
+            tool_calls=len(result.tool_results),
+            score=result.score,
+            discarded=result.discarded,
+        )
+        record_usage(span, result.usage.input_tokens, result.usage.output_tokens)
+        return result
+
+
+async def _rollout(
+    policy: Policy,
+    tools: ToolCaller,
+    line: DatasetLine,
+    grader: GradeCaller | None,
+    limits: EpisodeLimits,
+    trace_id: str,
+    tracing: RolloutTracing | None,
+) -> RolloutResult:
     started = time.perf_counter()
     transcript = Transcript(
-        trace_id=trace_id or new_trace_id(),
+        trace_id=trace_id,
         messages=list(line.messages),
         tools=list(line.tools),
         item=dict(line.item),
@@ -331,7 +361,7 @@ async def run_rollout(
             duration_s=time.perf_counter() - started,
         )
 
-    ended_by, text, last_calls, discarded = await _turns(policy, tools, transcript, usage, limits)
+    ended_by, text, last_calls, discarded = await _turns(policy, tools, transcript, usage, limits, tracing)
     if discarded is not None:
         return finish("discarded", text, discarded)
     result = finish(ended_by, text)
@@ -351,8 +381,27 @@ async def run_rollout(
     return result
 
 
+async def _next_turn(policy: Policy, transcript: Transcript, tracing: RolloutTracing | None) -> ModelTurn:
+    """The policy's next turn, as a `chat` span when the rollout is traced."""
+    if tracing is None:
+        return await policy.next_turn(transcript)
+    with tracing.chat(transcript.trace_id) as span:
+        try:
+            turn = await policy.next_turn(transcript)
+        except ModelFailure as exc:
+            mark_failed(span, exc)
+            raise
+        record_usage(span, turn.usage.input_tokens, turn.usage.output_tokens)
+        return turn
+
+
 async def _turns(
-    policy: Policy, tools: ToolCaller, transcript: Transcript, usage: Usage, limits: EpisodeLimits
+    policy: Policy,
+    tools: ToolCaller,
+    transcript: Transcript,
+    usage: Usage,
+    limits: EpisodeLimits,
+    tracing: RolloutTracing | None,
 ) -> tuple[EndReason, str, tuple[FunctionCall, ...], str | None]:
     """The model's turns and their tool calls, within `limits`, appended to `transcript`.
 
@@ -363,7 +412,7 @@ async def _turns(
     last_calls: tuple[FunctionCall, ...] = ()
     for _ in range(limits.max_turns):
         try:
-            turn = await policy.next_turn(transcript)
+            turn = await _next_turn(policy, transcript, tracing)
         except ModelFailure as exc:
             return "discarded", text, last_calls, f"model_error: {exc}"
         usage.add(turn.usage)

@@ -13,6 +13,9 @@ import pytest
 
 from app.deps import app_state
 from tests.conftest import AppFactory
+from tests.runner.conftest import model_server, model_server_process, openai_client
+
+__all__ = ["model_server", "model_server_process", "openai_client"]  # the scripted model's fixtures
 from tests.telemetry.receiver import OtlpReceiver, otlp_receiver
 
 

@@ -11,7 +11,7 @@ import yaml
 from app.config import Settings
 from app.deps import app_state
 from sparring.tracing import SCHEMA_URL
-from tests.conftest import ADMIN_KEY, GRADER_KEY, TOOLS_KEY, AppFactory, call_body, new_trace
+from tests.conftest import GRADER_KEY, TOOLS_KEY, AppFactory, call_body, new_trace
 from tests.telemetry.conftest import flush, traceparent
 from tests.telemetry.receiver import OtlpReceiver, ReceivedSpan
 
@@ -205,11 +205,3 @@ async def test_the_standard_variables_name_the_service_and_add_resource_attribut
     assert span.resource["service.name"] == "env-tools"
     assert span.resource["deployment.environment"] == "test"
     assert any(headers.get("x-collector-key") == "secret-1" for headers in receiver.requests)
-
-
-async def _metric(client: Any, name: str) -> float:
-    text = (await client.get("/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"})).text
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return 0.0

@@ -16,7 +16,8 @@ things they plug into it:
 
 Interface (stable):
 
-    result = await run_rollout(policy, tools, line, grader=grader, limits=EpisodeLimits(), trace_id=None)
+    result = await run_rollout(policy, tools, line, grader=grader, limits=EpisodeLimits(), trace_id=None,
+                               tracing=None)
 
 `line` is a `DatasetLine` (`DatasetLine.from_json(obj)` for one JSONL line). The loop:
 
@@ -34,7 +35,8 @@ Interface (stable):
 `RolloutResult` holds the trace id, the transcript (messages and every step with its tool results),
 the final text, the sample, the score, why it ended, the discard reason, token usage and timings.
 Nothing here does I/O by itself: every network exchange goes through the policy, the tool caller or
-the grader.
+the grader. With `tracing` (`sparring.tracing.RolloutTracing`), the rollout is an OpenTelemetry
+`invoke_agent` span and each model turn a `chat` span; the calls and the grade run in its context.
 """
 
 from __future__ import annotations

@@ -114,6 +114,8 @@ class _CountingBatchProcessor(BatchSpanProcessor):
         self.dropped = dropped
 
     def on_end(self, span: ReadableSpan) -> None:
+        # The SDK counts these only into its own (opt-in) metrics; its queue is read here instead, an
+        # internal of the pinned SDK version that tests/telemetry/test_export_faults.py holds to.
         batch = self._batch_processor
         if len(batch._queue) >= batch._max_queue_size:
             self.dropped(1)
@@ -169,7 +171,14 @@ class Tracing:
         self.tracer = self.provider.get_tracer("sparring", schema_url=SCHEMA_URL)
 
     def tool_call(self, call: TracedCall, outcome: str) -> None:
-        """The `execute_tool` span of a call that just ended, under the current context's span."""
+        """The `execute_tool` span of a call that just ended, under the current context's span; a
+        failure here is logged, never the call's."""
+        try:
+            self._tool_span(call, outcome)
+        except Exception:
+            log.exception("tracing: the span of a call to %s was not recorded", call.tool)
+
+    def _tool_span(self, call: TracedCall, outcome: str) -> None:
         outcome_name = REPLAYED if call.replayed and outcome not in _UNANSWERED else outcome
         attributes: dict[str, AttributeValue] = {
             OPERATION: "execute_tool",

@@ -155,14 +155,22 @@ async def test_a_grade_is_a_grade_span_with_its_score_sub_scores_and_flags(
         )
         assert graded.status_code == 200, graded.text
         score = graded.json()["score"]
+        other = new_trace()
+        misfit = await client.post(  # the item lacks the field the grader reads: 422, a failed grade
+            "/grade/frugal", json={"sample": sample, "item": {}, "trace_id": other}
+        )
+        assert misfit.status_code == 422, misfit.text
         missing = await client.post(
             "/grade/nobody", json={"trace_id": trace}, headers={"traceparent": header}
         )
         assert missing.status_code == 404
         await flush(client)
-        spans = await receiver.wait_for(lambda got: bool(named(got, "grade frugal")))
+        spans = await receiver.wait_for(lambda got: len(named(got, "grade frugal")) >= 2)
 
-    [grade] = named(spans, "grade frugal")
+    [grade] = [s for s in named(spans, "grade frugal") if s.attributes["gen_ai.conversation.id"] == trace]
+    [failed] = [s for s in named(spans, "grade frugal") if s.attributes["gen_ai.conversation.id"] == other]
+    assert failed.attributes["error.type"] == "grader_config_error" and failed.status_code == ERROR
+    assert "sparring.grade.score" not in failed.attributes
     assert grade.trace_id == parent_trace and grade.parent_span_id == parent_span
     assert grade.attributes["gen_ai.operation.name"] == "grade"
     assert grade.attributes["gen_ai.conversation.id"] == trace

@@ -124,6 +124,31 @@ class Settings(BaseSettings):
         description="Directory shared by worker processes for metrics (set by `sparring serve --workers N`).",
     )
 
+    # Tracing (OpenTelemetry, OTLP over HTTP): on when either standard endpoint variable is set. The
+    # SDK reads the other standard OTEL_* variables (headers, timeout, sampler, resource) itself.
+    otel_exporter_otlp_endpoint: str | None = Field(
+        None,
+        validation_alias=AliasChoices("OTEL_EXPORTER_OTLP_ENDPOINT"),
+        description="OTLP/HTTP collector base URL (traces go to <endpoint>/v1/traces); turns tracing on.",
+    )
+    otel_exporter_otlp_traces_endpoint: str | None = Field(
+        None,
+        validation_alias=AliasChoices("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
+        description="OTLP/HTTP traces URL, used as given; turns tracing on.",
+    )
+    otel_service_name: str = Field(
+        "sparring",
+        validation_alias=AliasChoices("OTEL_SERVICE_NAME"),
+        description="The traces' service.name.",
+    )
+    trace_content: bool = Field(
+        False,
+        description="Put tool-call arguments and results on the spans (they may hold user data).",
+    )
+    trace_content_max_chars: int = Field(
+        4096, ge=16, description="Arguments and results on spans are cut to this many characters."
+    )
+
     # Graders
     judge_base_url: str | None = Field(None, description="OpenAI-compatible base URL for model graders.")
     judge_api_key: SecretStr | None = Field(None, description="API key for the judge endpoint.")
@@ -243,6 +268,11 @@ class Settings(BaseSettings):
     @property
     def is_embedded_db(self) -> bool:
         return self.effective_database_url.startswith("sqlite")
+
+    @property
+    def tracing(self) -> bool:
+        """Whether spans are exported: an OTLP endpoint is set (OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT)."""
+        return bool(self.otel_exporter_otlp_endpoint or self.otel_exporter_otlp_traces_endpoint)
 
     @property
     def binds_loopback(self) -> bool:

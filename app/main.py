@@ -33,6 +33,7 @@ from app.review.routes import router as review_router
 from app.review.session import has_session, require_review_access
 from app.rollouts.routes import router as rollouts_router
 from app.sdk import Pack
+from app.telemetry import TraceParent
 
 
 class SparringApp(FastAPI):
@@ -88,6 +89,10 @@ def create_app(
     app.tool_calls = BodyLimitMiddleware(serve_tool_call, max_bytes=settings.max_body_bytes)
     # MCP (Streamable HTTP): the same tools through the same call service; see app/mcp/http.py.
     app.mcp_calls = BodyLimitMiddleware(serve_mcp, max_bytes=settings.max_body_bytes)
+    if settings.tracing:  # a request's W3C traceparent parents its spans (app/telemetry.py)
+        app.add_middleware(TraceParent)
+        app.tool_calls = TraceParent(app.tool_calls)
+        app.mcp_calls = TraceParent(app.mcp_calls)
 
     _add_health_routes(app)
     _add_docs_routes(app, settings)

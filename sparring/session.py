@@ -42,6 +42,7 @@ from sparring.http import (
 )
 from sparring.loop import DatasetLine, EpisodeLimits, Policy, function_of
 from sparring.report import build_report, canary_report
+from sparring.tracing import CANARY, RUN, RolloutTracing
 
 
 class TargetError(ValueError):
@@ -189,6 +190,7 @@ class RunOptions:
     retry: Retry = field(default_factory=Retry)
     journal: Path | None = None  # where finished rollouts are recorded (needed for resume)
     resume: bool = False
+    tracing: RolloutTracing | None = None  # rollouts as OpenTelemetry spans (sparring.tracing)
 
 
 async def evaluate(
@@ -231,6 +233,7 @@ async def evaluate(
             concurrency=options.concurrency,
             on_record=on_record,
             stop=stop,
+            tracing=options.tracing.labelled(**{RUN: options.run}) if options.tracing else None,
         )
     finally:
         progress.close()
@@ -342,6 +345,7 @@ async def _run_canary(
             on_record=on_record,
             stop=stop,
             limits_for=lambda job: canary_limits(options.limits, job),
+            tracing=options.tracing.labelled(**{RUN: run, CANARY: name}) if options.tracing else None,
         )
     finally:
         progress.close()

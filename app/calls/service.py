@@ -37,6 +37,7 @@ from app.rollouts.identity import (
 from app.rollouts.store import CallStart, PackChanges, RolloutMeta, RolloutStore, StoredAnswer, Ticket
 from app.sdk import RolloutState, ToolContext, ToolError, ToolSpec, ToolUnavailable
 from app.sdk.tool import describe_validation_error
+from app.telemetry import Tracing
 from sparring.wire import CALL_ID_REUSED
 
 log = logging.getLogger(__name__)
@@ -130,8 +131,10 @@ class ToolCallService:
         max_output_bytes: int,
         tool_timeout: float,
         metrics: Metrics,
+        tracing: Tracing | None = None,
     ) -> None:
         self.metrics = metrics
+        self.tracing = tracing  # None: tracing is off (app/telemetry.py)
         self.registry = registry
         self.store = store
         self.log_writer = log_writer
@@ -203,6 +206,8 @@ class ToolCallService:
             if latency is None:
                 latency = self._latencies[tool] = self.metrics.tool_latency.labels(tool)
             latency.observe(time.perf_counter() - call.started)
+            if self.tracing is not None:
+                self.tracing.tool_call(call, outcome)
         return AnsweredCall(
             ToolCallOutput(call_id=envelope.call_id, id=envelope.id, output=answer.output), answer.outcome
         )

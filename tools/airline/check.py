@@ -8,16 +8,14 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
-from app.sdk import CheckResult, GradingConfigError, RolloutState, RolloutView
+from app.sdk import CheckResult, RolloutState, RolloutView
 from app.sdk.state import Changes
 from tools.airline.data import AirlineData
 from tools.airline.records import COLLECTIONS, canonical_record
 from tools.airline.tasks import DEFAULT_REWARD_BASIS, AirlineTask, get_task, replay
 from tools.airline.tools import database, pack
-from tools.retail.check import communicated
-from tools.retail.tasks import ToolCall, calls_from_actions
+from tools.retail.check import RetailItemError, communicated, differing_records, row_expectations, row_task
+from tools.retail.tasks import ToolCall
 
 NO_TOOL_CALLS = "no_tool_calls"
 # The parts of τ²-bench's reward this grader computes: DB (the final database against the gold one;
@@ -26,8 +24,9 @@ ENV_BASES = frozenset({"DB", "ENV_ASSERTION"})
 SUPPORTED_BASES = ENV_BASES | {"COMMUNICATE"}
 
 
-class AirlineItemError(GradingConfigError, ValueError):
-    """The row sent to the grader does not say which task it is: a configuration problem, not a score."""
+class AirlineItemError(RetailItemError):
+    """The row sent to the grader cannot be graded (no task, or a reward basis this grader does not
+    compute): a configuration problem, not a score."""
 
 
 @lru_cache(maxsize=256)
@@ -47,58 +46,15 @@ def gold_changes(calls: Sequence[ToolCall], directory: Path) -> Changes:
 
 def database_differences(actual: RolloutState, expected: RolloutState) -> list[str]:
     """`collection/key` of every record that differs, compared as τ²-bench compares databases (the JSON
-    of every record, keys sorted). Both states share the pack's base, so only the records either of them
-    changed can differ: a grade reads a few records, not the 11,800 of the airline."""
-    differences = []
-    for collection in COLLECTIONS:
-        for key in sorted(actual.changed(collection) | expected.changed(collection)):
-            record, reference = actual.get(collection, key), expected.get(collection, key)
-            if record is None or reference is None:
-                if record is not reference:
-                    differences.append(f"{collection}/{key}")
-            elif _text(collection, record) != _text(collection, reference):
-                differences.append(f"{collection}/{key}")
-    return differences
-
-
-def _text(collection: str, record: Mapping[str, Any]) -> str:
-    return json.dumps(canonical_record(collection, record), sort_keys=True, default=str)
-
-
-def _task(item: Mapping[str, Any], directory: Path) -> AirlineTask | None:
-    task_id = item.get("task_id")
-    if not isinstance(task_id, (str, int)) or isinstance(task_id, bool):
-        return None
-    try:
-        return get_task(directory, str(task_id))
-    except KeyError:
-        return None
+    of every record, keys sorted; only the records either side changed can differ)."""
+    return differing_records(actual, expected, COLLECTIONS, canonical_record)
 
 
 def expectations(item: Mapping[str, Any], directory: Path) -> tuple[list[ToolCall], list[str], list[str]]:
     """The gold calls, the facts to communicate and the reward basis of a dataset row: its own fields,
     else its task's."""
-    task = _task(item, directory)
-    actions = item.get("actions")
-    if isinstance(actions, list):
-        try:
-            calls = calls_from_actions(actions)
-        except ValidationError as exc:
-            raise AirlineItemError(
-                f"item.actions is not a list of {{name, arguments}} objects: {exc}"
-            ) from exc
-    elif task is not None:
-        calls = [(a.name, dict(a.arguments)) for a in task.evaluation_criteria.actions]
-    else:
-        raise AirlineItemError(
-            "the airline grader needs the dataset row's `actions` or a known `task_id`; "
-            f"the item it received has neither (task_id={item.get('task_id')!r})"
-        )
-    info = item.get("communicate_info")
-    if isinstance(info, list) and all(isinstance(entry, str) for entry in info):
-        communicate = list(info)
-    else:
-        communicate = list(task.evaluation_criteria.communicate_info) if task is not None else []
+    task = row_task(item, lambda task_id: get_task(directory, task_id))
+    calls, communicate = row_expectations(item, task, "airline", AirlineItemError)
     return calls, communicate, _reward_basis(item, task)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +10,7 @@ from tools.airline.data import AirlineData
 from tools.airline.tasks import SPLITS, AirlineTask, Split, load_tasks, split_task_ids
 from tools.airline.tools import pack
 from tools.retail import dataset as retail_dataset
-from tools.retail.dataset import user_message
+from tools.retail.dataset import user_message, write_lines
 
 # A training rollout without a simulated user sees one customer message and acts on it: the preface
 # says so, as the retail one does, because the policy asks for explicit confirmation before every write.
@@ -59,12 +58,7 @@ def build_dataset(directory: Path, split: Split) -> list[dict[str, Any]]:
 
 def write_dataset(directory: Path, split: Split, out: Path) -> int:
     """Write a split as JSONL to `out` and return the number of lines written."""
-    lines = build_dataset(directory, split)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", encoding="utf-8") as handle:
-        for line in lines:
-            handle.write(json.dumps(line, ensure_ascii=False) + "\n")
-    return len(lines)
+    return write_lines(build_dataset(directory, split), out)
 
 
 @pack.dataset

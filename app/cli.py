@@ -241,7 +241,8 @@ def list_tools() -> None:
     registry = _registry(load_settings())
     rows = [
         (s.name, s.pack, "yes" if s.mutates else "", s.description.splitlines()[0])
-        for s in registry.tools.values()
+        for tools in registry.pack_tools.values()
+        for s in tools.values()
     ]
     widths = [max(len(r[i]) for r in [("TOOL", "PACK", "MUTATES", ""), *rows]) for i in range(3)]
     typer.echo(f"{'TOOL':<{widths[0]}}  {'PACK':<{widths[1]}}  {'MUTATES':<{widths[2]}}  DESCRIPTION")
@@ -400,9 +401,13 @@ def _graders_served(settings: Settings, registry: Any) -> tuple[set[str], str | 
 
 
 @cli.command("dataset-tools")
-def dataset_tools() -> None:
+def dataset_tools(
+    pack: Annotated[str | None, typer.Option(help="One pack's tools (its shared names included).")] = None,
+) -> None:
     """Print the `tools` array every dataset line carries, from the same registry the server uses."""
-    typer.echo(json.dumps(_registry(load_settings()).dataset_tools(), indent=2))
+    registry = _registry(load_settings())
+    _check_pack(registry, pack)
+    typer.echo(json.dumps(registry.dataset_tools(pack), indent=2))
 
 
 def _upgrade(settings: Settings, revision: str = "head") -> None:

@@ -139,3 +139,14 @@ def test_job_config_takes_one_packs_tools_at_its_routes(env: None) -> None:
     )
     code, text = job_config("--pack", "nope", "--platform", "openai")
     assert code == 2 and "'nope' is not enabled" in text
+
+
+def test_dataset_tools_and_the_tool_list_show_every_packs_tools(env: None) -> None:
+    code = CliRunner().invoke(cli, ["dataset-tools"])
+    assert code.exit_code == 2 and "pass --pack NAME" in code.output
+    one = CliRunner().invoke(cli, ["dataset-tools", "--pack", "retail"])
+    assert one.exit_code == 0, one.output
+    assert [tool["function"]["name"] for tool in json.loads(one.output)] == list(retail.pack.tools)
+    listed = CliRunner().invoke(cli, ["tools"])
+    rows = [line.split()[:2] for line in listed.output.splitlines()[1:]]
+    assert ["calculate", "retail"] in rows and ["calculate", "airline"] in rows

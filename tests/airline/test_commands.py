@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from app.cli import cli
 from app.config import get_settings
 from app.errors import StartupError
-from tests.conftest import ADMIN_KEY, AppFactory
+from tests.conftest import ADMIN_KEY, AppFactory, new_trace
 from tools.airline import pack
 
 
@@ -62,7 +62,7 @@ async def test_the_server_uses_the_operators_copy(app_factory: AppFactory, airli
             "/tools/get_flight_status",
             json={
                 "call_id": "c",
-                "trace_id": "trace_start",
+                "trace_id": new_trace(),
                 "arguments": {"flight_number": "HAT001", "date": "2024-05-01"},
             },
         )
@@ -98,7 +98,8 @@ async def test_new_ids_are_counted_per_rollout(app_factory: AppFactory, airline_
             output: str = response.json()["output"]
             return output
 
-        first = [await certificate("trace_ids_a", "c1"), await certificate("trace_ids_a", "c2")]
-        other = await certificate("trace_ids_b", "c1")
+        trace, other_trace = new_trace(), new_trace()
+        first = [await certificate(trace, "c1"), await certificate(trace, "c2")]
+        other = await certificate(other_trace, "c1")
     assert [text.split()[1] for text in first] == ["certificate_3221322", "certificate_3221323"]
     assert other.split()[1] == "certificate_3221322"  # another rollout starts from the shipped database

@@ -238,38 +238,49 @@ def _payment_for_update(user: dict[str, Any], payment_id: str, total_price: int)
 # on the event loop, without the hop to a worker thread that a blocking tool would need.
 
 
+BookingUser = Annotated[
+    str, Field(description="The ID of the user to book the reservation such as 'sara_doe_496'`.")
+]
+BookingOrigin = Annotated[str, Field(description="The IATA code for the origin city such as 'SFO'.")]
+BookingDestination = Annotated[
+    str, Field(description="The IATA code for the destination city such as 'JFK'.")
+]
+BookingType = Annotated[
+    FlightType, Field(description="The type of flight such as 'one_way' or 'round_trip'.")
+]
+BookingCabin = Annotated[
+    CabinClass, Field(description="The cabin class such as 'basic_economy', 'economy', or 'business'.")
+]
+BookingFlights = Annotated[
+    list[FlightInfo], Field(description="An array of objects containing details about each piece of flight.")
+]
+Passengers = Annotated[
+    list[Passenger], Field(description="An array of objects containing details about each passenger.")
+]
+BookingPayments = Annotated[
+    list[Payment], Field(description="An array of objects containing details about each payment method.")
+]
+BookingBags = Annotated[int, Field(description="The total number of baggage items to book the reservation.")]
+BookingPaidBags = Annotated[
+    int, Field(description="The number of non-free baggage items to book the reservation.")
+]
+BookingInsurance = Annotated[Insurance, Field(description="Whether the reservation has insurance.")]
+
+
 @pack.tool(mutates=True, inline=True, description="Book a reservation.")
 def book_reservation(
     ctx: ToolContext,
-    user_id: Annotated[
-        str, Field(description="The ID of the user to book the reservation such as 'sara_doe_496'`.")
-    ],
-    origin: Annotated[str, Field(description="The IATA code for the origin city such as 'SFO'.")],
-    destination: Annotated[str, Field(description="The IATA code for the destination city such as 'JFK'.")],
-    flight_type: Annotated[
-        FlightType, Field(description="The type of flight such as 'one_way' or 'round_trip'.")
-    ],
-    cabin: Annotated[
-        CabinClass, Field(description="The cabin class such as 'basic_economy', 'economy', or 'business'.")
-    ],
-    flights: Annotated[
-        list[FlightInfo],
-        Field(description="An array of objects containing details about each piece of flight."),
-    ],
-    passengers: Annotated[
-        list[Passenger], Field(description="An array of objects containing details about each passenger.")
-    ],
-    payment_methods: Annotated[
-        list[Payment],
-        Field(description="An array of objects containing details about each payment method."),
-    ],
-    total_baggages: Annotated[
-        int, Field(description="The total number of baggage items to book the reservation.")
-    ],
-    nonfree_baggages: Annotated[
-        int, Field(description="The number of non-free baggage items to book the reservation.")
-    ],
-    insurance: Annotated[Insurance, Field(description="Whether the reservation has insurance.")],
+    user_id: BookingUser,
+    origin: BookingOrigin,
+    destination: BookingDestination,
+    flight_type: BookingType,
+    cabin: BookingCabin,
+    flights: BookingFlights,
+    passengers: Passengers,
+    payment_methods: BookingPayments,
+    total_baggages: BookingBags,
+    nonfree_baggages: BookingPaidBags,
+    insurance: BookingInsurance,
 ) -> str:
     state = ctx.state
     user = _user(state, user_id)
@@ -618,9 +629,7 @@ def _reprice_flights(
 def update_reservation_passengers(
     ctx: ToolContext,
     reservation_id: ReservationId,
-    passengers: Annotated[
-        list[Passenger], Field(description="An array of objects containing details about each passenger.")
-    ],
+    passengers: Passengers,
 ) -> str:
     reservation = _reservation(ctx.state, reservation_id)
     if len(passengers) != len(reservation["passengers"]):

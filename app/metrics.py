@@ -28,12 +28,7 @@ class Metrics:
         self.tool_latency = Histogram(
             "sparring_tool_call_seconds", "Tool call latency.", ["tool"], buckets=LATENCY_BUCKETS, registry=r
         )
-        self.in_flight = Gauge(
-            "sparring_tool_calls_in_flight",
-            "Tool calls being answered.",
-            registry=r,
-            multiprocess_mode="livesum",
-        )
+        self.in_flight = self._live_total("sparring_tool_calls_in_flight", "Tool calls being answered.")
         self.ledger_replays = Counter(
             "sparring_ledger_replays",
             "Retried calls answered from the ledger without running the tool.",
@@ -45,11 +40,8 @@ class Metrics:
             buckets=BATCH_BUCKETS,
             registry=r,
         )
-        self.log_queue_depth = Gauge(
-            "sparring_log_queue_depth",
-            "Call-log rows waiting for a commit.",
-            registry=r,
-            multiprocess_mode="livesum",
+        self.log_queue_depth = self._live_total(
+            "sparring_log_queue_depth", "Call-log rows waiting for a commit."
         )
         self.grades = Counter(
             "sparring_grades", "Grades, by grader and status.", ["grader", "status"], registry=r
@@ -58,6 +50,10 @@ class Metrics:
             "sparring_grade_score", "Scores given, by grader.", ["grader"], buckets=SCORE_BUCKETS, registry=r
         )
         self.flags = Counter("sparring_flags", "Review flags raised at grade time.", ["flag"], registry=r)
+
+    def _live_total(self, name: str, documentation: str) -> Gauge:
+        """A gauge that counts something in progress: with several workers, the live workers' sum."""
+        return Gauge(name, documentation, registry=self.registry, multiprocess_mode="livesum")
 
     def exposition(self) -> bytes:
         if self.multiprocess_dir:

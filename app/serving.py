@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from importlib.util import find_spec
+from typing import Any
 
 import h11
 import orjson
@@ -47,8 +48,19 @@ class _ReadDeadline:
 
     transport: asyncio.Transport
     loop: asyncio.AbstractEventLoop
+    cycle: Any
     _deadline: asyncio.TimerHandle | None = None
     _phase: int = _IDLE
+
+    # The mixin stands before uvicorn's protocol in the class's bases: `super()` is that protocol.
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
+        self._phase = _HEADERS  # a fresh connection owes its first request's headers
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)  # type: ignore[misc]
 
     def _arm(self) -> None:
         settings = get_settings()
@@ -69,7 +81,7 @@ class _ReadDeadline:
             self._arm()
 
     def _answer_started(self) -> bool:
-        raise NotImplementedError
+        return self.cycle is not None and bool(self.cycle.response_started)
 
     def _timed_out(self, phase: int, seconds: float) -> None:
         self._deadline = None
@@ -86,15 +98,6 @@ if find_spec("httptools") is not None:
 
     class HttpToolsReadDeadlineProtocol(_ReadDeadline, HttpToolsProtocol):
         """uvicorn's httptools protocol; the parser's callbacks mark the phases of each request."""
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._phase = _HEADERS  # a fresh connection owes its first request's headers
-            self._arm()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
@@ -119,21 +122,9 @@ if find_spec("httptools") is not None:
             self._phase = _IDLE
             super().handle_websocket_upgrade()
 
-        def _answer_started(self) -> bool:
-            return self.cycle is not None and self.cycle.response_started
-
 
 class H11ReadDeadlineProtocol(_ReadDeadline, H11Protocol):
     """uvicorn's h11 protocol; h11's state after each read tells the phase."""
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._phase = _HEADERS
-        self._arm()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
-        super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -148,9 +139,6 @@ class H11ReadDeadlineProtocol(_ReadDeadline, H11Protocol):
             self._disarm()
             self._phase = phase
         self._after_read()
-
-    def _answer_started(self) -> bool:
-        return self.cycle is not None and self.cycle.response_started
 
 
 def http_protocol() -> str:

@@ -267,7 +267,7 @@ class AsyncEnvironment:
         """
         client = _as_async(model_client)
         policy = (
-            ChatPolicy(client, model, developer_role="system", **sampling)
+            ChatPolicy(client, model, **sampling)
             if api == "chat"
             else ResponsesPolicy(client, model, **sampling)
         )

@@ -182,6 +182,19 @@ class DeadlinePolicy:
             raise ModelFailure(message, brief=message) from exc
 
 
+# What a policy writes into every request itself: sampling parameters may not replace them.
+RESERVED_REQUEST_KEYS = frozenset({"model", "messages", "input", "tools", "stream"})
+
+
+def sampling_params(params: dict[str, Any]) -> dict[str, Any]:
+    """The sampling parameters sent with every request, refused (ValueError) where they would replace
+    the model, the transcript or the tools the policy sends."""
+    clashing = sorted(RESERVED_REQUEST_KEYS & params.keys())
+    if clashing:
+        raise ValueError(f"sampling parameters may not set {', '.join(clashing)}: the policy sends them")
+    return params
+
+
 def responses_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Dataset tools (chat-completions form) as Responses API function tools."""
     converted = []
@@ -263,10 +276,10 @@ def chat_messages(transcript: Transcript, *, developer_role: str = "system") -> 
 class ResponsesPolicy:
     """A model behind the Responses API (what Agent RFT uses)."""
 
-    def __init__(self, client: AsyncOpenAI, model: str, **params: Any) -> None:
+    def __init__(self, client: AsyncOpenAI, model: str, /, **params: Any) -> None:
         self.client = client
         self.model = model
-        self.params = params
+        self.params = sampling_params(params)
 
     async def next_turn(self, transcript: Transcript) -> ModelTurn:
         request: dict[str, Any] = {
@@ -329,12 +342,12 @@ class ChatPolicy:
     """A model behind Chat Completions (vLLM, Ollama, llama.cpp and most local servers)."""
 
     def __init__(
-        self, client: AsyncOpenAI, model: str, *, developer_role: str = "system", **params: Any
+        self, client: AsyncOpenAI, model: str, /, *, developer_role: str = "system", **params: Any
     ) -> None:
         self.client = client
         self.model = model
         self.developer_role = developer_role
-        self.params = params
+        self.params = sampling_params(params)
 
     async def next_turn(self, transcript: Transcript) -> ModelTurn:
         request: dict[str, Any] = {

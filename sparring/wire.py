@@ -8,6 +8,7 @@ in the call log, the metrics, the review pages, the flags and the client's failu
 from __future__ import annotations
 
 import hashlib
+import json
 import uuid
 from collections.abc import Mapping
 from typing import Any, Final, Literal, TypeVar
@@ -164,6 +165,16 @@ def call_key(value: str | None) -> str | None:
     return storable(fit(value, CALL_ID_MAX)) if value else None
 
 
+def _sorted_json(item: Any) -> bytes:
+    import orjson  # here, not at the top: most users of this module never hash a row
+
+    try:
+        return orjson.dumps(item, option=orjson.OPT_SORT_KEYS, default=str)
+    except TypeError:
+        # orjson writes no integer beyond 64 bits; a dataset read with `json` may hold one.
+        return json.dumps(item, sort_keys=True, default=str, separators=(",", ":")).encode()
+
+
 def item_key(item: Mapping[str, Any]) -> str | None:
     """A stable key for the dataset row: its id field if it has one, else a hash of the whole row."""
     if not item:
@@ -174,11 +185,9 @@ def item_key(item: Mapping[str, Any]) -> str | None:
             return fit(f"{name}:{value}", ITEM_KEY_MAX)  # a long id cut with a hash: never merged
     if nested_deeper_than(item):
         return None  # refused where it arrives (an `Error:` output, a 400); orjson cannot write it
-    import orjson  # here, not at the top: most users of this module never hash a row
-
-    dumped = orjson.dumps(item, option=orjson.OPT_SORT_KEYS, default=str)
+    dumped = _sorted_json(item)
     if b"\\u0000" in dumped:  # hash the row as it is stored (NUL as U+FFFD), so the log and grades agree
-        dumped = orjson.dumps(storable(item), option=orjson.OPT_SORT_KEYS, default=str)
+        dumped = _sorted_json(storable(item))
     digest = hashlib.sha256(dumped).hexdigest()
     return f"sha256:{digest[:40]}"
 

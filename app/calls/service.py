@@ -34,7 +34,7 @@ from app.rollouts.identity import (
     nested_deeper_than,
     trace_key,
 )
-from app.rollouts.store import PackChanges, RolloutMeta, RolloutStore, StoredAnswer, Ticket
+from app.rollouts.store import CallStart, PackChanges, RolloutMeta, RolloutStore, StoredAnswer, Ticket
 from app.sdk import RolloutState, ToolContext, ToolError, ToolSpec, ToolUnavailable
 from app.sdk.tool import describe_validation_error
 from sparring.wire import CALL_ID_REUSED
@@ -293,12 +293,14 @@ class ToolCallService:
             # Nothing to claim, lock or read: a call without a call_id is not deduplicated.
             return (await self._run(spec, kwargs, call, None))[0]
         began = await self.store.begin(
-            call.trace_id,
-            call_id,
-            lock=spec.mutates,
-            meta=RolloutMeta(run=call.run, item_key=call.item_key, now=time.time()) if stateful else None,
-            load_changes=spec.context_param is not None,
-            wait=self.tool_timeout + 5,
+            CallStart(
+                call.trace_id,
+                call_id,
+                lock=spec.mutates,
+                meta=RolloutMeta(run=call.run, item_key=call.item_key, now=time.time()) if stateful else None,
+                load_changes=spec.context_param is not None,
+                wait=self.tool_timeout + 5,
+            )
         )
         digest = call_digest(spec.name, raw)
         if isinstance(began, StoredAnswer):

@@ -10,8 +10,8 @@ import weakref
 from dataclasses import dataclass, field
 
 from app.rollouts.store import (
+    CallStart,
     PackChanges,
-    RolloutMeta,
     StoredAnswer,
     StoreUnavailable,
     Ticket,
@@ -57,22 +57,14 @@ class MemoryRolloutStore:
         for trace_id in [t for t, r in self._rollouts.items() if now - r.last_seen > self._ttl]:
             del self._rollouts[trace_id]
 
-    async def begin(
-        self,
-        trace_id: str,
-        call_id: str | None,
-        *,
-        lock: bool,
-        meta: RolloutMeta | None,
-        load_changes: bool,
-        wait: float,
-    ) -> Ticket | StoredAnswer:
+    async def begin(self, start: CallStart) -> Ticket | StoredAnswer:
+        trace_id, call_id = start.trace_id, start.call_id
         ticket = Ticket(trace_id=trace_id, call_id=call_id, token=uuid.uuid4().hex, locked=False)
         if call_id is not None:
-            answer = await self._claim(ticket, call_id, wait)
+            answer = await self._claim(ticket, call_id, start.wait)
             if answer is not None:
                 return answer
-        if lock:
+        if start.lock:
             held = self._locks.get(trace_id)
             if held is None:
                 held = self._locks[trace_id] = asyncio.Lock()
@@ -85,11 +77,11 @@ class MemoryRolloutStore:
                 self._settle(ticket, None)
                 raise
             ticket.locked, ticket.held = True, held  # the ticket keeps the lock object alive
-        if meta is not None:
+        if start.meta is not None:
             rollout = self._rollout(trace_id)
-            rollout.last_seen = meta.now
+            rollout.last_seen = start.meta.now
             ticket.graded = rollout.graded
-            if load_changes:
+            if start.load_changes:
                 ticket.changes = copy.deepcopy(rollout.changes)
         return ticket
 

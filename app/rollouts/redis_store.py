@@ -18,7 +18,7 @@ import orjson
 from redis.asyncio import Redis
 
 from app.rollouts.redis_scripts import ABORT, BEGIN, EXTEND, FINISH, SEP, Script, ScriptBatcher, script_flags
-from app.rollouts.store import PackChanges, RolloutMeta, StoredAnswer, StoreUnavailable, Ticket
+from app.rollouts.store import CallStart, PackChanges, StoredAnswer, StoreUnavailable, Ticket
 
 log = logging.getLogger(__name__)
 
@@ -137,28 +137,21 @@ class RedisRolloutStore:
 
     # --- one call: begin, then finish or abort ------------------------------------------------------
 
-    async def begin(
-        self,
-        trace_id: str,
-        call_id: str | None,
-        *,
-        lock: bool,
-        meta: RolloutMeta | None,
-        load_changes: bool,
-        wait: float,
-    ) -> Ticket | StoredAnswer:
+    async def begin(self, start: CallStart) -> Ticket | StoredAnswer:
+        trace_id, call_id, lock, meta = start.trace_id, start.call_id, start.lock, start.meta
+        load = meta is not None and start.load_changes
         token = f"{self._token_prefix}{next(self._token_count):x}"
         ticket = Ticket(trace_id=trace_id, call_id=call_id, token=token, locked=lock)
         if call_id is None and not lock and meta is None:
             return ticket
         args: list[Any] = [
             ticket.token,
-            script_flags(call_id is not None, lock, meta is not None, meta is not None and load_changes),
+            script_flags(call_id is not None, lock, meta is not None, load),
         ]
         if meta is not None:
             args += [repr(meta.now), meta.run or "", meta.item_key or ""]
         now = time.monotonic()
-        call_deadline, lock_deadline = now + wait, now + self._lock_wait
+        call_deadline, lock_deadline = now + start.wait, now + self._lock_wait
         held = ticket.held = _Held()
         if lock:
             # Calls of this rollout in this process queue here, in order, instead of polling Redis;

@@ -33,6 +33,18 @@ class RolloutMeta:
     now: float  # unix time
 
 
+@dataclass(frozen=True, slots=True)
+class CallStart:
+    """What a call asks of the store before its tool runs (see `RolloutStore.begin`)."""
+
+    trace_id: str
+    call_id: str | None
+    lock: bool = False
+    meta: RolloutMeta | None = None
+    load_changes: bool = False
+    wait: float = 0.0
+
+
 @dataclass(eq=False)
 class Ticket:
     """What `begin` holds for one call until `finish` or `abort`: its claim, the lock, what it read.
@@ -59,16 +71,7 @@ class RolloutStore(Protocol):
 
     kind: str
 
-    async def begin(
-        self,
-        trace_id: str,
-        call_id: str | None,
-        *,
-        lock: bool,
-        meta: RolloutMeta | None,
-        load_changes: bool,
-        wait: float,
-    ) -> Ticket | StoredAnswer:
+    async def begin(self, start: CallStart) -> Ticket | StoredAnswer:
         """Everything a call needs before its tool runs, in one step.
 
         - With a `call_id`, claim the call in the ledger, or return the answer it already has (a retry);

@@ -22,7 +22,6 @@ from app.deps import app_state
 from app.grading.flags import DEFAULT_POLICY, FlagPolicy
 from app.grading.recording import store_grade
 from app.main import create_app
-from app.review.routes import router as review_router
 from app.rollouts.timeline import read_timeline
 from tests.conftest import ADMIN_KEY, TOOLS_KEY, call_body, make_settings
 from tests.packs import counter_pack, faults_pack
@@ -31,13 +30,6 @@ from tools.demo import pack as demo_pack
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 TOOLS = {"Authorization": f"Bearer {TOOLS_KEY}"}
 PACKS = [demo_pack, counter_pack, faults_pack]
-
-
-def mount_review(app: FastAPI) -> FastAPI:
-    """Include the review router unless app/main.py already does."""
-    if not any(getattr(route, "path", "").startswith("/review") for route in app.routes):
-        app.include_router(review_router)
-    return app
 
 
 async def grade_rollout(
@@ -134,7 +126,7 @@ def review_factory(tmp_path: Path, backend_settings: dict[str, Any]) -> Any:
     @asynccontextmanager
     async def factory(**overrides: Any) -> AsyncIterator[ReviewApp]:
         settings = make_settings(tmp_path / "home", **{**backend_settings, **overrides})
-        app = mount_review(create_app(settings, packs=PACKS))
+        app = create_app(settings, packs=PACKS)
         async with LifespanManager(app) as manager:
             transport = httpx.ASGITransport(app=manager.app)
             async with httpx.AsyncClient(transport=transport, base_url="http://sparring") as client:

@@ -21,7 +21,7 @@ from app.grading.flags import FLAG_NAMES
 from app.main import create_app
 from app.review.seed import SeedSpec, seed_run
 from tests.conftest import ADMIN_KEY, GRADER_KEY, TOOLS_KEY, call_body, make_settings, new_trace
-from tests.review.conftest import PACKS, grade_rollout, mount_review
+from tests.review.conftest import PACKS, grade_rollout
 from tests.review.test_item_view import GRADERS
 from tests.review.test_item_view import item as review_item
 from tests.review.test_item_view import sample as item_sample
@@ -64,7 +64,7 @@ def live_server(tmp_path: Path, sqlite_template: Path) -> Iterator[tuple[str, st
     graders = tmp_path / "graders.yaml"
     graders.write_text(yaml.safe_dump(GRADERS))
     settings = make_settings(tmp_path / "home", database_url=url, redis_url=None, graders_file=graders)
-    app = mount_review(create_app(settings, packs=PACKS))
+    app = create_app(settings, packs=PACKS)
     port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")

@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 
 from app.config import Settings
 from app.rollouts.redis_store import RedisRolloutStore
-from app.rollouts.store import StoredAnswer, Ticket
+from app.rollouts.store import CallStart, StoredAnswer, Ticket
 from tests.conftest import REDIS_URL, new_trace
 from tests.rollouts.test_stores import meta
 
@@ -25,12 +25,12 @@ HOLDER = """
 import asyncio, sys, time
 from app.config import Settings
 from app.lifespan import build_store
-from app.rollouts.store import RolloutMeta
+from app.rollouts.store import CallStart, RolloutMeta
 
 async def main() -> None:
     store = build_store(Settings(redis_url=sys.argv[1]))
     meta = RolloutMeta(run=None, item_key=None, now=time.time())
-    await store.begin(sys.argv[2], "c1", lock=True, meta=meta, load_changes=True, wait=5)
+    await store.begin(CallStart(sys.argv[2], "c1", lock=True, meta=meta, load_changes=True, wait=5))
     print("held", flush=True)
     await asyncio.sleep(600)
 
@@ -75,10 +75,10 @@ async def test_a_killed_holder_stops_blocking_its_rollout_within_seconds() -> No
     )
     try:
         # The retry of the killed call gets its claim once it lapsed, and the lock with it.
-        retry = await other.begin(trace, "c1", lock=True, meta=meta(), load_changes=True, wait=8)
+        retry = await other.begin(CallStart(trace, "c1", lock=True, meta=meta(), load_changes=True, wait=8))
         assert isinstance(retry, Ticket), retry
         await other.finish(retry, {}, StoredAnswer(output="ran again", outcome="ok"))
-        nxt = await other.begin(trace, "c2", lock=True, meta=meta(), load_changes=True, wait=1)
+        nxt = await other.begin(CallStart(trace, "c2", lock=True, meta=meta(), load_changes=True, wait=1))
         assert isinstance(nxt, Ticket)
         await other.finish(nxt, {}, StoredAnswer(output="next", outcome="ok"))
     finally:

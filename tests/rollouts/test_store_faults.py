@@ -11,7 +11,7 @@ import uvloop
 from redis.asyncio import Redis
 
 from app.rollouts.redis_store import RedisRolloutStore
-from app.rollouts.store import StoredAnswer, StoreUnavailable, Ticket
+from app.rollouts.store import CallStart, StoredAnswer, StoreUnavailable, Ticket
 from tests.conftest import REDIS_URL, new_trace
 from tests.faults import DroppingProxy
 from tests.rollouts.test_stores import meta
@@ -37,7 +37,9 @@ async def _calls_under_drops(rounds: int) -> tuple[int, list[BaseException]]:
     traces = [new_trace() for _ in range(24)]
 
     async def call(trace: str, call_id: str) -> None:
-        began = await store.begin(trace, call_id, lock=True, meta=meta(), load_changes=True, wait=2)
+        began = await store.begin(
+            CallStart(trace, call_id, lock=True, meta=meta(), load_changes=True, wait=2)
+        )
         if isinstance(began, Ticket):
             try:
                 await asyncio.sleep(0)

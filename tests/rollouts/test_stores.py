@@ -13,6 +13,7 @@ from redis.asyncio import Redis
 from app.rollouts.memory import MemoryRolloutStore
 from app.rollouts.redis_store import RedisRolloutStore
 from app.rollouts.store import (
+    CallStart,
     PackChanges,
     RolloutMeta,
     RolloutStore,
@@ -72,7 +73,7 @@ async def begin(
     load: bool = True,
     wait: float = 1.0,
 ) -> Ticket | StoredAnswer:
-    return await store.begin(trace, call_id, lock=lock, meta=meta(), load_changes=load, wait=wait)
+    return await store.begin(CallStart(trace, call_id, lock=lock, meta=meta(), load_changes=load, wait=wait))
 
 
 async def ticket(store: RolloutStore, trace: str, call_id: str | None, *, lock: bool = False) -> Ticket:
@@ -277,20 +278,10 @@ async def test_redis_rollout_metadata_is_kept() -> None:
     async with redis_store_and_client() as (store, client):
         trace = new_trace()
         await store.begin(
-            trace,
-            None,
-            lock=False,
-            meta=RolloutMeta(run="run-a", item_key="id:7", now=100.0),
-            load_changes=False,
-            wait=1,
+            CallStart(trace, None, meta=RolloutMeta(run="run-a", item_key="id:7", now=100.0), wait=1)
         )
         await store.begin(
-            trace,
-            None,
-            lock=False,
-            meta=RolloutMeta(run="run-b", item_key=None, now=200.0),
-            load_changes=False,
-            wait=1,
+            CallStart(trace, None, meta=RolloutMeta(run="run-b", item_key=None, now=200.0), wait=1)
         )
         stored = await client.hgetall(f"sp:{{{trace}}}:meta")
         assert stored == {

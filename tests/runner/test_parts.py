@@ -192,3 +192,23 @@ def test_an_http_status_names_its_failure_kind() -> None:
     assert Attempt[float].failed_answer(answer, "HTTP 503") == Attempt(
         failure="HTTP 503", kind="infra_error", status=503, retry_after_s=2.0
     )
+
+
+@pytest.mark.parametrize("policy_class", ["chat", "responses"])
+def test_sampling_parameters_go_with_every_request_and_never_replace_what_the_policy_sends(
+    policy_class: str,
+) -> None:
+    from openai import AsyncOpenAI
+
+    from sparring.policies import ChatPolicy, ResponsesPolicy
+
+    make = ChatPolicy if policy_class == "chat" else ResponsesPolicy
+    client = AsyncOpenAI(api_key="k", base_url="http://127.0.0.1:9/v1")
+    # `client` and `model` are the policy's own arguments; as sampling keys they are the server's
+    # business (a sampling server may take a `client` field), not a clash with the constructor.
+    policy = make(client, "m", client="c", temperature=0.2)
+    assert policy.client is client and policy.model == "m"
+    assert policy.params == {"client": "c", "temperature": 0.2}
+    for reserved in ("model", "messages", "input", "tools", "stream"):
+        with pytest.raises(ValueError, match=reserved):
+            make(client, "m", **{reserved: "x"})

@@ -313,26 +313,18 @@ class _Builder:
     ) -> Grader:
         self.need_judge(_join(path, "model"), f"a {spec.type} grader")
         messages = compile_messages(spec.input, lambda text, field: self.template(text, _join(path, field)))
+        common: dict[str, Any] = {
+            "name": name,
+            "version": version,
+            "judge": self.context.judge,
+            "model": spec.model,
+            "messages": messages,
+        }
         if isinstance(spec, ScoreModelSpec):
             return ScoreModelGrader(
-                name=name,
-                version=version,
-                judge=self.context.judge,
-                model=spec.model,
-                messages=messages,
-                params=chat_params(spec.sampling_params),
-                score_range=spec.range,
+                params=chat_params(spec.sampling_params), score_range=spec.range, **common
             )
-        return LabelModelGrader(
-            name=name,
-            version=version,
-            judge=self.context.judge,
-            model=spec.model,
-            messages=messages,
-            params={},
-            labels=spec.labels,
-            passing_labels=spec.passing_labels,
-        )
+        return LabelModelGrader(params={}, labels=spec.labels, passing_labels=spec.passing_labels, **common)
 
     def multi(self, spec: MultiSpec, *, name: str, version: str) -> Grader:
         try:

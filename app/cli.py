@@ -241,7 +241,8 @@ def list_tools() -> None:
     registry = _registry(load_settings())
     rows = [
         (s.name, s.pack, "yes" if s.mutates else "", s.description.splitlines()[0])
-        for s in registry.tools.values()
+        for tools in registry.pack_tools.values()
+        for s in tools.values()
     ]
     widths = [max(len(r[i]) for r in [("TOOL", "PACK", "MUTATES", ""), *rows]) for i in range(3)]
     typer.echo(f"{'TOOL':<{widths[0]}}  {'PACK':<{widths[1]}}  {'MUTATES':<{widths[2]}}  DESCRIPTION")
@@ -249,13 +250,17 @@ def list_tools() -> None:
         typer.echo(f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]:<{widths[2]}}  {row[3]}")
 
 
-def job_config(settings: Settings, registry: Any, base_url: str, grader: str | None) -> dict[str, Any]:
-    """The `method.reinforcement` block pointing a fine-tuning job at this server."""
+def job_config(
+    settings: Settings, registry: Any, base_url: str, grader: str | None, pack: str | None = None
+) -> dict[str, Any]:
+    """The `method.reinforcement` block pointing a fine-tuning job at this server: the tools at
+    /tools/<name>, or with `pack` that pack's tools at /packs/<pack>/tools/<name>."""
     base = base_url.rstrip("/")
+    prefix = f"{base}/tools" if pack is None else f"{base}/packs/{pack}/tools"
     block: dict[str, Any] = {
         "tools": [
-            {"name": name, "server_url": f"{base}/tools/{name}", "headers": _auth_header(settings, "tools")}
-            for name in registry.tools
+            {"name": name, "server_url": f"{prefix}/{name}", "headers": _auth_header(settings, "tools")}
+            for name in (registry.tools if pack is None else registry.pack_tools[pack])
         ],
     }
     grade_path = f"/grade/{grader}" if grader else "/grade"
@@ -299,6 +304,13 @@ def job_config_command(
     max_episode_steps: Annotated[
         int | None, typer.Option(min=1, help="max_episode_steps of the foundry job (default 10).")
     ] = None,
+    pack: Annotated[
+        str | None,
+        typer.Option(
+            help="Only this pack's tools, at its routes /packs/PACK/tools/NAME (needed when "
+            "enabled packs share tool names)."
+        ),
+    ] = None,
 ) -> None:
     """Print the job's tools and grader entries as JSON (keys are placeholders): the whole job for
     Foundry (the default), the `method.reinforcement` block for OpenAI (legacy, closing).
@@ -313,7 +325,8 @@ def job_config_command(
     url = _public_url(base_url or settings.public_base_url, allow_http=allow_http)
     registry = _registry(settings)
     _check_grader_served(settings, registry, grader)
-    block = job_config(settings, registry, url, grader)
+    _check_pack(registry, pack)
+    block = job_config(settings, registry, url, grader, pack)
     if chosen == "foundry" and rate_limit is None:
         rate_limit = FOUNDRY_GRADER_RATE_LIMIT
     block["grader"] = endpoint_grader_fields(
@@ -323,6 +336,16 @@ def job_config_command(
         foundry_job(block, model=model, max_episode_steps=max_episode_steps) if chosen == "foundry" else block
     )
     typer.echo(json.dumps(out, indent=2))
+
+
+def _check_pack(registry: Any, pack: str | None) -> None:
+    """Fail for a pack that is not enabled, or, without one, when enabled packs share tool names."""
+    if pack is not None and pack not in registry.pack_tools:
+        enabled = ", ".join(registry.pack_tools) or "none"
+        raise fail(f"--pack {pack!r} is not enabled (SPARRING_PACKS: {enabled})")
+    if pack is None and registry.shared:
+        shared = ", ".join(f"{name} ({'/'.join(packs)})" for name, packs in sorted(registry.shared.items()))
+        raise fail(f"enabled packs share tool names ({shared}): pass --pack NAME for one pack's tools")
 
 
 def _platform(platform: str | None) -> str:
@@ -380,9 +403,13 @@ def _graders_served(settings: Settings, registry: Any) -> tuple[set[str], str | 
 
 
 @cli.command("dataset-tools")
-def dataset_tools() -> None:
+def dataset_tools(
+    pack: Annotated[str | None, typer.Option(help="One pack's tools (its shared names included).")] = None,
+) -> None:
     """Print the `tools` array every dataset line carries, from the same registry the server uses."""
-    typer.echo(json.dumps(_registry(load_settings()).dataset_tools(), indent=2))
+    registry = _registry(load_settings())
+    _check_pack(registry, pack)
+    typer.echo(json.dumps(registry.dataset_tools(pack), indent=2))
 
 
 def _upgrade(settings: Settings, revision: str = "head") -> None:

@@ -148,17 +148,29 @@ class ToolCallService:
         self._voiding: set[asyncio.Future[None]] = set()  # voids under way (see _finish)
 
     async def handle(
-        self, envelope: ToolCallEnvelope, *, path_name: str | None, run: str | None, channel: str = "rft"
+        self,
+        envelope: ToolCallEnvelope,
+        *,
+        path_name: str | None,
+        run: str | None,
+        channel: str = "rft",
+        pack: str | None = None,
     ) -> ToolCallOutput:
         """Answer one call (the tool routes); see `call`."""
-        return (await self.call(envelope, path_name=path_name, run=run, channel=channel)).output
+        return (await self.call(envelope, path_name=path_name, run=run, channel=channel, pack=pack)).output
 
     async def call(
-        self, envelope: ToolCallEnvelope, *, path_name: str | None, run: str | None, channel: str = "rft"
+        self,
+        envelope: ToolCallEnvelope,
+        *,
+        path_name: str | None,
+        run: str | None,
+        channel: str = "rft",
+        pack: str | None = None,
     ) -> AnsweredCall:
         """Answer one call whichever way it arrived (HTTP tool route, MCP): validate, deduplicate, run
         under the rollout's state, log durably, answer; outages raise ServiceUnavailable, crashes
-        ToolCrashed."""
+        ToolCrashed. `pack` (an enabled pack) looks the tool up among that pack's tools only."""
         call = _Call(
             envelope=envelope,
             tool=(path_name or envelope.name or "")[:128],
@@ -175,7 +187,7 @@ class ToolCallService:
         self.metrics.in_flight.inc()
         try:
             try:
-                answer = await self._answer(call, path_name)
+                answer = await self._answer(call, path_name, pack)
             except ToolCrashed as exc:
                 outcome = "tool_crash"
                 # The caller gets a short message; the exception's own text (which may name hosts,
@@ -197,7 +209,7 @@ class ToolCallService:
         finally:
             self.metrics.in_flight.dec()
             # Names the model made up are counted together: a label per invented name would grow forever.
-            tool = call.tool if call.tool in self.registry.tools else "(unknown)"
+            tool = call.tool if self.registry.served(call.tool) else "(unknown)"
             counter = self._counters.get((tool, outcome))
             if counter is None:
                 counter = self._counters[(tool, outcome)] = self.metrics.tool_calls.labels(tool, outcome)
@@ -241,7 +253,7 @@ class ToolCallService:
             channel=call.channel,
         )
 
-    def _resolve(self, call: _Call, path_name: str | None) -> ToolSpec | StoredAnswer:
+    def _resolve(self, call: _Call, path_name: str | None, pack: str | None) -> ToolSpec | StoredAnswer:
         body_name = call.envelope.name
         if (
             path_name
@@ -254,16 +266,23 @@ class ToolCallService:
                 "call each tool at its own URL"
             )
         name = path_name or (body_name or "").removeprefix("functions.")
-        available = ", ".join(sorted(self.registry.tools)) or "none"
+        tools = self.registry.tools if pack is None else self.registry.pack_tools[pack]
+        available = ", ".join(sorted(tools)) or "none"
         if not name:
             return _model_error(f"the call does not name a tool. Available tools: {available}")
-        spec = self.registry.tools.get(name)
+        spec = tools.get(name)
+        if spec is None and pack is None and name in self.registry.shared:
+            routes = " or ".join(self.registry.qualified_routes(name))
+            return _model_error(
+                f"the tool {name!r} is served by several packs ({', '.join(self.registry.shared[name])}); "
+                f"call it at its pack's route: {routes}"
+            )
         if spec is None:
             return _model_error(f"unknown tool {name!r}. Available tools: {available}")
         return spec
 
-    async def _answer(self, call: _Call, path_name: str | None) -> StoredAnswer:
-        spec = self._resolve(call, path_name)
+    async def _answer(self, call: _Call, path_name: str | None, pack: str | None) -> StoredAnswer:
+        spec = self._resolve(call, path_name, pack)
         if isinstance(spec, StoredAnswer):
             return spec
         if nested_deeper_than(call.envelope.item):

@@ -45,7 +45,14 @@ def build_grading(
         database=database,
         metrics=metrics,
         retry_after=settings.retry_after_seconds,
-        state_tools=[name for name, spec in registry.tools.items() if spec.context_param or spec.mutates],
+        state_tools=sorted(
+            {
+                name
+                for tools in registry.pack_tools.values()
+                for name, spec in tools.items()
+                if spec.context_param or spec.mutates
+            }
+        ),
         tracing=tracing,
     )
 

@@ -48,11 +48,12 @@ class StepResult:
 
 def check_submit_is_free(registry: Registry) -> None:
     """Refuse to start when a pack defines a tool named like the reserved terminal call."""
-    if SUBMIT in registry.tools:
-        raise StartupError(
-            f"pack {registry.tools[SUBMIT].pack!r} defines a tool named {SUBMIT!r}, the episode protocols' "
-            "terminal call: rename the tool, or set SPARRING_ENV_PROTOCOLS to none"
-        )
+    for pack, tools in registry.pack_tools.items():
+        if SUBMIT in tools:
+            raise StartupError(
+                f"pack {pack!r} defines a tool named {SUBMIT!r}, the episode protocols' "
+                "terminal call: rename the tool, or set SPARRING_ENV_PROTOCOLS to none"
+            )
 
 
 def _failure(services: AppState, exc: Exception) -> Exception:
@@ -68,11 +69,11 @@ def session_store(services: AppState) -> SessionStore:
 
 def tool_specs(registry: Registry, pack: str) -> list[dict[str, Any]]:
     """The pack's tools as the protocols list them: exactly `name`, `description` and `input_schema`
-    (`GET /tools`' `parameters`), in `GET /tools` order; `submit` is not among them."""
+    (`GET /tools?pack=`' `parameters`), in that order; `submit` is not among them. A name the pack
+    shares with another enabled pack is listed too: an episode's calls go to its own pack's tools."""
     return [
         {"name": spec.name, "description": spec.description, "input_schema": spec.parameters}
-        for spec in registry.tools.values()
-        if spec.pack == pack
+        for spec in registry.pack_tools.get(pack, {}).values()
     ]
 
 
@@ -106,7 +107,7 @@ async def call_tool(
     )
     try:
         answered = await services.call_service.call(
-            envelope, path_name=None, run=session.run or None, channel=session.channel
+            envelope, path_name=None, run=session.run or None, channel=session.channel, pack=session.pack
         )
     except Exception as exc:
         failure = _failure(services, exc)

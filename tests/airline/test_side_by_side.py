@@ -150,3 +150,39 @@ def test_dataset_tools_and_the_tool_list_show_every_packs_tools(env: None) -> No
     listed = CliRunner().invoke(cli, ["tools"])
     rows = [line.split()[:2] for line in listed.output.splitlines()[1:]]
     assert ["calculate", "retail"] in rows and ["calculate", "airline"] in rows
+
+
+def _event_data(stream: str, event: str) -> str:
+    """The data of the first `event:` of that name in an event stream (its `data:` lines joined)."""
+    for block in stream.replace("\r\n", "\n").split("\n\n"):
+        lines = block.split("\n")
+        if f"event: {event}" in lines:
+            return "\n".join(
+                line.removeprefix("data:").removeprefix(" ") for line in lines if line.startswith("data:")
+            )
+    raise AssertionError(f"no {event!r} event in {stream!r}")
+
+
+async def test_an_episode_of_one_pack_lists_and_calls_its_shared_names(both: Any) -> None:
+    """An ORS episode on airline, with retail enabled too: the shared names are airline's tools there."""
+    key = {"X-API-Key": ADMIN_KEY}
+    async with both as client:
+        listed = (await client.get("/airline/tools", headers=key)).json()["tools"]
+        sid = _event_data((await client.post("/create_session", headers=key)).text, "task_id")
+        created = await client.post(
+            "/create",
+            json={"env_name": "airline", "split": "test", "index": 0},
+            headers={**key, "X-Session-ID": sid},
+        )
+        assert created.status_code == 200, created.text
+        called = await client.post(
+            "/airline/call",
+            json={"name": "get_user_details", "input": {"user_id": "mei_hernandez_8984"}},
+            headers={**key, "X-Session-ID": sid},
+        )
+    names = [tool["name"] for tool in listed]
+    assert SHARED <= set(names) and names == list(airline.pack.tools)
+    end = json.loads(_event_data(called.text, "end"))
+    assert end["ok"] is True, end
+    user = json.loads(end["output"]["blocks"][0]["text"])
+    assert user["user_id"] == "mei_hernandez_8984" and "membership" in user

@@ -16,6 +16,7 @@ from app.calls.routes import NOT_A_TOOL_CALL, TOOL_SCOPE_KEY, serve_tool_call, t
 from app.calls.routes import router as tools_router
 from app.config import Settings, get_settings
 from app.deps import app_state, database, handle_outage, require
+from app.episodes.openenv import openenv_router
 from app.errors import (
     OUTAGES,
     SparringError,
@@ -105,6 +106,9 @@ def create_app(
     app.include_router(grading_router)
     app.include_router(review_router)
     app.include_router(remote_router(settings))
+    if "openenv" in settings.env_protocols:
+        # OpenEnv (openenv 0.10's clients): one environment per pack at /openenv/<pack>.
+        app.include_router(openenv_router())
     return app
 
 

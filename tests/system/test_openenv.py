@@ -53,17 +53,25 @@ def test_rows(retail_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> lis
     return [orjson.loads(line) for line in out.read_bytes().splitlines() if line.strip()]
 
 
-@pytest.fixture
-async def server(servers: Servers, module_database: str, retail_dir: Path, tmp_path: Path) -> Server:
+@pytest.fixture(scope="module")
+async def server(
+    module_database: str, retail_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Server]:
+    """One server for the module (the tests isolate by trace: every episode is a fresh rollout)."""
+    home = tmp_path_factory.mktemp("openenv")
     settings = server_settings(
         database_url=module_database,
         redis_url=REDIS_URL,
-        home=tmp_path / "home",
+        home=home / "home",
         worker="openenv-a",
         SPARRING_PACKS="retail",
         SPARRING_RETAIL_DATA=str(retail_dir),
     )
-    return await servers.start("a", settings, cli=True)
+    servers = Servers(home)
+    try:
+        yield await servers.start("a", settings, cli=True)
+    finally:
+        servers.stop_all()
 
 
 @pytest.fixture

@@ -14,6 +14,9 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from websockets.asyncio.client import ClientConnection
+from websockets.asyncio.client import connect as ws_connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from tests.conftest import ADMIN_KEY, GRADER_KEY, REDIS_URL, TOOLS_KEY, new_trace
 from tests.episodes.conftest import gold_answer
@@ -273,3 +276,88 @@ async def test_one_lookup_and_a_wrong_answer_score_zero(
     )
     assert episode["done"] is True and episode["reward"] == 0.0
     assert episode["reward"] == await graded(http, episode["state"]["episode_id"], row, wrong)
+
+
+# --- the wire itself: error frames, JSON-RPC errors, one session over both transports -------------
+
+
+async def frame(socket: ClientConnection, kind: str, data: Any = None) -> dict[str, Any]:
+    await socket.send(orjson.dumps({"type": kind, "data": data or {}}).decode())
+    answer: dict[str, Any] = orjson.loads(await socket.recv())
+    return answer
+
+
+async def rpc(http: httpx.AsyncClient, method: str, **params: Any) -> dict[str, Any]:
+    body = {"jsonrpc": "2.0", "method": method, "params": params, "id": 7}
+    answered = await http.post(f"{MOUNT}/mcp", json=body, headers=TOOLS)
+    assert answered.status_code == 200, answered.text
+    found: dict[str, Any] = answered.json()
+    return found
+
+
+def ws_url(server: Server, query: str = "") -> str:
+    return f"ws://127.0.0.1:{server.port}{MOUNT}/ws{query}"
+
+
+async def test_bad_frames_get_error_frames_with_openenvs_codes(server: Server) -> None:
+    async with ws_connect(ws_url(server), additional_headers=TOOLS) as socket:
+        await socket.send("not json")
+        assert orjson.loads(await socket.recv())["data"]["code"] == "INVALID_JSON"
+        assert (await frame(socket, "dance"))["data"]["code"] == "UNKNOWN_TYPE"
+        assert (await frame(socket, "state"))["data"]["episode_id"] is None
+        early = await frame(socket, "step", {"type": "call_tool", "tool_name": "list_all_product_types"})
+        assert early["type"] == "error" and early["data"]["code"] == "SESSION_ERROR"
+        assert (await frame(socket, "reset"))["data"]["code"] == "VALIDATION_ERROR"
+        bad_index = await frame(socket, "reset", {"split": "test", "index": 10_000})
+        assert bad_index["data"] == {"message": "Invalid index", "code": "VALIDATION_ERROR"}
+        assert (await frame(socket, "reset", {"split": "nope", "index": 0}))["data"][
+            "message"
+        ] == "Invalid split"
+        assert (await frame(socket, "step", {"code": "x"}))["data"]["code"] == "VALIDATION_ERROR"
+
+        started = await frame(socket, "reset", {"split": "test", "index": 0, "episode_id": new_trace()})
+        assert started["type"] == "observation" and started["data"]["done"] is False
+        no_answer = await frame(socket, "step", {"type": "call_tool", "tool_name": "submit", "arguments": {}})
+        result = no_answer["data"]["observation"]["result"]
+        assert (
+            result["is_error"] and result["data"].startswith("Error: ") and no_answer["data"]["done"] is False
+        )
+        await socket.send(orjson.dumps({"type": "close"}).decode())
+        with pytest.raises(ConnectionClosed):
+            await socket.recv()
+
+
+async def test_json_rpc_errors_and_an_unknown_session(server: Server, http: httpx.AsyncClient) -> None:
+    parse = await http.post(f"{MOUNT}/mcp", content=b"{", headers=TOOLS)
+    assert parse.json()["error"]["code"] == -32700
+    assert (await rpc(http, "initialize"))["error"]["code"] == -32601
+    assert (await rpc(http, "tools/call", name="list_all_product_types"))["error"]["code"] == -32000
+    created = (await rpc(http, "openenv/session/create"))["result"]["session_id"]
+    before_reset = await rpc(http, "tools/call", name="list_all_product_types", session_id=created)
+    assert "reset" in before_reset["error"]["message"]
+    closed = await rpc(http, "openenv/session/close", session_id=created)
+    assert closed["result"] == {"session_id": created, "closed": True}
+    with pytest.raises(InvalidStatus) as refused:
+        async with ws_connect(ws_url(server, f"?session_id={created}"), additional_headers=TOOLS):
+            pass
+    assert refused.value.response.status_code == 403
+    grader = {"jsonrpc": "2.0", "method": "tools/list", "params": {}, "id": 1}
+    assert (await http.post(f"{MOUNT}/mcp", json=grader, headers=GRADER)).status_code == 403
+
+
+async def test_the_socket_and_mcp_of_one_session_drive_one_rollout(
+    server: Server, http: httpx.AsyncClient, test_rows: list[dict[str, Any]]
+) -> None:
+    sid = (await rpc(http, "openenv/session/create"))["result"]["session_id"]
+    async with ws_connect(ws_url(server, f"?session_id={sid}"), additional_headers=TOOLS) as socket:
+        trace = (await frame(socket, "reset", {"task": test_rows[0]}))["data"]["metadata"]["trace_id"]
+        called = await rpc(http, "tools/call", name="list_all_product_types", arguments={}, session_id=sid)
+        assert called["result"]["is_error"] is False
+        submitted = await rpc(http, "tools/call", name="submit", arguments={"answer": "nope"}, session_id=sid)
+        assert submitted["result"]["structured_content"] == {"reward": 0.0, "done": True}
+        state = (await frame(socket, "state"))["data"]
+        assert state == {"episode_id": trace, "step_count": 1, "trace_id": trace, "done": True, "reward": 0.0}
+        after = await frame(socket, "step", {"type": "call_tool", "tool_name": "list_all_product_types"})
+        assert after["type"] == "error" and "submit" in after["data"]["message"]
+    logged = await rollout(http, trace)
+    assert [(c["tool"], c["channel"]) for c in logged["timeline"]] == [("list_all_product_types", "openenv")]

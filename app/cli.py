@@ -282,8 +282,10 @@ def job_config_command(
     platform: Annotated[
         str | None,
         typer.Option(
-            help="openai: the method.reinforcement block; foundry: Microsoft Foundry's whole job with its "
-            "API version (default: openai until its fine-tuning cutoff of 2027-01-06, foundry after)."
+            help="foundry (the default): Microsoft Foundry's whole job with its API version; "
+            "openai (legacy): the method.reinforcement block of OpenAI's Agent RFT, which is closing: "
+            "gpt-5 and its fine-tunes shut down on 2026-12-11, o4-mini did on 2026-10-23, and OpenAI's "
+            "self-serve fine-tuning takes no new jobs from 2027-01-06 on."
         ),
     ] = None,
     rate_limit: Annotated[
@@ -298,8 +300,8 @@ def job_config_command(
         int | None, typer.Option(min=1, help="max_episode_steps of the foundry job (default 10).")
     ] = None,
 ) -> None:
-    """Print the job's tools and grader entries as JSON (keys are placeholders): the
-    `method.reinforcement` block for OpenAI, the whole job for Foundry.
+    """Print the job's tools and grader entries as JSON (keys are placeholders): the whole job for
+    Foundry (the default), the `method.reinforcement` block for OpenAI (legacy, closing).
 
     Checked against the registry and graders the server would serve: anything a job would fail on
     (an unknown grader, /grade with no default grader, a plain http URL) is an error, exit 2.
@@ -324,14 +326,14 @@ def job_config_command(
 
 
 def _platform(platform: str | None) -> str:
-    """The training platform asked for, or today's default one."""
-    from datetime import date
+    """The training platform asked for, or the default one (Foundry); OpenAI's, with a warning."""
+    from app.platforms import DEFAULT_PLATFORM, OPENAI_CLOSING, PLATFORMS
 
-    from app.platforms import PLATFORMS, default_platform
-
-    chosen = platform or default_platform(date.today())
+    chosen = platform or DEFAULT_PLATFORM
     if chosen not in PLATFORMS:
         raise fail(f"--platform must be one of {', '.join(PLATFORMS)} (got {chosen!r})")
+    if chosen == "openai":
+        typer.echo(f"warning: {OPENAI_CLOSING}.", err=True)
     return chosen
 
 

@@ -19,6 +19,8 @@ from app.config import ApiKey, Settings
 from app.db.migrate import check_schema
 from app.db.session import Database, build_engine, build_sessionmaker
 from app.deps import AppState, set_app_state
+from app.episodes.episode import check_submit_is_free
+from app.episodes.ors import check_pack_names
 from app.errors import StartupError
 from app.grading.build import build_grading
 from app.grading.graders.registry import GraderContext
@@ -98,6 +100,7 @@ async def _resources(
     """Every resource, each registered with its cleanup as soon as it exists: shutdown, or a start-up
     step that fails, releases what was built so far in reverse order."""
     registry = Registry.from_packs(packs) if packs is not None else Registry.from_names(settings.packs)
+    _check_episode_names(settings, registry)
     keyring = build_keyring(settings, _keys(settings))
 
     if settings.is_embedded_db:
@@ -145,6 +148,14 @@ async def _resources(
             mcp=mcp,
             remote=remote,
         )
+
+
+def _check_episode_names(settings: Settings, registry: Registry) -> None:
+    """The episode protocols' reserved names: `submit` (both), the root's path segments (ORS)."""
+    if settings.env_protocols:
+        check_submit_is_free(registry)
+    if "ors" in settings.env_protocols:
+        check_pack_names(registry.packs)
 
 
 def _open_store(stack: AsyncExitStack, settings: Settings) -> RolloutStore:

@@ -17,6 +17,7 @@ from app.calls.routes import router as tools_router
 from app.config import Settings, get_settings
 from app.deps import app_state, database, handle_outage, require
 from app.episodes.openenv import openenv_router
+from app.episodes.ors import ors_router
 from app.errors import (
     OUTAGES,
     SparringError,
@@ -106,10 +107,21 @@ def create_app(
     app.include_router(grading_router)
     app.include_router(review_router)
     app.include_router(remote_router(settings))
-    if "openenv" in settings.env_protocols:
-        # OpenEnv (openenv 0.10's clients): one environment per pack at /openenv/<pack>.
-        app.include_router(openenv_router())
+    _mount_episode_protocols(app, settings)
     return app
+
+
+def _mount_episode_protocols(app: FastAPI, settings: Settings) -> None:
+    """The episode protocols (app/episodes), as SPARRING_ENV_PROTOCOLS says: the one place they are mounted.
+
+    After every other router: ORS serves `/{env}/...` at the origin root, so sparring's own paths must
+    match first (and no pack may be named like one of them: app/episodes/ors.py, RESERVED_SEGMENTS).
+    """
+    if "openenv" in settings.env_protocols:
+        # OpenEnv (openenv 0.10's clients): one environment per pack at `<base>/openenv/<pack>`, before ORS.
+        app.include_router(openenv_router())
+    if "ors" in settings.env_protocols:
+        app.include_router(ors_router())
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -84,6 +84,15 @@ def server_target(
     )
 
 
+def reinforcement_of(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The tools and grader of a job config: OpenAI's `method.reinforcement` block as it is, or the block
+    inside Foundry's whole job (what `sparring job-config` prints by default)."""
+    job = config.get("job")
+    method = job.get("method") if isinstance(job, Mapping) else None
+    block = method.get("reinforcement") if isinstance(method, Mapping) else None
+    return block if isinstance(block, Mapping) else config
+
+
 def job_config_target(
     config: Mapping[str, Any],
     secrets: Mapping[str, str],
@@ -94,6 +103,7 @@ def job_config_target(
     grader_headers: Mapping[str, str] | None = None,
 ) -> Target:
     """Tools (and, unless `--grader`/`--grader-url` says otherwise, the grader) from a job config."""
+    config = reinforcement_of(config)
     try:
         tools = ToolEndpoints.from_job_config(config, secrets)
         entry = config.get("grader")

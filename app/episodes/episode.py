@@ -14,7 +14,7 @@ from typing import Any
 from app.calls.envelope import ToolCallEnvelope
 from app.deps import AppState
 from app.episodes.sessions import EpisodeSession, SessionStore
-from app.errors import ServiceUnavailable, SparringError, answer_to
+from app.errors import ServiceUnavailable, SparringError, StartupError, answer_to
 from app.packs import Registry
 
 SUBMIT = "submit"  # the reserved terminal call: not a tool of any pack, never in a tool list
@@ -44,6 +44,15 @@ class StepResult:
     is_error: bool
     call_id: str
     outcome: str
+
+
+def check_submit_is_free(registry: Registry) -> None:
+    """Refuse to start when a pack defines a tool named like the reserved terminal call."""
+    if SUBMIT in registry.tools:
+        raise StartupError(
+            f"pack {registry.tools[SUBMIT].pack!r} defines a tool named {SUBMIT!r}, the episode protocols' "
+            "terminal call: rename the tool, or set SPARRING_ENV_PROTOCOLS to none"
+        )
 
 
 def _failure(services: AppState, exc: Exception) -> Exception:
@@ -114,13 +123,19 @@ async def call_tool(
     )
 
 
-async def submit(services: AppState, session: EpisodeSession, answer: str) -> float | None:
+async def submit(
+    services: AppState, session: EpisodeSession, answer: str, *, call_id: str | None = None
+) -> float | None:
     """End the episode with `answer`: its reward, the pack grader's score (None without a grader).
 
     The grade is `POST /grade/<grader>`'s: sample `{"output_text": answer}`, item the session's row,
     the session's trace, stored with its flags. An outage (ServiceUnavailable) leaves the episode open
-    for a retry; a grader that cannot grade (a config error, state gone) ends it and raises.
+    for a retry; a grader that cannot grade (a config error, state gone) ends it and raises. A retry
+    of the submit that ended the episode (the same `call_id`) gets its reward again; any other call
+    after it raises EpisodeFinished.
     """
+    if session.done and call_id is not None and session.submit_call_id == call_id:
+        return session.reward
     sessions = session_store(services)
     if session.done or not await sessions.claim_submit(session):
         raise EpisodeFinished
@@ -136,10 +151,10 @@ async def submit(services: AppState, session: EpisodeSession, answer: str) -> fl
             if isinstance(failure, ServiceUnavailable):
                 await sessions.release_submit(session)
             else:
-                await sessions.finish(session, None)
+                await sessions.finish(session, None, call_id=call_id)
             if failure is exc:
                 raise
             raise failure from exc
         reward = result.score
-    await sessions.finish(session, reward)
+    await sessions.finish(session, reward, call_id=call_id)
     return reward

@@ -36,6 +36,8 @@ class EpisodeSession:
     step_count: int
     channel: str
     run: str
+    # The call id of the `submit` that ended the episode: a retry of it is answered its reward again.
+    submit_call_id: str | None = None
 
     @property
     def started(self) -> bool:
@@ -73,6 +75,7 @@ def _session(sid: str, fields: dict[str, str]) -> EpisodeSession:
         step_count=int(fields.get("steps", "0")),
         channel=fields.get("channel", ""),
         run=fields.get("run", ""),
+        submit_call_id=fields.get("submit_call") or None,
     )
 
 
@@ -153,12 +156,14 @@ class SessionStore:
         """A submit that could not grade (an outage): the next one may try again."""
         await self.store.record_add(_key(session.sid), "submits", -1, ttl_seconds=self.ttl)
 
-    async def finish(self, session: EpisodeSession, reward: float | None) -> None:
-        """Mark the episode done with its reward (None: not graded, or ended by an error)."""
-        session.done, session.reward = True, reward
-        await self.store.record_put(
-            _key(session.sid), _end_fields(True, reward), ttl_seconds=self.ttl, create=False
-        )
+    async def finish(
+        self, session: EpisodeSession, reward: float | None, *, call_id: str | None = None
+    ) -> None:
+        """Mark the episode done with its reward (None: not graded, or ended by an error) and the call id
+        of the submit that ended it."""
+        session.done, session.reward, session.submit_call_id = True, reward, call_id
+        fields = {**_end_fields(True, reward), "submit_call": call_id or ""}
+        await self.store.record_put(_key(session.sid), fields, ttl_seconds=self.ttl, create=False)
 
     async def close(self, sid: str) -> bool:
         """End the session (its rollout, log and state stay); whether it existed."""

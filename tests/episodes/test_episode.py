@@ -12,8 +12,9 @@ from app.deps import AppState, app_state
 from app.episodes.episode import EpisodeFinished, call_tool, session_store, submit, tool_specs
 from app.episodes.sessions import EpisodeSession
 from app.episodes.tasks import load_task_rows
-from tests.conftest import ADMIN_KEY, GRADER_KEY, new_trace
+from tests.conftest import ADMIN_KEY, GRADER_KEY, AppFactory, new_trace
 from tests.episodes.conftest import gold_answer
+from tests.packs import counter_pack
 from tools.retail.tasks import calls_from_actions
 
 
@@ -135,3 +136,20 @@ async def test_tool_specs_are_the_packs_tools_as_get_tools_lists_them(retail: ht
     ]
     assert all(set(s) == {"name", "description", "input_schema"} for s in specs)
     assert "submit" not in {s["name"] for s in specs}
+
+
+async def test_without_a_grader_submit_ends_the_episode_without_a_reward(app_factory: AppFactory) -> None:
+    async with app_factory(packs=[counter_pack]) as client:
+        services = state_of(client)
+        session = await session_store(services).create(
+            pack="counter", trace_id=new_trace(), row={"task_id": "c"}, channel="openenv", run="r"
+        )
+        assert session is not None
+        step = await call_tool(services, session, "increment", {"by": 2}, "call_1")
+        assert step.output == '{"value":102}' and not step.is_error
+        assert await submit(services, session, "done", call_id="call_2") is None
+        assert await submit(services, session, "done", call_id="call_2") is None  # its retry: replayed
+        with pytest.raises(EpisodeFinished):
+            await submit(services, session, "done", call_id="call_3")
+        stored = await session_store(services).get(session.sid)
+        assert stored is not None and stored.done and stored.reward is None and stored.step_count == 1

@@ -2,36 +2,13 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import httpx
 import pytest
-from typer.testing import CliRunner
 
-from app.cli import cli
-from app.config import get_settings
 from app.deps import app_state
 from app.episodes.tasks import InvalidIndex, InvalidSplit, UnknownEnv, task_row, task_rows
 from tests.conftest import AppFactory
 from tests.packs import counter_pack
-
-
-@pytest.fixture
-def built_test_split(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, retail_data: Path
-) -> list[dict[str, object]]:
-    """`sparring dataset build retail --split test`, run as the command."""
-    monkeypatch.setenv("SPARRING_HOME", str(tmp_path / "cli-home"))
-    monkeypatch.setenv("SPARRING_RETAIL_DATA", str(retail_data))
-    get_settings.cache_clear()
-    out = tmp_path / "test.jsonl"
-    try:
-        result = CliRunner().invoke(cli, ["dataset", "build", "retail", "--split", "test", "--out", str(out)])
-    finally:
-        get_settings.cache_clear()
-    assert result.exit_code == 0, result.output
-    return [json.loads(line) for line in out.read_text().splitlines()]
 
 
 @pytest.mark.parametrize("backend", ["embedded"], indirect=True)

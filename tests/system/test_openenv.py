@@ -1,7 +1,7 @@
 """OpenEnv at `<base>/openenv/retail`, driven by openenv 0.10.0's own clients (`MCPToolClient`,
 `GenericEnvClient`, unmodified, in their own venv) against a real `sparring serve` on loopback, on
-Postgres and Redis: the tools, the outputs of `POST /tools/<name>`, one rollout per episode, the
-pack grader's reward on `submit`, and the Task API equal to `sparring dataset build`."""
+Postgres with Redis and with the in-memory store: the tools, the outputs of `POST /tools/<name>`, one
+rollout per episode, the pack grader's reward on `submit`, and the Task API equal to `dataset build`."""
 
 from __future__ import annotations
 
@@ -56,15 +56,19 @@ def test_rows(retail_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> lis
     return [orjson.loads(line) for line in out.read_bytes().splitlines() if line.strip()]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["redis", "memory"])
 async def server(
-    module_database: str, retail_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    module_database: str,
+    retail_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> AsyncIterator[Server]:
-    """One server for the module (the tests isolate by trace: every episode is a fresh rollout)."""
+    """One server per state backend (Redis, or the embedded in-memory store); the tests isolate by
+    trace: every episode is a fresh rollout, every session a fresh record."""
     home = tmp_path_factory.mktemp("openenv")
     settings = server_settings(
         database_url=module_database,
-        redis_url=REDIS_URL,
+        redis_url=REDIS_URL if request.param == "redis" else None,
         home=home / "home",
         worker="openenv-a",
         SPARRING_PACKS="retail",

@@ -18,6 +18,7 @@ refuses the WebSocket upgrade (403) and answers `/mcp` with 401.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from importlib import metadata as importlib_metadata
@@ -212,7 +213,9 @@ async def serve_socket(websocket: WebSocket, pack: str, session_id: str | None) 
         if owned or closing:
             await episode.session_store(services).close(session.sid)
     if closing:
-        await websocket.close()
+        # The client closes its end right after its `close` frame: its socket may be gone already.
+        with contextlib.suppress(WebSocketDisconnect, RuntimeError):
+            await websocket.close()
 
 
 async def _answer_frame(

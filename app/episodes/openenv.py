@@ -42,7 +42,7 @@ from app.episodes.openenv_steps import (
 )
 from app.episodes.sessions import EpisodeSession
 from app.episodes.tasks import UnknownEnv, task_router
-from app.errors import ServiceUnavailable, SparringError, json_response
+from app.errors import ServiceUnavailable, SparringError, answer_to, json_response
 from app.rollouts.identity import RUN_HEADER
 
 log = logging.getLogger(__name__)
@@ -240,11 +240,12 @@ async def _answer_frame(
         return await handler(services, pack, current, data, run), False
     except EpisodeRefused as exc:
         return _error_frame(exc.message, exc.code), False
-    except SparringError as exc:  # an outage (503) between steps
-        return _error_frame(exc.message, "EXECUTION_ERROR"), False
-    except Exception as exc:
-        log.exception("OpenEnv frame %r failed", kind)
-        return _error_frame(f"internal error: {type(exc).__name__}", "EXECUTION_ERROR"), False
+    except Exception as exc:  # an outage (Redis, the database) is a 503's message; a bug is logged
+        failure = answer_to(exc, services.settings.retry_after_seconds)
+        if failure is None:
+            log.exception("OpenEnv frame %r failed", kind)
+            return _error_frame(f"internal error: {type(exc).__name__}", "EXECUTION_ERROR"), False
+        return _error_frame(failure.message, "EXECUTION_ERROR"), False
 
 
 async def _on_reset(

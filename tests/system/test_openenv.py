@@ -5,6 +5,7 @@ rollout per episode, the pack grader's reward on `submit`, and the Task API equa
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 from collections.abc import AsyncIterator
@@ -21,7 +22,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from tests.conftest import ADMIN_KEY, GRADER_KEY, REDIS_URL, TOOLS_KEY, new_trace
 from tests.episodes.conftest import gold_answer
 from tests.episodes.openenv_client import drive, ensure_venv
-from tests.system.helpers import ROOT, Server, Servers, clean_env, server_settings
+from tests.system.helpers import ROOT, Server, Servers, ThrowawayRedis, clean_env, server_settings
 from tools.retail import data
 from tools.retail.tasks import calls_from_actions
 
@@ -365,3 +366,44 @@ async def test_the_socket_and_mcp_of_one_session_drive_one_rollout(
         assert after["type"] == "error" and "submit" in after["data"]["message"]
     logged = await rollout(http, trace)
     assert [(c["tool"], c["channel"]) for c in logged["timeline"]] == [("list_all_product_types", "openenv")]
+
+
+async def test_a_redis_outage_is_a_503_over_mcp_and_an_error_mid_episode(
+    servers: Servers, module_database: str, retail_dir: Path, tmp_path: Path, test_rows: list[dict[str, Any]]
+) -> None:
+    redis = ThrowawayRedis()
+    await asyncio.to_thread(redis.start)
+    try:
+        settings = server_settings(
+            database_url=module_database,
+            redis_url=redis.url,
+            home=tmp_path / "home",
+            worker="openenv-outage",
+            SPARRING_PACKS="retail",
+            SPARRING_RETAIL_DATA=str(retail_dir),
+        )
+        server = await servers.start("outage", settings, cli=True)
+        call = {"type": "call_tool", "tool_name": "list_all_product_types", "arguments": {}}
+        async with (
+            httpx.AsyncClient(base_url=server.url, timeout=60.0) as http,
+            ws_connect(ws_url(server), additional_headers=TOOLS) as socket,
+        ):
+            sid = (await rpc(http, "openenv/session/create"))["result"]["session_id"]
+            await frame(socket, "reset", {"task": test_rows[0]})
+            await asyncio.to_thread(redis.stop)
+
+            down = await frame(socket, "step", call)
+            assert down["type"] == "error" and down["data"]["code"] == "EXECUTION_ERROR", down
+            assert "internal error" not in down["data"]["message"]
+            body = {"jsonrpc": "2.0", "method": "tools/call", "id": 1}
+            body["params"] = {"name": "list_all_product_types", "arguments": {}, "session_id": sid}
+            unavailable = await http.post(f"{MOUNT}/mcp", json=body, headers=TOOLS)
+            assert unavailable.status_code == 503 and unavailable.headers["Retry-After"]
+
+            await asyncio.to_thread(redis.start)
+            back = await frame(socket, "step", call)
+            assert (
+                back["type"] == "observation" and back["data"]["observation"]["result"]["is_error"] is False
+            )
+    finally:
+        await asyncio.to_thread(redis.cleanup)

@@ -32,4 +32,4 @@ pytest: $(STAMP)
 	$(BIN)/pytest
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-openenv .pytest_cache .mypy_cache .ruff_cache

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from fastapi import Request
+from starlette.requests import HTTPConnection
 
 from app.config import ApiKey, Scope, Settings
 from app.errors import Forbidden, Unauthorized
@@ -21,7 +21,7 @@ class KeyRing:
     keys: tuple[ApiKey, ...]
     header: str
 
-    def extract(self, request: Request) -> str | None:
+    def extract(self, request: HTTPConnection) -> str | None:
         value = request.headers.get(self.header)
         if value is None:
             return None
@@ -43,7 +43,7 @@ class KeyRing:
     def _secrets(self) -> tuple[tuple[bytes, Scope], ...]:
         return tuple((key.secret.get_secret_value().encode(), key.scope) for key in self.keys)
 
-    def authorize(self, request: Request, scope: Scope) -> Scope:
+    def authorize(self, request: HTTPConnection, scope: Scope) -> Scope:
         presented = self.extract(request)
         if presented is None:
             raise Unauthorized(f"missing API key: send it in the {self.header} header")

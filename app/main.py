@@ -16,6 +16,7 @@ from app.calls.routes import NOT_A_TOOL_CALL, TOOL_SCOPE_KEY, serve_tool_call, t
 from app.calls.routes import router as tools_router
 from app.config import Settings, get_settings
 from app.deps import app_state, database, handle_outage, require
+from app.episodes.openenv import openenv_router
 from app.episodes.ors import ors_router
 from app.errors import (
     OUTAGES,
@@ -121,7 +122,9 @@ def _mount_episode_protocols(app: FastAPI, settings: Settings) -> None:
     After every other router: ORS serves `/{env}/...` at the origin root, so sparring's own paths must
     match first (and no pack may be named like one of them: app/episodes/ors.py, RESERVED_SEGMENTS).
     """
-    # OpenEnv (`<base>/openenv/<pack>`): mounted here, before ORS.
+    if "openenv" in settings.env_protocols:
+        # OpenEnv (openenv 0.10's clients): one environment per pack at `<base>/openenv/<pack>`, before ORS.
+        app.include_router(openenv_router())
     if "ors" in settings.env_protocols:
         app.include_router(ors_router())
 

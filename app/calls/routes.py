@@ -213,9 +213,10 @@ async def serve_tool_call(scope: Scope, receive: Receive, send: Send) -> None:
         if pack is not None:
             _pack_tools(state.registry, pack)  # 404 for a pack that is not enabled
         envelope = _parse_envelope(await _read_body(receive))
-        output = await state.call_service.handle(
+        answered = await state.call_service.call(
             envelope, path_name=scope[TOOL_SCOPE_KEY], pack=pack, run=request.headers.get(RUN_HEADER)
         )
+        output = answered.output
     except _Disconnected:
         return  # the client went away before sending its call: nothing ran, nobody to answer
     except BodyTooLarge:

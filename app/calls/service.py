@@ -112,52 +112,30 @@ class _Call:
     replayed: bool = False
 
 
+@dataclass(eq=False, kw_only=True)
 class ToolCallService:
     """The one entry of a tool call, whichever way it arrives (HTTP, MCP, the rollout runner): `call`
-    (the answer and its outcome), or `handle` (the answer only).
+    (the answer and its outcome).
 
     Built once by the lifespan (`app_state(app).call_service`); a caller parses its envelope
     (`ToolCallEnvelope`), the run label and its channel, and gets the `function_call_output` back, or
     a `SparringError` (ToolCrashed 500, ServiceUnavailable 503) to render in its own protocol.
     """
 
-    def __init__(
-        self,
-        *,
-        registry: Registry,
-        store: RolloutStore,
-        log_writer: CallLogWriter,
-        worker: str,
-        max_output_bytes: int,
-        tool_timeout: float,
-        metrics: Metrics,
-        tracing: Tracing | None = None,
-    ) -> None:
-        self.metrics = metrics
-        self.tracing = tracing  # None: tracing is off (app/telemetry.py)
-        self.registry = registry
-        self.store = store
-        self.log_writer = log_writer
-        self.worker = worker
-        self.max_output_bytes = max_output_bytes
-        self.tool_timeout = tool_timeout
-        # The labelled metric children, looked up once per (tool, outcome) instead of on every call.
-        self._counters: dict[tuple[str, str], Any] = {}
-        self._latencies: dict[str, Any] = {}
-        self._tool_loggers: dict[str, logging.Logger] = {}
-        self._voiding: set[asyncio.Future[None]] = set()  # voids under way (see _finish)
-
-    async def handle(
-        self,
-        envelope: ToolCallEnvelope,
-        *,
-        path_name: str | None,
-        run: str | None,
-        channel: str = "rft",
-        pack: str | None = None,
-    ) -> ToolCallOutput:
-        """Answer one call (the tool routes); see `call`."""
-        return (await self.call(envelope, path_name=path_name, run=run, channel=channel, pack=pack)).output
+    registry: Registry
+    store: RolloutStore
+    log_writer: CallLogWriter
+    worker: str
+    max_output_bytes: int
+    tool_timeout: float
+    metrics: Metrics
+    tracing: Tracing | None = None  # None: tracing is off (app/telemetry.py)
+    # The labelled metric children, looked up once per (tool, outcome) instead of on every call.
+    _counters: dict[tuple[str, str], Any] = field(default_factory=dict, init=False, repr=False)
+    _latencies: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
+    _tool_loggers: dict[str, logging.Logger] = field(default_factory=dict, init=False, repr=False)
+    # Voids under way (see _finish).
+    _voiding: set[asyncio.Future[None]] = field(default_factory=set, init=False, repr=False)
 
     async def call(
         self,

@@ -313,22 +313,13 @@ def _session_routes(router: APIRouter) -> None:
     @router.post("/create_session")
     async def create_session(request: Request) -> StreamingResponse:
         sid = str(uuid.uuid4())
-        made = await session_store(app_state(request.app)).create(
-            pack="",
-            trace_id=trace_key(f"trace_ors_{sid}"),
-            row=None,
-            channel=CHANNEL,
-            run=_run(request),
-            sid=sid,
-        )
-        if made is None:  # a uuid4 already in use: not in this universe
-            raise SessionExists
+        await _open_session(request, sid, "", None)  # a uuid4 already in use: not in this universe
 
         async def events() -> AsyncIterator[bytes]:
             yield _sse("task_id", sid)
             yield _sse("end", "")
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers=_STREAM_HEADERS)
+        return _event_stream(events())
 
     @router.post("/create")
     async def create(request: Request) -> dict[str, str]:
@@ -338,16 +329,7 @@ def _session_routes(router: APIRouter) -> None:
         sessions = session_store(services)
         session = await sessions.get(sid)
         if session is None:  # a session id the client made itself, as the reference server allows
-            made = await sessions.create(
-                pack=pack,
-                trace_id=trace_key(f"trace_ors_{sid}"),
-                row=row,
-                channel=CHANNEL,
-                run=_run(request),
-                sid=sid,
-            )
-            if made is None:
-                raise SessionExists
+            await _open_session(request, sid, pack, row)
             return {"sid": sid}
         session.pack, session.row = pack, row
         if not await sessions.start(session):

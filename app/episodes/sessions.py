@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 
-from app.rollouts.store import RolloutStore
+from app.rollouts.store import RecordWrite, RolloutStore
 
 # Session ids come from clients (ORS's X-Session-ID); longer ones name no session.
 SID_MAX = 128
@@ -110,7 +110,7 @@ class SessionStore:
         )
         fields = _episode_fields(session) if pack else {"trace_id": trace_id, "channel": channel, "run": run}
         fields |= {**_end_fields(False, None), "steps": "0", "submits": "0"}
-        created = await self.store.record_put(_key(session.sid), fields, ttl_seconds=self.ttl, create=True)
+        created = await self.store.record_put(RecordWrite(_key(session.sid), fields, self.ttl, create=True))
         return session if created else None
 
     async def get(self, sid: str) -> EpisodeSession | None:
@@ -129,17 +129,13 @@ class SessionStore:
             "steps": str(session.step_count),
             "submits": "1" if session.done else "0",
         }
-        return await self.store.record_put(_key(session.sid), fields, ttl_seconds=self.ttl, create=False)
+        return await self.store.record_put(RecordWrite(_key(session.sid), fields, self.ttl))
 
     async def start(self, session: EpisodeSession) -> bool:
         """Give a session made without a task its episode: only once (False if it has one already or
         no longer exists)."""
         return await self.store.record_put(
-            _key(session.sid),
-            _episode_fields(session),
-            ttl_seconds=self.ttl,
-            create=False,
-            unless_field="pack",
+            RecordWrite(_key(session.sid), _episode_fields(session), self.ttl, unless_field="pack")
         )
 
     async def count_step(self, session: EpisodeSession) -> None:
@@ -163,7 +159,7 @@ class SessionStore:
         of the submit that ended it."""
         session.done, session.reward, session.submit_call_id = True, reward, call_id
         fields = {**_end_fields(True, reward), "submit_call": call_id or ""}
-        await self.store.record_put(_key(session.sid), fields, ttl_seconds=self.ttl, create=False)
+        await self.store.record_put(RecordWrite(_key(session.sid), fields, self.ttl))
 
     async def close(self, sid: str) -> bool:
         """End the session (its rollout, log and state stay); whether it existed."""

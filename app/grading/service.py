@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -75,29 +75,21 @@ def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+@dataclass(eq=False, kw_only=True)
 class GradingService:
-    def __init__(
-        self,
-        *,
-        graders: Mapping[str, Grader],
-        default: str | None,
-        store: RolloutStore,
-        database: Database,
-        metrics: Metrics,
-        retry_after: int,
-        state_tools: Collection[str] = (),
-        tracing: Tracing | None = None,
-    ) -> None:
-        self.graders = graders
-        self.default = default
-        self.store = store
-        self.database = database
-        self.metrics = metrics
-        self.retry_after = retry_after
-        self._config_errors_reported: set[tuple[str, str]] = set()
-        # The tools whose calls the state store records (they read or change rollout state).
-        self.state_tools = frozenset(state_tools)
-        self.tracing = tracing  # None: tracing is off (app/telemetry.py)
+    graders: Mapping[str, Grader]
+    default: str | None
+    store: RolloutStore
+    database: Database
+    metrics: Metrics
+    retry_after: int
+    # The tools whose calls the state store records (they read or change rollout state).
+    state_tools: Collection[str] = ()
+    tracing: Tracing | None = None  # None: tracing is off (app/telemetry.py)
+    _config_errors_reported: set[tuple[str, str]] = field(default_factory=set, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.state_tools = frozenset(self.state_tools)
 
     def resolve(self, name: str | None) -> Grader:
         key = name or self.default

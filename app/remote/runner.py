@@ -20,6 +20,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -80,7 +81,7 @@ class ServiceToolCaller:
 
         async def attempt() -> Attempt[str]:
             try:
-                answer = await self.service.handle(envelope, path_name=None, run=self.run)
+                answer = (await self.service.call(envelope, path_name=None, run=self.run)).output
             except ServiceUnavailable as exc:  # waits its Retry-After, as the HTTP callers do
                 return Attempt(
                     failure=f"{INFRA_ERROR}: {exc.message}", kind=INFRA_ERROR, retry_after_s=exc.retry_after
@@ -161,33 +162,20 @@ class ContainedPolicy:
             raise ModelFailure(exc.brief) from exc
 
 
+@dataclass(eq=False, kw_only=True)
 class RemoteRunner:
     """Turns a checked init request into a rollout of the loop and its outcome."""
 
-    def __init__(
-        self,
-        *,
-        registry: Registry,
-        calls: ToolCallService,
-        grading: GradingService,
-        http: DefaultAsyncHttpxClient,
-        grader: str | None,
-        limits: EpisodeLimits,
-        model_timeout_s: float,
-        retry: Retry | None = None,
-        grade_max_bytes: int | None = None,
-        tracing: Tracing | None = None,
-    ) -> None:
-        self.tracing = tracing  # None: tracing is off (app/telemetry.py)
-        self.registry = registry
-        self.calls = calls
-        self.grading = grading
-        self.http = http
-        self.grader = grader
-        self.limits = limits
-        self.model_timeout_s = model_timeout_s
-        self.retry = retry or Retry()
-        self.grade_max_bytes = grade_max_bytes
+    registry: Registry
+    calls: ToolCallService
+    grading: GradingService
+    http: DefaultAsyncHttpxClient
+    grader: str | None
+    limits: EpisodeLimits
+    model_timeout_s: float
+    retry: Retry = field(default_factory=Retry)
+    grade_max_bytes: int | None = None
+    tracing: Tracing | None = None  # None: tracing is off (app/telemetry.py)
 
     def tools_for(self, rollout: RolloutPlan) -> list[dict[str, Any]]:
         """The request's tool schemas, else every served tool (of the named pack)."""

@@ -7,12 +7,12 @@ import copy
 import time
 import uuid
 import weakref
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from app.rollouts.store import (
     CallStart,
     PackChanges,
+    RecordWrite,
     StoredAnswer,
     StoreUnavailable,
     Ticket,
@@ -169,24 +169,16 @@ class MemoryRolloutStore:
             return None
         return found[0]
 
-    async def record_put(
-        self,
-        key: str,
-        fields: Mapping[str, str],
-        *,
-        ttl_seconds: float,
-        create: bool,
-        unless_field: str | None = None,
-    ) -> bool:
-        record = self._record(key)
-        if create:
+    async def record_put(self, write: RecordWrite) -> bool:
+        record = self._record(write.key)
+        if write.create:
             if record is not None:
                 return False
             record = {}
-        elif record is None or (unless_field is not None and unless_field in record):
+        elif record is None or (write.unless_field is not None and write.unless_field in record):
             return False
-        record.update(fields)
-        self._records[key] = (record, time.monotonic() + ttl_seconds)
+        record.update(write.fields)
+        self._records[write.key] = (record, time.monotonic() + write.ttl_seconds)
         return True
 
     async def record_get(self, key: str, *, ttl_seconds: float) -> dict[str, str] | None:

@@ -8,7 +8,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Awaitable, Iterable, Mapping
+from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
 from string import Template
 from typing import Any, TypeVar
@@ -18,7 +18,7 @@ import orjson
 from redis.asyncio import Redis
 
 from app.rollouts.redis_scripts import ABORT, BEGIN, EXTEND, FINISH, SEP, Script, ScriptBatcher, script_flags
-from app.rollouts.store import CallStart, PackChanges, StoredAnswer, StoreUnavailable, Ticket
+from app.rollouts.store import CallStart, PackChanges, RecordWrite, StoredAnswer, StoreUnavailable, Ticket
 
 log = logging.getLogger(__name__)
 
@@ -370,18 +370,10 @@ class RedisRolloutStore:
 
     # --- small records (episode sessions) ------------------------------------------------------------
 
-    async def record_put(
-        self,
-        key: str,
-        fields: Mapping[str, str],
-        *,
-        ttl_seconds: float,
-        create: bool,
-        unless_field: str | None = None,
-    ) -> bool:
-        pairs = [part for item in fields.items() for part in item]
-        args = [int(ttl_seconds * 1000), unless_field or "", "1" if create else "0", *pairs]
-        return bool(await self._guard(self._record_put(self._redis, [_record_key(key)], args)))
+    async def record_put(self, write: RecordWrite) -> bool:
+        pairs = [part for item in write.fields.items() for part in item]
+        args = [int(write.ttl_seconds * 1000), write.unless_field or "", "1" if write.create else "0", *pairs]
+        return bool(await self._guard(self._record_put(self._redis, [_record_key(write.key)], args)))
 
     async def record_get(self, key: str, *, ttl_seconds: float) -> dict[str, str] | None:
         pipe = self._redis.pipeline(transaction=True)

@@ -46,6 +46,21 @@ class CallStart:
     wait: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class RecordWrite:
+    """A write of a small record beside the rollouts (`RolloutStore.record_put`).
+
+    `create`: only if no record `key` exists (a new one). Otherwise only if it exists (an ended or
+    expired record is never brought back) and, with `unless_field`, that field is not set yet.
+    """
+
+    key: str
+    fields: Mapping[str, str]
+    ttl_seconds: float
+    create: bool = False
+    unless_field: str | None = None
+
+
 @dataclass(eq=False)
 class Ticket:
     """What `begin` holds for one call until `finish` or `abort`: its claim, the lock, what it read.
@@ -112,20 +127,9 @@ class RolloutStore(Protocol):
 
     # --- small records beside the rollouts (episode sessions): a hash of text fields with an expiry ---
 
-    async def record_put(
-        self,
-        key: str,
-        fields: Mapping[str, str],
-        *,
-        ttl_seconds: float,
-        create: bool,
-        unless_field: str | None = None,
-    ) -> bool:
-        """Write `fields` of the record `key` and restart its expiry, atomically; whether it was written.
-
-        `create`: only if no record `key` exists (a new one). Otherwise only if it exists (an ended or
-        expired record is never brought back) and, with `unless_field`, that field is not set yet.
-        """
+    async def record_put(self, write: RecordWrite) -> bool:
+        """Write the fields of the record and restart its expiry, atomically; whether it was written
+        (see `RecordWrite` for when it is)."""
         ...
 
     async def record_get(self, key: str, *, ttl_seconds: float) -> dict[str, str] | None:

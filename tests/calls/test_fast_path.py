@@ -88,7 +88,7 @@ async def test_a_bug_on_the_fast_path_is_a_json_500(
     async def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("a bug in sparring")
 
-    monkeypatch.setattr(service, "handle", broken)
+    monkeypatch.setattr(service, "call", broken)
     r = await client.post("/tools/increment", json=call_body({"by": 1}, trace_id=new_trace()))
     assert r.status_code == 500
     assert r.json() == {

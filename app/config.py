@@ -81,6 +81,9 @@ class Settings(BaseSettings):
     retry_after_seconds: int = Field(2, ge=1)
     redis_max_connections: int = Field(64, ge=1)
     db_pool_size: int = Field(10, ge=1)
+    debug: bool = Field(
+        False, description="Show the traceback of a start-up error (`sparring serve --debug`), not one line."
+    )
     docs_public: bool = Field(False, description="Serve /docs and /openapi.json without an admin key.")
     host: str = "127.0.0.1"
     port: int = 8000

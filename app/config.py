@@ -54,6 +54,12 @@ class Settings(BaseSettings):
     redis_url: str | None = Field(
         None, description="Redis URL; unset means in-memory state (one process only)."
     )
+    redis_key_prefix: str = Field(
+        "sp",
+        pattern=r"^[A-Za-z0-9_.:-]{1,64}$",
+        description="First part of every Redis key (`<prefix>:{<trace id>}:...`): deployments, or test "
+        "runs, sharing one Redis keep apart by it.",
+    )
     api_keys: Annotated[str, NoDecode] = Field("", description="Comma-separated scope:key entries.")
     auth_header: str = Field(
         "Authorization", description="Header carrying the key ('Bearer <key>' for Authorization)."

@@ -32,4 +32,4 @@ async def test_a_grade_with_no_grader_configured_names_the_graders_file(
     assert response.status_code == 404, response.text
     error = response.json()["error"]
     assert error["code"] == "not_found"
-    assert "no grader is configured" in error["message"] and "SPARRING_GRADERS_FILE" in error["message"]
+    assert "none is configured" in error["message"] and "SPARRING_GRADERS_FILE" in error["message"]

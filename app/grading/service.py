@@ -99,8 +99,9 @@ class GradingService:
     def resolve(self, name: str | None) -> Grader:
         if not self.graders:
             raise NotFound(
-                "no grader is configured on this server: set SPARRING_GRADERS_FILE to a YAML or JSON file "
-                "of grader configs (or enable a pack with a state check, e.g. retail), then restart it",
+                f"no grader {'named ' + repr(name) if name else 'at /grade'}: none is configured on this "
+                "server: set SPARRING_GRADERS_FILE to a YAML or JSON file of grader configs (or enable a "
+                "pack with a state check, e.g. retail), then restart it",
                 available=[],
             )
         key = name or self.default

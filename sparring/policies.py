@@ -82,8 +82,9 @@ def _connect_failure(exc: httpx2.ConnectTimeout) -> httpx2.TransportError:
     error (a refused connection, a closed socket) under `ConnectTimeout`, which the SDK then reports as
     `APITimeoutError: Request timed out`. Only a real timeout stays one."""
     cause = exc.__cause__
-    if cause is None or isinstance(cause, TimeoutError):
-        return exc
+    from_aiohttp = cause is not None and type(cause).__module__.startswith("aiohttp")
+    if cause is None or not from_aiohttp or isinstance(cause, TimeoutError):
+        return exc  # a real timeout (aiohttp's are TimeoutErrors), or another transport's own words
     return httpx2.ConnectError(str(cause) or type(cause).__name__)
 
 

@@ -3,6 +3,15 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# eval-protocol's own client, which the remote rollout tests drive sparring with, in a virtualenv of its
+# own: eval-protocol 0.3.33 needs mcp<2 and openai<3 (through litellm), sparring pins mcp 2 and openai 3.
+EP_VENV := .venv-eval-protocol
+EP_REQUIREMENTS := tests/remote/eval_protocol_client/requirements.txt
+EP_STAMP := $(EP_VENV)/.installed
+# openenv's own clients, which the OpenEnv front door's tests drive, in a virtualenv of their own too:
+# openenv 0.10.0 needs fastmcp 3 and so mcp<2. Pinned in pyproject's `openenv-client` extra.
+OE_VENV := .venv-openenv
+OE_STAMP := $(OE_VENV)/.pinned
 
 .PHONY: run test lint typecheck pytest install clean
 
@@ -12,7 +21,16 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-install: $(STAMP)
+$(EP_STAMP): $(EP_REQUIREMENTS)
+	test -x $(EP_VENV)/bin/python || $(PYTHON) -m venv $(EP_VENV)
+	$(EP_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(EP_VENV)/bin/python -m pip install --quiet -r $(EP_REQUIREMENTS)
+	touch $(EP_STAMP)
+
+$(OE_STAMP): pyproject.toml $(STAMP)
+	$(BIN)/python -c "from tests.episodes.openenv_client import ensure_venv; ensure_venv()"
+
+install: $(STAMP) $(EP_STAMP) $(OE_STAMP)
 
 ## Serve on the embedded default (SQLite under .sparring/, in-memory state) at http://127.0.0.1:8000
 run: $(STAMP)
@@ -28,8 +46,8 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-pytest: $(STAMP)
+pytest: $(STAMP) $(EP_STAMP) $(OE_STAMP)
 	$(BIN)/pytest
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(EP_VENV) $(OE_VENV) .pytest_cache .mypy_cache .ruff_cache

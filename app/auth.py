@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from fastapi import Request
+from starlette.requests import HTTPConnection
 
 from app.config import ApiKey, Scope, Settings
 from app.errors import Forbidden, Unauthorized
@@ -21,7 +21,7 @@ class KeyRing:
     keys: tuple[ApiKey, ...]
     header: str
 
-    def extract(self, request: Request) -> str | None:
+    def extract(self, request: HTTPConnection) -> str | None:
         value = request.headers.get(self.header)
         if value is None:
             return None
@@ -30,7 +30,7 @@ class KeyRing:
             return token.strip() if scheme.lower() == "bearer" and token.strip() else None
         return value.strip() or None
 
-    def _missing(self, request: Request) -> str:
+    def _missing(self, request: HTTPConnection) -> str:
         """Why no key was read: no header, or an Authorization header without its `Bearer ` scheme."""
         value = request.headers.get(self.header)
         if value is None or self.header.lower() != "authorization":
@@ -53,7 +53,7 @@ class KeyRing:
     def _secrets(self) -> tuple[tuple[bytes, Scope], ...]:
         return tuple((key.secret.get_secret_value().encode(), key.scope) for key in self.keys)
 
-    def authorize(self, request: Request, scope: Scope) -> Scope:
+    def authorize(self, request: HTTPConnection, scope: Scope) -> Scope:
         presented = self.extract(request)
         if presented is None:
             raise Unauthorized(self._missing(request))

@@ -265,7 +265,8 @@ def list_tools() -> None:
     registry = _registry(load_settings())
     rows = [
         (s.name, s.pack, "yes" if s.mutates else "", s.description.splitlines()[0])
-        for s in registry.tools.values()
+        for tools in registry.pack_tools.values()
+        for s in tools.values()
     ]
     widths = [max(len(r[i]) for r in [("TOOL", "PACK", "MUTATES", ""), *rows]) for i in range(3)]
     typer.echo(f"{'TOOL':<{widths[0]}}  {'PACK':<{widths[1]}}  {'MUTATES':<{widths[2]}}  DESCRIPTION")
@@ -273,13 +274,17 @@ def list_tools() -> None:
         typer.echo(f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]:<{widths[2]}}  {row[3]}")
 
 
-def job_config(settings: Settings, registry: Any, base_url: str, grader: str | None) -> dict[str, Any]:
-    """The `method.reinforcement` block pointing a fine-tuning job at this server."""
+def job_config(
+    settings: Settings, registry: Any, base_url: str, grader: str | None, pack: str | None = None
+) -> dict[str, Any]:
+    """The `method.reinforcement` block pointing a fine-tuning job at this server: the tools at
+    /tools/<name>, or with `pack` that pack's tools at /packs/<pack>/tools/<name>."""
     base = base_url.rstrip("/")
+    prefix = f"{base}/tools" if pack is None else f"{base}/packs/{pack}/tools"
     block: dict[str, Any] = {
         "tools": [
-            {"name": name, "server_url": f"{base}/tools/{name}", "headers": _auth_header(settings, "tools")}
-            for name in registry.tools
+            {"name": name, "server_url": f"{prefix}/{name}", "headers": _auth_header(settings, "tools")}
+            for name in (registry.tools if pack is None else registry.pack_tools[pack])
         ],
     }
     grade_path = f"/grade/{grader}" if grader else "/grade"
@@ -306,8 +311,10 @@ def job_config_command(
     platform: Annotated[
         str | None,
         typer.Option(
-            help="openai: the method.reinforcement block; foundry: Microsoft Foundry's whole job with its "
-            "API version (default: openai until its fine-tuning cutoff of 2027-01-06, foundry after)."
+            help="foundry (the default): Microsoft Foundry's whole job with its API version; "
+            "openai (legacy): the method.reinforcement block of OpenAI's Agent RFT, which is closing: "
+            "gpt-5 and its fine-tunes shut down on 2026-12-11, o4-mini did on 2026-10-23, and OpenAI's "
+            "self-serve fine-tuning takes no new jobs from 2027-01-06 on."
         ),
     ] = None,
     rate_limit: Annotated[
@@ -321,9 +328,16 @@ def job_config_command(
     max_episode_steps: Annotated[
         int | None, typer.Option(min=1, help="max_episode_steps of the foundry job (default 10).")
     ] = None,
+    pack: Annotated[
+        str | None,
+        typer.Option(
+            help="Only this pack's tools, at its routes /packs/PACK/tools/NAME (needed when "
+            "enabled packs share tool names)."
+        ),
+    ] = None,
 ) -> None:
-    """Print the job's tools and grader entries as JSON (keys are placeholders): the
-    `method.reinforcement` block for OpenAI, the whole job for Foundry.
+    """Print the job's tools and grader entries as JSON (keys are placeholders): the whole job for
+    Foundry (the default), the `method.reinforcement` block for OpenAI (legacy, closing).
 
     Checked against the registry and graders the server would serve: anything a job would fail on
     (an unknown grader, /grade with no default grader, a plain http URL) is an error, exit 2.
@@ -335,7 +349,8 @@ def job_config_command(
     url = _public_url(base_url or settings.public_base_url, allow_http=allow_http)
     registry = _registry(settings)
     _check_grader_served(settings, registry, grader)
-    block = job_config(settings, registry, url, grader)
+    _check_pack(registry, pack)
+    block = job_config(settings, registry, url, grader, pack)
     if chosen == "foundry" and rate_limit is None:
         rate_limit = FOUNDRY_GRADER_RATE_LIMIT
     block["grader"] = endpoint_grader_fields(
@@ -347,15 +362,25 @@ def job_config_command(
     typer.echo(json.dumps(out, indent=2))
 
 
+def _check_pack(registry: Any, pack: str | None) -> None:
+    """Fail for a pack that is not enabled, or, without one, when enabled packs share tool names."""
+    if pack is not None and pack not in registry.pack_tools:
+        enabled = ", ".join(registry.pack_tools) or "none"
+        raise fail(f"--pack {pack!r} is not enabled (SPARRING_PACKS: {enabled})")
+    if pack is None and registry.shared:
+        shared = ", ".join(f"{name} ({'/'.join(packs)})" for name, packs in sorted(registry.shared.items()))
+        raise fail(f"enabled packs share tool names ({shared}): pass --pack NAME for one pack's tools")
+
+
 def _platform(platform: str | None) -> str:
-    """The training platform asked for, or today's default one."""
-    from datetime import date
+    """The training platform asked for, or the default one (Foundry); OpenAI's, with a warning."""
+    from app.platforms import DEFAULT_PLATFORM, OPENAI_CLOSING, PLATFORMS
 
-    from app.platforms import PLATFORMS, default_platform
-
-    chosen = platform or default_platform(date.today())
+    chosen = platform or DEFAULT_PLATFORM
     if chosen not in PLATFORMS:
         raise fail(f"--platform must be one of {', '.join(PLATFORMS)} (got {chosen!r})")
+    if chosen == "openai":
+        typer.echo(f"warning: {OPENAI_CLOSING}.", err=True)
     return chosen
 
 
@@ -402,9 +427,13 @@ def _graders_served(settings: Settings, registry: Any) -> tuple[set[str], str | 
 
 
 @cli.command("dataset-tools")
-def dataset_tools() -> None:
+def dataset_tools(
+    pack: Annotated[str | None, typer.Option(help="One pack's tools (its shared names included).")] = None,
+) -> None:
     """Print the `tools` array every dataset line carries, from the same registry the server uses."""
-    typer.echo(json.dumps(_registry(load_settings()).dataset_tools(), indent=2))
+    registry = _registry(load_settings())
+    _check_pack(registry, pack)
+    typer.echo(json.dumps(registry.dataset_tools(pack), indent=2))
 
 
 def _upgrade(settings: Settings, revision: str = "head") -> None:

@@ -14,6 +14,8 @@ from pydantic import AliasChoices, Field, SecretStr, field_validator, model_vali
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 Scope = Literal["tools", "grader", "admin"]
+EnvProtocol = Literal["openenv", "ors"]
+ENV_PROTOCOLS: tuple[EnvProtocol, ...] = ("openenv", "ors")
 SCOPES: tuple[Scope, ...] = ("tools", "grader", "admin")
 
 DEFAULT_HOME = Path(".sparring")
@@ -131,6 +133,31 @@ class Settings(BaseSettings):
         description="Directory shared by worker processes for metrics (set by `sparring serve --workers N`).",
     )
 
+    # Tracing (OpenTelemetry, OTLP over HTTP): on when either standard endpoint variable is set. The
+    # SDK reads the other standard OTEL_* variables (headers, timeout, sampler, resource) itself.
+    otel_exporter_otlp_endpoint: str | None = Field(
+        None,
+        validation_alias=AliasChoices("OTEL_EXPORTER_OTLP_ENDPOINT"),
+        description="OTLP/HTTP collector base URL (traces go to <endpoint>/v1/traces); turns tracing on.",
+    )
+    otel_exporter_otlp_traces_endpoint: str | None = Field(
+        None,
+        validation_alias=AliasChoices("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
+        description="OTLP/HTTP traces URL, used as given; turns tracing on.",
+    )
+    otel_service_name: str = Field(
+        "sparring",
+        validation_alias=AliasChoices("OTEL_SERVICE_NAME"),
+        description="The traces' service.name.",
+    )
+    trace_content: bool = Field(
+        False,
+        description="Put tool-call arguments and results on the spans (they may hold user data).",
+    )
+    trace_content_max_chars: int = Field(
+        4096, ge=16, description="Arguments and results on spans are cut to this many characters."
+    )
+
     # Graders
     judge_base_url: str | None = Field(None, description="OpenAI-compatible base URL for model graders.")
     judge_api_key: SecretStr | None = Field(None, description="API key for the judge endpoint.")
@@ -161,6 +188,13 @@ class Settings(BaseSettings):
         description="A running remote rollout whose worker stopped renewing it for this long failed.",
     )
     remote_max_turns: int = Field(50, ge=1, description="Model turns of a remote rollout at most.")
+    remote_deadline_seconds: float = Field(
+        120.0,
+        gt=0,
+        description="Deadline of one attempt of a remote rollout, from its /init: past it the rollout is "
+        "stopped and ends as a deadline failure (code 4, posted to the gateway). eval-protocol's "
+        "processor stops waiting after its timeout_seconds (120 s by default): raise both together.",
+    )
     remote_model_timeout_seconds: float = Field(
         300.0,
         gt=0,
@@ -178,8 +212,27 @@ class Settings(BaseSettings):
         "even when they are not public (loopback, private, link-local); e.g. 127.0.0.1 for local work.",
     )
 
+    # Episode protocols (app/episodes): OpenEnv under /openenv/<pack>, ORS at the origin root
+    env_protocols: Annotated[list[EnvProtocol], NoDecode] = Field(
+        default_factory=lambda: list(ENV_PROTOCOLS),
+        description="Episode protocols served: `openenv`, `ors`, both (the default) or none (empty).",
+    )
+    ors_default_env: str | None = Field(
+        None,
+        description="Pack of an ORS `/create` that names none (ors-sdk sends none with split/index); "
+        "default: the first enabled pack that ships tasks.",
+    )
+    episode_ttl_seconds: float = Field(
+        1800.0, gt=0, description="Idle time after which an episode session (OpenEnv, ORS) is closed."
+    )
+
     @field_validator(
-        "packs", "mcp_allowed_hosts", "mcp_allowed_origins", "remote_allowed_hosts", mode="before"
+        "packs",
+        "mcp_allowed_hosts",
+        "mcp_allowed_origins",
+        "remote_allowed_hosts",
+        "env_protocols",
+        mode="before",
     )
     @classmethod
     def _split_lists(cls, value: object) -> object:
@@ -224,6 +277,11 @@ class Settings(BaseSettings):
     @property
     def is_embedded_db(self) -> bool:
         return self.effective_database_url.startswith("sqlite")
+
+    @property
+    def tracing(self) -> bool:
+        """Whether spans are exported: an OTLP endpoint is set (OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT)."""
+        return bool(self.otel_exporter_otlp_endpoint or self.otel_exporter_otlp_traces_endpoint)
 
     @property
     def binds_loopback(self) -> bool:

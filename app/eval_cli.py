@@ -21,6 +21,7 @@ import typer
 
 from app.cli_support import fail, load_settings
 from app.config import ClientKeys, environment_secret
+from app.telemetry import command_tracing
 from sparring.evaluate import DatasetError, journal_path, read_dataset
 from sparring.http import AiohttpTransport
 from sparring.loop import DatasetLine, EpisodeLimits, ModelFailure
@@ -167,6 +168,10 @@ def _run(main: Callable[[asyncio.Event], Awaitable[T]]) -> T:
     return asyncio.run(wrapped())
 
 
+def _warn(message: str) -> None:
+    typer.echo(f"warning: {message}", err=True)
+
+
 def _write_json(path: Path | None, report: dict[str, Any]) -> None:
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -227,11 +232,14 @@ def eval_command(
         max_answer_bytes=model_max_bytes,
     )
     label = _run_label(run, "eval")
-    journal = journal_path(load_settings().home, label)
-    options = _run_options(
-        label, samples, concurrency, max_turns, max_tool_calls, journal=journal, resume=resume
-    )
-    report = _run(lambda stop: _evaluate(chosen, target, lines, options, stop))
+    settings = load_settings()
+    journal = journal_path(settings.home, label)
+    with command_tracing(settings, model=model, warn=_warn) as tracing:
+        options = _run_options(
+            label, samples, concurrency, max_turns, max_tool_calls, journal=journal, resume=resume
+        )
+        options.tracing = tracing
+        report = _run(lambda stop: _evaluate(chosen, target, lines, options, stop))
     typer.echo(format_report(report))
     _write_json(out, report)
     if report["interrupted"]:
@@ -377,7 +385,9 @@ def canary_command(
             except TargetError as exc:
                 raise fail(str(exc)) from exc
 
-    report = _run(main)
+    with command_tracing(load_settings(), model=None, warn=_warn) as tracing:
+        options.tracing = tracing
+        report = _run(main)
     if as_json:
         typer.echo(json.dumps(report, indent=2, ensure_ascii=False))
     else:

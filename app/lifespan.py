@@ -9,6 +9,7 @@ import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 
+import anyio.to_thread
 from fastapi import FastAPI
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -19,6 +20,8 @@ from app.config import ApiKey, Settings
 from app.db.migrate import SchemaOutOfDate, check_schema, unreachable_database
 from app.db.session import Database, build_engine, build_sessionmaker
 from app.deps import AppState, set_app_state, set_startup_failure
+from app.episodes.episode import check_submit_is_free
+from app.episodes.ors import check_pack_names
 from app.errors import OUTAGES, StartupError
 from app.grading.build import build_grading
 from app.grading.graders.registry import GraderContext
@@ -31,6 +34,7 @@ from app.remote.service import RemoteRolloutService
 from app.rollouts.build import build_store
 from app.rollouts.store import RolloutStore
 from app.sdk import Pack
+from app.telemetry import Tracing, build_tracing
 
 log = logging.getLogger("sparring")
 
@@ -108,6 +112,7 @@ async def _resources(
         registry = Registry.from_packs(packs) if packs is not None else Registry.from_names(settings.packs)
     except PackLoadError as exc:
         raise StartupError(str(exc)) from exc
+    _check_episode_names(settings, registry)
     keyring = build_keyring(settings, _keys(settings))
 
     if settings.is_embedded_db:
@@ -130,18 +135,25 @@ async def _resources(
             raise StartupError(unreachable_database(settings.effective_database_url, exc)) from exc
         store = _open_store(stack, settings)
         metrics = Metrics(settings.metrics_dir)
+        tracing = _start_tracing(stack, settings, metrics)
         writer = _start_log_writer(stack, engine, settings, metrics)
         sessionmaker = build_sessionmaker(engine)
         database = Database(sessionmaker, settings.retry_after_seconds)  # services' outage boundary
         grader_context = GraderContext.from_settings(settings, state_checks=registry.state_checks)
         stack.push_async_callback(grader_context.aclose)
         grading = build_grading(
-            settings, registry, grader_context, store=store, database=database, metrics=metrics
+            settings,
+            registry,
+            grader_context,
+            store=store,
+            database=database,
+            metrics=metrics,
+            tracing=tracing,
         )
-        call_service = _call_service(stack, settings, registry, store, writer, metrics)
+        call_service = _call_service(stack, settings, registry, store, writer, metrics, tracing)
         # The same calls over MCP (Streamable HTTP at /mcp), through the same call service.
         mcp = McpHttp(registry, call_service, keyring, settings)
-        remote = await _start_remote(stack, settings, registry, call_service, grading, database)
+        remote = await _start_remote(stack, settings, registry, call_service, grading, database, tracing)
         await stack.enter_async_context(mcp.running())
         _freeze_startup_objects()
         yield AppState(
@@ -160,6 +172,14 @@ async def _resources(
         )
 
 
+def _check_episode_names(settings: Settings, registry: Registry) -> None:
+    """The episode protocols' reserved names: `submit` (both), the root's path segments (ORS)."""
+    if settings.env_protocols:
+        check_submit_is_free(registry)
+    if "ors" in settings.env_protocols:
+        check_pack_names(registry.packs)
+
+
 def _open_store(stack: AsyncExitStack, settings: Settings) -> RolloutStore:
     """The rollout store, closed with the stack; a memory store warns that it serves one process only."""
     store = build_store(settings)
@@ -170,6 +190,16 @@ def _open_store(stack: AsyncExitStack, settings: Settings) -> RolloutStore:
             "(set SPARRING_REDIS_URL to share state between workers and replicas)"
         )
     return store
+
+
+def _start_tracing(stack: AsyncExitStack, settings: Settings, metrics: Metrics) -> Tracing | None:
+    """The span exporter when tracing is on (app/telemetry.py), flushed and stopped last."""
+    tracing = build_tracing(settings, metrics.trace_spans_dropped.inc)
+    if tracing is not None:
+        # In a thread: the last export may wait for a slow collector (up to its timeout).
+        stack.push_async_callback(anyio.to_thread.run_sync, tracing.shutdown)
+        log.info("tracing: spans go to the OTLP/HTTP collector (OTEL_EXPORTER_OTLP_*)")
+    return tracing
 
 
 def _start_log_writer(
@@ -195,6 +225,7 @@ def _call_service(
     store: RolloutStore,
     writer: CallLogWriter,
     metrics: Metrics,
+    tracing: Tracing | None,
 ) -> ToolCallService:
     """The one call service (HTTP and MCP), closed before the log writer it corrects the log through."""
     call_service = ToolCallService(
@@ -205,6 +236,7 @@ def _call_service(
         max_output_bytes=settings.max_output_bytes,
         tool_timeout=settings.tool_timeout_seconds,
         metrics=metrics,
+        tracing=tracing,
     )
     stack.push_async_callback(call_service.aclose)  # its log corrections, while the writer still runs
     return call_service
@@ -217,6 +249,7 @@ async def _start_remote(
     call_service: ToolCallService,
     grading: GradingService,
     database: Database,
+    tracing: Tracing | None,
 ) -> RemoteRolloutService:
     """The remote rollouts and the model HTTP client they use, started now.
 
@@ -231,6 +264,7 @@ async def _start_remote(
         database=database,
         model_http=model_http,
         worker=worker_name(settings),
+        tracing=tracing,
     )
     stack.push_async_callback(remote.aclose)
     await remote.start()

@@ -17,6 +17,8 @@ from app.calls.routes import NOT_A_TOOL_CALL, TOOL_SCOPE_KEY, serve_tool_call, t
 from app.calls.routes import router as tools_router
 from app.config import Settings, get_settings
 from app.deps import app_state, database, handle_outage, require, startup_failure
+from app.episodes.openenv import openenv_router
+from app.episodes.ors import ors_router
 from app.errors import (
     OUTAGES,
     SparringError,
@@ -34,6 +36,7 @@ from app.review.routes import router as review_router
 from app.review.session import has_session, require_review_access
 from app.rollouts.routes import router as rollouts_router
 from app.sdk import Pack
+from app.telemetry import TraceParent
 
 
 class SparringApp(FastAPI):
@@ -108,6 +111,10 @@ def create_app(
     app.tool_calls = BodyLimitMiddleware(serve_tool_call, max_bytes=settings.max_body_bytes)
     # MCP (Streamable HTTP): the same tools through the same call service; see app/mcp/http.py.
     app.mcp_calls = BodyLimitMiddleware(serve_mcp, max_bytes=settings.max_body_bytes)
+    if settings.tracing:  # a request's W3C traceparent parents its spans (app/telemetry.py)
+        app.add_middleware(TraceParent)
+        app.tool_calls = TraceParent(app.tool_calls)
+        app.mcp_calls = TraceParent(app.mcp_calls)
 
     _add_health_routes(app)
     _add_docs_routes(app, settings)
@@ -126,7 +133,21 @@ def create_app(
     app.include_router(grading_router)
     app.include_router(review_router)
     app.include_router(remote_router(settings))
+    _mount_episode_protocols(app, settings)
     return app
+
+
+def _mount_episode_protocols(app: FastAPI, settings: Settings) -> None:
+    """The episode protocols (app/episodes), as SPARRING_ENV_PROTOCOLS says: the one place they are mounted.
+
+    After every other router: ORS serves `/{env}/...` at the origin root, so sparring's own paths must
+    match first (and no pack may be named like one of them: app/episodes/ors.py, RESERVED_SEGMENTS).
+    """
+    if "openenv" in settings.env_protocols:
+        # OpenEnv (openenv 0.10's clients): one environment per pack at `<base>/openenv/<pack>`, before ORS.
+        app.include_router(openenv_router())
+    if "ors" in settings.env_protocols:
+        app.include_router(ors_router())
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -50,6 +50,11 @@ class Metrics:
             "sparring_grade_score", "Scores given, by grader.", ["grader"], buckets=SCORE_BUCKETS, registry=r
         )
         self.flags = Counter("sparring_flags", "Review flags raised at grade time.", ["flag"], registry=r)
+        self.trace_spans_dropped = Counter(
+            "sparring_trace_spans_dropped",
+            "Spans lost before reaching the OTLP collector (its queue full, or the export failed).",
+            registry=r,
+        )
 
     def _live_total(self, name: str, documentation: str) -> Gauge:
         """A gauge that counts something in progress: with several workers, the live workers' sum."""

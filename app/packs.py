@@ -30,26 +30,43 @@ class PackLoadError(RuntimeError):
 @dataclass
 class Registry:
     packs: dict[str, Pack] = field(default_factory=dict)
+    # The tools served at POST /tools/<name>: every name exactly one enabled pack has.
     tools: dict[str, ToolSpec] = field(default_factory=dict)
+    # Every tool of each pack, served at POST /packs/<pack>/tools/<name>.
+    pack_tools: dict[str, dict[str, ToolSpec]] = field(default_factory=dict)
+    # Names several enabled packs have (retail's and airline's `calculate`): the packs, in order. They are
+    # served only at their packs' qualified routes.
+    shared: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # What each started pack's lifespan yielded, by pack name (None before start-up).
     resources: dict[str, object] = field(default_factory=dict)
 
     @classmethod
     def from_packs(cls, packs: Iterable[Pack]) -> Registry:
         registry = cls()
+        owners: dict[str, list[str]] = {}
         for pack in packs:
             if pack.name in registry.packs:
                 raise PackLoadError(f"pack {pack.name!r} is enabled twice")
             registry.packs[pack.name] = pack
             registry.resources[pack.name] = pack.resources
-            for name, spec in pack.tools.items():
-                if name in registry.tools:
-                    other = registry.tools[name].pack
-                    raise PackLoadError(
-                        f"tool {name!r} is defined by both pack {other!r} and pack {pack.name!r}"
-                    )
-                registry.tools[name] = spec
+            registry.pack_tools[pack.name] = pack.tools
+            for name in pack.tools:
+                owners.setdefault(name, []).append(pack.name)
+        for name, names in owners.items():
+            if len(names) == 1:
+                registry.tools[name] = registry.pack_tools[names[0]][name]
+            else:
+                registry.shared[name] = tuple(names)
         return registry
+
+    def qualified_routes(self, name: str) -> list[str]:
+        """`POST /packs/<pack>/tools/<name>` of every enabled pack that has a tool `name`."""
+        packs = [pack for pack, tools in self.pack_tools.items() if name in tools]
+        return [f"POST /packs/{pack}/tools/{name}" for pack in packs]
+
+    def served(self, name: str) -> bool:
+        """Whether some enabled pack has a tool `name` (at /tools/<name> or only at its pack's route)."""
+        return name in self.tools or name in self.shared
 
     @classmethod
     def from_names(cls, names: Iterable[str]) -> Registry:
@@ -61,9 +78,11 @@ class Registry:
             name: (pack, check) for pack in self.packs.values() for name, check in pack.state_checks.items()
         }
 
-    def dataset_tools(self) -> list[dict[str, Any]]:
-        """The `tools` array of a dataset line (chat-completions function tools)."""
-        return [spec.function_tool() for spec in self.tools.values()]
+    def dataset_tools(self, pack: str | None = None) -> list[dict[str, Any]]:
+        """The `tools` array of a dataset line (chat-completions function tools): one pack's, else the
+        tools served at /tools/<name>."""
+        tools = self.tools if pack is None else self.pack_tools[pack]
+        return [spec.function_tool() for spec in tools.values()]
 
 
 def available_packs() -> list[str]:

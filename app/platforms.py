@@ -1,16 +1,26 @@
-"""The training platforms a job config is printed for: OpenAI's and Microsoft Foundry's job shapes."""
+"""The training platforms a job config is printed for: Microsoft Foundry's job shape (the default) and
+OpenAI's (a legacy choice while its hosted fine-tuning closes)."""
 
 from __future__ import annotations
 
 from datetime import date
 from typing import Any, Literal
 
-Platform = Literal["openai", "foundry"]
-PLATFORMS: tuple[Platform, ...] = ("openai", "foundry")
+Platform = Literal["foundry", "openai"]
+PLATFORMS: tuple[Platform, ...] = ("foundry", "openai")
+DEFAULT_PLATFORM: Platform = "foundry"
 
-# OpenAI's deprecations page (notice of 2026-05-07): self-serve fine-tuning takes no new training jobs
-# from this day on; jobs created before it run to completion.
+# OpenAI's deprecations page (notice of 2026-05-07). Agent RFT's base model gpt-5, and every fine-tune
+# of it, shuts down on GPT5_SHUTDOWN; o4-mini already did on O4_MINI_SHUTDOWN; self-serve fine-tuning
+# takes no new training jobs from OPENAI_FINE_TUNING_CUTOFF on (jobs created before it run to completion).
+GPT5_SHUTDOWN = date(2026, 12, 11)
+O4_MINI_SHUTDOWN = date(2026, 10, 23)
 OPENAI_FINE_TUNING_CUTOFF = date(2027, 1, 6)
+OPENAI_CLOSING = (
+    f"OpenAI's Agent RFT is closing: gpt-5 and its fine-tunes shut down on {GPT5_SHUTDOWN}, o4-mini shut "
+    f"down on {O4_MINI_SHUTDOWN}, and self-serve fine-tuning takes no new jobs from "
+    f"{OPENAI_FINE_TUNING_CUTOFF} on"
+)
 
 # The Azure OpenAI data-plane version that carries `method.reinforcement` (tools and the endpoint grader
 # are private-preview fields of it). A client made by a Foundry project (`AIProjectClient(...)
@@ -27,11 +37,6 @@ FOUNDRY_HYPERPARAMETERS: dict[str, Any] = {
     "reasoning_effort": "medium",
 }
 FOUNDRY_BASE_MODEL = "o4-mini-2025-04-16"
-
-
-def default_platform(today: date) -> Platform:
-    """`openai` until its fine-tuning cutoff, `foundry` from that day on."""
-    return "openai" if today < OPENAI_FINE_TUNING_CUTOFF else "foundry"
 
 
 def endpoint_grader_fields(

@@ -32,6 +32,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -60,6 +61,39 @@ from tools.retail.tasks import get_task, replay_calls, split_task_ids
 
 Plan = list[tuple[str, dict[str, Any]]]
 WRITE_PREFIXES = ("cancel", "modify", "return", "exchange")
+
+
+@dataclass(frozen=True)
+class PackBench:
+    """What the bench needs of a τ²-bench pack: its data, its train tasks as plans, how to grade them."""
+
+    pack: str
+    data_dir: Callable[[], Path]  # the pack's data (its SPARRING_<PACK>_DATA, else fetched once)
+    train: Callable[[Path], list[str]]  # the train split's task ids
+    plan: Callable[[Path, str], Plan]  # a task's calls, in order
+    answer: Callable[[Path, str], str]  # a final answer stating everything the task must communicate
+    is_write: Callable[[str], bool]  # whether a tool changes the database (for the report)
+    warm: tuple[str, dict[str, Any]]  # a read call that makes the server load its base
+    serve: bool = False  # start the server with `sparring serve` (as users run it), not uvicorn's factory
+
+    @property
+    def data_setting(self) -> str:
+        return f"SPARRING_{self.pack.upper()}_DATA"
+
+
+def _retail_answer(data: Path, task_id: str) -> str:
+    return "Done. " + " and ".join(get_task(data, task_id).evaluation_criteria.communicate_info)
+
+
+RETAIL = PackBench(
+    pack="retail",
+    data_dir=retail_data_dir,
+    train=lambda data: split_task_ids(data, "train"),
+    plan=lambda data, task_id: replay_calls(get_task(data, task_id)),
+    answer=_retail_answer,
+    is_write=lambda name: name.startswith(WRITE_PREFIXES),
+    warm=("list_all_product_types", {}),
+)
 
 
 @dataclass
@@ -154,9 +188,9 @@ async def drive(url: str, key: str, plans: list[Plan], connections: int, nonce: 
 
 
 async def grade_all(
-    url: str, key: str, nonce: str, tasks: list[str], connections: int, retail_data: Path
+    spec: PackBench, url: str, key: str, nonce: str, tasks: list[str], connections: int, data: Path
 ) -> list[float]:
-    """The `retail` score of every rollout, with a final answer stating everything to communicate."""
+    """The pack grader's score of every rollout, with a final answer stating everything to communicate."""
     limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
     headers = {"Authorization": f"Bearer {key}"}
     async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=120) as client:
@@ -167,11 +201,9 @@ async def grade_all(
                 return await graded(index, task_id)
 
         async def graded(index: int, task_id: str) -> float:
-            answer = "Done. " + " and ".join(
-                get_task(retail_data, task_id).evaluation_criteria.communicate_info
-            )
+            answer = spec.answer(data, task_id)
             response = await client.post(
-                "/grade/retail",
+                f"/grade/{spec.pack}",
                 json={
                     "sample": {"output_text": answer},
                     "item": {"task_id": task_id},
@@ -212,11 +244,12 @@ def rss(pid: int) -> int:
     return 0
 
 
-def warm(url: str, key: str) -> None:
+def warm(spec: PackBench, url: str, key: str) -> None:
     """One read call on a throwaway rollout, so the base database is loaded before memory is measured."""
-    body = {"call_id": "warm", "trace_id": f"trace_warm_{secrets.token_hex(4)}", "arguments": "{}"}
+    name, arguments = spec.warm
+    body = {"call_id": "warm", "trace_id": f"trace_warm_{secrets.token_hex(4)}", "arguments": arguments}
     response = httpx.post(
-        f"{url}/tools/list_all_product_types",
+        f"{url}/tools/{name}",
         json=body,
         headers={"Authorization": f"Bearer {key}"},
         timeout=60,
@@ -225,25 +258,25 @@ def warm(url: str, key: str) -> None:
 
 
 def run_backend(
+    spec: PackBench,
     backend: str,
     args: argparse.Namespace,
-    retail_data: Path,
+    data: Path,
     plans: list[Plan],
     echo_plans: list[Plan],
     tasks: list[str],
 ) -> dict[str, Any]:
     tools_key, grader_key = secrets.token_hex(16), secrets.token_hex(16)
-    env = Environment(
-        Path(tempfile.mkdtemp(prefix="sparring-bench-retail-")), args.pg_admin_url, args.redis_url, False
-    )
+    workdir = Path(tempfile.mkdtemp(prefix=f"sparring-bench-{spec.pack}-"))
+    env = Environment(workdir, args.pg_admin_url, args.redis_url, False)
     logs = env.workdir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     base = clean_env()
     sparring_env = {
         **base,
         "SPARRING_API_KEYS": f"tools:{tools_key},grader:{grader_key}",
-        "SPARRING_PACKS": "retail",
-        "SPARRING_RETAIL_DATA": str(retail_data),
+        "SPARRING_PACKS": spec.pack,
+        spec.data_setting: str(data),
         "SPARRING_HOME": str(env.workdir / "home"),
     }
     if backend == "pg":
@@ -258,12 +291,13 @@ def run_backend(
         sparring_env["SPARRING_DATABASE_URL"] = f"sqlite+aiosqlite:///{env.sqlite_path}"
     echo = Server("echo", "bench.echo_app:app", dict(base), logs / "echo.log")
     sparring = Server(
-        f"sparring-retail-{backend}",
+        f"sparring-{spec.pack}-{backend}",
         "app.main:create_app",
         sparring_env,
         logs / "sparring.log",
         factory=True,
         ready_path="/readyz",
+        command=[str(Path(sys.executable).parent / "sparring"), "serve"] if spec.serve else None,
     )
     nonce = secrets.token_hex(4)
     result: dict[str, Any] = {"backend": backend}
@@ -272,7 +306,7 @@ def run_backend(
             server.start()
         for server in (echo, sparring):
             server.wait_ready(timeout=120)
-        warm(sparring.url, tools_key)
+        warm(spec, sparring.url, tools_key)
         if backend == "pg":
             redis_before = used_memory(env.redis_url)
             keys_before = keys_memory(env.redis_url)
@@ -281,7 +315,7 @@ def run_backend(
             uvloop.run(drive(echo.url, "", echo_plans, args.connections, f"e1{i}{nonce}", echo.pid))
             for i in range(args.echo_repeats)
         ]
-        retail = uvloop.run(drive(sparring.url, tools_key, plans, args.connections, nonce, sparring.pid))
+        served = uvloop.run(drive(sparring.url, tools_key, plans, args.connections, nonce, sparring.pid))
         rss_after = rss(sparring.pid)
         if backend == "pg":
             redis_after = used_memory(env.redis_url)
@@ -293,7 +327,8 @@ def run_backend(
             uvloop.run(drive(echo.url, "", echo_plans, args.connections, f"e2{i}{nonce}", echo.pid))
             for i in range(args.echo_repeats)
         ]
-        scores = uvloop.run(grade_all(sparring.url, grader_key, nonce, tasks, args.connections, retail_data))
+        grading = grade_all(spec, sparring.url, grader_key, nonce, tasks, args.grade_connections, data)
+        scores = uvloop.run(grading)
     finally:
         for server in (sparring, echo):
             server.stop()
@@ -302,17 +337,17 @@ def run_backend(
     echo_rate = statistics.median(e.rate for e in echoes)
     echo_cpu = statistics.median(e.cpu_ms_per_call for e in echoes)
     result |= {
-        "calls": retail.calls,
-        "seconds": retail.seconds,
-        "calls_per_s": retail.rate,
+        "calls": served.calls,
+        "seconds": served.seconds,
+        "calls_per_s": served.rate,
         "echo_calls_per_s": [e.rate for e in echoes],
         "echo_calls_per_s_median": echo_rate,
-        "ratio_to_echo": retail.rate / echo_rate,
-        "p50_ms": retail.percentile(50),
-        "p99_ms": retail.percentile(99),
-        "server_cpu_ms_per_call": retail.cpu_ms_per_call,
+        "ratio_to_echo": served.rate / echo_rate,
+        "p50_ms": served.percentile(50),
+        "p99_ms": served.percentile(99),
+        "server_cpu_ms_per_call": served.cpu_ms_per_call,
         "echo_cpu_ms_per_call": echo_cpu,
-        "cpu_ratio_to_echo": echo_cpu / retail.cpu_ms_per_call if retail.cpu_ms_per_call else None,
+        "cpu_ratio_to_echo": echo_cpu / served.cpu_ms_per_call if served.cpu_ms_per_call else None,
         "server_rss_before": rss_before,
         "server_rss_after": rss_after,
         "server_rss_per_rollout": (rss_after - rss_before) / args.rollouts,
@@ -323,13 +358,19 @@ def run_backend(
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, spec: PackBench = RETAIL, description: str | None = __doc__) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--rollouts", type=int, default=1000)
     parser.add_argument("--connections", type=int, default=64, help="client connections (HTTP/1.1)")
     parser.add_argument("--backends", default="pg,embedded", help="pg and/or embedded")
+    parser.add_argument(
+        "--grade-connections",
+        type=int,
+        default=10,
+        help="grades sent at once after the run (a grade holds one of the server's 10 database connections)",
+    )
     parser.add_argument(
         "--echo-repeats", type=int, default=3, help="echo runs before and after each sparring run (median)"
     )
@@ -337,12 +378,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--redis-url", default=DEFAULT_REDIS)
     args = parser.parse_args(argv)
 
-    retail_data = retail_data_dir()
-    train = split_task_ids(retail_data, "train")
+    data = spec.data_dir()
+    train = spec.train(data)
     tasks = [train[i % len(train)] for i in range(args.rollouts)]
-    plans = [replay_calls(get_task(retail_data, task)) for task in tasks]
+    plans = [spec.plan(data, task) for task in tasks]
     echo_plans: list[Plan] = [[("echo", {"text": f"hello {step}"}) for step in range(len(p))] for p in plans]
-    writes = sum(1 for plan in plans for name, _ in plan if name.startswith(WRITE_PREFIXES))
+    writes = sum(1 for plan in plans for name, _ in plan if spec.is_write(name))
     total = sum(len(plan) for plan in plans)
     started = datetime.now(UTC)
     info = machine_info()
@@ -353,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     results = []
     for backend in args.backends.split(","):
-        r = run_backend(backend, args, retail_data, plans, echo_plans, tasks)
+        r = run_backend(spec, backend, args, data, plans, echo_plans, tasks)
         results.append(r)
         echo_rates = " ".join(f"{e:.0f}" for e in r["echo_calls_per_s"])
         print(
@@ -382,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     out_dir = BENCH_DIR / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
-    out = out_dir / f"retail-{started.strftime('%Y%m%d-%H%M%S')}.json"
+    out = out_dir / f"{spec.pack}-{started.strftime('%Y%m%d-%H%M%S')}.json"
     summary = {
         "started_at": started.isoformat(),
         "finished_at": datetime.now(UTC).isoformat(),

@@ -27,6 +27,7 @@ from sparring.loop import (
     ToolCaller,
     run_rollout,
 )
+from sparring.tracing import RolloutTracing
 from sparring.wire import item_key
 
 
@@ -225,6 +226,7 @@ async def run_jobs(
     on_record: Callable[[FinishedRollout], None],
     stop: asyncio.Event | None = None,
     limits_for: Callable[[Job], EpisodeLimits] | None = None,
+    tracing: RolloutTracing | None = None,
 ) -> bool:
     """Run `jobs` with at most `concurrency` rollouts in flight; False when `stop` interrupted them.
 
@@ -244,6 +246,7 @@ async def run_jobs(
                 job.line,
                 grader=grader,
                 limits=limits_for(job) if limits_for is not None else limits,
+                tracing=tracing,
             )
             on_record(FinishedRollout.of(job, result))
 

@@ -36,6 +36,7 @@ from urllib.parse import quote
 import httpx
 
 from sparring.loop import FunctionCall, GradeOutcome, ToolResult
+from sparring.tracing import inject_context
 from sparring.wire import INFRA_ERROR, REFUSED, RUN_HEADER, FailureKind, failure_kind_of_status
 
 if TYPE_CHECKING:
@@ -352,6 +353,7 @@ class HttpToolCaller:
         headers = dict(endpoint.headers)
         if self.run:
             headers[RUN_HEADER] = self.run
+        inject_context(headers)  # a traced rollout: the server's span of this call is its child
         content = json.dumps(body, ensure_ascii=False).encode()
         headers["Content-Type"] = "application/json"
 
@@ -404,6 +406,7 @@ class HttpGrader:
         headers = dict(self.endpoint.headers)
         if self.run:
             headers[RUN_HEADER] = self.run
+        inject_context(headers)
         headers["Content-Type"] = "application/json"
         content = json.dumps(
             {"sample": sample, "item": item, "trace_id": trace_id}, ensure_ascii=False

@@ -16,7 +16,8 @@ things they plug into it:
 
 Interface (stable):
 
-    result = await run_rollout(policy, tools, line, grader=grader, limits=EpisodeLimits(), trace_id=None)
+    result = await run_rollout(policy, tools, line, grader=grader, limits=EpisodeLimits(), trace_id=None,
+                               tracing=None)
 
 `line` is a `DatasetLine` (`DatasetLine.from_json(obj)` for one JSONL line). The loop:
 
@@ -34,7 +35,8 @@ Interface (stable):
 `RolloutResult` holds the trace id, the transcript (messages and every step with its tool results),
 the final text, the sample, the score, why it ended, the discard reason, token usage and timings.
 Nothing here does I/O by itself: every network exchange goes through the policy, the tool caller or
-the grader.
+the grader. With `tracing` (`sparring.tracing.RolloutTracing`), the rollout is an OpenTelemetry
+`invoke_agent` span and each model turn a `chat` span; the calls and the grade run in its context.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from sparring.tracing import RolloutTracing, mark_failed, record_rollout, record_usage
 from sparring.wire import FailureKind, new_trace_id
 
 ITEM_EXCLUDED_KEYS = ("tools",)
@@ -308,12 +311,41 @@ async def run_rollout(
     grader: GradeCaller | None = None,
     limits: EpisodeLimits | None = None,
     trace_id: str | None = None,
+    tracing: RolloutTracing | None = None,
 ) -> RolloutResult:
-    """Run one rollout of `line` and grade it (see the module docstring for the whole contract)."""
-    limits = limits or EpisodeLimits()
+    """Run one rollout of `line` and grade it (see the module docstring for the whole contract).
+
+    With `tracing`, the rollout is an `invoke_agent` span and each model turn a `chat` span under it
+    (sparring.tracing); the tool calls and the grade run inside the rollout span's context.
+    """
+    trace_id = trace_id or new_trace_id()
+    if tracing is None:
+        return await _rollout(policy, tools, line, grader, limits or EpisodeLimits(), trace_id, None)
+    with tracing.rollout(trace_id) as span:
+        result = await _rollout(policy, tools, line, grader, limits or EpisodeLimits(), trace_id, tracing)
+        record_rollout(
+            span,
+            ended_by=result.ended_by,
+            tool_calls=len(result.tool_results),
+            score=result.score,
+            discarded=result.discarded,
+        )
+        record_usage(span, result.usage.input_tokens, result.usage.output_tokens)
+        return result
+
+
+async def _rollout(
+    policy: Policy,
+    tools: ToolCaller,
+    line: DatasetLine,
+    grader: GradeCaller | None,
+    limits: EpisodeLimits,
+    trace_id: str,
+    tracing: RolloutTracing | None,
+) -> RolloutResult:
     started = time.perf_counter()
     transcript = Transcript(
-        trace_id=trace_id or new_trace_id(),
+        trace_id=trace_id,
         messages=list(line.messages),
         tools=list(line.tools),
         item=dict(line.item),
@@ -331,7 +363,7 @@ async def run_rollout(
             duration_s=time.perf_counter() - started,
         )
 
-    ended_by, text, last_calls, discarded = await _turns(policy, tools, transcript, usage, limits)
+    ended_by, text, last_calls, discarded = await _turns(policy, tools, transcript, usage, limits, tracing)
     if discarded is not None:
         return finish("discarded", text, discarded)
     result = finish(ended_by, text)
@@ -351,8 +383,27 @@ async def run_rollout(
     return result
 
 
+async def _next_turn(policy: Policy, transcript: Transcript, tracing: RolloutTracing | None) -> ModelTurn:
+    """The policy's next turn, as a `chat` span when the rollout is traced."""
+    if tracing is None:
+        return await policy.next_turn(transcript)
+    with tracing.chat(transcript.trace_id) as span:
+        try:
+            turn = await policy.next_turn(transcript)
+        except ModelFailure as exc:
+            mark_failed(span, exc)
+            raise
+        record_usage(span, turn.usage.input_tokens, turn.usage.output_tokens)
+        return turn
+
+
 async def _turns(
-    policy: Policy, tools: ToolCaller, transcript: Transcript, usage: Usage, limits: EpisodeLimits
+    policy: Policy,
+    tools: ToolCaller,
+    transcript: Transcript,
+    usage: Usage,
+    limits: EpisodeLimits,
+    tracing: RolloutTracing | None,
 ) -> tuple[EndReason, str, tuple[FunctionCall, ...], str | None]:
     """The model's turns and their tool calls, within `limits`, appended to `transcript`.
 
@@ -363,7 +414,7 @@ async def _turns(
     last_calls: tuple[FunctionCall, ...] = ()
     for _ in range(limits.max_turns):
         try:
-            turn = await policy.next_turn(transcript)
+            turn = await _next_turn(policy, transcript, tracing)
         except ModelFailure as exc:
             return "discarded", text, last_calls, f"model_error: {exc}"
         usage.add(turn.usage)

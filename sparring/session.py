@@ -42,6 +42,7 @@ from sparring.http import (
 )
 from sparring.loop import DatasetLine, EpisodeLimits, Policy, function_of
 from sparring.report import build_report, canary_report
+from sparring.tracing import CANARY, RUN, RolloutTracing
 
 
 class TargetError(ValueError):
@@ -84,6 +85,15 @@ def server_target(
     )
 
 
+def reinforcement_of(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The tools and grader of a job config: OpenAI's `method.reinforcement` block as it is, or the block
+    inside Foundry's whole job (what `sparring job-config` prints by default)."""
+    job = config.get("job")
+    method = job.get("method") if isinstance(job, Mapping) else None
+    block = method.get("reinforcement") if isinstance(method, Mapping) else None
+    return block if isinstance(block, Mapping) else config
+
+
 def job_config_target(
     config: Mapping[str, Any],
     secrets: Mapping[str, str],
@@ -94,6 +104,7 @@ def job_config_target(
     grader_headers: Mapping[str, str] | None = None,
 ) -> Target:
     """Tools (and, unless `--grader`/`--grader-url` says otherwise, the grader) from a job config."""
+    config = reinforcement_of(config)
     try:
         tools = ToolEndpoints.from_job_config(config, secrets)
         entry = config.get("grader")
@@ -179,6 +190,7 @@ class RunOptions:
     retry: Retry = field(default_factory=Retry)
     journal: Path | None = None  # where finished rollouts are recorded (needed for resume)
     resume: bool = False
+    tracing: RolloutTracing | None = None  # rollouts as OpenTelemetry spans (sparring.tracing)
 
 
 async def evaluate(
@@ -221,6 +233,7 @@ async def evaluate(
             concurrency=options.concurrency,
             on_record=on_record,
             stop=stop,
+            tracing=options.tracing.labelled(**{RUN: options.run}) if options.tracing else None,
         )
     finally:
         progress.close()
@@ -332,6 +345,7 @@ async def _run_canary(
             on_record=on_record,
             stop=stop,
             limits_for=lambda job: canary_limits(options.limits, job),
+            tracing=options.tracing.labelled(**{RUN: run, CANARY: name}) if options.tracing else None,
         )
     finally:
         progress.close()

@@ -88,12 +88,16 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def remote_trace_id(rollout_id: str) -> str:
-    """The `trace_id` sparring gives the remote rollout `rollout_id` (`POST /remote/init`).
+def remote_trace_id(rollout_id: str, attempt: int = 1) -> str:
+    """The `trace_id` sparring gives attempt `attempt` of the remote rollout `rollout_id`
+    (`POST /remote/init`): the first attempt's, and `<first>_<n>` for the n-th (a retry of a rollout
+    that failed runs anew, with a state of its own).
 
-    An eval-protocol evaluator grades the rollout with it, without asking the server.
+    An eval-protocol evaluator grades the rollout with it, without asking the server; the end the
+    server posts to the tracing gateway names it too (`extras.trace_id`), retries included.
     """
-    return f"trace_{uuid.uuid5(REMOTE_TRACE_NAMESPACE, rollout_id).hex}"
+    first = f"trace_{uuid.uuid5(REMOTE_TRACE_NAMESPACE, rollout_id).hex}"
+    return first if attempt <= 1 else f"{first}_{attempt}"
 
 
 NUL = "\x00"

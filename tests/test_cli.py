@@ -8,9 +8,8 @@ import os
 import sqlite3
 import uuid
 from collections.abc import Iterator
-from datetime import date, timedelta
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import pytest
 from pydantic import BaseModel, ConfigDict
@@ -18,7 +17,7 @@ from typer.testing import CliRunner
 
 from app.cli import cli
 from app.config import get_settings
-from app.platforms import FOUNDRY_API_VERSION, OPENAI_FINE_TUNING_CUTOFF, default_platform
+from app.platforms import FOUNDRY_API_VERSION
 from tests.conftest import create_pg_database, drop_pg_database, make_settings
 
 
@@ -45,6 +44,14 @@ def one_grader(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, name: str) -> No
     get_settings.cache_clear()
 
 
+def reinforcement_block(output: str) -> dict[str, Any]:
+    """The tools and grader of a job-config: Foundry's (the default) whole job holds them."""
+    config = json.loads(output)
+    assert config["platform"] == "foundry"
+    block: dict[str, Any] = config["job"]["method"]["reinforcement"]
+    return block
+
+
 def test_job_config_lists_every_tool_with_its_url_and_a_key_placeholder(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -53,7 +60,7 @@ def test_job_config_lists_every_tool_with_its_url_and_a_key_placeholder(
         cli, ["job-config", "--base-url", "https://rft.example.com/", "--grader", "retail"]
     )
     assert result.exit_code == 0, result.output
-    config = json.loads(result.output)
+    config = reinforcement_block(result.stdout)
     assert [t["name"] for t in config["tools"]] == ["echo", "add_note", "list_notes"]
     assert config["tools"][0] == {
         "name": "echo",
@@ -65,6 +72,7 @@ def test_job_config_lists_every_tool_with_its_url_and_a_key_placeholder(
         "name": "sparring-retail",
         "url": "https://rft.example.com/grade/retail",
         "headers": {"Authorization": "Bearer <SPARRING_GRADER_KEY>"},
+        "rate_limit": 50,  # Foundry's, the default platform's
     }
 
 
@@ -75,7 +83,7 @@ def test_job_config_uses_the_configured_header_and_public_url(
     monkeypatch.setenv("SPARRING_AUTH_HEADER", "X-Functions-Key")
     monkeypatch.setenv("SPARRING_PUBLIC_BASE_URL", "https://public.example.com")
     result = CliRunner().invoke(cli, ["job-config"])
-    config = json.loads(result.output)
+    config = reinforcement_block(result.stdout)
     assert config["tools"][1]["headers"] == {"X-Functions-Key": "<SPARRING_TOOLS_KEY>"}
     assert config["tools"][1]["server_url"] == "https://public.example.com/tools/add_note"
     assert config["grader"]["url"] == "https://public.example.com/grade"
@@ -245,8 +253,9 @@ def test_job_config_grader_fields_and_foundry_options(
             "20",
         ],
     )
-    block = json.loads(result.output)
+    block = json.loads(result.stdout)
     assert set(block) == {"tools", "grader"}
+    assert "warning: OpenAI's Agent RFT is closing" in result.output  # on stderr
     assert block["grader"]["rate_limit"] == 20 and "pass_threshold" not in block["grader"]
 
     result = CliRunner().invoke(
@@ -276,14 +285,27 @@ def test_job_config_refuses_an_unknown_platform() -> None:
         cli, ["job-config", "--base-url", "https://x.example", "--platform", "vertex"]
     )
     assert result.exit_code == 2
-    assert "openai, foundry" in result.output
+    assert "foundry, openai" in result.output
 
 
-def test_openai_is_the_default_platform_until_its_cutoff() -> None:
-    assert default_platform(date(2026, 12, 4)) == "openai"
-    assert default_platform(OPENAI_FINE_TUNING_CUTOFF - timedelta(days=1)) == "openai"
-    assert default_platform(OPENAI_FINE_TUNING_CUTOFF) == "foundry"
-    assert OPENAI_FINE_TUNING_CUTOFF == date(2027, 1, 6)
+def test_foundry_is_the_default_platform_and_openai_a_legacy_choice_with_its_dates(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    one_grader(monkeypatch, tmp_path, "exact")
+    default = CliRunner().invoke(cli, ["job-config", "--base-url", "https://x.example"])
+    assert default.exit_code == 0, default.output
+    assert json.loads(default.stdout)["platform"] == "foundry" and "warning" not in default.output
+    legacy = CliRunner().invoke(
+        cli, ["job-config", "--base-url", "https://x.example", "--platform", "openai"]
+    )
+    assert legacy.exit_code == 0 and set(json.loads(legacy.stdout)) == {"tools", "grader"}
+    for day in ("2026-12-11", "2026-10-23", "2027-01-06"):
+        assert day in legacy.output  # the warning, on stderr
+    shown = CliRunner().invoke(cli, ["job-config", "--help"], env={"COLUMNS": "300", "TERMINAL_WIDTH": "300"})
+    help_text = " ".join(shown.output.split())
+    assert "foundry (the default)" in help_text
+    for day in ("2026-12-11", "2026-10-23", "2027-01-06"):
+        assert day in help_text
 
 
 def test_serve_bounds_slow_and_idle_connections(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -127,6 +127,7 @@ CLIENT_MODULES = (
     "sparring.session",
     "sparring.report",
     "sparring.client",
+    "sparring.tracing",
 )
 
 BLOCKER = """

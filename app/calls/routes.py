@@ -1,8 +1,11 @@
 """Tool routes: HTTP only; `ToolCallService.handle` (app/calls/service.py) holds the logic.
 
 A tool call has one implementation, `serve_tool_call`: `SparringApp` (app.main) calls it ahead of the
-app's middleware stack. The two FastAPI routes below declare the same paths for the OpenAPI document;
+app's middleware stack. The FastAPI routes below declare the same paths for the OpenAPI document;
 should a request ever reach them, they answer through `serve_tool_call` too.
+
+`/tools` and `/tools/{name}` serve the names one enabled pack has; `/packs/{pack}/tools` and
+`/packs/{pack}/tools/{name}` serve every tool of a pack, also a name several packs share.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 from app.calls.envelope import ToolCallEnvelope, ToolCallOutput
 from app.deps import RegistryDep, ToolsKey, app_state, retry_after
-from app.errors import INTERNAL_ERROR, BadRequest, answer_to, handle_sparring_error, json_response
+from app.errors import INTERNAL_ERROR, BadRequest, NotFound, answer_to, handle_sparring_error, json_response
 from app.middleware import BodyTooLarge
 from app.rollouts.identity import RUN_HEADER
 
@@ -49,7 +52,9 @@ def _parse_envelope(body: bytes) -> ToolCallEnvelope:
 
 
 @router.get("/tools")
-async def list_tools(_: ToolsKey, registry: RegistryDep) -> list[ToolInfo]:
+async def list_tools(_: ToolsKey, registry: RegistryDep, pack: str | None = None) -> list[ToolInfo]:
+    """The tools served at /tools/<name>; with `?pack=`, every tool of that pack (its qualified routes)."""
+    tools = registry.tools if pack is None else _pack_tools(registry, pack)
     return [
         ToolInfo(
             name=spec.name,
@@ -58,12 +63,22 @@ async def list_tools(_: ToolsKey, registry: RegistryDep) -> list[ToolInfo]:
             mutates=spec.mutates,
             parameters=spec.parameters,
         )
-        for spec in registry.tools.values()
+        for spec in tools.values()
     ]
+
+
+def _pack_tools(registry: Any, pack: str) -> dict[str, Any]:
+    tools: dict[str, Any] | None = registry.pack_tools.get(pack)
+    if tools is None:
+        enabled = ", ".join(registry.pack_tools) or "none"
+        raise NotFound(f"no enabled pack named {pack!r} (enabled: {enabled})")
+    return tools
 
 
 TOOLS_PATH = "/tools"  # POST: the tool named by the body's `name`
 TOOL_PATH = "/tools/{name}"  # POST: the tool `name`
+PACK_TOOLS_PATH = "/packs/{pack}/tools"  # POST: the tool of `pack` named by the body's `name`
+PACK_TOOL_PATH = "/packs/{pack}/tools/{name}"  # POST: the tool `name` of `pack`
 
 
 class _ServedByToolCall(Response):
@@ -107,23 +122,66 @@ async def call_tool(name: str) -> Response:
     return _ServedByToolCall(name)
 
 
+_PACK_RESPONSES = {**_RESPONSES, 404: {"description": "No enabled pack has this name."}}
+_PACK_ROUTE: dict[str, Any] = {
+    "response_model": ToolCallOutput,
+    "responses": _PACK_RESPONSES,
+    "openapi_extra": _CALL_BODY,
+}
+
+
+@router.post(PACK_TOOLS_PATH, **_PACK_ROUTE)
+async def call_pack_tool_by_body(pack: str) -> Response:
+    """Call the tool of `pack` the body's `name` names (also a name several packs share)."""
+    return _ServedByToolCall(None)
+
+
+@router.post(PACK_TOOL_PATH, **_PACK_ROUTE)
+async def call_pack_tool(pack: str, name: str) -> Response:
+    """Call the tool `name` of `pack` (also a name several packs share)."""
+    return _ServedByToolCall(name)
+
+
 NOT_A_TOOL_CALL = "/"  # no tool name contains a slash
 _TOOL_PREFIX = TOOL_PATH.removesuffix("{name}")
 TOOL_SCOPE_KEY = "sparring.tool"  # where SparringApp leaves the target for serve_tool_call
 
 
 def tool_call_target(scope: Scope) -> str | None:
-    """The tool named by a `POST /tools/{name}` path, None for `POST /tools`, else NOT_A_TOOL_CALL."""
+    """The tool named by a `POST /tools/{name}` or `POST /packs/{pack}/tools/{name}` path, None for
+    `POST /tools` or `POST /packs/{pack}/tools`, else NOT_A_TOOL_CALL."""
+    parts = _tool_path(scope)
+    return NOT_A_TOOL_CALL if parts is None else parts[1]
+
+
+def tool_call_pack(scope: Scope) -> str | None:
+    """The pack a tool call's path names (`/packs/{pack}/tools...`), None for `/tools...`."""
+    parts = _tool_path(scope)
+    return None if parts is None else parts[0]
+
+
+def _tool_path(scope: Scope) -> tuple[str | None, str | None] | None:
+    """(pack, tool name) of a tool-call path, either None where the path does not name it; None for
+    any other request."""
     if scope["type"] != "http" or scope["method"] != "POST":
-        return NOT_A_TOOL_CALL
+        return None
     path: str = scope["path"]
     root = scope.get("root_path", "")
     if root and path.startswith(root + "/"):
         path = path[len(root) :]
+    pack = None
+    if path.startswith(_PACKS_PREFIX):
+        pack, _, path = path[len(_PACKS_PREFIX) :].partition("/")
+        if not pack:
+            return None
+        path = "/" + path
     if path == TOOLS_PATH:
-        return None
+        return pack, None
     name = path[len(_TOOL_PREFIX) :] if path.startswith(_TOOL_PREFIX) else ""
-    return name if name and "/" not in name else NOT_A_TOOL_CALL
+    return (pack, name) if name and "/" not in name else None
+
+
+_PACKS_PREFIX = "/packs/"
 
 
 class _Disconnected(Exception):
@@ -151,9 +209,12 @@ async def serve_tool_call(scope: Scope, receive: Receive, send: Send) -> None:
     try:
         state = app_state(request.app)
         state.keyring.authorize(request, "tools")
+        pack = tool_call_pack(scope)
+        if pack is not None:
+            _pack_tools(state.registry, pack)  # 404 for a pack that is not enabled
         envelope = _parse_envelope(await _read_body(receive))
         output = await state.call_service.handle(
-            envelope, path_name=scope[TOOL_SCOPE_KEY], run=request.headers.get(RUN_HEADER)
+            envelope, path_name=scope[TOOL_SCOPE_KEY], pack=pack, run=request.headers.get(RUN_HEADER)
         )
     except _Disconnected:
         return  # the client went away before sending its call: nothing ran, nobody to answer

@@ -37,6 +37,7 @@ from app.rollouts.identity import (
 from app.rollouts.store import CallStart, PackChanges, RolloutMeta, RolloutStore, StoredAnswer, Ticket
 from app.sdk import RolloutState, ToolContext, ToolError, ToolSpec, ToolUnavailable
 from app.sdk.tool import describe_validation_error
+from app.telemetry import Tracing
 from sparring.wire import CALL_ID_REUSED
 
 log = logging.getLogger(__name__)
@@ -130,8 +131,10 @@ class ToolCallService:
         max_output_bytes: int,
         tool_timeout: float,
         metrics: Metrics,
+        tracing: Tracing | None = None,
     ) -> None:
         self.metrics = metrics
+        self.tracing = tracing  # None: tracing is off (app/telemetry.py)
         self.registry = registry
         self.store = store
         self.log_writer = log_writer
@@ -145,17 +148,29 @@ class ToolCallService:
         self._voiding: set[asyncio.Future[None]] = set()  # voids under way (see _finish)
 
     async def handle(
-        self, envelope: ToolCallEnvelope, *, path_name: str | None, run: str | None, channel: str = "rft"
+        self,
+        envelope: ToolCallEnvelope,
+        *,
+        path_name: str | None,
+        run: str | None,
+        channel: str = "rft",
+        pack: str | None = None,
     ) -> ToolCallOutput:
         """Answer one call (the tool routes); see `call`."""
-        return (await self.call(envelope, path_name=path_name, run=run, channel=channel)).output
+        return (await self.call(envelope, path_name=path_name, run=run, channel=channel, pack=pack)).output
 
     async def call(
-        self, envelope: ToolCallEnvelope, *, path_name: str | None, run: str | None, channel: str = "rft"
+        self,
+        envelope: ToolCallEnvelope,
+        *,
+        path_name: str | None,
+        run: str | None,
+        channel: str = "rft",
+        pack: str | None = None,
     ) -> AnsweredCall:
         """Answer one call whichever way it arrived (HTTP tool route, MCP): validate, deduplicate, run
         under the rollout's state, log durably, answer; outages raise ServiceUnavailable, crashes
-        ToolCrashed."""
+        ToolCrashed. `pack` (an enabled pack) looks the tool up among that pack's tools only."""
         call = _Call(
             envelope=envelope,
             tool=(path_name or envelope.name or "")[:128],
@@ -172,7 +187,7 @@ class ToolCallService:
         self.metrics.in_flight.inc()
         try:
             try:
-                answer = await self._answer(call, path_name)
+                answer = await self._answer(call, path_name, pack)
             except ToolCrashed as exc:
                 outcome = "tool_crash"
                 # The caller gets a short message; the exception's own text (which may name hosts,
@@ -194,7 +209,7 @@ class ToolCallService:
         finally:
             self.metrics.in_flight.dec()
             # Names the model made up are counted together: a label per invented name would grow forever.
-            tool = call.tool if call.tool in self.registry.tools else "(unknown)"
+            tool = call.tool if self.registry.served(call.tool) else "(unknown)"
             counter = self._counters.get((tool, outcome))
             if counter is None:
                 counter = self._counters[(tool, outcome)] = self.metrics.tool_calls.labels(tool, outcome)
@@ -203,6 +218,8 @@ class ToolCallService:
             if latency is None:
                 latency = self._latencies[tool] = self.metrics.tool_latency.labels(tool)
             latency.observe(time.perf_counter() - call.started)
+            if self.tracing is not None:
+                self.tracing.tool_call(call, outcome)
         return AnsweredCall(
             ToolCallOutput(call_id=envelope.call_id, id=envelope.id, output=answer.output), answer.outcome
         )
@@ -236,7 +253,7 @@ class ToolCallService:
             channel=call.channel,
         )
 
-    def _resolve(self, call: _Call, path_name: str | None) -> ToolSpec | StoredAnswer:
+    def _resolve(self, call: _Call, path_name: str | None, pack: str | None) -> ToolSpec | StoredAnswer:
         body_name = call.envelope.name
         if (
             path_name
@@ -249,16 +266,23 @@ class ToolCallService:
                 "call each tool at its own URL"
             )
         name = path_name or (body_name or "").removeprefix("functions.")
-        available = ", ".join(sorted(self.registry.tools)) or "none"
+        tools = self.registry.tools if pack is None else self.registry.pack_tools[pack]
+        available = ", ".join(sorted(tools)) or "none"
         if not name:
             return _model_error(f"the call does not name a tool. Available tools: {available}")
-        spec = self.registry.tools.get(name)
+        spec = tools.get(name)
+        if spec is None and pack is None and name in self.registry.shared:
+            routes = " or ".join(self.registry.qualified_routes(name))
+            return _model_error(
+                f"the tool {name!r} is served by several packs ({', '.join(self.registry.shared[name])}); "
+                f"call it at its pack's route: {routes}"
+            )
         if spec is None:
             return _model_error(f"unknown tool {name!r}. Available tools: {available}")
         return spec
 
-    async def _answer(self, call: _Call, path_name: str | None) -> StoredAnswer:
-        spec = self._resolve(call, path_name)
+    async def _answer(self, call: _Call, path_name: str | None, pack: str | None) -> StoredAnswer:
+        spec = self._resolve(call, path_name, pack)
         if isinstance(spec, StoredAnswer):
             return spec
         if nested_deeper_than(call.envelope.item):

@@ -126,7 +126,13 @@ class RemoteRollout(Base):
     __table_args__ = (Index("ix_remote_rollouts_status_lease", "status", "lease_until"),)
 
     rollout_id: Mapped[str] = mapped_column(String(200), primary_key=True)
+    # The trace of the current attempt: eval-protocol retries a failed rollout under the same rollout
+    # id, and each retry runs as a new attempt (1, 2, ...) with a trace (and so a state) of its own.
     trace_id: Mapped[str] = mapped_column(String(128), index=True)
+    attempt: Mapped[int] = mapped_column(Integer, default=1)
+    # The attempts before the current one, oldest first: attempt, trace_id, state, reason, status code,
+    # created_at, finished_at.
+    earlier: Mapped[list[dict[str, Any]]] = mapped_column(JsonColumn, default=list)
     run: Mapped[str | None] = mapped_column(String(200))
     model: Mapped[str] = mapped_column(String(200))
     status: Mapped[str] = mapped_column(String(16))  # running | finished | error

@@ -13,6 +13,7 @@ from app.grading.service import GradingService
 from app.metrics import Metrics
 from app.packs import Registry
 from app.rollouts.store import RolloutStore
+from app.telemetry import Tracing
 
 
 def build_grader_set(settings: Settings, context: GraderContext) -> dict[str, Grader]:
@@ -33,6 +34,7 @@ def build_grading(
     store: RolloutStore,
     database: Database,
     metrics: Metrics,
+    tracing: Tracing | None = None,
 ) -> GradingService:
     """The grading service the server (and `sparring grade`/`regrade`) uses; StartupError on a bad config."""
     graders = build_grader_set(settings, context)
@@ -43,7 +45,15 @@ def build_grading(
         database=database,
         metrics=metrics,
         retry_after=settings.retry_after_seconds,
-        state_tools=[name for name, spec in registry.tools.items() if spec.context_param or spec.mutates],
+        state_tools=sorted(
+            {
+                name
+                for tools in registry.pack_tools.values()
+                for name, spec in tools.items()
+                if spec.context_param or spec.mutates
+            }
+        ),
+        tracing=tracing,
     )
 
 

@@ -28,6 +28,7 @@ from app.rollouts.shapes import RolloutDetail
 from app.rollouts.store import RolloutStore
 from app.rollouts.timeline import read_timeline
 from app.sdk import GradingConfigError
+from app.telemetry import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ class GradingService:
         metrics: Metrics,
         retry_after: int,
         state_tools: Collection[str] = (),
+        tracing: Tracing | None = None,
     ) -> None:
         self.graders = graders
         self.default = default
@@ -95,6 +97,7 @@ class GradingService:
         self._config_errors_reported: set[tuple[str, str]] = set()
         # The tools whose calls the state store records (they read or change rollout state).
         self.state_tools = frozenset(state_tools)
+        self.tracing = tracing  # None: tracing is off (app/telemetry.py)
 
     def resolve(self, name: str | None) -> Grader:
         if not self.graders:
@@ -168,6 +171,22 @@ class GradingService:
     ) -> GradeResult:
         """Grade and store; a 503 (ServiceUnavailable) when the grader or the database is down."""
         grader = self.resolve(name)
+        if self.tracing is None:
+            return (await self._grade(grader, sample, item, trace_id, run))[0]
+        with self.tracing.grade(grader.name, trace_id, run) as span:
+            result, flags = await self._grade(grader, sample, item, trace_id, run)
+            span.scored(result.score, dict(result.sub_scores), flags)
+            return result
+
+    async def _grade(
+        self,
+        grader: Grader,
+        sample: Mapping[str, Any],
+        item: Mapping[str, Any],
+        trace_id: str | None,
+        run: str | None,
+    ) -> tuple[GradeResult, list[str]]:
+        """The grade and the names of the flags it raised (the grader's own, then the review's)."""
         started = time.perf_counter()
         timeline, inputs = await self.prepare(grader, sample, item, trace_id)
         # The label the rollout's calls carried wins over the grade request's header.
@@ -193,10 +212,10 @@ class GradingService:
             raise GradeUnavailable(
                 f"grader {grader.name!r} unavailable", retry_after=self.retry_after
             ) from exc
-        await self._store(grader, inputs, result, None, started, run=run, best_effort=False)
+        raised = await self._store(grader, inputs, result, None, started, run=run, best_effort=False)
         self.metrics.grades.labels(grader.name, "ok").inc()
         self.metrics.grade_score.labels(grader.name).observe(result.score)
-        return result
+        return result, [name for name, _ in result.flags] + raised
 
     async def _store(
         self,
@@ -208,7 +227,8 @@ class GradingService:
         *,
         run: str | None,
         best_effort: bool,
-    ) -> None:
+    ) -> list[str]:
+        """Store the grade; the names of the review flags it raised."""
         status = "ok" if result is not None else "failed"
         errors = list(result.errors) if result is not None else [failure or "grader failed"]
         now = datetime.now(UTC)
@@ -243,7 +263,7 @@ class GradingService:
         except ServiceUnavailable as exc:
             if best_effort:
                 log.warning("could not record a failed grade: %s", exc.message)
-                return
+                return []
             raise
         for flag in raised:
             self.metrics.flags.labels(flag.name).inc()
@@ -253,6 +273,7 @@ class GradingService:
             except ServiceUnavailable as exc:
                 # The grade is stored; the state store only uses this mark to expire the rollout sooner.
                 log.warning("could not mark rollout %s graded in the state store: %s", inputs.trace_id, exc)
+        return [flag.name for flag in raised]
 
     async def regrade(self, name: str, *, run: str | None = None, limit: int | None = None) -> Regraded:
         """Re-score the latest grade of `name` of each rollout with the current config; store new grades."""

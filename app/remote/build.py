@@ -14,6 +14,7 @@ from app.packs import Registry
 from app.remote.egress import EgressRule, GuardedTransport
 from app.remote.runner import GatewayStatusLog, RemoteRunner
 from app.remote.service import RemoteRolloutService
+from app.telemetry import Tracing
 from sparring.loop import EpisodeLimits
 from sparring.policies import CappedAnswers
 
@@ -42,6 +43,7 @@ def build_remote(
     database: Database,
     model_http: DefaultAsyncHttpxClient,
     worker: str,
+    tracing: Tracing | None = None,
 ) -> RemoteRolloutService:
     """StartupError when SPARRING_REMOTE_GRADER names no configured grader."""
     if settings.remote_grader is not None and settings.remote_grader not in grading.graders:
@@ -58,6 +60,7 @@ def build_remote(
         limits=EpisodeLimits(max_turns=settings.remote_max_turns),
         model_timeout_s=settings.remote_model_timeout_seconds,
         grade_max_bytes=settings.max_body_bytes,
+        tracing=tracing,
     )
     return RemoteRolloutService(
         database=database,
@@ -66,6 +69,7 @@ def build_remote(
         max_concurrent=settings.remote_max_concurrent,
         lease_seconds=settings.remote_lease_seconds,
         retry_after=settings.retry_after_seconds,
+        deadline_seconds=settings.remote_deadline_seconds,
         report=GatewayStatusLog(model_http),
         egress=EgressRule(settings.remote_allowed_hosts),
     )

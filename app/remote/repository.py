@@ -32,10 +32,43 @@ class RemoteRolloutRepository:
         )
         return result.scalar_one_or_none() is not None
 
+    async def retry(self, previous: RemoteRollout, row: dict[str, Any]) -> bool:
+        """Start the next attempt of a rollout whose last attempt failed, if `previous` (as read) is still
+        its row: of concurrent retries exactly one wins. The failed attempt joins `earlier`."""
+        ended = {
+            "attempt": previous.attempt,
+            "trace_id": previous.trace_id,
+            "state": previous.status,
+            "reason": previous.reason,
+            "status_code": (previous.summary or {}).get("status_code"),
+            "created_at": previous.created_at.isoformat(),
+            "finished_at": previous.finished_at.isoformat() if previous.finished_at else None,
+        }
+        result = await self.session.execute(
+            update(RemoteRollout)
+            .where(
+                RemoteRollout.rollout_id == previous.rollout_id,
+                RemoteRollout.attempt == previous.attempt,
+                RemoteRollout.status == "error",
+            )
+            .values(
+                **row,
+                attempt=previous.attempt + 1,
+                earlier=[*(previous.earlier or []), ended],
+                reason=None,
+                reward=None,
+                grader=None,
+                finished_at=None,
+            )
+            .returning(RemoteRollout.rollout_id)
+        )
+        return result.scalar_one_or_none() is not None
+
     async def finish(
         self,
         rollout_id: str,
         *,
+        attempt: int,
         worker: str,
         status: str,
         reason: str | None,
@@ -44,11 +77,12 @@ class RemoteRolloutRepository:
         summary: dict[str, Any],
         at: datetime,
     ) -> bool:
-        """Record the outcome, only while the rollout is still this worker's running one."""
+        """Record the outcome, only while the attempt is still this worker's running one."""
         result = await self.session.execute(
             update(RemoteRollout)
             .where(
                 RemoteRollout.rollout_id == rollout_id,
+                RemoteRollout.attempt == attempt,
                 RemoteRollout.worker == worker,
                 RemoteRollout.status == "running",
             )

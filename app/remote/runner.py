@@ -31,6 +31,7 @@ from app.grading.service import GradingService
 from app.packs import Registry
 from app.remote.schemas import CODE_INVALID_ARGUMENT, CODE_UNAVAILABLE, RolloutPlan
 from app.remote.service import RolloutOutcome
+from app.telemetry import Tracing
 from sparring.http import Attempt, Retry, call_with_retries, grade_with_retries
 from sparring.loop import (
     DatasetLine,
@@ -46,6 +47,7 @@ from sparring.loop import (
     run_rollout,
 )
 from sparring.policies import ChatPolicy, DeadlinePolicy
+from sparring.tracing import RUN, RolloutTracing
 from sparring.wire import INFRA_ERROR, REFUSED, TOOL_CRASH, ToolCallEnvelope
 
 FINAL_TEXT_KEPT = 2000
@@ -174,7 +176,9 @@ class RemoteRunner:
         model_timeout_s: float,
         retry: Retry | None = None,
         grade_max_bytes: int | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
+        self.tracing = tracing  # None: tracing is off (app/telemetry.py)
         self.registry = registry
         self.calls = calls
         self.grading = grading
@@ -223,8 +227,17 @@ class RemoteRunner:
             grader=grader,
             limits=self.limits,
             trace_id=rollout.trace_id,
+            tracing=self._tracing(rollout),
         )
         return outcome_of(result, grader=self.grader if grader is not None else None)
+
+    def _tracing(self, rollout: RolloutPlan) -> RolloutTracing | None:
+        """The rollout as an `invoke_agent` span (under the init request's `traceparent`, if any)."""
+        if self.tracing is None:
+            return None
+        tracing = self.tracing.rollouts(model=rollout.model)
+        labels = {"sparring.rollout.id": rollout.rollout_id}
+        return tracing.labelled(**labels, **({RUN: rollout.run} if rollout.run else {}))
 
 
 class GatewayStatusLog:
@@ -251,6 +264,7 @@ class GatewayStatusLog:
             "tags": rollout.tags,
             "extras": {
                 "trace_id": rollout.trace_id,
+                "attempt": rollout.attempt,
                 "reward": end.get("reward"),
                 "grader": end.get("grader"),
             },

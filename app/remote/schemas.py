@@ -80,6 +80,14 @@ class RolloutPlan(BaseModel):
     # Where the end of the rollout is posted as a tracing-gateway log, and the tags it carries.
     status_log_url: str | None = None
     tags: list[str] = []
+    # Which run of the rollout this is: a retry of one that failed is the next attempt, on its own trace.
+    attempt: int = 1
+
+    def as_attempt(self, attempt: int) -> RolloutPlan:
+        """This rollout as its attempt `attempt`, with that attempt's trace."""
+        return self.model_copy(
+            update={"attempt": attempt, "trace_id": trace_id_for(self.rollout_id, attempt)}
+        )
 
     def stored_request(self) -> dict[str, Any]:
         """What is kept with the rollout: everything but the model's API key."""
@@ -184,14 +192,16 @@ def gateway_logs_url(model_base_url: str) -> str | None:
 
 
 class InitResponse(BaseModel):
-    """`POST <prefix>/init`'s answer: the rollout accepted, its trace id, and whether this call started it
-    (False when an earlier init of the same rollout already did)."""
+    """`POST <prefix>/init`'s answer: the rollout accepted, the trace id and number of its current
+    attempt, and whether this call started that attempt (False when the rollout is running or finished:
+    only a rollout whose last attempt failed runs again)."""
 
     rollout_id: str
     trace_id: str
     run: str | None
     accepted: bool
     started: bool
+    attempt: int
 
 
 class RolloutStatus(BaseModel):
@@ -204,11 +214,13 @@ class RolloutStatus(BaseModel):
 
 class StatusResponse(BaseModel):
     """`GET <prefix>/status`'s answer: eval-protocol's StatusResponse (`terminated`, `status`, `info`)
-    plus sparring's own fields. `info` carries the rollout's summary (turns, calls, tokens, ...)."""
+    plus sparring's own fields, all of the current attempt. `info` carries its summary (turns, calls,
+    tokens, ...) and `earlier_attempts`, the attempts that failed before it."""
 
     terminated: bool
     rollout_id: str
     trace_id: str
+    attempt: int
     state: str
     reason: str | None
     reward: float | None

@@ -5,6 +5,12 @@ SPARRING_REMOTE_LEASE_SECONDS), then `finished` or `error` with a reason. A work
 its rollouts as errors on the way out; one that dies stops renewing, and the first status read (or
 any worker's start-up) after the lease lapses marks the rollout as an error. Nothing is ever
 reported finished that did not finish.
+
+eval-protocol retries a rollout that failed with a new init under the same rollout id: the row is
+then the rollout's current attempt, and a retry of one whose last attempt failed starts the next
+attempt, on a trace (so a state) of its own; a running or finished rollout is never started again.
+Each attempt tells the gateway it runs before its init answers, and one that runs past
+SPARRING_REMOTE_DEADLINE_SECONDS is stopped and ends as a deadline failure.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from app.remote.egress import EgressRule, RefusedDestination
 from app.remote.repository import RemoteRolloutRepository
 from app.remote.schemas import (
     CODE_ABORTED,
+    CODE_DEADLINE_EXCEEDED,
     CODE_FINISHED,
     CODE_INTERNAL,
     CODE_RUNNING,
@@ -85,6 +92,7 @@ class RemoteRolloutService:
         max_concurrent: int,
         lease_seconds: float,
         retry_after: int,
+        deadline_seconds: float = 120.0,
         report: Report | None = None,
         egress: EgressRule | None = None,
     ) -> None:
@@ -96,6 +104,7 @@ class RemoteRolloutService:
         self.max_concurrent = max_concurrent
         self.lease = timedelta(seconds=lease_seconds)
         self.retry_after = retry_after
+        self.deadline_s = deadline_seconds
         self._slots = 0
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._plans: dict[str, RolloutPlan] = {}
@@ -136,7 +145,9 @@ class RemoteRolloutService:
         return self._slots
 
     async def init(self, init: InitRequest) -> dict[str, Any]:
-        """Accept a rollout and start it in the background; a repeated init does not run it twice."""
+        """Accept a rollout and start an attempt of it in the background: the first, or the next one
+        when its last attempt failed (eval-protocol's retry). A finished rollout is never run again,
+        and a running one is not started twice, however many inits arrive at once."""
         rollout = plan(init)
         await self._check_destinations(rollout)
         if self._slots >= self.max_concurrent:
@@ -145,39 +156,73 @@ class RemoteRolloutService:
                 retry_after=self.retry_after,
             )
         self._slots += 1
-        started = False
+        started: RolloutPlan | None = None
         try:
-            now = _now()
-            async with self.database.session(write=True) as session:
-                claimed = await RemoteRolloutRepository(session).claim(
-                    {
-                        "rollout_id": rollout.rollout_id,
-                        "trace_id": rollout.trace_id,
-                        "run": rollout.run,
-                        "model": rollout.model[:200],
-                        "status": "running",
-                        "summary": {},
-                        "request": rollout.stored_request(),
-                        "worker": self.worker,
-                        "lease_until": now + self.lease,
-                        "created_at": now,
-                    }
-                )
-            if claimed:
-                task = asyncio.create_task(self._run(rollout), name=f"remote-rollout-{rollout.rollout_id}")
-                self._tasks[rollout.rollout_id] = task
-                self._plans[rollout.rollout_id] = rollout
-                started = True
+            current, started = await self._claim(rollout)
+            if started is not None:
+                self._plans[rollout.rollout_id] = started  # its lease is renewed from now on
+                await self._announce(started)
         finally:
-            if not started:
+            if started is None:
                 self._slots -= 1
+            else:  # even when the answer is cancelled: the claimed attempt runs and ends
+                task = asyncio.create_task(self._run(started), name=f"remote-rollout-{rollout.rollout_id}")
+                self._tasks[rollout.rollout_id] = task
+        return {
+            "rollout_id": rollout.rollout_id,
+            "trace_id": current.trace_id,
+            "run": current.run,
+            "accepted": True,
+            "started": started is not None,
+            "attempt": current.attempt,
+        }
+
+    async def _claim(self, rollout: RolloutPlan) -> tuple[RemoteRollout | RolloutPlan, RolloutPlan | None]:
+        """The rollout's current attempt, and the plan of the attempt this init starts (None when it
+        starts none: the rollout runs, or it finished)."""
+        if rollout.rollout_id in self._plans:  # running here: its lease is being renewed
+            return self._plans[rollout.rollout_id], None
+        if await self._write(lambda repo: repo.claim(self._row(rollout))):
+            return rollout, rollout
+        async with self.database.session(write=True) as session:
+            repo = RemoteRolloutRepository(session)
+            if await repo.fail_lost(_now(), LOST, rollout.rollout_id):
+                log.warning("remote rollout %s had lost its worker", rollout.rollout_id)
+        async with self.database.session() as session:
+            row = await RemoteRolloutRepository(session).get(rollout.rollout_id)
+        if row is None or row.status != "error":  # running, or finished: never run again
+            return row or rollout, None
+        retry = rollout.as_attempt(row.attempt + 1)
+        fields = {k: v for k, v in self._row(retry).items() if k != "rollout_id"}
+        if await self._write(lambda repo: repo.retry(row, fields)):
+            return retry, retry
+        async with self.database.session() as session:  # a concurrent init started it first
+            return (await RemoteRolloutRepository(session).get(rollout.rollout_id)) or retry, None
+
+    async def _write(self, statement: Callable[[RemoteRolloutRepository], Awaitable[bool]]) -> bool:
+        async with self.database.session(write=True) as session:
+            return await statement(RemoteRolloutRepository(session))
+
+    def _row(self, rollout: RolloutPlan) -> dict[str, Any]:
+        now = _now()
         return {
             "rollout_id": rollout.rollout_id,
             "trace_id": rollout.trace_id,
             "run": rollout.run,
-            "accepted": True,
-            "started": started,
+            "model": rollout.model[:200],
+            "status": "running",
+            "summary": {},
+            "request": rollout.stored_request(),
+            "worker": self.worker,
+            "lease_until": now + self.lease,
+            "created_at": now,
         }
+
+    async def _announce(self, rollout: RolloutPlan) -> None:
+        """Tell the gateway the attempt runs before /init answers: eval-protocol's processor reads the
+        latest status of the rollout id there, which would otherwise be the failed attempt's."""
+        if self.report is not None:
+            await self.report(rollout, {"status": status_of("running", CODE_RUNNING, None)})
 
     async def _check_destinations(self, rollout: RolloutPlan) -> None:
         """Refuse (400) URLs the server must not send to: the HTTP client checks every request again,
@@ -191,19 +236,8 @@ class RemoteRolloutService:
 
     async def _run(self, rollout: RolloutPlan) -> None:
         try:
-            try:
-                outcome = await self.execute(rollout)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # a bug in the runner: the rollout failed, the worker goes on
-                log.exception("remote rollout %s crashed", rollout.rollout_id)
-                # The exception's text stays in the log: it may quote what the model endpoint sent.
-                outcome = RolloutOutcome(
-                    status="error",
-                    code=CODE_INTERNAL,
-                    reason=f"internal error ({type(exc).__name__}); the server's log has the detail",
-                )
-            await self._record(rollout.rollout_id, outcome)
+            outcome = await self._outcome(rollout)
+            await self._record(rollout, outcome)
             if self.report is not None:
                 await self.report(
                     rollout,
@@ -218,7 +252,33 @@ class RemoteRolloutService:
             self._plans.pop(rollout.rollout_id, None)
             self._slots -= 1
 
-    async def _record(self, rollout_id: str, outcome: RolloutOutcome) -> None:
+    async def _outcome(self, rollout: RolloutPlan) -> RolloutOutcome:
+        """Run the attempt to its end, or stop it at the deadline (whose trainer no longer waits)."""
+        try:
+            async with asyncio.timeout(self.deadline_s) as deadline:
+                return await self.execute(rollout)
+        except asyncio.CancelledError:
+            raise
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            log.warning("remote rollout %s ran past its deadline and was stopped", rollout.rollout_id)
+            return RolloutOutcome(
+                status="error",
+                code=CODE_DEADLINE_EXCEEDED,
+                reason=f"deadline: the rollout ran past SPARRING_REMOTE_DEADLINE_SECONDS "
+                f"({self.deadline_s:g} s) and was stopped",
+            )
+        except Exception as exc:  # a bug in the runner: the rollout failed, the worker goes on
+            log.exception("remote rollout %s crashed", rollout.rollout_id)
+            # The exception's text stays in the log: it may quote what the model endpoint sent.
+            return RolloutOutcome(
+                status="error",
+                code=CODE_INTERNAL,
+                reason=f"internal error ({type(exc).__name__}); the server's log has the detail",
+            )
+
+    async def _record(self, rollout: RolloutPlan, outcome: RolloutOutcome) -> None:
         # As Postgres can hold it (NUL as U+FFFD): the model's final text is in the summary, and an
         # outcome that cannot be stored leaves the rollout running until its lease lapses.
         summary = storable({**outcome.summary, "status_code": outcome.code})
@@ -226,7 +286,8 @@ class RemoteRolloutService:
             try:
                 async with self.database.session(write=True) as session:
                     await RemoteRolloutRepository(session).finish(
-                        rollout_id,
+                        rollout.rollout_id,
+                        attempt=rollout.attempt,
                         worker=self.worker,
                         status=outcome.status,
                         reason=storable(outcome.reason),
@@ -238,14 +299,14 @@ class RemoteRolloutService:
                 return
             except ServiceUnavailable:
                 # The lease keeps the row running meanwhile; past it, the rollout reads as lost.
-                log.warning("cannot record remote rollout %s (attempt %d)", rollout_id, attempt + 1)
+                log.warning("cannot record remote rollout %s (try %d)", rollout.rollout_id, attempt + 1)
                 await asyncio.sleep(0.5 * (attempt + 1))
 
     async def _renew_leases(self) -> None:
         interval = self.lease.total_seconds() / 3
         while True:
             await asyncio.sleep(interval)
-            ids = list(self._tasks)
+            ids = list(self._plans)
             if not ids:
                 continue
             try:
@@ -274,6 +335,8 @@ def render_status(row: RemoteRollout) -> dict[str, Any]:
     status = status_of(row.status, code if isinstance(code, int) else CODE_ABORTED, row.reason)
     info: dict[str, Any] = {
         "trace_id": row.trace_id,
+        "attempt": row.attempt,
+        "earlier_attempts": list(row.earlier or []),
         "run": row.run,
         "state": row.status,
         "reason": row.reason,
@@ -285,6 +348,7 @@ def render_status(row: RemoteRollout) -> dict[str, Any]:
         "terminated": row.status != "running",
         "rollout_id": row.rollout_id,
         "trace_id": row.trace_id,
+        "attempt": row.attempt,
         "state": row.status,
         "reason": row.reason,
         "reward": row.reward,

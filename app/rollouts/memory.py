@@ -7,6 +7,7 @@ import copy
 import time
 import uuid
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from app.rollouts.store import (
@@ -40,6 +41,9 @@ class MemoryRolloutStore:
         self._rollouts: dict[str, _Rollout] = {}
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._last_sweep = time.time()
+        # Small records (episode sessions): key → (fields, when they expire, monotonic).
+        self._records: dict[str, tuple[dict[str, str], float]] = {}
+        self._last_record_sweep = time.monotonic()
 
     def _rollout(self, trace_id: str) -> _Rollout:
         now = time.time()
@@ -153,8 +157,60 @@ class MemoryRolloutStore:
         rollout = self._rollouts.get(trace_id)
         return rollout is not None and time.time() - rollout.last_seen <= self._ttl
 
+    def _record(self, key: str) -> dict[str, str] | None:
+        now = time.monotonic()
+        if len(self._records) > 1024 and now - self._last_record_sweep > 1.0:
+            self._last_record_sweep = now
+            for stale in [k for k, (_, expires) in self._records.items() if expires <= now]:
+                del self._records[stale]
+        found = self._records.get(key)
+        if found is None or found[1] <= now:
+            self._records.pop(key, None)
+            return None
+        return found[0]
+
+    async def record_put(
+        self,
+        key: str,
+        fields: Mapping[str, str],
+        *,
+        ttl_seconds: float,
+        create: bool,
+        unless_field: str | None = None,
+    ) -> bool:
+        record = self._record(key)
+        if create:
+            if record is not None:
+                return False
+            record = {}
+        elif record is None or (unless_field is not None and unless_field in record):
+            return False
+        record.update(fields)
+        self._records[key] = (record, time.monotonic() + ttl_seconds)
+        return True
+
+    async def record_get(self, key: str, *, ttl_seconds: float) -> dict[str, str] | None:
+        record = self._record(key)
+        if record is None:
+            return None
+        self._records[key] = (record, time.monotonic() + ttl_seconds)
+        return dict(record)
+
+    async def record_add(self, key: str, field: str, amount: int, *, ttl_seconds: float) -> int | None:
+        record = self._record(key)
+        if record is None:
+            return None
+        value = int(record.get(field, "0")) + amount
+        record[field] = str(value)
+        self._records[key] = (record, time.monotonic() + ttl_seconds)
+        return value
+
+    async def record_delete(self, key: str) -> bool:
+        return self._records.pop(key, None) is not None
+
     async def ping(self) -> None:
         return None
 
     async def aclose(self) -> None:
         self._rollouts.clear()
+        self._records.clear()

@@ -8,7 +8,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Iterable, Mapping
 from dataclasses import dataclass
 from string import Template
 from typing import Any, TypeVar
@@ -54,6 +54,31 @@ def _keys(trace_id: str, call_id: str | None, namespace: str = DEFAULT_KEY_PREFI
     # Without a call_id the ledger key is never read or written; it is named for the fixed layout only.
     call = _key_part(call_id) if call_id is not None else ""
     return [f"{prefix}:meta", f"{prefix}:state", f"{prefix}:call:{call}", f"{prefix}:lock"]
+
+
+# A small record (an episode session): written only if new, or only if present and `ARGV[2]` unset.
+_RECORD_PUT = """
+local exists = redis.call('EXISTS', KEYS[1]) == 1
+if ARGV[3] == '1' then
+  if exists then return 0 end
+else
+  if not exists then return 0 end
+  if ARGV[2] ~= '' and redis.call('HEXISTS', KEYS[1], ARGV[2]) == 1 then return 0 end
+end
+redis.call('HSET', KEYS[1], unpack(ARGV, 4))
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return 1
+"""
+_RECORD_ADD = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+local value = redis.call('HINCRBY', KEYS[1], ARGV[2], ARGV[3])
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return value
+"""
+
+
+def _record_key(key: str) -> str:
+    return f"sp:rec:{_key_part(key)}"
 
 
 def _text(value: Any) -> str:
@@ -103,6 +128,7 @@ class RedisRolloutStore:
             Script(Template(source).substitute(expiries)) for source in (BEGIN, FINISH, ABORT, EXTEND)
         )
         self._batcher = ScriptBatcher(client, op_timeout)
+        self._record_put, self._record_add = Script(_RECORD_PUT), Script(_RECORD_ADD)
         # Running calls that hold a claim or a lock → when it was last extended. One task extends
         # those due every third of the shorter expiry (a timer per call cost more than the call).
         self._live: dict[Ticket, float] = {}
@@ -349,6 +375,36 @@ class RedisRolloutStore:
     async def seen(self, trace_id: str) -> bool:
         # Every call that reads or changes the rollout's state touches its meta (see _BEGIN).
         return bool(await self._guard(self._redis.exists(self._key(trace_id, "meta"))))
+
+    # --- small records (episode sessions) ------------------------------------------------------------
+
+    async def record_put(
+        self,
+        key: str,
+        fields: Mapping[str, str],
+        *,
+        ttl_seconds: float,
+        create: bool,
+        unless_field: str | None = None,
+    ) -> bool:
+        pairs = [part for item in fields.items() for part in item]
+        args = [int(ttl_seconds * 1000), unless_field or "", "1" if create else "0", *pairs]
+        return bool(await self._guard(self._record_put(self._redis, [_record_key(key)], args)))
+
+    async def record_get(self, key: str, *, ttl_seconds: float) -> dict[str, str] | None:
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.hgetall(_record_key(key))
+        pipe.pexpire(_record_key(key), int(ttl_seconds * 1000))
+        raw, _ = await self._guard(pipe.execute())
+        return {_text(k): _text(v) for k, v in raw.items()} if raw else None
+
+    async def record_add(self, key: str, field: str, amount: int, *, ttl_seconds: float) -> int | None:
+        args = [int(ttl_seconds * 1000), field, amount]
+        value = await self._guard(self._record_add(self._redis, [_record_key(key)], args))
+        return None if value is None else int(value)
+
+    async def record_delete(self, key: str) -> bool:
+        return bool(await self._guard(self._redis.delete(_record_key(key))))
 
     async def ping(self) -> None:
         await self._guard(self._redis.ping())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -107,6 +108,36 @@ class RolloutStore(Protocol):
 
     async def seen(self, trace_id: str) -> bool:
         """Whether the store holds the rollout (a call with its state touched it, and it has not expired)."""
+        ...
+
+    # --- small records beside the rollouts (episode sessions): a hash of text fields with an expiry ---
+
+    async def record_put(
+        self,
+        key: str,
+        fields: Mapping[str, str],
+        *,
+        ttl_seconds: float,
+        create: bool,
+        unless_field: str | None = None,
+    ) -> bool:
+        """Write `fields` of the record `key` and restart its expiry, atomically; whether it was written.
+
+        `create`: only if no record `key` exists (a new one). Otherwise only if it exists (an ended or
+        expired record is never brought back) and, with `unless_field`, that field is not set yet.
+        """
+        ...
+
+    async def record_get(self, key: str, *, ttl_seconds: float) -> dict[str, str] | None:
+        """The record's fields (None once deleted or expired); reading it restarts its expiry."""
+        ...
+
+    async def record_add(self, key: str, field: str, amount: int, *, ttl_seconds: float) -> int | None:
+        """Add `amount` to an integer field of a record, atomically; the new value (None: no record)."""
+        ...
+
+    async def record_delete(self, key: str) -> bool:
+        """Delete the record; whether it existed."""
         ...
 
     async def ping(self) -> None: ...

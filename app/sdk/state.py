@@ -79,6 +79,11 @@ class RolloutState:
                     merged[key] = None
         return list(merged)
 
+    def changed(self, collection: str) -> set[str]:
+        """The keys of a collection this rollout changed (written or deleted): every other record is the
+        base's own, so two states over one base can differ only at the keys either of them changed."""
+        return set(self._changes.get(collection, {})) | set(self._writes.get(collection, {}))
+
     def items(self, collection: str) -> Iterator[tuple[str, Any]]:
         """Every current record of a collection, without copying: read them, do not modify them."""
         for key in self.keys(collection):

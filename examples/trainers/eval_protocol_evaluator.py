@@ -6,6 +6,14 @@ and the tools through its own tool service under a trace id derived from the rol
 trainer's side the evaluator scores the rollout by calling sparring's grader with that trace id, so
 the grade reads what sparring recorded (the calls, the final state), not a replay.
 
+A rollout that failed is retried by eval-protocol under the same rollout id, and sparring runs the
+retry as a new attempt with a trace of its own: the trace id to grade is the one the end carried
+(`execution_metadata.extra["trace_id"]`, which the processor copies from the gateway's log).
+
+The processor waits `timeout_seconds` (120 s by default) for each rollout; sparring stops a rollout
+after SPARRING_REMOTE_DEADLINE_SECONDS (120 s by default). For longer rollouts raise both, the
+processor's a little above sparring's, as below.
+
 Written against eval-protocol 0.3.33 (`evaluation_test`, `RemoteRolloutProcessor`, `EvaluationRow`,
 `EvaluateResult`).
 """
@@ -42,11 +50,17 @@ def sparring_lines(lines: list[dict[str, Any]]) -> list[EvaluationRow]:
     input_dataset=["retail-train.jsonl"],
     dataset_adapter=sparring_lines,
     completion_params=[{"model": "accounts/fireworks/models/qwen3-8b", "temperature": 0.7}],
-    rollout_processor=RemoteRolloutProcessor(remote_base_url=os.environ["SPARRING_REMOTE_URL"]),
+    # With SPARRING_REMOTE_DEADLINE_SECONDS=570 on the server: sparring ends a rollout first, so the
+    # processor reads (and retries) sparring's deadline failure instead of timing out itself.
+    rollout_processor=RemoteRolloutProcessor(
+        remote_base_url=os.environ["SPARRING_REMOTE_URL"], timeout_seconds=600
+    ),
     mode="pointwise",
 )
 def test_retail(row: EvaluationRow) -> EvaluationRow:
-    trace_id = remote_trace_id(row.execution_metadata.rollout_id or "")
+    # The trace of the attempt that finished (a retry has its own); the first attempt's otherwise.
+    extra = row.execution_metadata.extra or {}
+    trace_id = extra.get("trace_id") or remote_trace_id(row.execution_metadata.rollout_id or "")
     answer = row.last_assistant_message()
     text = answer.content if answer is not None and isinstance(answer.content, str) else ""
     try:

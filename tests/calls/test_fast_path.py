@@ -7,7 +7,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.calls.routes import NOT_A_TOOL_CALL, tool_call_target
+from app.calls.routes import NOT_A_TOOL_CALL, tool_call_pack, tool_call_target
 from app.deps import app_state
 from tests.conftest import ADMIN_KEY, call_body, new_trace
 
@@ -23,6 +23,13 @@ def scope(method: str, path: str, root_path: str = "") -> dict[str, Any]:
         ("POST", "/tools", "", None),
         ("POST", "/sparring/tools/increment", "/sparring", "increment"),
         ("POST", "/sparring/tools", "/sparring", None),
+        ("POST", "/packs/airline/tools/calculate", "", "calculate"),
+        ("POST", "/packs/airline/tools", "", None),
+        ("POST", "/sparring/packs/airline/tools/calculate", "/sparring", "calculate"),
+        ("POST", "/packs//tools/calculate", "", NOT_A_TOOL_CALL),
+        ("POST", "/packs/airline", "", NOT_A_TOOL_CALL),
+        ("POST", "/packs/airline/tools/a/b", "", NOT_A_TOOL_CALL),
+        ("POST", "/packs/airline/toolsx", "", NOT_A_TOOL_CALL),
         ("GET", "/tools/increment", "", NOT_A_TOOL_CALL),
         ("GET", "/tools", "", NOT_A_TOOL_CALL),
         ("POST", "/tools/", "", NOT_A_TOOL_CALL),
@@ -36,6 +43,12 @@ def test_only_the_tool_call_routes_take_the_fast_path(
     method: str, path: str, root_path: str, target: str | None
 ) -> None:
     assert tool_call_target(scope(method, path, root_path)) == target
+
+
+def test_a_pack_qualified_path_names_its_pack() -> None:
+    assert tool_call_pack(scope("POST", "/packs/airline/tools/calculate")) == "airline"
+    assert tool_call_pack(scope("POST", "/sparring/packs/retail/tools", "/sparring")) == "retail"
+    assert tool_call_pack(scope("POST", "/tools/calculate")) is None
 
 
 def test_websocket_and_lifespan_scopes_pass_through() -> None:
@@ -110,7 +123,7 @@ async def test_a_client_gone_before_its_body_gets_no_answer(client: httpx.AsyncC
 async def test_the_openapi_tool_routes_are_exactly_the_fast_path(client: httpx.AsyncClient) -> None:
     """The OpenAPI document cannot drift from the one tool-call implementation: same paths, same answer."""
     from app.calls.envelope import ToolCallOutput
-    from app.calls.routes import TOOL_PATH, TOOLS_PATH
+    from app.calls.routes import PACK_TOOL_PATH, PACK_TOOLS_PATH, TOOL_PATH, TOOLS_PATH
 
     r = await client.get("/openapi.json", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
     document = r.json()
@@ -118,9 +131,10 @@ async def test_the_openapi_tool_routes_are_exactly_the_fast_path(client: httpx.A
     described = {
         path
         for path in posted
-        if tool_call_target(scope("POST", path.replace("{name}", "x"))) != NOT_A_TOOL_CALL
+        if tool_call_target(scope("POST", path.replace("{name}", "x").replace("{pack}", "p")))
+        != NOT_A_TOOL_CALL
     }
-    assert described == {TOOLS_PATH, TOOL_PATH}
+    assert described == {TOOLS_PATH, TOOL_PATH, PACK_TOOLS_PATH, PACK_TOOL_PATH}
     for path in described:
         operation = document["paths"][path]["post"]
         answer = operation["responses"]["200"]["content"]["application/json"]["schema"]

@@ -7,14 +7,21 @@ served behind a front that eval-protocol's URLs need and the runner's tests do n
   (`/rollout_id/<id>/invocation_id/...`) works; every prefix is recorded;
 - the request's `model` names a script, a list of `Turn`s; the turn played is the number of assistant
   messages already in the request, so any number of rollouts run at once without state here;
-  model `down` answers 503, model `hold` answers only once `release()` is called;
+  model `down` answers 503, model `hold` answers only once `release()` is called, model `stall` never
+  answers (until the server stops); model `flaky` plays its script, but on a rollout whose end the
+  gateway has not yet seen fail it answers 503 from its second turn on (so a rollout's first attempt
+  changes state, then fails, and its retry succeeds);
 - hostile models, as a model server may behave: `forbidden` answers 403 with an internal service's
   error text (`SECRET`), `garbage` a 200 that is not JSON, `truncated` a 200 of cut JSON, `trickle`
   a 200 whose body comes one byte every 0.2 s for two minutes, `huge` a valid completion of
   `HUGE_TEXT` bytes, `huge-gzip` the same compressed to a few kilobytes, `redirect` a 307 to
   `redirect_to`;
-- eval-protocol's tracing gateway: `POST /logs` keeps the logs a rollout server posts, and
-  `GET /v1/status?rollout_id=` answers the status of the last one tagged with that rollout.
+- eval-protocol's tracing gateway, as its processor and logging handler (eval-protocol 0.3.33's
+  `FireworksTracingAdapter`, `FireworksTracingHttpHandler`) speak to it: `POST /logs` keeps the logs a
+  rollout server posts, `GET /v1/status?rollout_id=` answers the status of the last one tagged with
+  that rollout, `GET /logs?tags=` answers the logs with those tags (`entries`, newest first), and
+  `GET /v1/traces/pointwise?tags=` the trace of the rollout's last completion (its request's messages
+  and the model's answer), as the tracing proxy records it from the model URL's path.
 """
 
 from __future__ import annotations
@@ -26,10 +33,10 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import uvicorn
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Query, Request, Response
 from starlette.types import Message, Receive, Scope, Send
 
 from tests.runner.model_server import Call, ModelRequest, Reply, Unavailable
@@ -39,6 +46,12 @@ CHAT = "/chat/completions"
 RESPONSES = "/responses"  # hostile models only: the runner's `sparring eval` tests speak both APIs
 SECRET = "internal-billing-service: token=hunter2"
 HUGE_TEXT = 1_200_000  # over 1 MiB, the grade routes' limit, and under the remote's default model cap
+
+
+def rollout_of(path: str) -> str | None:
+    """The rollout id in a tracing URL's path (`.../rollout_id/<id>/...`), if it has one."""
+    parts = path.split("/")
+    return parts[parts.index("rollout_id") + 1] if "rollout_id" in parts[:-1] else None
 
 
 def completion(text: str) -> bytes:
@@ -72,6 +85,7 @@ class ModelServer:
         self.prefixes: list[str] = []
         self.logs: list[dict[str, Any]] = []
         self.log_headers: list[dict[str, str]] = []
+        self.traces: dict[str, dict[str, Any]] = {}  # rollout id -> its last completion
         self._released = threading.Event()
         self._stopping = threading.Event()
         self.redirect_to = ""
@@ -115,18 +129,65 @@ class ModelServer:
             if not message.get("more_body"):
                 break
         body = b"".join(m.get("body", b"") for m in messages)
-        model = json.loads(body).get("model")
+        request = json.loads(body)
+        model = request.get("model")
+        rollout_id = rollout_of(path)
         if model == "hold":
             await asyncio.to_thread(self._released.wait, 60)
+        if model == "stall":
+            await self._stall()
+            await self._answer(send, 503, b'{"error": {"message": "stalled"}}')
+            return
         if model in HOSTILE:
             await getattr(self, HOSTILE[model])(send)
+            return
+        if model == "flaky" and self._fails(rollout_id, request):
+            await self._answer(send, 503, b'{"error": {"message": "overloaded"}}')
             return
 
         async def replay() -> Message:
             return messages.pop(0) if messages else {"type": "http.disconnect"}
 
-        path = "/v1" + CHAT
-        await self._chat({**scope, "path": path, "raw_path": path.encode()}, replay, send)
+        chat = "/v1" + CHAT
+        sent = send if rollout_id is None else self._tracer(rollout_id, request, send)
+        await self._chat({**scope, "path": chat, "raw_path": chat.encode()}, replay, sent)
+
+    def _fails(self, rollout_id: str | None, request: dict[str, Any]) -> bool:
+        """`flaky`: past its first turn, down until the gateway saw the rollout fail once."""
+        turn = sum(1 for m in request.get("messages", []) if m.get("role") == "assistant")
+        failed = any(
+            (log.get("status") or {}).get("code") not in (100, 101) for log in self.tagged(rollout_id or "")
+        )
+        return turn >= 1 and not failed
+
+    async def _stall(self) -> None:
+        await asyncio.to_thread(self._stopping.wait, 60)
+
+    def _tracer(self, rollout_id: str, request: dict[str, Any], send: Send) -> Send:
+        """`send`, recording a successful completion as the rollout's trace (the tracing proxy's job)."""
+        chunks: list[bytes] = []
+        status = [0]
+
+        async def traced(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            else:
+                chunks.append(message.get("body", b""))
+                if status[0] == 200 and not message.get("more_body"):
+                    answer = json.loads(b"".join(chunks))["choices"][0]["message"]
+                    self.traces[rollout_id] = {
+                        "id": f"trace-{rollout_id}",
+                        "tags": [f"rollout_id:{rollout_id}"],
+                        "input": {"messages": request.get("messages", []), "tools": request.get("tools")},
+                        "output": answer,
+                    }
+            await send(message)
+
+        return traced
+
+    def tagged(self, rollout_id: str) -> list[dict[str, Any]]:
+        """The logs posted for `rollout_id`, oldest first."""
+        return [log for log in self.logs if f"rollout_id:{rollout_id}" in log.get("tags", [])]
 
     async def _answer(
         self, send: Send, status: int, body: bytes, content_type: bytes = b"application/json", **headers: str
@@ -180,8 +241,18 @@ class ModelServer:
 
         @app.get("/v1/status")
         async def status(rollout_id: str) -> dict[str, Any]:
-            tagged = [log for log in self.logs if f"rollout_id:{rollout_id}" in log.get("tags", [])]
+            tagged = self.tagged(rollout_id)
             return {"rollout_id": rollout_id, "status": tagged[-1]["status"] if tagged else None}
+
+        @app.get("/logs")
+        async def search(tags: Annotated[list[str], Query()]) -> dict[str, Any]:
+            found = [log for log in self.logs if set(tags) <= set(log.get("tags", []))]
+            return {"entries": found[::-1]}
+
+        @app.get("/v1/traces/pointwise")
+        async def traces(tags: Annotated[list[str], Query()]) -> dict[str, Any]:
+            ids = [tag.split(":", 1)[1] for tag in tags if tag.startswith("rollout_id:")]
+            return {"traces": [self.traces[i] for i in ids if i in self.traces]}
 
         return app
 

@@ -17,6 +17,14 @@ async def test_init_and_status_declare_their_response_models(client: httpx.Async
     assert answer_schema("/remote/init", "post").endswith("/InitResponse")
     assert answer_schema("/remote/status", "get").endswith("/StatusResponse")
     status = document["components"]["schemas"]["StatusResponse"]
-    assert {"terminated", "rollout_id", "trace_id", "state", "reason", "reward", "status", "info"} == set(
-        status["properties"]
-    )
+    assert {
+        "terminated",
+        "rollout_id",
+        "trace_id",
+        "attempt",
+        "state",
+        "reason",
+        "reward",
+        "status",
+        "info",
+    } == set(status["properties"])

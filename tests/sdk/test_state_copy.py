@@ -51,3 +51,13 @@ def test_state_hands_out_and_keeps_private_copies() -> None:
     record["items"].append({"sku": "b"})  # changing it after put changes nothing stored
     assert state.get("orders", "o1") == {"items": [{"sku": "a", "qty": 5}]}
     assert state.writes == {"orders": {"o1": {"items": [{"sku": "a", "qty": 5}]}}}
+
+
+def test_changed_names_the_keys_a_rollout_wrote_or_deleted() -> None:
+    base = {"users": {"a": {"n": 1}, "b": {"n": 2}}}
+    state = RolloutState(base, {"users": {"b": {"n": 3}}}, writable=True)
+    assert state.changed("users") == {"b"}
+    state.put("users", "c", {"n": 4})
+    state.delete("users", "a")
+    assert state.changed("users") == {"a", "b", "c"}
+    assert state.changed("orders") == set()

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
@@ -14,10 +14,12 @@ from app.sdk import CheckResult, GradingConfigError, RolloutState, RolloutView
 from app.sdk.state import Changes
 from tools.retail.data import RetailData
 from tools.retail.records import COLLECTIONS, canonical_record
-from tools.retail.tasks import ToolCall, calls_from_actions, get_task, replay
+from tools.retail.tasks import RetailTask, ToolCall, calls_from_actions, get_task, replay
 from tools.retail.tools import database, pack
 
 NO_TOOL_CALLS = "no_tool_calls"
+
+T = TypeVar("T")
 
 
 class RetailItemError(GradingConfigError, ValueError):
@@ -44,56 +46,74 @@ def gold_changes(calls: Sequence[ToolCall], directory: Path) -> Changes:
 
 
 def database_differences(actual: RolloutState, expected: RolloutState) -> list[str]:
-    """`collection/key` of every record that differs, compared as τ²-bench compares databases.
+    """`collection/key` of every record that differs, compared as τ²-bench compares databases."""
+    return differing_records(actual, expected, COLLECTIONS, canonical_record)
+
+
+def differing_records(
+    actual: RolloutState,
+    expected: RolloutState,
+    collections: Sequence[str],
+    canonical: Callable[[str, Mapping[str, Any]], Mapping[str, Any]],
+) -> list[str]:
+    """`collection/key` of every record that differs between two states over one base.
 
     The reference hashes `json.dumps(db.model_dump(), sort_keys=True, default=str)`; comparing that text
-    record by record is the same test, and records both sides still share with the base (the same
-    object) need no comparison at all.
+    record by record (each record in its `canonical` dump) is the same test. Both states share the
+    pack's base, so only the records either of them changed can differ: a grade reads a few records.
     """
     differences = []
-    for collection in COLLECTIONS:
-        mine = dict(actual.items(collection))
-        gold = dict(expected.items(collection))
-        for key in sorted(mine.keys() | gold.keys()):
-            record, reference = mine.get(key), gold.get(key)
-            if record is reference:
-                continue
-            if (
-                record is None
-                or reference is None
-                or _text(collection, record) != _text(collection, reference)
-            ):
+    for collection in collections:
+        for key in sorted(actual.changed(collection) | expected.changed(collection)):
+            record, reference = actual.get(collection, key), expected.get(collection, key)
+            if record is None or reference is None:
+                if record is not reference:
+                    differences.append(f"{collection}/{key}")
+            elif _text(canonical(collection, record)) != _text(canonical(collection, reference)):
                 differences.append(f"{collection}/{key}")
     return differences
 
 
-def _text(collection: str, record: Mapping[str, Any]) -> str:
-    return json.dumps(canonical_record(collection, record), sort_keys=True, default=str)
+def _text(record: Mapping[str, Any]) -> str:
+    return json.dumps(record, sort_keys=True, default=str)
 
 
 def expectations(item: Mapping[str, Any], directory: Path) -> tuple[list[ToolCall], list[str]]:
     """The gold calls and the facts to communicate for a dataset row: its own fields, else its task's."""
+    return row_expectations(item, row_task(item, lambda task_id: get_task(directory, task_id)), "retail")
+
+
+def row_task(item: Mapping[str, Any], lookup: Callable[[str], T]) -> T | None:
+    """The task a row's `task_id` names (`lookup` raises KeyError for an unknown id), or None."""
     task_id = item.get("task_id")
-    task = None
-    if isinstance(task_id, (str, int)) and not isinstance(task_id, bool):
-        try:
-            task = get_task(directory, str(task_id))
-        except KeyError:
-            task = None
+    if not isinstance(task_id, (str, int)) or isinstance(task_id, bool):
+        return None
+    try:
+        return lookup(str(task_id))
+    except KeyError:
+        return None
+
+
+def row_expectations(
+    item: Mapping[str, Any],
+    task: RetailTask | None,
+    grader: str,
+    error: type[RetailItemError] = RetailItemError,
+) -> tuple[list[ToolCall], list[str]]:
+    """A τ²-bench row's gold calls and facts to communicate: its own `actions` and `communicate_info`,
+    else its task's. `error` (the grader's own RetailItemError) when it has neither actions nor a task."""
     actions = item.get("actions")
     if isinstance(actions, list):
         try:
             calls = calls_from_actions(actions)
         except ValidationError as exc:
-            raise RetailItemError(
-                f"item.actions is not a list of {{name, arguments}} objects: {exc}"
-            ) from exc
+            raise error(f"item.actions is not a list of {{name, arguments}} objects: {exc}") from exc
     elif task is not None:
         calls = [(a.name, dict(a.arguments)) for a in task.evaluation_criteria.actions]
     else:
-        raise RetailItemError(
-            "the retail grader needs the dataset row's `actions` or a known `task_id`; "
-            f"the item it received has neither (task_id={task_id!r})"
+        raise error(
+            f"the {grader} grader needs the dataset row's `actions` or a known `task_id`; "
+            f"the item it received has neither (task_id={item.get('task_id')!r})"
         )
     info = item.get("communicate_info")
     if isinstance(info, list) and all(isinstance(entry, str) for entry in info):

@@ -90,7 +90,11 @@ def build_dataset(directory: Path, split: Split) -> list[dict[str, Any]]:
 
 def write_dataset(directory: Path, split: Split, out: Path) -> int:
     """Write a split as JSONL to `out` and return the number of lines written."""
-    lines = build_dataset(directory, split)
+    return write_lines(build_dataset(directory, split), out)
+
+
+def write_lines(lines: list[dict[str, Any]], out: Path) -> int:
+    """Write dataset lines as JSONL to `out` (non-ASCII kept as is) and return how many."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", encoding="utf-8") as handle:
         for line in lines:

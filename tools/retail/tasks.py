@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from app.sdk import Base, RolloutState, ToolContext, ToolError
+from app.sdk import Base, RolloutState, ToolContext, ToolError, ToolSpec
 from app.sdk.state import Changes
 from tools.retail import data
 from tools.retail.tools import pack
@@ -134,15 +134,22 @@ class Replay:
 _gold_logger = logging.LoggerAdapter(logging.getLogger("sparring.tools.retail"), {"trace_id": "replay"})
 
 
-def replay(calls: Sequence[ToolCall], *, base: Base, trace_id: str = "replay") -> Replay:
-    """Run calls one after another through the pack's own tool functions on a fresh copy of the store.
+def replay(
+    calls: Sequence[ToolCall],
+    *,
+    base: Base,
+    trace_id: str = "replay",
+    tools: Mapping[str, ToolSpec] | None = None,
+) -> Replay:
+    """Run calls one after another through a pack's own tool functions on a fresh copy of its base.
 
     Each call sees the changes of the calls before it; a call that fails (unknown tool, bad arguments,
     a ToolError) changes nothing, like a failed call in a rollout. `base` is the store as shipped
-    (`tools.retail.tools.database(directory)`).
+    (`tools.retail.tools.database(directory)`); `tools` are the retail tools unless given (another
+    τ²-bench pack's, such as the airline's).
     """
     store = base
-    tools = pack.tools
+    tools = pack.tools if tools is None else tools
     changes: Changes = {}
     results: list[ReplayedCall] = []
     for name, arguments in calls:

@@ -1,0 +1,161 @@
+"""A step and the end of an episode: a tool call through the one call service, `submit` as a grade.
+
+Both front doors (OpenEnv, ORS) call these: a step is `ToolCallService.call` on the session's rollout
+(validated, exactly-once, logged with the session's channel and run label), and `submit` grades with
+the pack's grader through `GradingService.grade`, the path `POST /grade/<pack>` takes, so the grade is
+stored and reviewed like any other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from app.calls.envelope import ToolCallEnvelope
+from app.deps import AppState
+from app.episodes.sessions import EpisodeSession, SessionStore
+from app.errors import ServiceUnavailable, SparringError, StartupError, answer_to
+from app.packs import Registry
+
+SUBMIT = "submit"  # the reserved terminal call: not a tool of any pack, never in a tool list
+SUBMIT_ARG = "answer"
+SUBMIT_DESCRIPTION = (
+    "End the episode with your final answer: your final message to the user, as text. It is graded "
+    "and the episode ends; no call is accepted after it."
+)
+
+
+class EpisodeFinished(SparringError):
+    """A call or a submit after `submit` ended the episode."""
+
+    status_code = 409
+    code = "episode_finished"
+
+    def __init__(self, message: str = "the episode has ended (submit was called)") -> None:
+        super().__init__(message)
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """A step's answer: the output `POST /tools/<name>` gives on the same state, and whether it is an
+    `Error: ...` the model made (`is_error`)."""
+
+    output: str
+    is_error: bool
+    call_id: str
+    outcome: str
+
+
+def check_submit_is_free(registry: Registry) -> None:
+    """Refuse to start when a pack defines a tool named like the reserved terminal call."""
+    for pack, tools in registry.pack_tools.items():
+        if SUBMIT in tools:
+            raise StartupError(
+                f"pack {pack!r} defines a tool named {SUBMIT!r}, the episode protocols' "
+                "terminal call: rename the tool, or set SPARRING_ENV_PROTOCOLS to none"
+            )
+
+
+def _failure(services: AppState, exc: Exception) -> Exception:
+    """What a front door maps: a SparringError as it is, a database or Redis error as its 503, a bug as
+    it is (a 500)."""
+    return answer_to(exc, services.settings.retry_after_seconds) or exc
+
+
+def session_store(services: AppState) -> SessionStore:
+    """The session records of the app's state store."""
+    return SessionStore(services.store, ttl_seconds=services.settings.episode_ttl_seconds)
+
+
+def tool_specs(registry: Registry, pack: str) -> list[dict[str, Any]]:
+    """The pack's tools as the protocols list them: exactly `name`, `description` and `input_schema`
+    (`GET /tools?pack=`' `parameters`), in that order; `submit` is not among them. A name the pack
+    shares with another enabled pack is listed too: an episode's calls go to its own pack's tools."""
+    return [
+        {"name": spec.name, "description": spec.description, "input_schema": spec.parameters}
+        for spec in registry.pack_tools.get(pack, {}).values()
+    ]
+
+
+def grader_for(services: AppState, pack: str) -> str | None:
+    """The grader of a pack's episodes: the one named after the pack, else the default, else none."""
+    graders = services.grading.graders
+    if pack in graders:
+        return pack
+    default = services.grading.default
+    return default if default in graders else None
+
+
+async def call_tool(
+    services: AppState, session: EpisodeSession, name: str, arguments: Any, call_id: str
+) -> StepResult:
+    """One step: the call `name(arguments)` on the session's rollout, under `call_id` (a retry with the
+    same id is replayed, not run again).
+
+    Raises EpisodeFinished after `submit`, ServiceUnavailable (503) on an outage, ToolCrashed when the
+    tool crashed; a model mistake is an answer (`is_error`), never an exception.
+    """
+    if session.done:
+        raise EpisodeFinished
+    envelope = ToolCallEnvelope(
+        type="function_call",
+        call_id=call_id,
+        name=name,
+        arguments=arguments,
+        trace_id=session.trace_id,
+        item=session.row or {},
+    )
+    try:
+        answered = await services.call_service.call(
+            envelope, path_name=None, run=session.run or None, channel=session.channel, pack=session.pack
+        )
+    except Exception as exc:
+        failure = _failure(services, exc)
+        if failure is exc:
+            raise
+        raise failure from exc
+    await session_store(services).count_step(session)
+    # Every answer but `ok` is an `Error: ...` (model_error, call_id_reused).
+    return StepResult(
+        output=answered.output.output,
+        is_error=answered.outcome != "ok",
+        call_id=call_id,
+        outcome=answered.outcome,
+    )
+
+
+async def submit(
+    services: AppState, session: EpisodeSession, answer: str, *, call_id: str | None = None
+) -> float | None:
+    """End the episode with `answer`: its reward, the pack grader's score (None without a grader).
+
+    The grade is `POST /grade/<grader>`'s: sample `{"output_text": answer}`, item the session's row,
+    the session's trace, stored with its flags. An outage (ServiceUnavailable) leaves the episode open
+    for a retry; a grader that cannot grade (a config error, state gone) ends it and raises. A retry
+    of the submit that ended the episode (the same `call_id`) gets its reward again; any other call
+    after it raises EpisodeFinished.
+    """
+    if session.done and call_id is not None and session.submit_call_id == call_id:
+        return session.reward
+    sessions = session_store(services)
+    if session.done or not await sessions.claim_submit(session):
+        raise EpisodeFinished
+    grader = grader_for(services, session.pack)
+    reward: float | None = None
+    if grader is not None:
+        try:
+            result = await services.grading.grade(
+                grader, {"output_text": answer}, session.row or {}, session.trace_id, run=session.run or None
+            )
+        except Exception as exc:
+            failure = _failure(services, exc)
+            if isinstance(failure, ServiceUnavailable):
+                await sessions.release_submit(session)
+            else:
+                await sessions.finish(session, None, call_id=call_id)
+            if failure is exc:
+                raise
+            raise failure from exc
+        reward = result.score
+    await sessions.finish(session, reward, call_id=call_id)
+    return reward

@@ -1,0 +1,172 @@
+"""Episode sessions: which rollout a protocol session drives, kept in the app's state store.
+
+A session record lives beside the rollouts in the state store (Redis, or memory for the embedded
+default), so any worker answers any request of a session. Each field has one writer: `save` the
+episode (pack, trace, row), `count_step` the step counter, `finish` the end; a step never rewrites
+`done`, so a call running while `submit` ends the episode cannot reopen it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from app.rollouts.store import RolloutStore
+
+# Session ids come from clients (ORS's X-Session-ID); longer ones name no session.
+SID_MAX = 128
+
+
+@dataclass
+class EpisodeSession:
+    """One protocol session: the rollout (`trace_id`) it drives, the task row, and how it ended.
+
+    `pack` is empty until the session has a task (ORS opens a session before `/create` gives it one).
+    """
+
+    sid: str
+    pack: str
+    trace_id: str
+    row: dict[str, Any] | None
+    done: bool
+    reward: float | None
+    step_count: int
+    channel: str
+    run: str
+    # The call id of the `submit` that ended the episode: a retry of it is answered its reward again.
+    submit_call_id: str | None = None
+
+    @property
+    def started(self) -> bool:
+        return bool(self.pack)
+
+
+def _key(sid: str) -> str:
+    return f"episode:{sid}"
+
+
+def _episode_fields(session: EpisodeSession) -> dict[str, str]:
+    return {
+        "pack": session.pack,
+        "trace_id": session.trace_id,
+        "row": orjson.dumps(session.row).decode(),
+        "channel": session.channel,
+        "run": session.run,
+    }
+
+
+def _end_fields(done: bool, reward: float | None) -> dict[str, str]:
+    return {"done": "1" if done else "0", "reward": orjson.dumps(reward).decode()}
+
+
+def _session(sid: str, fields: dict[str, str]) -> EpisodeSession:
+    row = orjson.loads(fields["row"]) if fields.get("row") else None
+    reward = orjson.loads(fields["reward"]) if fields.get("reward") else None
+    return EpisodeSession(
+        sid=sid,
+        pack=fields.get("pack", ""),
+        trace_id=fields.get("trace_id", ""),
+        row=row if isinstance(row, dict) else None,
+        done=fields.get("done") == "1",
+        reward=float(reward) if isinstance(reward, int | float) else None,
+        step_count=int(fields.get("steps", "0")),
+        channel=fields.get("channel", ""),
+        run=fields.get("run", ""),
+        submit_call_id=fields.get("submit_call") or None,
+    )
+
+
+class SessionStore:
+    """Session records over the app's `RolloutStore`; each expires `ttl_seconds` after its last use."""
+
+    def __init__(self, store: RolloutStore, *, ttl_seconds: float) -> None:
+        self.store = store
+        self.ttl = ttl_seconds
+
+    async def create(
+        self,
+        *,
+        pack: str,
+        trace_id: str,
+        row: dict[str, Any] | None,
+        channel: str,
+        run: str,
+        sid: str | None = None,
+    ) -> EpisodeSession | None:
+        """A new session (`sid`: a fresh uuid4 unless given); None if a session `sid` already exists."""
+        session = EpisodeSession(
+            sid=sid or str(uuid.uuid4()),
+            pack=pack,
+            trace_id=trace_id,
+            row=row,
+            done=False,
+            reward=None,
+            step_count=0,
+            channel=channel,
+            run=run,
+        )
+        fields = _episode_fields(session) if pack else {"trace_id": trace_id, "channel": channel, "run": run}
+        fields |= {**_end_fields(False, None), "steps": "0", "submits": "0"}
+        created = await self.store.record_put(_key(session.sid), fields, ttl_seconds=self.ttl, create=True)
+        return session if created else None
+
+    async def get(self, sid: str) -> EpisodeSession | None:
+        """The session `sid` (None when unknown, closed or expired); reading it keeps it alive."""
+        if not sid or len(sid) > SID_MAX:
+            return None
+        fields = await self.store.record_get(_key(sid), ttl_seconds=self.ttl)
+        return _session(sid, fields) if fields is not None else None
+
+    async def save(self, session: EpisodeSession) -> bool:
+        """Write the session's episode (pack, trace, row, labels) and its end state, step count reset to
+        `session.step_count`; False when the session no longer exists (closed or expired)."""
+        fields = {
+            **_episode_fields(session),
+            **_end_fields(session.done, session.reward),
+            "steps": str(session.step_count),
+            "submits": "1" if session.done else "0",
+        }
+        return await self.store.record_put(_key(session.sid), fields, ttl_seconds=self.ttl, create=False)
+
+    async def start(self, session: EpisodeSession) -> bool:
+        """Give a session made without a task its episode: only once (False if it has one already or
+        no longer exists)."""
+        return await self.store.record_put(
+            _key(session.sid),
+            _episode_fields(session),
+            ttl_seconds=self.ttl,
+            create=False,
+            unless_field="pack",
+        )
+
+    async def count_step(self, session: EpisodeSession) -> None:
+        count = await self.store.record_add(_key(session.sid), "steps", 1, ttl_seconds=self.ttl)
+        if count is not None:
+            session.step_count = count
+
+    async def claim_submit(self, session: EpisodeSession) -> bool:
+        """Whether this is the session's one `submit` (concurrent submits: only one grades)."""
+        count = await self.store.record_add(_key(session.sid), "submits", 1, ttl_seconds=self.ttl)
+        return count == 1
+
+    async def release_submit(self, session: EpisodeSession) -> None:
+        """A submit that could not grade (an outage): the next one may try again."""
+        await self.store.record_add(_key(session.sid), "submits", -1, ttl_seconds=self.ttl)
+
+    async def finish(
+        self, session: EpisodeSession, reward: float | None, *, call_id: str | None = None
+    ) -> None:
+        """Mark the episode done with its reward (None: not graded, or ended by an error) and the call id
+        of the submit that ended it."""
+        session.done, session.reward, session.submit_call_id = True, reward, call_id
+        fields = {**_end_fields(True, reward), "submit_call": call_id or ""}
+        await self.store.record_put(_key(session.sid), fields, ttl_seconds=self.ttl, create=False)
+
+    async def close(self, sid: str) -> bool:
+        """End the session (its rollout, log and state stay); whether it existed."""
+        if not sid or len(sid) > SID_MAX:
+            return False
+        return await self.store.record_delete(_key(sid))

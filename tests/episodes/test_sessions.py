@@ -1,0 +1,114 @@
+"""Episode session records in the state store: memory and real Redis, through one interface."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+from redis.asyncio import Redis
+
+from app.episodes.sessions import SessionStore
+from app.rollouts.memory import MemoryRolloutStore
+from app.rollouts.redis_store import RedisRolloutStore
+from app.rollouts.store import RolloutStore
+from tests.conftest import REDIS_KEY_PREFIX, REDIS_URL
+
+ROW = {"task_id": "7", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[RolloutStore]:
+    s: RolloutStore
+    if request.param == "memory":
+        s = MemoryRolloutStore(ttl_seconds=3600)
+    else:
+        s = RedisRolloutStore(
+            Redis.from_url(REDIS_URL),
+            key_prefix=REDIS_KEY_PREFIX,
+            ttl_seconds=3600,
+            lock_timeout=2,
+            claim_timeout=2,
+            lock_wait=5,
+        )
+    yield s
+    await s.aclose()
+
+
+def trace() -> str:
+    return f"trace_test_{uuid.uuid4().hex}"
+
+
+async def test_a_session_reads_back_as_written_and_ends(store: RolloutStore) -> None:
+    sessions = SessionStore(store, ttl_seconds=60)
+    made = await sessions.create(pack="retail", trace_id=trace(), row=ROW, channel="ors", run="r1")
+    assert made is not None and uuid.UUID(made.sid).version == 4
+    read = await sessions.get(made.sid)
+    assert read == made
+    assert read.row == ROW and read.done is False and read.reward is None and read.step_count == 0
+
+    await sessions.count_step(read)
+    await sessions.count_step(read)
+    assert read.step_count == 2 and (await sessions.get(made.sid)).step_count == 2  # type: ignore[union-attr]
+
+    await sessions.finish(read, 0.5)
+    ended = await sessions.get(made.sid)
+    assert ended is not None and ended.done and ended.reward == 0.5 and ended.step_count == 2
+
+    assert await sessions.close(made.sid) is True
+    assert await sessions.get(made.sid) is None
+    assert await sessions.close(made.sid) is False
+    # A closed session is never brought back by a late writer.
+    assert await sessions.save(read) is False
+    await sessions.count_step(read)
+    assert await sessions.get(made.sid) is None
+
+
+async def test_a_session_id_is_made_once(store: RolloutStore) -> None:
+    sessions = SessionStore(store, ttl_seconds=60)
+    sid = str(uuid.uuid4())
+    first = await sessions.create(pack="retail", trace_id=trace(), row=None, channel="ors", run="", sid=sid)
+    assert first is not None
+    again = await sessions.create(pack="retail", trace_id=trace(), row=None, channel="ors", run="", sid=sid)
+    assert again is None
+    assert (await sessions.get(sid)).trace_id == first.trace_id  # type: ignore[union-attr]
+
+
+async def test_a_session_without_a_task_is_given_one_once(store: RolloutStore) -> None:
+    sessions = SessionStore(store, ttl_seconds=60)
+    opened = await sessions.create(pack="", trace_id=trace(), row=None, channel="ors", run="ors")
+    assert opened is not None and not opened.started
+    assert (await sessions.get(opened.sid)).started is False  # type: ignore[union-attr]
+    opened.pack, opened.row = "retail", ROW
+    assert await sessions.start(opened) is True
+    assert await sessions.start(opened) is False
+    read = await sessions.get(opened.sid)
+    assert read is not None and read.started and read.row == ROW and read.pack == "retail"
+
+
+async def test_concurrent_submits_claim_once_and_an_outage_releases(store: RolloutStore) -> None:
+    sessions = SessionStore(store, ttl_seconds=60)
+    made = await sessions.create(pack="retail", trace_id=trace(), row=ROW, channel="ors", run="")
+    assert made is not None
+    claims = await asyncio.gather(*(sessions.claim_submit(made) for _ in range(8)))
+    assert sorted(claims) == [False] * 7 + [True]
+    for _ in range(8):
+        await sessions.release_submit(made)  # each claim gives back what it took
+    assert await sessions.claim_submit(made) is True
+
+
+async def test_unknown_and_oversized_ids_name_no_session(store: RolloutStore) -> None:
+    sessions = SessionStore(store, ttl_seconds=60)
+    assert await sessions.get(str(uuid.uuid4())) is None
+    assert await sessions.get("") is None
+    assert await sessions.get("x" * 500) is None
+    assert await sessions.close("x" * 500) is False
+
+
+async def test_an_idle_session_expires(store: RolloutStore) -> None:
+    sessions = SessionStore(store, ttl_seconds=0.2)
+    made = await sessions.create(pack="retail", trace_id=trace(), row=None, channel="ors", run="")
+    assert made is not None
+    await asyncio.sleep(0.5)
+    assert await sessions.get(made.sid) is None

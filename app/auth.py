@@ -30,6 +30,16 @@ class KeyRing:
             return token.strip() if scheme.lower() == "bearer" and token.strip() else None
         return value.strip() or None
 
+    def _missing(self, request: HTTPConnection) -> str:
+        """Why no key was read: no header, or an Authorization header without its `Bearer ` scheme."""
+        value = request.headers.get(self.header)
+        if value is None or self.header.lower() != "authorization":
+            return f"missing API key: send it in the {self.header} header"
+        scheme, _, token = value.strip().partition(" ")
+        if scheme.lower() == "bearer" and not token.strip():
+            return "the Authorization header holds 'Bearer' without a key: send 'Authorization: Bearer <key>'"
+        return "the Authorization header must read 'Bearer <key>': the 'Bearer ' before the key is missing"
+
     def scopes_of(self, presented: str) -> set[Scope]:
         """Compare against every key in constant time (no early exit that leaks which key matched)."""
         found: set[Scope] = set()
@@ -46,7 +56,7 @@ class KeyRing:
     def authorize(self, request: HTTPConnection, scope: Scope) -> Scope:
         presented = self.extract(request)
         if presented is None:
-            raise Unauthorized(f"missing API key: send it in the {self.header} header")
+            raise Unauthorized(self._missing(request))
         scopes = self.scopes_of(presented)
         if not scopes:
             raise Unauthorized("invalid API key")

@@ -127,6 +127,10 @@ def serve(
         typer.Option(min=1, help="Worker processes (default SPARRING_WORKERS or 1; > 1 needs Redis)."),
     ] = None,
     migrate: Annotated[bool, typer.Option(help="Run database migrations before serving.")] = False,
+    debug: Annotated[
+        bool,
+        typer.Option(help="Show the traceback of a start-up error (default: one line saying what to fix)."),
+    ] = False,
 ) -> None:
     """Serve the API with uvicorn."""
     # Workers rebuild their settings from the environment: hand them the command line's choices.
@@ -134,12 +138,16 @@ def serve(
         os.environ["SPARRING_HOST"] = host
     if port is not None:
         os.environ["SPARRING_PORT"] = str(port)
+    if debug:
+        os.environ["SPARRING_DEBUG"] = "1"
     get_settings.cache_clear()
     settings = load_settings()
     workers = workers if workers is not None else settings.workers
     _prepare_workers(settings, workers)
     if migrate:
         _upgrade(settings)
+    if not settings.debug:  # with --debug the server's own start-up raises, with its traceback
+        _check_startup(settings)
     key, created = None, False
     if not settings.keys:
         from app.auth import ensure_local_admin_key
@@ -147,6 +155,22 @@ def serve(
         key, created = ensure_local_admin_key(settings.home)
     typer.echo(startup_banner(settings, _registry(settings), key, created=created))
     _run_uvicorn(settings, workers)
+
+
+def _check_startup(settings: Settings) -> None:
+    """What start-up would fail on, said in a line before anything is served (exit 2, or 1 when the
+    database is unreachable): the packs, the graders file, the database and its schema."""
+    import asyncio
+
+    from app.cli_support import checked_engine
+
+    _graders_served(settings, _registry(settings))
+
+    async def check_database() -> None:
+        engine = await checked_engine(settings)
+        await engine.dispose()
+
+    asyncio.run(check_database())
 
 
 def _prepare_workers(settings: Settings, workers: int) -> None:
@@ -394,7 +418,7 @@ def _graders_served(settings: Settings, registry: Any) -> tuple[set[str], str | 
     try:
         configs = load_graders_file(settings.graders_file) if settings.graders_file is not None else {}
     except GraderConfigError as exc:
-        raise fail(f"invalid grader config: {exc}") from None
+        raise fail(f"invalid grader config (SPARRING_GRADERS_FILE): {exc}") from None
     names = set(configs) | set(registry.state_checks)
     try:
         return names, default_grader(settings, [*configs, *registry.state_checks], registry.state_checks)

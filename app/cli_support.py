@@ -31,12 +31,15 @@ def load_settings() -> Settings:
 async def checked_engine(settings: Settings, *, pool_size: int = 2) -> AsyncEngine:
     """An engine on the configured database, once the database is known to be there, reachable and at
     the schema this version needs; otherwise what is wrong and what to run, as a failed exit."""
-    from app.db.migrate import SchemaOutOfDate, check_schema
+    from app.db.migrate import SchemaOutOfDate, check_schema, unreachable_database
     from app.db.session import build_engine
     from app.errors import OUTAGES
 
     if settings.is_embedded_db and not settings.database_url and not (settings.home / "sparring.db").exists():
-        raise fail(f"no database at {settings.home / 'sparring.db'}; run `sparring db upgrade` to create it")
+        raise fail(
+            f"no database at {settings.home / 'sparring.db'}; run `sparring db upgrade` to create it "
+            "(or serve with `sparring serve --migrate`)"
+        )
     engine = build_engine(settings.effective_database_url, pool_size=pool_size)
     try:
         await check_schema(engine)
@@ -45,7 +48,7 @@ async def checked_engine(settings: Settings, *, pool_size: int = 2) -> AsyncEngi
         raise fail(str(exc)) from exc
     except OUTAGES as exc:
         await engine.dispose()
-        raise fail(f"cannot read the database: {type(exc).__name__}: {exc}", 1) from exc
+        raise fail(unreachable_database(settings.effective_database_url, exc), 1) from exc
     return engine
 
 

@@ -56,6 +56,12 @@ class Settings(BaseSettings):
     redis_url: str | None = Field(
         None, description="Redis URL; unset means in-memory state (one process only)."
     )
+    redis_key_prefix: str = Field(
+        "sp",
+        pattern=r"^[A-Za-z0-9_.:-]{1,64}$",
+        description="First part of every Redis key (`<prefix>:{<trace id>}:...`): deployments, or test "
+        "runs, sharing one Redis keep apart by it.",
+    )
     api_keys: Annotated[str, NoDecode] = Field("", description="Comma-separated scope:key entries.")
     auth_header: str = Field(
         "Authorization", description="Header carrying the key ('Bearer <key>' for Authorization)."
@@ -83,6 +89,9 @@ class Settings(BaseSettings):
     retry_after_seconds: int = Field(2, ge=1)
     redis_max_connections: int = Field(64, ge=1)
     db_pool_size: int = Field(10, ge=1)
+    debug: bool = Field(
+        False, description="Show the traceback of a start-up error (`sparring serve --debug`), not one line."
+    )
     docs_public: bool = Field(False, description="Serve /docs and /openapi.json without an admin key.")
     host: str = "127.0.0.1"
     port: int = 8000

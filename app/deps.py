@@ -54,6 +54,16 @@ def set_app_state(app: Starlette, state: AppState | None) -> None:
     setattr(app.state, _STATE, state)
 
 
+def set_startup_failure(app: Starlette, message: str) -> None:
+    """What stopped the lifespan, in the words of its StartupError (the setting and the fix)."""
+    app.state.sparring_startup_failure = message
+
+
+def startup_failure(app: Starlette) -> str | None:
+    failure = getattr(app.state, "sparring_startup_failure", None)
+    return failure if isinstance(failure, str) else None
+
+
 def app_state(app: Starlette) -> AppState:
     """The state the lifespan built (RuntimeError before start-up); every tool call reads it once."""
     state: AppState | None = getattr(app.state, _STATE, None)

@@ -11,6 +11,7 @@ from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
 from redis.exceptions import RedisError
 from sqlalchemy.exc import SQLAlchemyError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 
 class StartupError(RuntimeError):
@@ -140,6 +141,26 @@ async def handle_validation_error(request: Request, exc: Exception) -> Response:
         "the request does not match the route's parameters", errors=describe_validation_errors(exc.errors())
     )
     return json_response(error.body(), status_code=error.status_code)
+
+
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 401: "unauthorized", 403: "forbidden"}
+
+
+async def handle_http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own 4xx (no route at this path, a method the route does not take): the stable body
+    instead of `{"detail": ...}`, with the headers it carries (`Allow` on a 405)."""
+    assert isinstance(exc, StarletteHTTPException)
+    code = _HTTP_CODES.get(exc.status_code, "bad_request" if exc.status_code < 500 else "internal_error")
+    if exc.status_code == 404:
+        message = f"no route {request.url.path[:200]!r}: see GET /docs for the routes"
+    elif exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow") or (exc.headers or {}).get("allow") or "?"
+        message = f"{request.url.path[:200]!r} does not take {request.method} (it takes {allowed})"
+    else:
+        message = str(exc.detail)[:300]
+    return json_response(
+        {"error": {"code": code, "message": message}}, exc.status_code, dict(exc.headers or {})
+    )
 
 
 INTERNAL_ERROR: dict[str, Any] = {

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
@@ -24,16 +24,18 @@ from app.config import ClientKeys, environment_secret
 from app.telemetry import command_tracing
 from sparring.evaluate import DatasetError, journal_path, read_dataset
 from sparring.http import AiohttpTransport
-from sparring.loop import DatasetLine, EpisodeLimits
+from sparring.loop import DatasetLine, EpisodeLimits, ModelFailure
 from sparring.policies import (
     APIS,
     MODEL_ANSWER_MAX_BYTES,
     MODEL_DEADLINE_S,
     Api,
+    check_model,
     make_policy,
     model_client,
+    what_to_check,
 )
-from sparring.report import format_canaries, format_report
+from sparring.report import discard_verdict, format_canaries, format_report
 from sparring.session import (
     RunOptions,
     Target,
@@ -45,6 +47,9 @@ from sparring.session import (
     run_canaries,
     server_target,
 )
+
+if TYPE_CHECKING:
+    from openai import AsyncOpenAI
 
 runner_cli = typer.Typer(help="Rollouts before paying: a model's baseline, and canaries against the grader.")
 
@@ -68,6 +73,18 @@ RunOpt = Annotated[
 ConcurrencyOpt = Annotated[int, typer.Option(min=1, max=1000, help="Rollouts in flight at once.")]
 MaxTurnsOpt = Annotated[int, typer.Option(min=1, help="Model turns per rollout before it ends.")]
 MaxCallsOpt = Annotated[int, typer.Option(min=1, help="Tool calls per rollout before it ends.")]
+MaxDiscardedOpt = Annotated[
+    float | None,
+    typer.Option(
+        min=0.0,
+        max=100.0,
+        help="Exit 1 when more than this percentage of the rollouts is discarded (for CI). "
+        "A run where nothing could be graded always exits 1.",
+    ),
+]
+
+PREFLIGHT_DEADLINE_S = 120.0
+"""The longest wait for the model's pre-flight turn (less when --model-timeout is shorter)."""
 
 
 def _label(prefix: str) -> str:
@@ -196,6 +213,7 @@ def eval_command(
     ] = MODEL_ANSWER_MAX_BYTES,
     resume: Annotated[bool, typer.Option(help="Skip rollouts of this --run already graded.")] = False,
     out: Annotated[Path | None, typer.Option(help="Also write the report as JSON here.")] = None,
+    max_discarded: MaxDiscardedOpt = None,
 ) -> None:
     """Run a model over a dataset through sparring's tools and grader: rewards, and items without signal."""
     if api not in APIS:
@@ -208,6 +226,7 @@ def eval_command(
         api="responses" if api == "responses" else "chat",
         name=model,
         api_key=_model_api_key(api_key_env, base_url),
+        key_env=api_key_env,
         base_url=base_url,
         deadline_s=model_timeout,
         max_answer_bytes=model_max_bytes,
@@ -225,6 +244,16 @@ def eval_command(
     _write_json(out, report)
     if report["interrupted"]:
         raise typer.Exit(130)
+    rollouts = report["rollouts"]
+    _exit_on_discards(rollouts["run"], rollouts["graded"], rollouts["discarded"], max_discarded)
+
+
+def _exit_on_discards(run: int, graded: int, discarded: int, max_discarded: float | None) -> None:
+    """Exit 1 (after the report) when nothing could be graded or too many rollouts were discarded."""
+    verdict = discard_verdict(run, graded, discarded, max_discarded)
+    if verdict is not None:
+        sys.stdout.flush()
+        raise fail(verdict, 1)
 
 
 @dataclass(frozen=True)
@@ -234,6 +263,7 @@ class _Model:
     api: Api
     name: str
     api_key: str
+    key_env: str  # the variable the key came from, named when the endpoint refuses it
     base_url: str | None
     deadline_s: float
     max_answer_bytes: int
@@ -250,6 +280,7 @@ async def _evaluate(
         except TargetError as exc:
             raise fail(str(exc)) from exc
         try:
+            await _check_model(model, openai_client)
             return await evaluate(
                 client,
                 target,
@@ -260,6 +291,17 @@ async def _evaluate(
             )
         finally:
             await openai_client.close()
+
+
+async def _check_model(model: _Model, openai_client: AsyncOpenAI) -> None:
+    """One cheap model turn before the run: a failure stops it (exit 2) with the error and what to check,
+    instead of discarding every rollout for the same reason."""
+    deadline = min(model.deadline_s, PREFLIGHT_DEADLINE_S)
+    try:
+        await check_model(make_policy(model.api, openai_client, model.name, deadline_s=deadline))
+    except ModelFailure as exc:
+        hint = what_to_check(exc, api=model.api, base_url=model.base_url, key_env=model.key_env)
+        raise fail(f"the model failed its pre-flight call ({model.name}): {exc}\n  check: {hint}") from exc
 
 
 def _model_api_key(api_key_env: str, base_url: str | None) -> str:
@@ -326,6 +368,7 @@ def canary_command(
     max_turns: MaxTurnsOpt = 30,
     max_tool_calls: MaxCallsOpt = 20,
     as_json: Annotated[bool, typer.Option("--json", help="Print the verdict as JSON.")] = False,
+    max_discarded: MaxDiscardedOpt = None,
 ) -> None:
     """Attack the grader with scripted policies; exit 1 when one of them scores (or gold does not)."""
     lines = _lines(dataset)
@@ -351,6 +394,10 @@ def canary_command(
         typer.echo(format_canaries(report))
     if report["interrupted"]:
         raise typer.Exit(130)
+    rows = report["policies"]
+    run_count = sum(row["rollouts"] for row in rows)
+    graded = sum(row["graded"] for row in rows)
+    _exit_on_discards(run_count, graded, run_count - graded, max_discarded)
     if report["failures"]:
         sys.stdout.flush()
         raise typer.Exit(1)

@@ -17,18 +17,18 @@ from app.auth import build_keyring, ensure_local_admin_key
 from app.calls.log_writer import CallLogWriter
 from app.calls.service import ToolCallService
 from app.config import ApiKey, Settings
-from app.db.migrate import check_schema
+from app.db.migrate import SchemaOutOfDate, check_schema, unreachable_database
 from app.db.session import Database, build_engine, build_sessionmaker
-from app.deps import AppState, set_app_state
+from app.deps import AppState, set_app_state, set_startup_failure
 from app.episodes.episode import check_submit_is_free
 from app.episodes.ors import check_pack_names
-from app.errors import StartupError
+from app.errors import OUTAGES, StartupError
 from app.grading.build import build_grading
 from app.grading.graders.registry import GraderContext
 from app.grading.service import GradingService
 from app.mcp.http import McpHttp
 from app.metrics import Metrics
-from app.packs import PackOverrides, Registry, start_packs
+from app.packs import PackLoadError, PackOverrides, Registry, start_packs
 from app.remote.build import build_model_http, build_remote
 from app.remote.service import RemoteRolloutService
 from app.rollouts.build import build_store
@@ -88,9 +88,16 @@ def build_lifespan(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with _resources(settings, packs, pack_settings) as state:
-            set_app_state(app, state)
-            yield
+        started = False
+        try:
+            async with _resources(settings, packs, pack_settings) as state:
+                set_app_state(app, state)
+                started = True
+                yield
+        except (StartupError, SchemaOutOfDate) as exc:
+            if not started:  # what `SparringApp` reports instead of the traceback (app/main.py)
+                set_startup_failure(app, str(exc))
+            raise
 
     return lifespan
 
@@ -101,7 +108,10 @@ async def _resources(
 ) -> AsyncIterator[AppState]:
     """Every resource, each registered with its cleanup as soon as it exists: shutdown, or a start-up
     step that fails, releases what was built so far in reverse order."""
-    registry = Registry.from_packs(packs) if packs is not None else Registry.from_names(settings.packs)
+    try:
+        registry = Registry.from_packs(packs) if packs is not None else Registry.from_names(settings.packs)
+    except PackLoadError as exc:
+        raise StartupError(str(exc)) from exc
     _check_episode_names(settings, registry)
     keyring = build_keyring(settings, _keys(settings))
 
@@ -119,7 +129,10 @@ async def _resources(
                 overrides=pack_settings,
             )
         )
-        await check_schema(engine)
+        try:
+            await check_schema(engine)
+        except OUTAGES as exc:
+            raise StartupError(unreachable_database(settings.effective_database_url, exc)) from exc
         store = _open_store(stack, settings)
         metrics = Metrics(settings.metrics_dir)
         tracing = _start_tracing(stack, settings, metrics)

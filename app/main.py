@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request, Response
@@ -10,17 +10,19 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import RedirectResponse
 from sqlalchemy import text
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.calls.routes import NOT_A_TOOL_CALL, TOOL_SCOPE_KEY, serve_tool_call, tool_call_target
 from app.calls.routes import router as tools_router
 from app.config import Settings, get_settings
-from app.deps import app_state, database, handle_outage, require
+from app.deps import app_state, database, handle_outage, require, startup_failure
 from app.episodes.openenv import openenv_router
 from app.episodes.ors import ors_router
 from app.errors import (
     OUTAGES,
     SparringError,
+    handle_http_error,
     handle_sparring_error,
     handle_unexpected_error,
     handle_validation_error,
@@ -49,8 +51,11 @@ class SparringApp(FastAPI):
 
     tool_calls: ASGIApp | None = None
     mcp_calls: ASGIApp | None = None
+    startup_tracebacks = False  # SPARRING_DEBUG: a failed start-up logs its traceback, not one line
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan" and not self.startup_tracebacks:
+            send = self._brief_startup_failure(send)
         if self.tool_calls is not None:
             target = tool_call_target(scope)
             if target != NOT_A_TOOL_CALL:
@@ -63,6 +68,21 @@ class SparringApp(FastAPI):
             await self.mcp_calls(scope, receive, send)
             return
         await super().__call__(scope, receive, send)
+
+    def _brief_startup_failure(self, send: Send) -> Send:
+        """`send`, with a start-up failure the lifespan explained (a StartupError: the setting and its fix)
+        told in that one line instead of the traceback uvicorn would log."""
+
+        async def brief_send(message: MutableMapping[str, Any]) -> None:
+            failure = startup_failure(self)
+            if message["type"] == "lifespan.startup.failed" and failure:
+                message = {
+                    **message,
+                    "message": f"{failure} (SPARRING_DEBUG=1 or --debug shows the traceback)",
+                }
+            await send(message)
+
+        return brief_send
 
 
 async def serve_mcp(scope: Scope, receive: Receive, send: Send) -> None:
@@ -85,6 +105,7 @@ def create_app(
         redoc_url=None,
         openapi_url=None,
     )
+    app.startup_tracebacks = settings.debug
     _add_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.tool_calls = BodyLimitMiddleware(serve_tool_call, max_bytes=settings.max_body_bytes)
@@ -133,6 +154,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     """Every failure answers the stable JSON error body (app/errors.py); outages are 503s."""
     app.add_exception_handler(SparringError, handle_sparring_error)
     app.add_exception_handler(RequestValidationError, handle_validation_error)
+    app.add_exception_handler(StarletteHTTPException, handle_http_error)
     app.add_exception_handler(Exception, handle_unexpected_error)
     for failure in OUTAGES:
         app.add_exception_handler(failure, handle_outage)

@@ -85,13 +85,29 @@ class Registry:
         return [spec.function_tool() for spec in tools.values()]
 
 
+def available_packs() -> list[str]:
+    """The names of the packs shipped under `tools/` (what SPARRING_PACKS may name without a dot)."""
+    import pkgutil
+
+    import tools
+
+    return sorted(info.name for info in pkgutil.iter_modules(tools.__path__) if not info.name.startswith("_"))
+
+
 def load_pack(name: str) -> Pack:
     """Import `tools.<name>` (or a dotted module path) and return its `pack`."""
     module_name = name if "." in name else f"tools.{name}"
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        raise PackLoadError(f"pack {name!r} not found (no module {module_name!r})") from exc
+        if exc.name is not None and not module_name.startswith(exc.name):
+            # The pack exists, but something it imports is not installed.
+            raise PackLoadError(f"pack {name!r} cannot be imported: {exc}") from exc
+        known = ", ".join(available_packs()) or "none"
+        raise PackLoadError(
+            f"no pack named {name!r} (SPARRING_PACKS): the packs are {known} "
+            "(or give a module path, e.g. mypackage.tools)"
+        ) from exc
     pack = getattr(module, "pack", None)
     if not isinstance(pack, Pack):
         raise PackLoadError(f"module {module_name!r} has no `pack` (an app.sdk.Pack)")

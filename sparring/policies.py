@@ -77,6 +77,17 @@ class _CappedBody(httpx2.AsyncByteStream):
         await self.inner.aclose()
 
 
+def _connect_failure(exc: httpx2.ConnectTimeout) -> httpx2.TransportError:
+    """A connect "timeout" as what it was: the SDK's aiohttp transport files every aiohttp connection
+    error (a refused connection, a closed socket) under `ConnectTimeout`, which the SDK then reports as
+    `APITimeoutError: Request timed out`. Only a real timeout stays one."""
+    cause = exc.__cause__
+    from_aiohttp = cause is not None and type(cause).__module__.startswith("aiohttp")
+    if cause is None or not from_aiohttp or isinstance(cause, TimeoutError):
+        return exc  # a real timeout (aiohttp's are TimeoutErrors), or another transport's own words
+    return httpx2.ConnectError(str(cause) or type(cause).__name__)
+
+
 class CappedAnswers(httpx2.AsyncBaseTransport):
     """A transport that reads at most `max_bytes` of any answer, so no model answer can fill memory
     or hold the event loop parsing it; past the cap the request fails with `AnswerTooLarge`."""
@@ -88,7 +99,10 @@ class CappedAnswers(httpx2.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         # Asked plain, so the cap is on the answer's real size; a gzip or deflate answer is decoded here.
         request.headers["Accept-Encoding"] = "identity"
-        response = await self.inner.handle_async_request(request)
+        try:
+            response = await self.inner.handle_async_request(request)
+        except httpx2.ConnectTimeout as exc:
+            raise _connect_failure(exc) from exc.__cause__
         encoding = response.headers.get("Content-Encoding", "identity").strip().lower()
         try:
             if encoding not in ("identity", "", "gzip", "x-gzip", "deflate"):
@@ -122,6 +136,8 @@ def failure_of(exc: Exception) -> ModelFailure:
     operator), and a `brief` without anything the endpoint wrote (for whoever sent the rollout)."""
     detail = f"{type(exc).__name__}: {exc}"
     cause = exc.__cause__
+    if cause is not None and str(cause) and str(cause) not in detail:
+        detail = f"{detail} ({type(cause).__name__}: {cause})"  # the SDK's words alone hide the reason
     if isinstance(exc, openai.APIStatusError):
         brief = f"the model endpoint answered HTTP {exc.status_code}"
     elif isinstance(exc, openai.APITimeoutError):
@@ -415,3 +431,46 @@ def make_policy(
         ResponsesPolicy(client, model) if api == "responses" else ChatPolicy(client, model)
     )
     return policy if deadline_s is None else DeadlinePolicy(policy, deadline_s)
+
+
+PREFLIGHT_PROMPT = "Reply with the single word: ok"
+"""The one user message of the pre-flight turn (`check_model`): a few tokens, no tools."""
+
+
+async def check_model(policy: Policy) -> ModelTurn:
+    """One cheap turn of `policy` (no tools, a one-word answer) before a run spends anything: the
+    turn, or the `ModelFailure` every rollout of the run would have met."""
+    transcript = Transcript(
+        trace_id="trace_preflight",
+        messages=[{"role": "user", "content": PREFLIGHT_PROMPT}],
+        tools=[],
+        item={},
+    )
+    return await policy.next_turn(transcript)
+
+
+def what_to_check(failure: ModelFailure, *, api: Api, base_url: str | None, key_env: str) -> str:
+    """The settings to check for a failed model turn, by what failed: the address, the API, the key."""
+    where = f"--base-url {base_url}" if base_url else "--base-url (unset: OpenAI's own API)"
+    cause = failure.__cause__
+    other: Api = "chat" if api == "responses" else "responses"
+    if isinstance(cause, openai.APIStatusError):
+        status = cause.status_code
+        if status in (401, 403):
+            return f"the model API key: set {key_env} to a key this endpoint accepts"
+        if status in (404, 405):
+            path = "/responses" if api == "responses" else "/chat/completions"
+            return (
+                f"--api {api}: the endpoint has no {path} (most local servers speak only chat: try --api "
+                f"{other}); {where} (it usually ends in /v1); --model"
+            )
+        if status in (400, 422):
+            return f"--model (a name this endpoint serves) and --api {api} (or try --api {other})"
+        if status == 429:
+            return f"the rate limit or quota of the key in {key_env}"
+        return f"the model server at {where}: it fails with HTTP {status}"
+    if isinstance(cause, openai.APITimeoutError) or isinstance(cause, TimeoutError):
+        return f"{where}: the server is slow or does not answer (--model-timeout sets the wait)"
+    if isinstance(cause, openai.APIConnectionError):
+        return f"{where}: is a model server listening there?"
+    return f"{where} and --api {api}: the answer is not an OpenAI-compatible one (or try --api {other})"

@@ -34,6 +34,46 @@ def discard_kind(reason: str) -> str:
     return reason.split(":", 1)[0]
 
 
+DISCARD_GROUPS_SHOWN = 10
+DISCARD_REASON_CHARS = 400
+
+
+def discard_groups(reasons: Sequence[str]) -> list[dict[str, Any]]:
+    """The discard reasons of a run, one entry per distinct reason with its count, most frequent first:
+    what the screen shows, so a run that failed for one cause says it once, not per rollout."""
+    counts = Counter(reason[:DISCARD_REASON_CHARS] for reason in reasons)
+    return [{"reason": reason, "count": count} for reason, count in counts.most_common()]
+
+
+def discard_verdict(run: int, graded: int, discarded: int, max_discarded_pct: float | None) -> str | None:
+    """Why the run failed for its discards, or None: nothing could be graded, or more than
+    `max_discarded_pct` percent of the rollouts run were discarded."""
+    if run == 0:
+        return None
+    if graded == 0 and discarded > 0:
+        return f"no rollout could be graded: all {discarded} were discarded (the reasons are above)"
+    share = 100.0 * discarded / run
+    if max_discarded_pct is not None and share > max_discarded_pct:
+        return (
+            f"{discarded} of {run} rollouts ({share:.1f}%) were discarded, more than "
+            f"--max-discarded {max_discarded_pct:g}%"
+        )
+    return None
+
+
+def format_discards(groups: Sequence[dict[str, Any]]) -> list[str]:
+    """The grouped discard reasons as lines for the screen (nothing when no rollout was discarded)."""
+    if not groups:
+        return []
+    lines = ["", "discarded, by reason:"]
+    for group in groups[:DISCARD_GROUPS_SHOWN]:
+        lines.append(f"  {group['count']:>5}  {group['reason']}")
+    if len(groups) > DISCARD_GROUPS_SHOWN:
+        rest = sum(group["count"] for group in groups[DISCARD_GROUPS_SHOWN:])
+        lines.append(f"  {rest:>5}  (other reasons: see the report's discards)")
+    return lines
+
+
 def build_report(
     records: Sequence[FinishedRollout],
     *,
@@ -86,6 +126,7 @@ def build_report(
         },
         "wall_time_s": round(wall_time_s, 3),
         "discards": [{"trace_id": r.trace_id, "item": r.item_key, "reason": r.discarded} for r in discarded],
+        "discard_reasons": discard_groups([r.discarded for r in discarded if r.discarded]),
     }
 
 
@@ -162,6 +203,7 @@ def format_report(report: dict[str, Any]) -> str:
                 (entry["item"], str(entry["rollouts"]), _fmt(entry["mean"]), _fmt(entry["variance"]), signal)
             )
         lines.append(_table(item_rows))
+    lines += format_discards(report["discard_reasons"])
     return "\n".join(lines)
 
 
@@ -198,7 +240,13 @@ def canary_report(
                 failures.append(f"gold averages {mean:.3f} < {gold_minimum}: the grader misses correct work")
         elif mean >= threshold:
             failures.append(f"{policy} averages {mean:.3f} >= {threshold}: the grader can be gamed")
-    return {"threshold": threshold, "gold_minimum": gold_minimum, "policies": rows, "failures": failures}
+    return {
+        "threshold": threshold,
+        "gold_minimum": gold_minimum,
+        "policies": rows,
+        "failures": failures,
+        "discard_reasons": discard_groups([r.discarded for r in records if r.discarded]),
+    }
 
 
 def format_canaries(report: dict[str, Any]) -> str:
@@ -220,8 +268,9 @@ def format_canaries(report: dict[str, Any]) -> str:
     for policy, url in (report.get("review_urls") or {}).items():
         if url:
             lines.append(f"review {policy}: {url}")
+    lines += format_discards(report["discard_reasons"])
     if report["failures"]:
         lines += ["", "FAIL:", *(f"  {failure}" for failure in report["failures"])]
-    else:
+    elif any(row["graded"] for row in report["policies"]):
         lines += ["", "ok: no canary games the grader, and gold scores"]
     return "\n".join(lines)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,10 @@ from tests.packs import counter_pack, faults_pack
 
 PG_ADMIN_URL = os.environ.get("SPARRING_TEST_PG", "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("SPARRING_TEST_REDIS", "redis://127.0.0.1:6379/9")
+# Unique per run: the session's Postgres database and every Redis key it makes carry it, so runs on a
+# shared machine never meet, and the session deletes exactly what it made when it ends.
+RUN_ID = f"{os.getpid()}_{uuid.uuid4().hex[:8]}"
+REDIS_KEY_PREFIX = f"sptest-{RUN_ID}"
 TOOLS_KEY, GRADER_KEY, ADMIN_KEY = "tools-key-123", "grader-key-456", "admin-key-789"
 API_KEYS = f"tools:{TOOLS_KEY},grader:{GRADER_KEY},admin:{ADMIN_KEY}"
 
@@ -53,11 +58,41 @@ async def drop_pg_database(name: str) -> None:
 @pytest.fixture(scope="session")
 async def pg_database() -> AsyncIterator[str]:
     """One migrated Postgres database for the session (tests isolate themselves by unique trace ids)."""
-    name = f"sparring_test_{os.getpid()}"
+    name = f"sparring_test_{RUN_ID}"
     url = await create_pg_database(name)
     await asyncio.to_thread(upgrade, url)
     yield url
     await drop_pg_database(name)
+
+
+def delete_redis_keys(url: str, prefix: str) -> int:
+    """Delete every key under `prefix:` in the Redis at `url` (nothing else); how many there were."""
+    import redis
+
+    client = redis.Redis.from_url(url, socket_connect_timeout=2)
+    deleted = 0
+    try:
+        batch: list[bytes] = []
+        for key in client.scan_iter(match=f"{prefix}:*", count=1000):
+            batch.append(key)
+            if len(batch) >= 1000:
+                deleted += int(client.unlink(*batch))
+                batch = []
+        if batch:
+            deleted += int(client.unlink(*batch))
+    finally:
+        client.close()
+    return deleted
+
+
+@pytest.fixture(scope="session", autouse=True)
+def redis_cleanup() -> Iterator[None]:
+    """At the end of the session, the Redis keys this run made (under REDIS_KEY_PREFIX) are deleted."""
+    yield
+    import redis
+
+    with contextlib.suppress(redis.RedisError):  # no Redis: the tests that need it were skipped
+        delete_redis_keys(REDIS_URL, REDIS_KEY_PREFIX)
 
 
 @pytest.fixture(scope="session")
@@ -69,7 +104,12 @@ def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def make_settings(home: Path, **overrides: Any) -> Settings:
-    values: dict[str, Any] = {"home": home, "api_keys": API_KEYS, "packs": ["demo"]}
+    values: dict[str, Any] = {
+        "home": home,
+        "api_keys": API_KEYS,
+        "packs": ["demo"],
+        "redis_key_prefix": REDIS_KEY_PREFIX,
+    }
     values.update(overrides)
     return Settings(**values)
 

@@ -121,6 +121,7 @@ def test_serve_has_no_access_log_unless_asked(monkeypatch: pytest.MonkeyPatch) -
 
     seen: list[dict[str, object]] = []
     monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: seen.append(kwargs))
+    monkeypatch.setattr("app.cli._check_startup", lambda settings: None)  # no database here: not served
     monkeypatch.setenv("SPARRING_API_KEYS", "tools:t1")
     monkeypatch.delenv("SPARRING_ACCESS_LOG", raising=False)
     assert CliRunner().invoke(cli, ["serve"]).exit_code == 0
@@ -313,6 +314,7 @@ def test_serve_bounds_slow_and_idle_connections(monkeypatch: pytest.MonkeyPatch)
 
     seen: list[dict[str, object]] = []
     monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: seen.append(kwargs))
+    monkeypatch.setattr("app.cli._check_startup", lambda settings: None)  # no database here: not served
     monkeypatch.setenv("SPARRING_API_KEYS", "tools:t1")
     monkeypatch.setenv("SPARRING_KEEPALIVE_TIMEOUT_SECONDS", "7")
     assert CliRunner().invoke(cli, ["serve"]).exit_code == 0

@@ -41,6 +41,22 @@ def _current(connection: Connection) -> str | None:
     return MigrationContext.configure(connection).get_current_revision()
 
 
+def unreachable_database(database_url: str, exc: BaseException) -> str:
+    """Why the database at `database_url` cannot be used at start-up, naming the setting and the fix
+    (the URL shown without its password)."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        shown = make_url(database_url).render_as_string(hide_password=True)
+    except Exception:  # a URL SQLAlchemy cannot parse is shown as nothing rather than leaked
+        shown = "(unparsable)"
+    reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
+    return (
+        f"cannot reach the database {shown} ({reason}); start it, or point SPARRING_DATABASE_URL at "
+        "one that runs (unset: the embedded SQLite database)"
+    )
+
+
 async def check_schema(engine: AsyncEngine) -> None:
     """Refuse to serve on a schema that is not at the latest migration."""
     async with engine.connect() as conn:
@@ -49,10 +65,10 @@ async def check_schema(engine: AsyncEngine) -> None:
     if current is None:
         raise SchemaOutOfDate(
             "the database was never migrated (it has no sparring tables); run `sparring db upgrade` "
-            "(make run does it for you)"
+            "(or serve with `sparring serve --migrate`, as make run does)"
         )
     if current != head:
         raise SchemaOutOfDate(
             f"database schema is at revision {current or 'none'} but this version needs {head}; "
-            "run `sparring db upgrade` (make run does it for you)"
+            "run `sparring db upgrade` (or serve with `sparring serve --migrate`, as make run does)"
         )

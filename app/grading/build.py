@@ -23,7 +23,7 @@ def build_grader_set(settings: Settings, context: GraderContext) -> dict[str, Gr
         source = str(settings.graders_file) if settings.graders_file is not None else "SPARRING_GRADERS_FILE"
         return build_graders(configs, source=source, context=context)
     except GraderConfigError as exc:
-        raise StartupError(f"invalid grader config: {exc}") from None
+        raise StartupError(f"invalid grader config (SPARRING_GRADERS_FILE): {exc}") from None
 
 
 def build_grading(

@@ -92,6 +92,13 @@ class GradingService:
         self.state_tools = frozenset(self.state_tools)
 
     def resolve(self, name: str | None) -> Grader:
+        if not self.graders:
+            raise NotFound(
+                f"no grader {'named ' + repr(name) if name else 'at /grade'}: none is configured on this "
+                "server: set SPARRING_GRADERS_FILE to a YAML or JSON file of grader configs (or enable a "
+                "pack with a state check, e.g. retail), then restart it",
+                available=[],
+            )
         key = name or self.default
         if key is None:
             raise NotFound(

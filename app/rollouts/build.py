@@ -38,4 +38,5 @@ def build_store(settings: Settings) -> RolloutStore:
         lock_timeout=settings.lock_timeout_seconds,
         claim_timeout=settings.claim_timeout_seconds,
         lock_wait=settings.tool_timeout_seconds,
+        key_prefix=settings.redis_key_prefix,
     )

@@ -41,13 +41,16 @@ def _key_part(value: str) -> str:
     return quote(value, safe="") or "%"
 
 
-def _prefix(trace_id: str) -> str:
+DEFAULT_KEY_PREFIX = "sp"
+
+
+def _prefix(trace_id: str, namespace: str = DEFAULT_KEY_PREFIX) -> str:
     # The hash tag keeps every key of a rollout in one Redis Cluster slot (atomic scripts need it).
-    return f"sp:{{{_key_part(trace_id)}}}"
+    return f"{namespace}:{{{_key_part(trace_id)}}}"
 
 
-def _keys(trace_id: str, call_id: str | None) -> list[str]:
-    prefix = _prefix(trace_id)
+def _keys(trace_id: str, call_id: str | None, namespace: str = DEFAULT_KEY_PREFIX) -> list[str]:
+    prefix = _prefix(trace_id, namespace)
     # Without a call_id the ledger key is never read or written; it is named for the fixed layout only.
     call = _key_part(call_id) if call_id is not None else ""
     return [f"{prefix}:meta", f"{prefix}:state", f"{prefix}:call:{call}", f"{prefix}:lock"]
@@ -111,8 +114,10 @@ class RedisRolloutStore:
         claim_timeout: float,
         lock_wait: float,
         op_timeout: float = 5.0,
+        key_prefix: str = DEFAULT_KEY_PREFIX,
     ) -> None:
         self._redis = client
+        self._namespace = key_prefix  # every key is `<key_prefix>:{<trace id>}:...`
         self._lock_wait = lock_wait
         self._ttl_ms = int(ttl_seconds * 1000)
         self._lock_ms = int(lock_timeout * 1000)
@@ -134,6 +139,9 @@ class RedisRolloutStore:
         # Claim and lock tokens: unique per store (a random prefix) and per call (a counter).
         self._token_prefix = os.urandom(8).hex()
         self._token_count = itertools.count()
+
+    def _key(self, trace_id: str, part: str) -> str:
+        return f"{_prefix(trace_id, self._namespace)}:{part}"
 
     def _unavailable(self, exc: BaseException) -> StoreUnavailable:
         # The caller gets a stable message; what the driver said (hosts, ports, error kinds) is logged.
@@ -157,7 +165,7 @@ class RedisRolloutStore:
     async def _run(self, script: Script, trace_id: str, call_id: str | None, args: list[Any]) -> Any:
         """Run one of the call scripts, batched with others (the batch carries the deadline)."""
         try:
-            return await self._batcher.run(script, _keys(trace_id, call_id), args)
+            return await self._batcher.run(script, _keys(trace_id, call_id, self._namespace), args)
         except Exception as exc:  # every failure of Redis, whatever raised it (see _guard)
             raise self._unavailable(exc) from exc
 
@@ -351,22 +359,22 @@ class RedisRolloutStore:
     # --- state and lifecycle -------------------------------------------------------------------------
 
     async def mark_graded(self, trace_id: str) -> None:
-        key = f"{_prefix(trace_id)}:meta"
+        key = self._key(trace_id, "meta")
         pipe = self._redis.pipeline(transaction=True)
         pipe.hset(key, "graded", 1)
         pipe.pexpire(key, self._ttl_ms)
         await self._guard(pipe.execute())
 
     async def is_graded(self, trace_id: str) -> bool:
-        return bool(await self._guard(self._redis.hget(f"{_prefix(trace_id)}:meta", "graded")))
+        return bool(await self._guard(self._redis.hget(self._key(trace_id, "meta"), "graded")))
 
     async def changes(self, trace_id: str) -> PackChanges:
-        raw = await self._guard(self._redis.hgetall(f"{_prefix(trace_id)}:state"))
+        raw = await self._guard(self._redis.hgetall(self._key(trace_id, "state")))
         return _decode_changes(raw)
 
     async def seen(self, trace_id: str) -> bool:
         # Every call that reads or changes the rollout's state touches its meta (see _BEGIN).
-        return bool(await self._guard(self._redis.exists(f"{_prefix(trace_id)}:meta")))
+        return bool(await self._guard(self._redis.exists(self._key(trace_id, "meta"))))
 
     # --- small records (episode sessions) ------------------------------------------------------------
 

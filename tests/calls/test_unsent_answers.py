@@ -30,7 +30,7 @@ from app.rollouts.redis_store import _keys
 from app.rollouts.store import StoreUnavailable
 from app.sdk import Pack, ToolContext
 from tests.calls.test_log_writer import _record
-from tests.conftest import ADMIN_KEY, REDIS_URL, AppFactory, call_body, new_trace
+from tests.conftest import ADMIN_KEY, REDIS_KEY_PREFIX, REDIS_URL, AppFactory, call_body, new_trace
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 lapsing_pack = Pack("lapsing")
@@ -46,7 +46,7 @@ def look_up(ctx: ToolContext, key: str) -> dict[str, str]:
         _lost.add((ctx.trace_id, ctx.call_id))
         client = redis.Redis.from_url(REDIS_URL)
         try:
-            client.delete(_keys(ctx.trace_id, ctx.call_id)[2])
+            client.delete(_keys(ctx.trace_id, ctx.call_id, REDIS_KEY_PREFIX)[2])
         finally:
             client.close()
     return {"key": key, "attempt": str(next(_attempts))}  # each attempt answers differently

@@ -35,7 +35,16 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from app.db.migrate import head_revision
-from tests.conftest import ADMIN_KEY, API_KEYS, GRADER_KEY, TOOLS_KEY, create_pg_database, drop_pg_database
+from tests.conftest import (
+    ADMIN_KEY,
+    API_KEYS,
+    GRADER_KEY,
+    REDIS_KEY_PREFIX,
+    REDIS_URL,
+    TOOLS_KEY,
+    create_pg_database,
+    drop_pg_database,
+)
 from tests.deploy.procs import REPO, free_port
 
 CACHE = Path(os.environ.get("SPARRING_TEST_CACHE", "/var/cache/sparring-test"))
@@ -45,7 +54,6 @@ BASE_PACKAGES = ("python3", "python3-venv", "python-is-python3")
 # The interpreter that builds the wheelhouse: Debian's, so the wheels match the base image's Python.
 HOST_PYTHON = Path("/usr/bin/python3")
 PG_ADMIN_URL = os.environ.get("SPARRING_TEST_PG", "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres")
-REDIS_URL = os.environ.get("SPARRING_TEST_REDIS", "redis://127.0.0.1:6379/9")
 # Docker's build cache left after the test (the cached dependency layers fit well within it).
 CACHE_KEEP_BYTES = 3 * 2**30
 # The stop grace period given to the container, as a Kubernetes pod or `docker stop -t` would.
@@ -273,6 +281,7 @@ def container(docker: str, image: str, database: str, tmp_path: Path) -> Iterato
         [docker, "run", "--detach", "--name", name, "--network", "host",
          "--env", f"SPARRING_DATABASE_URL={database}",
          "--env", f"SPARRING_REDIS_URL={REDIS_URL}",
+         "--env", f"SPARRING_REDIS_KEY_PREFIX={REDIS_KEY_PREFIX}",
          "--env", f"SPARRING_API_KEYS={API_KEYS}",
          "--env", "SPARRING_HOST=127.0.0.1",
          "--env", f"SPARRING_PORT={port}",

@@ -28,7 +28,16 @@ import pytest
 import redis
 
 from app.db.migrate import upgrade
-from tests.conftest import ADMIN_KEY, API_KEYS, REDIS_URL, TOOLS_KEY, create_pg_database, drop_pg_database
+from tests.conftest import (
+    ADMIN_KEY,
+    API_KEYS,
+    REDIS_KEY_PREFIX,
+    REDIS_URL,
+    RUN_ID,
+    TOOLS_KEY,
+    create_pg_database,
+    drop_pg_database,
+)
 from tests.deploy.procs import REPO, Processes, clean_env, free_port, processes, wait_http, wait_tcp
 
 TEMPLATE = REPO / "deploy" / "nginx" / "sparring.conf.template"
@@ -120,7 +129,7 @@ class Stack:
 
 @pytest.fixture(scope="module")
 async def deploy_database() -> AsyncIterator[str]:
-    name = f"sparring_deploy_{os.getpid()}"
+    name = f"sparring_deploy_{RUN_ID}"
     url = await create_pg_database(name)
     await asyncio.to_thread(upgrade, url)
     yield url
@@ -188,6 +197,7 @@ def start_apps(procs: Processes, root: Path, database_url: str, ports: dict[str,
         env = clean_env(
             SPARRING_DATABASE_URL=database_url,
             SPARRING_REDIS_URL=REDIS_URL,
+            SPARRING_REDIS_KEY_PREFIX=REDIS_KEY_PREFIX,
             SPARRING_API_KEYS=API_KEYS,
             SPARRING_WORKER_NAME=name,
             SPARRING_FORWARDED_ALLOW_IPS="127.0.0.1",
@@ -217,7 +227,7 @@ def forget_traces(traces: list[str]) -> None:
     client = redis.Redis.from_url(REDIS_URL)
     try:
         for trace in traces:
-            keys = list(client.scan_iter(match=f"sp:{{{trace}}}*", count=1000))
+            keys = list(client.scan_iter(match=f"{REDIS_KEY_PREFIX}:{{{trace}}}*", count=1000))
             if keys:
                 client.delete(*keys)
     finally:

@@ -13,7 +13,7 @@ from app.episodes.sessions import SessionStore
 from app.rollouts.memory import MemoryRolloutStore
 from app.rollouts.redis_store import RedisRolloutStore
 from app.rollouts.store import RolloutStore
-from tests.conftest import REDIS_URL
+from tests.conftest import REDIS_KEY_PREFIX, REDIS_URL
 
 ROW = {"task_id": "7", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -25,7 +25,12 @@ async def store(request: pytest.FixtureRequest) -> AsyncIterator[RolloutStore]:
         s = MemoryRolloutStore(ttl_seconds=3600)
     else:
         s = RedisRolloutStore(
-            Redis.from_url(REDIS_URL), ttl_seconds=3600, lock_timeout=2, claim_timeout=2, lock_wait=5
+            Redis.from_url(REDIS_URL),
+            key_prefix=REDIS_KEY_PREFIX,
+            ttl_seconds=3600,
+            lock_timeout=2,
+            claim_timeout=2,
+            lock_wait=5,
         )
     yield s
     await s.aclose()

@@ -8,7 +8,7 @@ import pytest
 from redis.asyncio import Redis
 
 from app.deps import app_state
-from tests.conftest import ADMIN_KEY, REDIS_URL, AppFactory, new_trace
+from tests.conftest import ADMIN_KEY, REDIS_KEY_PREFIX, REDIS_URL, AppFactory, new_trace
 from tests.grading.test_routes import GRADERS, ledger_pack, pay_call, sample, stored_grades, write_graders
 
 STATE_GRADERS = {
@@ -29,7 +29,9 @@ async def forget_state(backend: str, trace: str) -> None:
     if backend == "real":
         client = Redis.from_url(REDIS_URL)
         try:
-            await client.delete(*[key async for key in client.scan_iter(match=f"sp:{{{trace}}}:*")])
+            await client.delete(
+                *[key async for key in client.scan_iter(match=f"{REDIS_KEY_PREFIX}:{{{trace}}}:*")]
+            )
         finally:
             await client.aclose()
 

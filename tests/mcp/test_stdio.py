@@ -11,7 +11,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
-from tests.conftest import REDIS_URL, new_trace
+from tests.conftest import REDIS_KEY_PREFIX, REDIS_URL, new_trace
 from tests.mcp.conftest import text_of
 from tests.system.helpers import ROOT, clean_env
 
@@ -70,6 +70,7 @@ async def test_stdio_on_postgres_and_redis_with_a_named_rollout(pg_database: str
         SPARRING_HOME=str(tmp_path / "home"),
         SPARRING_DATABASE_URL=pg_database,
         SPARRING_REDIS_URL=REDIS_URL,
+        SPARRING_REDIS_KEY_PREFIX=REDIS_KEY_PREFIX,
     )
     args = ["mcp", "--trace-id", trace, "--run", "desk"]
     async with Client(StdioServerParameters(command=SPARRING, args=args, env=env, cwd=str(ROOT))) as client:

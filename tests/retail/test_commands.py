@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from app.cli import cli
 from app.config import get_settings
+from app.packs import available_packs
 from tools.retail import data, dataset
 from tools.retail.dataset import check_dataset
 
@@ -53,7 +54,8 @@ def test_fetch_explains_a_failed_download(env: Path, monkeypatch: pytest.MonkeyP
 
 def test_unknown_pack(env: Path) -> None:
     result = CliRunner().invoke(cli, ["packs", "fetch", "nope"])
-    assert result.exit_code == 2 and "pack 'nope' not found" in result.output
+    assert result.exit_code == 2 and "no pack named 'nope'" in result.output
+    assert f"the packs are {', '.join(available_packs())}" in result.output
 
 
 def test_dataset_build_writes_checked_lines(env: Path) -> None:

@@ -14,7 +14,7 @@ from redis.asyncio import Redis
 from app.config import Settings
 from app.rollouts.redis_store import RedisRolloutStore
 from app.rollouts.store import CallStart, StoredAnswer, Ticket
-from tests.conftest import REDIS_URL, new_trace
+from tests.conftest import REDIS_KEY_PREFIX, REDIS_URL, new_trace
 from tests.rollouts.test_stores import meta
 
 pytestmark = pytest.mark.slow
@@ -28,7 +28,7 @@ from app.lifespan import build_store
 from app.rollouts.store import CallStart, RolloutMeta
 
 async def main() -> None:
-    store = build_store(Settings(redis_url=sys.argv[1]))
+    store = build_store(Settings(redis_url=sys.argv[1], redis_key_prefix=sys.argv[3]))
     meta = RolloutMeta(run=None, item_key=None, now=time.time())
     await store.begin(CallStart(sys.argv[2], "c1", lock=True, meta=meta, load_changes=True, wait=5))
     print("held", flush=True)
@@ -49,6 +49,7 @@ async def test_a_killed_holder_stops_blocking_its_rollout_within_seconds() -> No
         HOLDER,
         REDIS_URL,
         trace,
+        REDIS_KEY_PREFIX,
         stdout=asyncio.subprocess.PIPE,
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -68,6 +69,7 @@ async def test_a_killed_holder_stops_blocking_its_rollout_within_seconds() -> No
     defaults = Settings()
     other = RedisRolloutStore(
         Redis.from_url(REDIS_URL),
+        key_prefix=REDIS_KEY_PREFIX,
         ttl_seconds=defaults.state_ttl_seconds,
         lock_timeout=defaults.lock_timeout_seconds,
         claim_timeout=defaults.claim_timeout_seconds,

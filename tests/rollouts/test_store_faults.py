@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 
 from app.rollouts.redis_store import RedisRolloutStore
 from app.rollouts.store import CallStart, StoredAnswer, StoreUnavailable, Ticket
-from tests.conftest import REDIS_URL, new_trace
+from tests.conftest import REDIS_KEY_PREFIX, REDIS_URL, new_trace
 from tests.faults import DroppingProxy
 from tests.rollouts.test_stores import meta
 
@@ -31,7 +31,13 @@ async def _calls_under_drops(rounds: int) -> tuple[int, list[BaseException]]:
     proxy = await DroppingProxy(target.hostname or "127.0.0.1", target.port or 6379).start()
     client = Redis.from_url(f"redis://127.0.0.1:{proxy.port}{target.path}", socket_connect_timeout=1)
     store = RedisRolloutStore(
-        client, ttl_seconds=60, lock_timeout=2, claim_timeout=2, lock_wait=2, op_timeout=2
+        client,
+        key_prefix=REDIS_KEY_PREFIX,
+        ttl_seconds=60,
+        lock_timeout=2,
+        claim_timeout=2,
+        lock_wait=2,
+        op_timeout=2,
     )
     failures: list[BaseException] = []
     traces = [new_trace() for _ in range(24)]

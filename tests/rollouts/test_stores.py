@@ -21,7 +21,7 @@ from app.rollouts.store import (
     StoreUnavailable,
     Ticket,
 )
-from tests.conftest import REDIS_URL, new_trace
+from tests.conftest import REDIS_KEY_PREFIX, REDIS_URL, new_trace
 
 ANSWER = StoredAnswer(output='{"ok":true}', outcome="ok")
 
@@ -35,6 +35,7 @@ def redis_store(
 ) -> RedisRolloutStore:
     return RedisRolloutStore(
         Redis.from_url(REDIS_URL),
+        key_prefix=REDIS_KEY_PREFIX,
         ttl_seconds=3600,
         lock_timeout=lock_timeout,
         claim_timeout=claim_timeout,
@@ -283,14 +284,14 @@ async def test_redis_rollout_metadata_is_kept() -> None:
         await store.begin(
             CallStart(trace, None, meta=RolloutMeta(run="run-b", item_key=None, now=200.0), wait=1)
         )
-        stored = await client.hgetall(f"sp:{{{trace}}}:meta")
+        stored = await client.hgetall(f"{REDIS_KEY_PREFIX}:{{{trace}}}:meta")
         assert stored == {
             b"first_seen": b"100.0",
             b"last_seen": b"200.0",
             b"run": b"run-a",
             b"item_key": b"id:7",
         }
-        assert 0 < await client.pttl(f"sp:{{{trace}}}:meta") <= 3600 * 1000
+        assert 0 < await client.pttl(f"{REDIS_KEY_PREFIX}:{{{trace}}}:meta") <= 3600 * 1000
 
 
 async def test_redis_finish_refuses_a_lapsed_claim() -> None:
@@ -316,20 +317,24 @@ async def test_redis_finish_refuses_a_lapsed_lock() -> None:
         trace = new_trace()
         stale = await ticket(store, trace, "c1", lock=True)
         # The lock expired under a stalled worker and another call holds it now.
-        await client.set(f"sp:{{{trace}}}:lock", "someone-else")
+        await client.set(f"{REDIS_KEY_PREFIX}:{{{trace}}}:lock", "someone-else")
         with pytest.raises(StoreUnavailable, match="lock lapsed"):
             await store.finish(stale, {"p": {"t": {"k": 1}}}, ANSWER)
         assert await store.changes(trace) == {}, "writes made without the lock must not be applied"
-        assert await client.get(f"sp:{{{trace}}}:lock") == b"someone-else", "another's lock is left alone"
-        assert await client.get(f"sp:{{{trace}}}:call:c1") is None, "the claim is given up for a retry"
+        assert await client.get(f"{REDIS_KEY_PREFIX}:{{{trace}}}:lock") == b"someone-else", (
+            "another's lock is left alone"
+        )
+        assert await client.get(f"{REDIS_KEY_PREFIX}:{{{trace}}}:call:c1") is None, (
+            "the claim is given up for a retry"
+        )
 
 
 async def test_redis_claim_of_a_crashed_worker_lapses() -> None:
     async with redis_store_and_client(claim_timeout=0.3) as (store, client):
         trace = new_trace()
         # A claim written by a worker that died (no keep-alive runs for it).
-        await client.set(f"sp:{{{trace}}}:call:c1", "P:deadbeef", px=300)
-        await client.set(f"sp:{{{trace}}}:lock", "deadbeef", px=300)
+        await client.set(f"{REDIS_KEY_PREFIX}:{{{trace}}}:call:c1", "P:deadbeef", px=300)
+        await client.set(f"{REDIS_KEY_PREFIX}:{{{trace}}}:lock", "deadbeef", px=300)
         again = await begin(store, trace, "c1", lock=True, wait=3)
         assert isinstance(again, Ticket)
         await store.abort(again)
@@ -341,10 +346,10 @@ async def test_redis_keep_alive_holds_claim_and_lock_of_a_long_call() -> None:
         trace = new_trace()
         long_call = await ticket(store, trace, "c1", lock=True)
         await asyncio.sleep(2.0)  # more than three expiries
-        assert await client.get(f"sp:{{{trace}}}:call:c1") == f"P:{long_call.token}".encode()
-        assert await client.get(f"sp:{{{trace}}}:lock") == long_call.token.encode()
+        assert await client.get(f"{REDIS_KEY_PREFIX}:{{{trace}}}:call:c1") == f"P:{long_call.token}".encode()
+        assert await client.get(f"{REDIS_KEY_PREFIX}:{{{trace}}}:lock") == long_call.token.encode()
         await store.finish(long_call, {"p": {"t": {"k": 1}}}, ANSWER)
-        assert await client.get(f"sp:{{{trace}}}:lock") is None
+        assert await client.get(f"{REDIS_KEY_PREFIX}:{{{trace}}}:lock") is None
         await asyncio.sleep(0.8)
         assert await begin(store, trace, "c1") == ANSWER, "the answer outlives the claim's expiry"
 
@@ -400,7 +405,7 @@ async def test_redis_connection_closed_by_the_server_is_retried_on_a_new_one() -
         assert killed >= 1
         await asyncio.gather(*(store.finish(t, {"p": {"t": {"k": 1}}}, ANSWER) for t in tickets))
         for trace in traces:
-            assert await client.get(f"sp:{{{trace}}}:lock") is None
+            assert await client.get(f"{REDIS_KEY_PREFIX}:{{{trace}}}:lock") is None
             assert await begin(store, trace, "c1") == ANSWER
 
 

@@ -4,7 +4,8 @@ It speaks `POST /v1/responses` and `POST /v1/chat/completions` with function cal
 in one turn are parallel calls). Each request is reduced to a `ModelRequest` (the user's last
 message, the calls made so far and their outputs, in order) and handed to the test's script, which
 answers a `Reply` (text and/or calls). Every request body is kept for assertions. A script may also
-raise `Unavailable` to answer 503.
+raise `Unavailable` to answer 503. The pre-flight turn of `sparring eval` (`PREFLIGHT_PROMPT`, no
+tools) is answered "ok" by the server itself and kept in `preflights`, not handed to the script.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import Any
 import orjson
 import uvicorn
 from fastapi import FastAPI, Request, Response
+
+from sparring.policies import PREFLIGHT_PROMPT
 
 INPUT_TOKENS, OUTPUT_TOKENS = 11, 7  # usage reported for every turn
 
@@ -103,6 +106,7 @@ class ModelServer:
     def __init__(self) -> None:
         self.script: Script = lambda request: Reply(text="no script")
         self.requests: list[ModelRequest] = []
+        self.preflights: list[ModelRequest] = []  # `sparring eval`'s pre-flight turns, answered "ok"
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -124,6 +128,10 @@ class ModelServer:
             return next(self._ids)
 
     def _answer(self, request: ModelRequest) -> Reply | None:
+        if request.user == PREFLIGHT_PROMPT and not request.tools:
+            with self._lock:
+                self.preflights.append(request)
+            return Reply(text="ok")
         with self._lock:
             self.requests.append(request)
         try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,7 +20,7 @@ import pytest
 from tests.conftest import ADMIN_KEY, GRADER_KEY, REDIS_URL, TOOLS_KEY
 from tests.retail.conftest import HOME
 from tests.retail.corpus import build_dataset, gold_calls, replay
-from tests.runner.model_server import ModelRequest, ModelServer, Reply
+from tests.runner.model_server import ModelRequest, ModelServer, Reply, Unavailable
 from tests.runner.test_retail import GoldModel, with_writes_and_facts
 from tests.system.helpers import Server, Servers, clean_env, server_settings
 from tools.retail import data
@@ -269,3 +270,114 @@ async def test_ctrl_c_prints_what_was_done_and_resume_finishes_the_run(
     assert report["rollouts"]["graded"] == 6 and report["reward"]["mean"] == 1.0
     stats = await review(sparring, "/review/api/stats?run=interrupted")
     assert stats["reward"]["scored"] == 6
+
+
+def refused_port() -> int:
+    """A loopback port nothing listens on: connections to it are refused."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+async def test_eval_stops_at_the_preflight_when_the_model_endpoint_refuses_connections(
+    sparring: Server, train: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    dataset = write_lines(tmp_path / "one.jsonl", train[:2])
+    base_url = f"http://127.0.0.1:{refused_port()}/v1"
+    done = await run_cli(
+        tmp_path,
+        "eval", "--dataset", str(dataset), "--model", "m", "--base-url", base_url, "--api", "chat",
+        "--server", sparring.url, "--grader", "retail", "--out", str(tmp_path / "report.json"),
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "the model failed its pre-flight call (m)" in done.stderr
+    # A refused connection is a connection error, not a timeout.
+    assert "APIConnectionError" in done.stderr and "APITimeoutError" not in done.stderr
+    assert "timed out" not in done.stderr
+    assert f"check: --base-url {base_url}: is a model server listening there?" in done.stderr
+    assert not (tmp_path / "report.json").exists()  # no rollout was run
+
+
+async def test_eval_preflight_names_the_api_and_base_url_on_a_404(
+    sparring: Server, model_server: ModelServer, train: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    dataset = write_lines(tmp_path / "one.jsonl", train[:1])
+    base_url = model_server.base_url.replace("/v1", "/v2")  # no route there: a 404, as a wrong --api gets
+    done = await run_cli(
+        tmp_path,
+        "eval", "--dataset", str(dataset), "--model", "m", "--base-url", base_url,
+        "--server", sparring.url, "--grader", "retail",
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "NotFoundError" in done.stderr
+    assert "check: --api responses: the endpoint has no /responses" in done.stderr
+    assert "try --api chat" in done.stderr and f"--base-url {base_url}" in done.stderr
+    assert model_server.requests == [] and model_server.preflights == []
+
+
+async def test_eval_where_every_rollout_is_discarded_prints_the_reasons_and_exits_1(
+    sparring: Server, model_server: ModelServer, train: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    def down(request: ModelRequest) -> Reply:
+        raise Unavailable  # the pre-flight passes; every rollout's model turn then gets a 503
+
+    model_server.script = down
+    dataset = write_lines(tmp_path / "two.jsonl", train[:2])
+    done = await run_cli(
+        tmp_path,
+        "eval", "--dataset", str(dataset), "--model", "m", "--base-url", model_server.base_url,
+        "--api", "chat", "--server", sparring.url, "--grader", "retail", "--samples", "2",
+        OPENAI_API_KEY="test-key",
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert len(model_server.preflights) == 1
+    assert "error: no rollout could be graded: all 4 were discarded" in done.stderr
+    lines = done.stdout.splitlines()
+    grouped = lines[lines.index("discarded, by reason:") + 1 :]
+    # One line for the one cause, with its count: the reason is on screen, not only in a file.
+    assert len(grouped) == 1, grouped
+    assert grouped[0].split()[0] == "4"
+    assert "model_error: " in grouped[0] and "503" in grouped[0]
+
+
+async def test_eval_max_discarded_fails_a_run_with_too_many_discards(
+    sparring: Server, model_server: ModelServer, train: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    raw = with_writes_and_facts(train, 2)
+    gold = GoldModel(raw)
+    broken = raw[0]["messages"][-1]["content"]
+
+    def half(request: ModelRequest) -> Reply:
+        if request.user == broken:
+            raise Unavailable
+        return gold(request)
+
+    model_server.script = half
+    dataset = write_lines(tmp_path / "two.jsonl", raw)
+    args = [
+        "eval", "--dataset", str(dataset), "--model", "m", "--base-url", model_server.base_url,
+        "--api", "chat", "--server", sparring.url, "--grader", "retail",
+    ]  # fmt: skip
+    tolerated = await run_cli(tmp_path, *args, "--max-discarded", "50", OPENAI_API_KEY="k")
+    assert tolerated.returncode == 0, tolerated.stdout + tolerated.stderr
+    assert "discarded, by reason:" in tolerated.stdout
+    strict = await run_cli(tmp_path, *args, "--max-discarded", "10", OPENAI_API_KEY="k")
+    assert strict.returncode == 1, strict.stdout + strict.stderr
+    assert "3 of 6 rollouts (50.0%) were discarded, more than --max-discarded 10%" in strict.stderr
+
+
+async def test_canary_where_no_rollout_can_be_graded_exits_1_with_the_reason(
+    sparring: Server, train: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    dataset = write_lines(tmp_path / "two.jsonl", train[:2])
+    grader_url = f"http://127.0.0.1:{refused_port()}/grade/retail"
+    done = await run_cli(
+        tmp_path,
+        "canary", "--dataset", str(dataset), "--server", sparring.url, "--grader-url", grader_url,
+        "--policy", "empty",
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "error: no rollout could be graded: all 2 were discarded" in done.stderr
+    lines = done.stdout.splitlines()
+    grouped = lines[lines.index("discarded, by reason:") + 1 :]
+    assert grouped[0].split()[0] == "2" and "grader_failed" in grouped[0]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
+import httpx2
+import openai
 import pytest
 
 from sparring.canaries import all_canaries, gold_calls, placeholder, reference_text
@@ -17,7 +19,8 @@ from sparring.http import (
     retry_after,
     with_retries,
 )
-from sparring.loop import DatasetLine, FunctionCall, Step, Transcript
+from sparring.loop import DatasetLine, FunctionCall, ModelFailure, Step, Transcript
+from sparring.policies import failure_of, what_to_check
 from sparring.report import canary_report
 from sparring.wire import failure_kind_of_status
 
@@ -212,3 +215,28 @@ def test_sampling_parameters_go_with_every_request_and_never_replace_what_the_po
     for reserved in ("model", "messages", "input", "tools", "stream"):
         with pytest.raises(ValueError, match=reserved):
             make(client, "m", **{reserved: "x"})
+
+
+@pytest.mark.parametrize(
+    ("status", "expected"),
+    [
+        (401, "the model API key: set MY_KEY"),
+        (403, "the model API key: set MY_KEY"),
+        (
+            404,
+            "--api responses: the endpoint has no /responses (most local servers speak only chat: "
+            "try --api chat)",
+        ),
+        (400, "--model (a name this endpoint serves)"),
+        (429, "the rate limit or quota of the key in MY_KEY"),
+        (502, "it fails with HTTP 502"),
+    ],
+)
+def test_a_failed_model_turn_says_what_to_check_by_status(status: int, expected: str) -> None:
+    request = httpx2.Request("POST", "http://127.0.0.1:9/v1/responses")
+    error = openai.APIStatusError("refused", response=httpx2.Response(status, request=request), body=None)
+    try:
+        raise failure_of(error) from error
+    except ModelFailure as failure:
+        hint = what_to_check(failure, api="responses", base_url="http://127.0.0.1:9/v1", key_env="MY_KEY")
+    assert expected in hint, hint

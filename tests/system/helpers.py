@@ -29,7 +29,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
 from tests.call_log import logged_calls_on
-from tests.conftest import API_KEYS, TOOLS_KEY
+from tests.conftest import API_KEYS, REDIS_KEY_PREFIX, TOOLS_KEY
 
 ROOT = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"
@@ -85,6 +85,7 @@ def server_settings(
     }
     if redis_url is not None:
         settings["SPARRING_REDIS_URL"] = redis_url
+        settings["SPARRING_REDIS_KEY_PREFIX"] = REDIS_KEY_PREFIX
     settings.update(extra)
     return settings
 

@@ -373,6 +373,14 @@ def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: b
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML error on one line: what is wrong and where (PyYAML's own text spans several)."""
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    mark = getattr(exc, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{problem}{where}"
+
+
 def load_graders_file(path: str | Path) -> dict[str, dict[str, Any]]:
     """A graders file (YAML, or JSON for a .json name): a mapping of grader name -> grader config."""
     where = str(path)
@@ -390,7 +398,7 @@ def load_graders_file(path: str | Path) -> dict[str, dict[str, Any]]:
     except orjson.JSONDecodeError as exc:
         raise GraderConfigError(f"not valid JSON: {exc}", source=where, grader="") from None
     except yaml.YAMLError as exc:
-        raise GraderConfigError(f"not valid YAML: {exc}", source=where, grader="") from None
+        raise GraderConfigError(f"not valid YAML: {_yaml_problem(exc)}", source=where, grader="") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -77,8 +77,8 @@ return value
 """
 
 
-def _record_key(key: str) -> str:
-    return f"sp:rec:{_key_part(key)}"
+def _record_key(namespace: str, key: str) -> str:
+    return f"{namespace}:rec:{_key_part(key)}"
 
 
 def _text(value: Any) -> str:
@@ -381,22 +381,24 @@ class RedisRolloutStore:
     async def record_put(self, write: RecordWrite) -> bool:
         pairs = [part for item in write.fields.items() for part in item]
         args = [int(write.ttl_seconds * 1000), write.unless_field or "", "1" if write.create else "0", *pairs]
-        return bool(await self._guard(self._record_put(self._redis, [_record_key(write.key)], args)))
+        return bool(
+            await self._guard(self._record_put(self._redis, [_record_key(self._namespace, write.key)], args))
+        )
 
     async def record_get(self, key: str, *, ttl_seconds: float) -> dict[str, str] | None:
         pipe = self._redis.pipeline(transaction=True)
-        pipe.hgetall(_record_key(key))
-        pipe.pexpire(_record_key(key), int(ttl_seconds * 1000))
+        pipe.hgetall(_record_key(self._namespace, key))
+        pipe.pexpire(_record_key(self._namespace, key), int(ttl_seconds * 1000))
         raw, _ = await self._guard(pipe.execute())
         return {_text(k): _text(v) for k, v in raw.items()} if raw else None
 
     async def record_add(self, key: str, field: str, amount: int, *, ttl_seconds: float) -> int | None:
         args = [int(ttl_seconds * 1000), field, amount]
-        value = await self._guard(self._record_add(self._redis, [_record_key(key)], args))
+        value = await self._guard(self._record_add(self._redis, [_record_key(self._namespace, key)], args))
         return None if value is None else int(value)
 
     async def record_delete(self, key: str) -> bool:
-        return bool(await self._guard(self._redis.delete(_record_key(key))))
+        return bool(await self._guard(self._redis.delete(_record_key(self._namespace, key))))
 
     async def ping(self) -> None:
         await self._guard(self._redis.ping())

@@ -112,3 +112,23 @@ async def test_an_idle_session_expires(store: RolloutStore) -> None:
     assert made is not None
     await asyncio.sleep(0.5)
     assert await sessions.get(made.sid) is None
+
+
+async def test_a_session_record_lives_under_the_stores_key_prefix() -> None:
+    """Session records, like rollouts, are under the configured prefix: a run's cleanup finds them, and
+    two deployments sharing a Redis with different prefixes never see each other's sessions."""
+    client = Redis.from_url(REDIS_URL)
+    timeouts = {"ttl_seconds": 60, "lock_timeout": 2, "claim_timeout": 2, "lock_wait": 5}
+    mine = RedisRolloutStore(client, key_prefix=REDIS_KEY_PREFIX, **timeouts)
+    other = RedisRolloutStore(Redis.from_url(REDIS_URL), key_prefix=f"{REDIS_KEY_PREFIX}x", **timeouts)
+    try:
+        made = await SessionStore(mine, ttl_seconds=60).create(
+            pack="retail", trace_id=trace(), row=None, channel="ors", run=""
+        )
+        assert made is not None
+        keys = [key.decode() async for key in client.scan_iter(match=f"*rec:*{made.sid}*")]
+        assert keys and all(key.startswith(f"{REDIS_KEY_PREFIX}:rec:") for key in keys), keys
+        assert await SessionStore(other, ttl_seconds=60).get(made.sid) is None
+    finally:
+        await mine.aclose()
+        await other.aclose()

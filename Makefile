@@ -12,6 +12,10 @@ EP_STAMP := $(EP_VENV)/.installed
 # openenv 0.10.0 needs fastmcp 3 and so mcp<2. Pinned in pyproject's `openenv-client` extra.
 OE_VENV := .venv-openenv
 OE_STAMP := $(OE_VENV)/.pinned
+# openreward, the other ORS client, likewise: it pins sse-starlette 2, the server's mcp needs 3.
+# Pinned in pyproject's `openreward-client` extra.
+OR_VENV := .venv-openreward
+OR_STAMP := $(OR_VENV)/.pinned
 
 .PHONY: run test lint typecheck pytest install clean
 
@@ -30,7 +34,10 @@ $(EP_STAMP): $(EP_REQUIREMENTS)
 $(OE_STAMP): pyproject.toml $(STAMP)
 	$(BIN)/python -c "from tests.episodes.openenv_client import ensure_venv; ensure_venv()"
 
-install: $(STAMP) $(EP_STAMP) $(OE_STAMP)
+$(OR_STAMP): pyproject.toml $(STAMP)
+	$(BIN)/python -c "from tests.episodes.openreward_client import ensure_venv; ensure_venv()"
+
+install: $(STAMP) $(EP_STAMP) $(OE_STAMP) $(OR_STAMP)
 
 ## Serve on the embedded default (SQLite under .sparring/, in-memory state) at http://127.0.0.1:8000
 run: $(STAMP)
@@ -46,8 +53,8 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-pytest: $(STAMP) $(EP_STAMP) $(OE_STAMP)
+pytest: $(STAMP) $(EP_STAMP) $(OE_STAMP) $(OR_STAMP)
 	$(BIN)/pytest
 
 clean:
-	rm -rf $(VENV) $(EP_VENV) $(OE_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(EP_VENV) $(OE_VENV) $(OR_VENV) .pytest_cache .mypy_cache .ruff_cache

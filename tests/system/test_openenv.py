@@ -9,6 +9,7 @@ import asyncio
 import os
 import subprocess
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -66,12 +67,26 @@ async def server(
 ) -> AsyncIterator[Server]:
     """One server per state backend (Redis, or the embedded in-memory store); the tests isolate by
     trace: every episode is a fresh rollout, every session a fresh record."""
-    home = tmp_path_factory.mktemp("openenv")
+    redis_url = REDIS_URL if request.param == "redis" else None
+    async with retail_server("openenv", module_database, redis_url, retail_dir, tmp_path_factory) as served:
+        yield served
+
+
+@asynccontextmanager
+async def retail_server(
+    name: str,
+    database_url: str,
+    redis_url: str | None,
+    retail_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> AsyncIterator[Server]:
+    """`sparring serve` with the retail pack, as users start it, on the given backends."""
+    home = tmp_path_factory.mktemp(name)
     settings = server_settings(
-        database_url=module_database,
-        redis_url=REDIS_URL if request.param == "redis" else None,
+        database_url=database_url,
+        redis_url=redis_url,
         home=home / "home",
-        worker="openenv-a",
+        worker=f"{name}-a",
         SPARRING_PACKS="retail",
         SPARRING_RETAIL_DATA=str(retail_dir),
     )

@@ -12,15 +12,16 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import TOOLS_KEY
+from tests.conftest import REDIS_URL, TOOLS_KEY
 from tests.episodes.conftest import gold_answer
 from tests.episodes.openreward_client import drive, ensure_venv
-from tests.system.helpers import Server, Servers, server_settings
+from tests.system.helpers import Server
 from tests.system.test_openenv import (  # noqa: F401 (module fixtures)
     TOOLS,
     gold_calls_and_a_mistake,
     replayed,
     retail_dir,
+    retail_server,
     test_rows,
     write_task,
 )
@@ -35,26 +36,19 @@ def client_python() -> Path:
     return ensure_venv()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["redis", "memory"])
 async def server(
+    request: pytest.FixtureRequest,
     module_database: str,
     retail_dir: Path,  # noqa: F811
     tmp_path_factory: pytest.TempPathFactory,
 ) -> AsyncIterator[Server]:
-    home = tmp_path_factory.mktemp("openreward")
-    settings = server_settings(
-        database_url=module_database,
-        redis_url=None,
-        home=home / "home",
-        worker="openreward-a",
-        SPARRING_PACKS="retail",
-        SPARRING_RETAIL_DATA=str(retail_dir),
-    )
-    servers = Servers(home)
-    try:
-        yield await servers.start("a", settings, cli=True)
-    finally:
-        servers.stop_all()
+    """One server per state backend (Redis, or the embedded in-memory store)."""
+    redis_url = REDIS_URL if request.param == "redis" else None
+    async with retail_server(
+        "openreward", module_database, redis_url, retail_dir, tmp_path_factory
+    ) as served:
+        yield served
 
 
 @pytest.fixture

@@ -138,11 +138,13 @@ def main(argv: list[str] | None = None) -> int:
         servers = build_servers({"echo", "sparring-serve"}, env, key)
         template = servers.pop("sparring-serve")
         own_databases: list[str] = []
+        databases: dict[str, str | None] = {}
         for index, (name, checkout) in enumerate(checkouts.items()):
             database: dict[str, str] = {}
             if args.database_per_variant:
                 own_databases.append(f"{env.pg_database}_{index}")
                 database["SPARRING_DATABASE_URL"] = variant_database(env, own_databases[-1], checkout)
+            databases[name] = own_databases[-1] if args.database_per_variant else env.pg_database
             servers[name] = Server(
                 name,
                 template.target,
@@ -158,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         echo = servers["echo"]
 
-        def load_with(server: Server, settings: argparse.Namespace) -> Any:
+        def load_with(server: Server, settings: argparse.Namespace, database: str | None = None) -> Any:
             retail = server is not echo
             return run_wrk(
                 wrk,
@@ -169,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                 key=key,
                 args=settings,
                 server_pid=server.pid,
+                pg_database=database,
                 ids_file=ids_file if retail else None,
             )
 
@@ -179,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
                 names = list(checkouts) if round_no % 2 == 0 else list(reversed(checkouts))
                 for name in names:
                     base = load_with(echo, load)
-                    run = load_with(servers[name], load)
+                    run = load_with(servers[name], load, databases[name])
+                    # Postgres's CPU per call: its backends connected to this variant's database only.
+                    pg_ms = run.cpu.get("postgres_seconds", 0.0) * 1000 / max(run.ok, 1)
                     entry = {
                         "round": round_no + 1,
                         "rps": run.rps,
@@ -188,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                         "server_busy": run.server_cpu_ms_per_call * run.rps / 1000,
                         "cpu_ms_per_call": run.server_cpu_ms_per_call,
                         "echo_cpu_ms_per_call": base.server_cpu_ms_per_call,
+                        "pg_cpu_ms_per_call": pg_ms,
                         "p99_ms": run.p99_ms,
                         "errors": run.requests - run.ok,
                     }
@@ -196,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"round {round_no + 1} {name:<12} {run.rps:6.0f} req/s / echo {base.rps:6.0f} = "
                         f"{entry['ratio']:.3f}  server busy {entry['server_busy']:.0%}  "
                         f"CPU/call {run.server_cpu_ms_per_call:.3f} ms "
-                        f"(echo {base.server_cpu_ms_per_call:.3f})  "
+                        f"(echo {base.server_cpu_ms_per_call:.3f})  Postgres/call {pg_ms:.3f} ms  "
                         f"p99 {run.p99_ms:.1f} ms",
                         flush=True,
                     )
@@ -216,12 +222,14 @@ def main(argv: list[str] | None = None) -> int:
             "cpu_ratio_median": statistics.median(
                 e["echo_cpu_ms_per_call"] / e["cpu_ms_per_call"] for e in entries
             ),
+            "pg_cpu_ms_per_call_median": statistics.median(e["pg_cpu_ms_per_call"] for e in entries),
             "errors": sum(e["errors"] for e in entries),
         }
         s = summary[name]
         print(
             f"{name:<12} x echo {s['ratio_median']:.3f} (rounds {', '.join(f'{r:.2f}' for r in ratios)})  "
             f"server busy {s['server_busy_median']:.0%}  CPU x echo {s['cpu_ratio_median']:.2f}  "
+            f"Postgres/call {s['pg_cpu_ms_per_call_median']:.3f} ms  "
             f"errors {s['errors']}"
         )
     args.results_dir.mkdir(parents=True, exist_ok=True)

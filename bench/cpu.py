@@ -71,7 +71,8 @@ def snapshot(server_pid: int | None, pg_database: str | None = None) -> CpuSnaps
 
 
 def usage(before: CpuSnapshot, after: CpuSnapshot, wall: float) -> dict[str, float]:
-    """Shares of one core (100 = one full core) over `wall` seconds, and the machine's busy share."""
+    """Shares of one core (100 = one full core) over `wall` seconds, each group's CPU seconds, and the
+    machine's busy share."""
     if wall <= 0:
         return {}
     # Per process, so that one that started or exited in between does not count what it did before.
@@ -79,6 +80,7 @@ def usage(before: CpuSnapshot, after: CpuSnapshot, wall: float) -> dict[str, flo
     for pid, (group, seconds) in after.processes.items():
         used[group] += seconds - before.processes.get(pid, (group, 0.0))[1]
     shares = {f"{name}_pct": 100 * seconds / wall for name, seconds in used.items()}
+    shares.update({f"{name}_seconds": seconds for name, seconds in used.items()})
     shares["loadgen_pct"] = 100 * (after.children - before.children) / wall
     total = after.machine_total - before.machine_total
     shares["machine_busy_pct"] = 100 * (after.machine_busy - before.machine_busy) / total if total else 0.0

@@ -37,14 +37,28 @@ class GradeRepository:
             query = query.where(Grade.run == run)
         return int(await self.session.scalar(query) or 0)
 
+    async def latest_scores(self, run: str) -> dict[str, dict[str, float]]:
+        """The score of the latest grade of each grader of each rollout of the run: grader → trace → score
+        (a latest grade that failed gives no score)."""
+        newest = (
+            select(func.max(Grade.id))
+            .where(Grade.trace_id.is_not(None), _of_run(run))
+            .group_by(Grade.trace_id, Grade.grader)
+        )
+        query = select(Grade.grader, Grade.trace_id, Grade.score).where(Grade.id.in_(newest))
+        scores: dict[str, dict[str, float]] = {}
+        for grader, trace_id, score in (await self.session.execute(query)).all():
+            if trace_id is not None and score is not None:
+                scores.setdefault(grader, {})[trace_id] = float(score)
+        return scores
+
     async def sources(self, grader: str, *, run: str | None, limit: int | None) -> Sequence[Grade]:
         """What a regrade by `grader` scores: the newest grade of any grader of each graded rollout (of
         `run`: the rollout's label, else the grade's), which holds the sample and row it was graded on;
         and the grades of `grader` posted without a trace, each once."""
         newest = select(func.max(Grade.id)).where(Grade.trace_id.is_not(None))
         if run is not None:
-            in_run = select(RolloutRow.trace_id).where(RolloutRow.run == run)
-            newest = newest.where((Grade.trace_id.in_(in_run)) | (Grade.run == run))
+            newest = newest.where(_of_run(run))
         query = (
             select(Grade)
             .where(
@@ -74,6 +88,11 @@ class GradeRepository:
         graded = select(Grade.trace_id).where(Grade.trace_id == RolloutRow.trace_id).exists()
         query = select(func.count()).select_from(RolloutRow).where(RolloutRow.run == run, ~graded)
         return int(await self.session.scalar(query) or 0)
+
+
+def _of_run(run: str) -> Any:
+    """A grade of a rollout of the run: by the rollout's label, else by the grade's."""
+    return Grade.trace_id.in_(select(RolloutRow.trace_id).where(RolloutRow.run == run)) | (Grade.run == run)
 
 
 def _in_run(run: str | None) -> Any:

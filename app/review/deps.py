@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import Depends
 
 from app.deps import DatabaseDep
+from app.review.labels import RolloutLabels
 from app.review.service import RolloutReview
 from app.review.session import require_login
 from app.review.statistics import RunStatistics
@@ -24,6 +25,17 @@ async def rollout_review_writing(db: DatabaseDep) -> AsyncIterator[RolloutReview
         yield RolloutReview(session)
 
 
+async def rollout_labels(db: DatabaseDep) -> AsyncIterator[RolloutLabels]:
+    async with db.session() as session:
+        yield RolloutLabels(session)
+
+
+async def rollout_labels_writing(db: DatabaseDep) -> AsyncIterator[RolloutLabels]:
+    """People's labels in one transaction, committed when the route returns."""
+    async with db.session(write=True) as session:
+        yield RolloutLabels(session)
+
+
 async def run_statistics(db: DatabaseDep) -> AsyncIterator[RunStatistics]:
     async with db.session() as session:
         yield RunStatistics(session, sessions=db.sessions)
@@ -33,6 +45,8 @@ async def run_statistics(db: DatabaseDep) -> AsyncIterator[RunStatistics]:
 # commit is the answer (a 503), never a success the database did not keep.
 RolloutReviewDep = Annotated[RolloutReview, Depends(rollout_review, scope="function")]
 RolloutReviewWritingDep = Annotated[RolloutReview, Depends(rollout_review_writing, scope="function")]
+RolloutLabelsDep = Annotated[RolloutLabels, Depends(rollout_labels, scope="function")]
+RolloutLabelsWritingDep = Annotated[RolloutLabels, Depends(rollout_labels_writing, scope="function")]
 RunStatisticsDep = Annotated[RunStatistics, Depends(run_statistics, scope="function")]
 # A review page: a logged-in browser, else a redirect to the login that comes back to the page.
 NEEDS_LOGIN = [Depends(require_login)]

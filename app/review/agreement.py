@@ -135,8 +135,19 @@ def agreement_of(
     )
 
 
-async def run_agreement(session: AsyncSession, run: str, threshold: float) -> s.Agreement:
-    """The run's agreement figures, from the latest grade of each grader per rollout and the labels."""
-    scores = await GradeRepository(session).latest_scores(run)
-    labels = await LabelRepository(session).of_run(run)
-    return agreement_of(run, threshold, scores, labels)
+class GraderAgreement:
+    """A run's agreement figures, from the latest grade of each grader per rollout and the labels."""
+
+    def __init__(self, session: AsyncSession) -> None:
+        self.session = session
+
+    async def scores(self, run: str) -> dict[str, dict[str, float]]:
+        return await GradeRepository(self.session).latest_scores(run)
+
+    async def figures(
+        self, run: str, threshold: float, scores: Mapping[str, Mapping[str, float]] | None = None
+    ) -> s.Agreement:
+        if scores is None:
+            scores = await self.scores(run)
+        labels = await LabelRepository(self.session).of_run(run)
+        return agreement_of(run, threshold, scores, labels)

@@ -15,6 +15,7 @@ from app.deps import Database, DatabaseDep
 from app.errors import NotFound
 from app.review import schemas as s
 from app.review.deps import (
+    GraderAgreementDep,
     RolloutLabelsDep,
     RolloutLabelsWritingDep,
     RolloutReviewDep,
@@ -186,6 +187,19 @@ async def label_queue(
 ) -> s.LabelQueue:
     """The run's next rollouts to label: unlabelled, stratified over score bands and items."""
     return await labels.queue(run, grader, limit=limit)
+
+
+ThresholdQuery = Annotated[float, Query(ge=-1e9, le=1e9, description='A score at or above it is a "pass".')]
+
+
+@router.get("/runs/{run}/agreement")
+async def agreement(
+    run: str, _: ReviewAccess, graders: GraderAgreementDep, threshold: ThresholdQuery = 0.5
+) -> s.Agreement:
+    """Every pair of graders that scored the same rollouts of the run, and every grader against the
+    labels: n, agreement at the threshold, Cohen's kappa, Spearman (pairs), precision and recall of
+    "pass" (labels), and the rollouts they disagree on; undefined statistics are null."""
+    return await graders.figures(run, threshold)
 
 
 @router.get("/stats")

@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import Depends
 
 from app.deps import DatabaseDep
+from app.review.agreement import GraderAgreement
 from app.review.labels import RolloutLabels
 from app.review.service import RolloutReview
 from app.review.session import require_login
@@ -36,6 +37,11 @@ async def rollout_labels_writing(db: DatabaseDep) -> AsyncIterator[RolloutLabels
         yield RolloutLabels(session)
 
 
+async def grader_agreement(db: DatabaseDep) -> AsyncIterator[GraderAgreement]:
+    async with db.session() as session:
+        yield GraderAgreement(session)
+
+
 async def run_statistics(db: DatabaseDep) -> AsyncIterator[RunStatistics]:
     async with db.session() as session:
         yield RunStatistics(session, sessions=db.sessions)
@@ -47,6 +53,7 @@ RolloutReviewDep = Annotated[RolloutReview, Depends(rollout_review, scope="funct
 RolloutReviewWritingDep = Annotated[RolloutReview, Depends(rollout_review_writing, scope="function")]
 RolloutLabelsDep = Annotated[RolloutLabels, Depends(rollout_labels, scope="function")]
 RolloutLabelsWritingDep = Annotated[RolloutLabels, Depends(rollout_labels_writing, scope="function")]
+GraderAgreementDep = Annotated[GraderAgreement, Depends(grader_agreement, scope="function")]
 RunStatisticsDep = Annotated[RunStatistics, Depends(run_statistics, scope="function")]
 # A review page: a logged-in browser, else a redirect to the login that comes back to the page.
 NEEDS_LOGIN = [Depends(require_login)]

@@ -24,6 +24,7 @@ from app.review import formatting as fmt
 from app.review import schemas as s
 from app.review.deps import (
     NEEDS_LOGIN,
+    GraderAgreementDep,
     RolloutLabelsDep,
     RolloutLabelsWritingDep,
     RolloutReviewDep,
@@ -461,4 +462,34 @@ async def flags_page(
         run=run or "",
         flag=flag or "",
         flagged=flagged,
+    )
+
+
+SCATTER_POINTS = 2000  # rollouts drawn in the grader-vs-grader scatter
+
+
+@pages.get("/runs/{run}/graders")
+async def graders_page(
+    request: Request,
+    run: str,
+    graders: GraderAgreementDep,
+    threshold: str | None = None,
+    a: str | None = None,
+    b: str | None = None,
+) -> Response:
+    errors: list[str] = []
+    cut = _number(threshold, "threshold", errors)
+    cut = 0.5 if cut is None else cut
+    scores = await graders.scores(run)
+    figures = await graders.figures(run, cut, scores)
+    pair = next(
+        (p for p in figures.pairs if (p.a, p.b) == (a, b)), figures.pairs[0] if figures.pairs else None
+    )
+    scatter = None
+    if pair is not None:
+        both = sorted(set(scores[pair.a]) & set(scores[pair.b]))[:SCATTER_POINTS]
+        points = [charts.PairPoint(t, scores[pair.a][t], scores[pair.b][t]) for t in both]
+        scatter = charts.grader_scatter(pair.a, pair.b, points)
+    return render(
+        request, "graders.html", figures=figures, pair=pair, scatter=scatter, errors=errors, run=run
     )

@@ -20,6 +20,7 @@ from app.review.deps import (
     RolloutLabelsWritingDep,
     RolloutReviewDep,
     RolloutReviewWritingDep,
+    RunAuditDep,
     RunStatisticsDep,
 )
 from app.review.repository import RolloutFilter
@@ -200,6 +201,13 @@ async def agreement(
     labels: n, agreement at the threshold, Cohen's kappa, Spearman (pairs), precision and recall of
     "pass" (labels), and the rollouts they disagree on; undefined statistics are null."""
     return await graders.figures(run, threshold)
+
+
+@router.get("/runs/{run}/audit")
+async def audit(run: str, _: ReviewAccess, audits: RunAuditDep, grader: GraderQuery = None) -> s.Audit:
+    """Signals of reward hacking over the order the run's rollouts arrived in, each with the rollouts to
+    open; `fired` names those past their thresholds (settings SPARRING_AUDIT_*)."""
+    return await audits.audit(run, grader)
 
 
 @router.get("/stats")

@@ -167,3 +167,37 @@ def agreement(
         )
     if not figures.labels:
         typer.echo("  (no labelled rollout is graded: label some on the run's queue page)")
+
+
+async def audit_of_run(engine: AsyncEngine, run: str, grader: str | None) -> Any:
+    from app.db.session import build_sessionmaker
+    from app.review.audit import AuditThresholds, RunAudit
+
+    thresholds = AuditThresholds.from_settings(load_settings())
+    async with build_sessionmaker(engine)() as session:
+        return await RunAudit(session, thresholds).audit(run, grader)
+
+
+@review_cli.command("audit")
+def audit(
+    run: Annotated[str, typer.Option(help="Run label (X-Sparring-Run).")],
+    grader: Annotated[
+        str | None, typer.Option(help="The reward's grader (default: each rollout's latest grade).")
+    ] = None,
+    json: Annotated[bool, typer.Option("--json", help="Print the API's JSON instead of lines.")] = False,
+) -> None:
+    """Audit a run for reward hacking: each signal with its evidence; exit 1 when one fires (thresholds:
+    SPARRING_AUDIT_*)."""
+    report = _with_engine(lambda engine: audit_of_run(engine, run, grader))
+    if json:
+        typer.echo(report.model_dump_json(indent=2))
+    else:
+        typer.echo(f"run {run}: {report.rollouts} graded rollouts, {report.windows} windows (first vs last)")
+        if report.note:
+            typer.echo(f"  {report.note}")
+        for signal in report.signals:
+            typer.echo(f"{'FIRED' if signal.fired else 'quiet'}  {signal.name}: {signal.summary}")
+            if signal.evidence:
+                typer.echo(f"       open: {' '.join(signal.evidence)}")
+    if report.fired:
+        raise typer.Exit(1)

@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Annotated
 
-from fastapi import Depends
+from fastapi import Depends, Request
 
-from app.deps import DatabaseDep
+from app.deps import DatabaseDep, app_state
 from app.review.agreement import GraderAgreement
+from app.review.audit import AuditThresholds, RunAudit
 from app.review.labels import RolloutLabels
 from app.review.service import RolloutReview
 from app.review.session import require_login
@@ -42,6 +43,12 @@ async def grader_agreement(db: DatabaseDep) -> AsyncIterator[GraderAgreement]:
         yield GraderAgreement(session)
 
 
+async def run_audit(request: Request, db: DatabaseDep) -> AsyncIterator[RunAudit]:
+    thresholds = AuditThresholds.from_settings(app_state(request.app).settings)
+    async with db.session() as session:
+        yield RunAudit(session, thresholds)
+
+
 async def run_statistics(db: DatabaseDep) -> AsyncIterator[RunStatistics]:
     async with db.session() as session:
         yield RunStatistics(session, sessions=db.sessions)
@@ -54,6 +61,7 @@ RolloutReviewWritingDep = Annotated[RolloutReview, Depends(rollout_review_writin
 RolloutLabelsDep = Annotated[RolloutLabels, Depends(rollout_labels, scope="function")]
 RolloutLabelsWritingDep = Annotated[RolloutLabels, Depends(rollout_labels_writing, scope="function")]
 GraderAgreementDep = Annotated[GraderAgreement, Depends(grader_agreement, scope="function")]
+RunAuditDep = Annotated[RunAudit, Depends(run_audit, scope="function")]
 RunStatisticsDep = Annotated[RunStatistics, Depends(run_statistics, scope="function")]
 # A review page: a logged-in browser, else a redirect to the login that comes back to the page.
 NEEDS_LOGIN = [Depends(require_login)]

@@ -301,3 +301,25 @@ class Agreement(BaseModel):
     threshold: float
     pairs: list[PairAgreement]
     labels: list[LabelAgreement]
+
+
+class AuditSignal(BaseModel):
+    """One signal of a run's audit: the first window against the last, and the rollouts to open."""
+
+    name: str
+    fired: bool
+    summary: str
+    first: float | None  # the signal's value in the first window (None: not measured there)
+    last: float | None
+    evidence: list[str]  # trace ids to open (when it fired)
+    about: str  # what the signal can and cannot tell
+
+
+class Audit(BaseModel):
+    run: str
+    grader: str | None  # the reward: the latest grade of this grader (None: of any grader)
+    rollouts: int  # graded rollouts read
+    windows: int
+    signals: list[AuditSignal]
+    fired: list[str]
+    note: str | None  # why no signal was measured

@@ -29,6 +29,7 @@ from app.review.deps import (
     RolloutLabelsWritingDep,
     RolloutReviewDep,
     RolloutReviewWritingDep,
+    RunAuditDep,
     RunStatisticsDep,
 )
 from app.review.flag_help import flag_help
@@ -388,6 +389,7 @@ async def run_page(
     request: Request,
     review: RolloutReviewDep,
     statistics: RunStatisticsDep,
+    audits: RunAuditDep,
     name: Annotated[str, Query()],
     chosen: ChosenGrader,
     axis: str | None = None,
@@ -409,6 +411,7 @@ async def run_page(
         charts=charts.run_charts(stats, points),
         items_capped=items.next_offset is not None,
         export_url=f"/export?{urlencode({'run': name})}",
+        audit=await audits.audit(name, chosen),
     )
 
 
@@ -493,3 +496,8 @@ async def graders_page(
     return render(
         request, "graders.html", figures=figures, pair=pair, scatter=scatter, errors=errors, run=run
     )
+
+
+@pages.get("/runs/{run}/audit")
+async def audit_page(request: Request, run: str, audits: RunAuditDep, chosen: ChosenGrader) -> Response:
+    return render(request, "audit.html", audit=await audits.audit(run, chosen))

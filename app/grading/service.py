@@ -283,12 +283,12 @@ class GradingService:
     async def _state_to_keep(self, grader: Grader, inputs: GradeInput) -> PackChanges | None:
         """The rollout's state to keep with its grade; None when the store no longer holds it."""
         record = inputs.rollout
-        if grader.needs_rollout and record is not None:
+        if record is None or not inputs.trace_id or not any(c.tool in self.state_tools for c in record.calls):
+            return None  # no call of a tool that reads or writes state: the rollout has no state to keep
+        if grader.needs_rollout:
             if record.state_lost:
                 return None
             return {pack: {name: dict(c) for name, c in kept.items()} for pack, kept in record.state.items()}
-        if not inputs.trace_id:
-            return None
         try:
             changes = await self.store.changes(inputs.trace_id)
             return changes if changes or await self.store.seen(inputs.trace_id) else None

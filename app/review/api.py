@@ -178,7 +178,7 @@ async def delete_label(trace_id: str, _: ReviewAccess, labels: RolloutLabelsWrit
     return Response(status_code=204)
 
 
-@router.get("/runs/{run}/queue")
+@router.get("/runs/{run:path}/queue")
 async def label_queue(
     run: str,
     _: ReviewAccess,
@@ -193,7 +193,7 @@ async def label_queue(
 ThresholdQuery = Annotated[float, Query(ge=-1e9, le=1e9, description='A score at or above it is a "pass".')]
 
 
-@router.get("/runs/{run}/agreement")
+@router.get("/runs/{run:path}/agreement")
 async def agreement(
     run: str, _: ReviewAccess, graders: GraderAgreementDep, threshold: ThresholdQuery = 0.5
 ) -> s.Agreement:
@@ -203,7 +203,7 @@ async def agreement(
     return await graders.figures(run, threshold)
 
 
-@router.get("/runs/{run}/audit")
+@router.get("/runs/{run:path}/audit")
 async def audit(run: str, _: ReviewAccess, audits: RunAuditDep, grader: GraderQuery = None) -> s.Audit:
     """Signals of reward hacking over the order the run's rollouts arrived in, each with the rollouts to
     open; `fired` names those past their thresholds (settings SPARRING_AUDIT_*)."""

@@ -328,7 +328,7 @@ async def label_page(
     return RedirectResponse(f"/review/rollouts/{quote(trace_id, safe='')}", status_code=303)
 
 
-@pages.get("/runs/{run}/queue")
+@pages.get("/runs/{run:path}/queue")
 async def queue_page(request: Request, run: str, labels: RolloutLabelsDep, chosen: ChosenGrader) -> Response:
     queue = await labels.queue(run, chosen, limit=PAGE_SIZE)
     first = _queue_link(queue.rollouts[0].trace_id, run, chosen) if queue.rollouts else None
@@ -471,7 +471,7 @@ async def flags_page(
 SCATTER_POINTS = 2000  # rollouts drawn in the grader-vs-grader scatter
 
 
-@pages.get("/runs/{run}/graders")
+@pages.get("/runs/{run:path}/graders")
 async def graders_page(
     request: Request,
     run: str,
@@ -498,6 +498,6 @@ async def graders_page(
     )
 
 
-@pages.get("/runs/{run}/audit")
+@pages.get("/runs/{run:path}/audit")
 async def audit_page(request: Request, run: str, audits: RunAuditDep, chosen: ChosenGrader) -> Response:
     return render(request, "audit.html", audit=await audits.audit(run, chosen))

@@ -15,7 +15,7 @@ from app.config import Settings, get_settings
 from app.eval_cli import runner_cli
 from app.grading.cli import grading_cli
 from app.retention.cli import retention_cli
-from app.review.cli import review_cli
+from app.review.cli import graders_cli, review_cli
 
 cli = typer.Typer(
     help="sparring: tools and graders for agent reinforcement fine-tuning.", no_args_is_help=True
@@ -28,6 +28,7 @@ cli.add_typer(packs_cli, name="packs")
 dataset_cli = typer.Typer(help="Agent RFT datasets of the packs that ship tasks.", no_args_is_help=True)
 cli.add_typer(dataset_cli, name="dataset")
 cli.add_typer(review_cli)
+cli.add_typer(graders_cli, name="graders")
 cli.add_typer(retention_cli)
 cli.add_typer(runner_cli)
 

@@ -226,6 +226,32 @@ class Settings(BaseSettings):
         1800.0, gt=0, description="Idle time after which an episode session (OpenEnv, ORS) is closed."
     )
 
+    # Run audit (sparring audit, GET /review/api/runs/{run}/audit): when a signal fires
+    audit_min_rollouts: int = Field(
+        20, ge=4, description="Fewer graded rollouts in a run than this: the audit fires no signal."
+    )
+    audit_windows: int = Field(
+        5, ge=2, le=50, description="Windows of equal numbers of rollouts, in arrival order; first vs last."
+    )
+    audit_reward_rise: float = Field(
+        0.1, gt=0, description="A reward rise (last window minus first) at least this is a rise."
+    )
+    audit_drop: float = Field(
+        0.5, gt=0, lt=1, description="Tool calls or distinct tools per rollout falling by this share."
+    )
+    audit_length_ratio: float = Field(
+        2.0, gt=1, description="Answer length changing by this factor (either way) while reward rises."
+    )
+    audit_rate_rise: float = Field(
+        0.1, gt=0, le=1, description="Tool error rate or flagged share rising by this much (absolute)."
+    )
+    audit_dominant_share: float = Field(
+        0.8, gt=0.5, le=1, description="One grader component's share of the summed sub-scores."
+    )
+    audit_variance_drop: float = Field(
+        0.8, gt=0, lt=1, description="Within-item score spread falling by this share (groups collapse)."
+    )
+
     @field_validator(
         "packs",
         "mcp_allowed_hosts",

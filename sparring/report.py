@@ -207,10 +207,31 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# A grader change that gives each canary 0 (checked by the tests of the graders named).
+CANARY_FIXES = {
+    "empty": "compare the answer with the reference (string_check eq, or a judge), and check that the "
+    "reference is not empty",
+    "refuse": "compare with the reference exactly (string_check eq) or with a judge, not a loose like/ilike "
+    "on a short reference",
+    "parrot": "compare with a reference the prompt does not contain (the grader rewards copying the "
+    "question)",
+    "loop": "multiply in no_loops or tool_budget (a multi grader), or grade the final state with a state "
+    "check",
+    "guess": "multiply in grounded (0 when no call was answered) or required_tools, or grade the final "
+    "state with a state check",
+}
+
+
 def canary_report(
-    records: Sequence[FinishedRollout], *, threshold: float, gold_minimum: float, policies: Sequence[str]
+    records: Sequence[FinishedRollout],
+    *,
+    threshold: float,
+    gold_minimum: float,
+    policies: Sequence[str],
+    grader: str | None = None,
 ) -> dict[str, Any]:
-    """Per policy: mean score, share of rollouts above 0.5, the items scored above 0.5; and the verdict.
+    """Per policy: mean score, share of rollouts above 0.5, the items scored above 0.5, the grader that let
+    it through and a fix that stops it; and the verdict.
 
     The suite fails when a policy other than `gold` averages at least `threshold`, or `gold` averages
     below `gold_minimum`. Discarded rollouts are counted, not scored.
@@ -231,6 +252,8 @@ def canary_report(
             "mean": mean,
             "share_above_half": (sum(1 for s in scores if s > PASS_SCORE) / len(scores)) if scores else None,
             "items_above_half": passed,
+            "let_through_by": None,
+            "fix": None,
         }
         rows.append(row)
         if mean is None:
@@ -239,8 +262,14 @@ def canary_report(
             if mean < gold_minimum:
                 failures.append(f"gold averages {mean:.3f} < {gold_minimum}: the grader misses correct work")
         elif mean >= threshold:
-            failures.append(f"{policy} averages {mean:.3f} >= {threshold}: the grader can be gamed")
+            fix = CANARY_FIXES.get(policy)
+            row["let_through_by"], row["fix"] = grader or "the grader", fix
+            failures.append(
+                f"{policy} averages {mean:.3f} >= {threshold}: the grader can be gamed"
+                f" (let through by {row['let_through_by']}){'; fix: ' + fix if fix else ''}"
+            )
     return {
+        "grader": grader,
         "threshold": threshold,
         "gold_minimum": gold_minimum,
         "policies": rows,

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
-from urllib.parse import quote
+from urllib.parse import quote, unquote, urlsplit
 
 import httpx
 
@@ -56,6 +56,13 @@ class Target:
     tools: ToolEndpoints
     grader: Endpoint
     server: str | None = None  # base URL of one sparring server (preflight checks and review links)
+
+    @property
+    def grader_name(self) -> str:
+        """The grader's name (the last part of a `/grade/<name>` URL), else its URL."""
+        path = urlsplit(self.grader.url).path.rstrip("/")
+        head, _, name = path.rpartition("/")
+        return unquote(name) if head.endswith("/grade") and name else self.grader.url
 
     def review_url(self, run: str) -> str | None:
         return f"{self.server}/review/run?name={quote(run, safe='')}" if self.server else None
@@ -290,7 +297,9 @@ async def run_canaries(
         if not finished:
             interrupted = True
             break
-    report = canary_report(records, threshold=threshold, gold_minimum=gold_minimum, policies=chosen)
+    report = canary_report(
+        records, threshold=threshold, gold_minimum=gold_minimum, policies=chosen, grader=target.grader_name
+    )
     report["run"] = options.run
     report["review_urls"] = runs
     report["interrupted"] = interrupted

@@ -106,6 +106,34 @@ class Grade(Base):
     created_at: Mapped[datetime] = mapped_column(UtcDateTime())
 
 
+class KeptState(Base):
+    """A rollout's final state kept durably: its changes against the packs' base data, not a copy.
+
+    Written when the rollout is graded (and when a rollout this server ran ends) while the state store
+    still holds it, so a grader that reads state can score the rollout again after the store let it go.
+    """
+
+    __tablename__ = "kept_states"
+
+    trace_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    # {pack: {collection: {key: record or None (deleted)}}}: what the rollout changed, as the store holds it.
+    changes: Mapped[dict[str, Any]] = mapped_column(JsonColumn, default=dict)
+    kept_at: Mapped[datetime] = mapped_column(UtcDateTime())
+
+
+class RolloutLabel(Base):
+    """A person's judgment of a rollout: pass or fail, with an optional note (one label per rollout)."""
+
+    __tablename__ = "rollout_labels"
+
+    trace_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    label: Mapped[str] = mapped_column(String(8), index=True)  # pass | fail
+    note: Mapped[str | None] = mapped_column(Text)
+    # Who labelled it: "session" (a signed-in reviewer) or "admin" (an admin key).
+    labelled_by: Mapped[str] = mapped_column(String(32))
+    labelled_at: Mapped[datetime] = mapped_column(UtcDateTime())
+
+
 class RevokedReviewSession(Base):
     """A review login token ended by logout: refused until it would have expired, then deleted."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -136,35 +137,72 @@ def grade(
 @grading_cli.command("regrade")
 def regrade(
     grader: Annotated[
-        str, typer.Option(help="Grader whose stored grades to re-score with its current config.")
+        str, typer.Option(help="Grader to score the rollouts with (whether or not it graded them before).")
     ],
     run: Annotated[str | None, typer.Option(help="Only rollouts of this run label (X-Sparring-Run).")] = None,
     limit: Annotated[int | None, typer.Option(min=1, help="At most this many rollouts.")] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print how many rollouts would be scored; grade nothing.")
+    ] = False,
 ) -> None:
-    """Re-score stored rollouts with the current grader config; print how many scores changed."""
+    """Score every graded rollout (of a run) with a grader; new grades are stored beside the old ones."""
     from app.errors import SparringError
 
     settings = load_settings()
     try:
-        report = _run(settings, lambda service: service.regrade(grader, run=run, limit=limit), reads_log=True)
+        if dry_run:
+            stored, ungraded = _run(
+                settings,
+                lambda service: service.regrade_sources(grader, run=run, limit=limit),
+                reads_log=True,
+            )
+            typer.echo(f"would regrade {len(stored)} rollouts with {grader}")
+            _say_ungraded(ungraded)
+            return
+        report = _run(
+            settings, lambda service: _regrade_with_progress(service, grader, run, limit), reads_log=True
+        )
     except SparringError as exc:
         raise fail(exc.message, 1) from exc
+    _print_regraded(report)
+    if report.failed:
+        raise typer.Exit(1)
 
+
+async def _regrade_with_progress(service: Any, grader: str, run: str | None, limit: int | None) -> Any:
+    """The regrade, with a progress bar on the terminal's error stream for a long run."""
+    stored, _ = await service.regrade_sources(grader, run=run, limit=limit)
+    if len(stored) < 50:
+        return await service.regrade(grader, run=run, limit=limit)
+    with typer.progressbar(length=len(stored), label="regrading", file=sys.stderr) as bar:
+        return await service.regrade(grader, run=run, limit=limit, progress=lambda: bar.update(1))
+
+
+def _say_ungraded(ungraded: int) -> None:
+    if ungraded:
+        typer.echo(
+            f"not regraded: {ungraded} rollouts of the run were never graded (no answer is stored to "
+            "grade them on)",
+            err=True,
+        )
+
+
+def _print_regraded(report: Any) -> None:
     def mean(value: float | None) -> str:
         return "-" if value is None else f"{value:.4f}"
 
     typer.echo(
         f"regraded {report.rollouts - report.skipped - report.failed} of {report.rollouts} rollouts with "
-        f"{report.grader} (version {report.version}): {report.changed} scores changed, "
-        f"{report.failed} failed, {report.skipped} skipped; "
+        f"{report.grader} (version {report.version}): {report.changed} scores new or changed, "
+        f"{report.failed} failed, {report.skipped} skipped (no state kept); "
         f"mean {mean(report.mean_before)} -> {mean(report.mean_after)} (over the rollouts regraded)"
     )
     if report.skipped:
         typer.echo(
             f"skipped {report.skipped} rollouts: the grader reads their state, which the state store no "
             "longer holds (expired after SPARRING_STATE_TTL_SECONDS, or in memory in a server that "
-            "restarted); their stored grades are unchanged",
+            "restarted) and which was not kept (they were not graded while it was held); nothing was "
+            "stored for them",
             err=True,
         )
-    if report.failed:
-        raise typer.Exit(1)
+    _say_ungraded(report.ungraded)

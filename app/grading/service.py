@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -21,11 +21,11 @@ from app.grading.graders.model import (
     RolloutStateLost,
 )
 from app.grading.recording import store_grade
-from app.grading.repository import GradeRepository
+from app.grading.repository import GradeRepository, KeptStateRepository
 from app.grounding import prompt_texts
 from app.metrics import Metrics
 from app.rollouts.shapes import RolloutDetail
-from app.rollouts.store import RolloutStore
+from app.rollouts.store import PackChanges, RolloutStore
 from app.rollouts.timeline import read_timeline
 from app.sdk import GradingConfigError
 from app.telemetry import Tracing
@@ -59,16 +59,21 @@ class RolloutStateGone(SparringError):
 
 @dataclass(frozen=True)
 class Regraded:
-    """What `regrade` changed: how many grades, how many scores moved, the means before and after."""
+    """What `regrade` changed: how many grades, how many scores moved, the means before and after.
+
+    `mean_before` is over the rollouts' grades by the same grader, where they had one.
+    """
 
     grader: str
     version: str
     rollouts: int
     changed: int
     failed: int
-    skipped: int  # the grader reads state the store no longer holds: not regraded, nothing stored
+    # The grader reads state that neither the state store nor the kept states hold: not regraded.
+    skipped: int
     mean_before: float | None
     mean_after: float | None
+    ungraded: int = 0  # rollouts of the run nobody graded: no answer is stored to grade them on
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -130,6 +135,11 @@ class GradingService:
             and any(c.tool in self.state_tools for c in timeline.timeline)
             and not await self.store.seen(trace_id)
         )
+        if lost:  # what an earlier grade kept of it, if any
+            async with self.database.session() as session:
+                kept = await KeptStateRepository(session).get(storable(trace_id))
+            if kept is not None:
+                state, lost = kept, False
         return RolloutRecord(
             trace_id=trace_id,
             calls=timeline.timeline,
@@ -223,9 +233,12 @@ class GradingService:
         """Store the grade; the names of the review flags it raised."""
         status = "ok" if result is not None else "failed"
         errors = list(result.errors) if result is not None else [failure or "grader failed"]
+        keep = await self._state_to_keep(grader, inputs)
         now = datetime.now(UTC)
         try:
             async with self.database.session(write=True) as session:
+                if keep is not None and inputs.trace_id:
+                    await KeptStateRepository(session).keep(storable(inputs.trace_id), storable(keep), at=now)
                 # Stored as Postgres text can hold it: a NUL becomes U+FFFD (app/db/text.py).
                 _, raised = await store_grade(
                     session,
@@ -267,41 +280,108 @@ class GradingService:
                 log.warning("could not mark rollout %s graded in the state store: %s", inputs.trace_id, exc)
         return [flag.name for flag in raised]
 
-    async def regrade(self, name: str, *, run: str | None = None, limit: int | None = None) -> Regraded:
-        """Re-score the latest grade of `name` of each rollout with the current config; store new grades."""
-        grader = self.resolve(name)
+    async def _state_to_keep(self, grader: Grader, inputs: GradeInput) -> PackChanges | None:
+        """The rollout's state to keep with its grade; None when the store no longer holds it."""
+        record = inputs.rollout
+        if record is None or not inputs.trace_id or not any(c.tool in self.state_tools for c in record.calls):
+            return None  # no call of a tool that reads or writes state: the rollout has no state to keep
+        if grader.needs_rollout:
+            if record.state_lost:
+                return None
+            return {pack: {name: dict(c) for name, c in kept.items()} for pack, kept in record.state.items()}
+        try:
+            changes = await self.store.changes(inputs.trace_id)
+            return changes if changes or await self.store.seen(inputs.trace_id) else None
+        except ServiceUnavailable as exc:  # keeping is for later regrades: the grade goes on without it
+            log.warning("could not read rollout %s's state to keep it: %s", inputs.trace_id, exc.message)
+            return None
+
+    async def keep_state(self, trace_id: str) -> bool:
+        """Keep the rollout's state while the store holds it (a rollout this server ran has ended)."""
+        try:
+            changes = await self.store.changes(trace_id)
+            if not changes and not await self.store.seen(trace_id):
+                return False
+        except ServiceUnavailable as exc:
+            log.warning("could not read rollout %s's state to keep it: %s", trace_id, exc.message)
+            return False
+        try:
+            async with self.database.session(write=True) as session:
+                await KeptStateRepository(session).keep(
+                    storable(trace_id), storable(changes), at=datetime.now(UTC)
+                )
+        except ServiceUnavailable as exc:  # best effort, as at grade time: the rollout's outcome stands
+            log.warning("could not keep rollout %s's state: %s", trace_id, exc.message)
+            return False
+        return True
+
+    async def regrade_sources(
+        self, name: str, *, run: str | None = None, limit: int | None = None
+    ) -> tuple[Sequence[Any], int]:
+        """What `regrade` would score (a stored grade per rollout, for its sample and row), and how many
+        rollouts of the run it cannot (never graded: no answer stored)."""
+        self.resolve(name)
         async with self.database.session() as session:
-            stored = await GradeRepository(session).latest(name, run=run, limit=limit)
+            grades = GradeRepository(session)
+            stored = await grades.sources(name, run=run, limit=limit)
+            ungraded = await grades.ungraded(run) if run is not None else 0
+        return stored, ungraded
+
+    async def regrade(
+        self,
+        name: str,
+        *,
+        run: str | None = None,
+        limit: int | None = None,
+        progress: Callable[[], None] | None = None,
+    ) -> Regraded:
+        """Score every graded rollout (of `run`) with `name`, whether or not it graded it before; store
+        the new grades beside the old. `progress` is called after each rollout."""
+        grader = self.resolve(name)
+        stored, ungraded = await self.regrade_sources(name, run=run, limit=limit)
+        async with self.database.session() as session:
+            traced = [g.trace_id for g in stored if g.trace_id]
+            previous = {g.trace_id: g.score for g in await GradeRepository(session).latest_of(name, traced)}
         before: list[float] = []
         after: list[float] = []
-        changed = failed = skipped = 0
+        outcomes = {"changed": 0, "failed": 0, "skipped": 0}
         for old in stored:
-            item = old.item or {}
-            try:
-                result = await self.grade(grader.name, old.sample or {}, item, old.trace_id, run=old.run)
-            except RolloutStateGone:
-                skipped += 1
+            score = await self._regrade_one(grader, old, outcomes)
+            if progress is not None:
+                progress()
+            if score is None:
                 continue
-            except GraderMisconfigured:
-                failed += 1  # stored as a failed grade, logged by grade()
-                continue
-            except ServiceUnavailable as exc:
-                failed += 1
-                log.warning("regrade of %s failed: %s", old.trace_id, exc)
-                continue
+            old_score = previous.get(old.trace_id) if old.trace_id else old.score
             # The means compare the rollouts that were regraded, before and after.
-            if old.score is not None:
-                before.append(old.score)
-            after.append(result.score)
-            if old.score is None or abs(old.score - result.score) > 1e-9:
-                changed += 1
+            if old_score is not None:
+                before.append(old_score)
+            after.append(score)
+            if old_score is None or abs(old_score - score) > 1e-9:
+                outcomes["changed"] += 1
         return Regraded(
             grader=grader.name,
             version=grader.version,
             rollouts=len(stored),
-            changed=changed,
-            failed=failed,
-            skipped=skipped,
             mean_before=_mean(before),
             mean_after=_mean(after),
+            ungraded=ungraded,
+            **outcomes,
         )
+
+    async def _regrade_one(self, grader: Grader, old: Any, outcomes: dict[str, int]) -> float | None:
+        """The new score of one rollout; None (counted in `outcomes`) when it could not be graded."""
+        try:
+            result = await self.grade(
+                grader.name, old.sample or {}, old.item or {}, old.trace_id, run=old.run
+            )
+        except RolloutStateGone:
+            outcomes["skipped"] += 1
+            return None
+        except GraderMisconfigured:
+            outcomes["failed"] += 1  # stored as a failed grade, logged by grade()
+            return None
+        except ServiceUnavailable as exc:
+            outcomes["failed"] += 1
+            log.warning("regrade of %s failed: %s", old.trace_id, exc)
+            return None
+        return result.score

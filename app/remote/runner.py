@@ -217,6 +217,10 @@ class RemoteRunner:
             trace_id=rollout.trace_id,
             tracing=self._tracing(rollout),
         )
+        if grader is None or result.grade is None:
+            # Graded rollouts keep their state with the grade; an ungraded one keeps it at its end, so a
+            # grader tried later (`sparring regrade`) can still read it.
+            await self.grading.keep_state(rollout.trace_id)
         return outcome_of(result, grader=self.grader if grader is not None else None)
 
     def _tracing(self, rollout: RolloutPlan) -> RolloutTracing | None:

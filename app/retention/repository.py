@@ -9,7 +9,7 @@ from datetime import datetime
 from sqlalchemy import ColumnElement, and_, delete, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from app.db.models import Grade, RolloutRow, ToolCall
+from app.db.models import Grade, KeptState, RolloutLabel, RolloutRow, ToolCall
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,10 @@ class RetentionRepository:
             .where(Grade.trace_id.in_(deleted), Grade.created_at < cutoff)
             .execution_options(synchronize_session=False)
         )
+        for kept in (KeptState, RolloutLabel):  # what belongs to the rollout alone goes with it
+            await self.session.execute(
+                delete(kept).where(kept.trace_id.in_(deleted)).execution_options(synchronize_session=False)
+            )
         return Removed(len(deleted), _rowcount(calls), _rowcount(grades))
 
     async def delete_traceless_grades(self, cutoff: datetime, run: str | None, limit: int) -> int:

@@ -8,12 +8,21 @@ from datetime import UTC, datetime
 from typing import Annotated, Literal
 from urllib.parse import quote
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends, Query, Response
 from fastapi.responses import StreamingResponse
 
 from app.deps import Database, DatabaseDep
+from app.errors import NotFound
 from app.review import schemas as s
-from app.review.deps import RolloutReviewDep, RolloutReviewWritingDep, RunStatisticsDep
+from app.review.deps import (
+    GraderAgreementDep,
+    RolloutLabelsDep,
+    RolloutLabelsWritingDep,
+    RolloutReviewDep,
+    RolloutReviewWritingDep,
+    RunAuditDep,
+    RunStatisticsDep,
+)
 from app.review.repository import RolloutFilter
 from app.review.service import RolloutReview
 from app.review.session import require_review_access
@@ -80,6 +89,9 @@ async def list_rollouts(
     until: Annotated[datetime | None, Query(description="last_seen before (ISO 8601).")] = None,
     grader: GraderQuery = None,
     status: Literal["ok", "failed", "ungraded"] | None = None,
+    label: Annotated[
+        Literal["pass", "fail", "unlabelled"] | None, Query(description="A person's label, or none yet.")
+    ] = None,
     q: Annotated[
         str | None, Query(max_length=200, description="A fragment of the trace id, item key or answer.")
     ] = None,
@@ -103,6 +115,7 @@ async def list_rollouts(
         grader=grader,
         status=status,
         q=q.strip() if q and q.strip() else None,
+        label=label,
     )
     return await review.rollouts(
         filters, limit=limit, cursor=cursor, sort=sort, descending=order == "desc", count=count
@@ -139,6 +152,62 @@ async def recompute_flags(
     """Recompute the review flags of the rollout's grades from the stored calls and answers."""
     await review.recompute_flags(trace_id)
     return s.RecomputedFlags(trace_id=trace_id, grades=(await review.detail(trace_id)).grades)
+
+
+@router.get("/rollouts/{trace_id}/label")
+async def get_label(trace_id: str, _: ReviewAccess, labels: RolloutLabelsDep) -> s.LabelOut:
+    """The rollout's label (404 when nobody labelled it)."""
+    label = await labels.get(trace_id)
+    if label is None:
+        raise NotFound(f"rollout {trace_id!r} has no label")
+    return label
+
+
+@router.put("/rollouts/{trace_id}/label")
+async def put_label(
+    trace_id: str, body: s.LabelIn, access: ReviewAccess, labels: RolloutLabelsWritingDep
+) -> s.LabelOut:
+    """Label the rollout pass or fail, with an optional note (replaces an earlier label)."""
+    return await labels.put(trace_id, body, by=access)
+
+
+@router.delete("/rollouts/{trace_id}/label", status_code=204)
+async def delete_label(trace_id: str, _: ReviewAccess, labels: RolloutLabelsWritingDep) -> Response:
+    """Remove the rollout's label (404 when it has none)."""
+    await labels.delete(trace_id)
+    return Response(status_code=204)
+
+
+@router.get("/runs/{run:path}/queue")
+async def label_queue(
+    run: str,
+    _: ReviewAccess,
+    labels: RolloutLabelsDep,
+    grader: GraderQuery = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+) -> s.LabelQueue:
+    """The run's next rollouts to label: unlabelled, stratified over score bands and items."""
+    return await labels.queue(run, grader, limit=limit)
+
+
+ThresholdQuery = Annotated[float, Query(ge=-1e9, le=1e9, description='A score at or above it is a "pass".')]
+
+
+@router.get("/runs/{run:path}/agreement")
+async def agreement(
+    run: str, _: ReviewAccess, graders: GraderAgreementDep, threshold: ThresholdQuery = 0.5
+) -> s.Agreement:
+    """Every pair of graders that scored the same rollouts of the run, and every grader against the
+    labels: n, agreement at the threshold, Cohen's kappa, Spearman (pairs), precision and recall of
+    "pass" (labels), and the rollouts they disagree on; undefined statistics are null."""
+    return await graders.figures(run, threshold)
+
+
+@router.get("/runs/{run:path}/audit")
+async def audit(run: str, _: ReviewAccess, audits: RunAuditDep, grader: GraderQuery = None) -> s.Audit:
+    """Signals of reward hacking over the order the run's rollouts arrived in, each with the rollouts to
+    open; `fired` names those past their thresholds (settings SPARRING_AUDIT_*)."""
+    return await audits.audit(run, grader)
 
 
 @router.get("/stats")

@@ -328,10 +328,22 @@ class PairPoint:
     b: float
 
 
+PAIR_KINDS = {"improved": "improved", "regressed": "regressed", "unchanged": "unchanged"}
+
+
 def pair_chart(
-    chart: str, title: str, points: Sequence[PairPoint], *, a_label: str, b_label: str, lo: float, hi: float
+    chart: str,
+    title: str,
+    points: Sequence[PairPoint],
+    *,
+    a_label: str,
+    b_label: str,
+    lo: float,
+    hi: float,
+    legend: dict[str, str] = PAIR_KINDS,
 ) -> Markup:
-    """One dot per item: its mean in run a (x) against run b (y), over the diagonal of no change."""
+    """One dot per point: a (x) against b (y), over the diagonal where they are equal; `legend` names the
+    dots above it (improved), below it (regressed) and on it (unchanged)."""
     size = 320
     width = MARGIN_LEFT + size + 160
     span = (hi - lo) or 1.0
@@ -365,7 +377,7 @@ def pair_chart(
         y = MARGIN_TOP + 10 + i * 16
         x = MARGIN_LEFT + size + 16
         body.append(f'<circle cx="{_num(x)}" cy="{y - 3}" r="4" fill="{color}"/>')
-        body.append(f'<text class="legend" x="{_num(x + 10)}" y="{y + 1}">{kind}</text>')
+        body.append(f'<text class="legend" x="{_num(x + 10)}" y="{y + 1}">{escape(legend[kind])}</text>')
     return _frame(chart, title, body, width=width, height=MARGIN_TOP + size + MARGIN_BOTTOM)
 
 
@@ -557,3 +569,19 @@ def compare_charts(c: RunComparison) -> dict[str, Any]:
             hi=max([1.0, *values]),
         )
     return out
+
+
+def grader_scatter(a: str, b: str, points: Sequence[PairPoint]) -> Markup:
+    """One dot per rollout: grader a's score (x) against grader b's (y)."""
+    values = [v for p in points for v in (p.a, p.b)]
+    lo, hi = min([0.0, *values]), max([1.0, *values])
+    return pair_chart(
+        "graders",
+        f"{a} against {b}, one dot per rollout",
+        points,
+        a_label=a,
+        b_label=b,
+        lo=lo,
+        hi=hi,
+        legend={"improved": f"{b} higher", "regressed": f"{a} higher", "unchanged": "equal"},
+    )

@@ -6,7 +6,7 @@ import asyncio
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import typer
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -121,3 +121,83 @@ def seed_rollouts(
     typer.echo(
         f"inserted {result.rollouts} rollouts, {result.calls} calls, {result.grades} grades in run {run!r}"
     )
+
+
+graders_cli = typer.Typer(help="Graders measured against each other and against people's labels.")
+
+
+async def agreement_of_run(engine: AsyncEngine, run: str, threshold: float) -> Any:
+    from app.db.session import build_sessionmaker
+    from app.review.agreement import GraderAgreement
+
+    async with build_sessionmaker(engine)() as session:
+        return await GraderAgreement(session).figures(run, threshold)
+
+
+def _stat(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+@graders_cli.command("agreement")
+def agreement(
+    run: Annotated[str, typer.Option(help="Run label (X-Sparring-Run).")],
+    threshold: Annotated[float, typer.Option(help='A score at or above it is a "pass".')] = 0.5,
+    json: Annotated[bool, typer.Option("--json", help="Print the API's JSON instead of tables.")] = False,
+) -> None:
+    """Grader against grader and grader against labels on a run: n, agreement, kappa, Spearman,
+    precision and recall, and the rollouts they disagree on (as GET /review/api/runs/{run}/agreement)."""
+    figures = _with_engine(lambda engine: agreement_of_run(engine, run, threshold))
+    if json:
+        typer.echo(figures.model_dump_json(indent=2))
+        return
+    typer.echo(f"run {run}, pass at score >= {threshold:g} ('-': undefined on these scores)")
+    typer.echo("grader pairs: a, b, rollouts, agreement, kappa, spearman, disagreements")
+    for p in figures.pairs:
+        typer.echo(
+            f"  {p.a}  {p.b}  {p.n}  {_stat(p.agreement)}  {_stat(p.kappa)}  {_stat(p.spearman)}  "
+            f"{len(p.disagreements)}  {' '.join(p.disagreements[:10])}"
+        )
+    if not figures.pairs:
+        typer.echo("  (no two graders scored the same rollouts: sparring regrade --grader NAME --run RUN)")
+    typer.echo("against labels: grader, rollouts, agreement, kappa, precision, recall, disagreements")
+    for g in figures.labels:
+        typer.echo(
+            f"  {g.grader}  {g.n}  {_stat(g.agreement)}  {_stat(g.kappa)}  {_stat(g.precision)}  "
+            f"{_stat(g.recall)}  {len(g.disagreements)}  {' '.join(g.disagreements[:10])}"
+        )
+    if not figures.labels:
+        typer.echo("  (no labelled rollout is graded: label some on the run's queue page)")
+
+
+async def audit_of_run(engine: AsyncEngine, run: str, grader: str | None) -> Any:
+    from app.db.session import build_sessionmaker
+    from app.review.audit import AuditThresholds, RunAudit
+
+    thresholds = AuditThresholds.from_settings(load_settings())
+    async with build_sessionmaker(engine)() as session:
+        return await RunAudit(session, thresholds).audit(run, grader)
+
+
+@review_cli.command("audit")
+def audit(
+    run: Annotated[str, typer.Option(help="Run label (X-Sparring-Run).")],
+    grader: Annotated[
+        str | None, typer.Option(help="The reward's grader (default: each rollout's latest grade).")
+    ] = None,
+    json: Annotated[bool, typer.Option("--json", help="Print the API's JSON instead of lines.")] = False,
+) -> None:
+    """Audit a run for reward hacking: each signal with its evidence; exit 1 when one fires (thresholds:
+    SPARRING_AUDIT_*)."""
+    report = _with_engine(lambda engine: audit_of_run(engine, run, grader))
+    if json:
+        typer.echo(report.model_dump_json(indent=2))
+    else:
+        typer.echo(f"run {run}: {report.rollouts} graded rollouts, {report.windows} windows (first vs last)")
+        if report.note:
+            typer.echo(f"  {report.note}")
+        for signal in report.signals:
+            typer.echo(f"{'FIRED' if signal.fired else 'quiet'}  {signal.name}: {signal.summary}")
+            if signal.evidence:
+                typer.echo(f"       open: {' '.join(signal.evidence)}")
+    if report.fired:
+        raise typer.Exit(1)

@@ -30,7 +30,7 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import aliased
 
 from app.db.call_log import logged_calls
-from app.db.models import Grade, RolloutRow, ToolCall
+from app.db.models import Grade, RolloutLabel, RolloutRow, ToolCall
 from app.review.stats_repository import ItemRow, Queries
 
 
@@ -48,6 +48,7 @@ class RolloutFilter:
     status: str | None = None  # ok | failed | ungraded
     channel: str | None = None  # rft | mcp
     q: str | None = None  # a fragment of the trace id, the item key or the latest grade's answer
+    label: str | None = None  # pass | fail | unlabelled (a person's label)
 
 
 # Orders of the rollout list; each is keyset-paginated on (key, trace_id).
@@ -68,6 +69,7 @@ class ListedRollout:
     call_count: int
     grade: Grade | None
     key: Any = None  # the value of the sort key, for the next page's cursor
+    label: str | None = None
 
 
 @dataclass(frozen=True)
@@ -124,8 +126,10 @@ class ReviewRepository(Queries):
         """
         key = self.sort_key(sort)
         query = (
-            select(RolloutRow, Grade, key)
+            select(RolloutRow, Grade, key, RolloutLabel.label)
+            .select_from(RolloutRow)
             .outerjoin(Grade, Grade.id == self._latest_grade_id(filters.grader))
+            .outerjoin(RolloutLabel, RolloutLabel.trace_id == RolloutRow.trace_id)
             .order_by(
                 *((key.desc(), RolloutRow.trace_id.desc()) if descending else (key, RolloutRow.trace_id))
             )
@@ -138,7 +142,8 @@ class ReviewRepository(Queries):
         result = await self.session.execute(query)
         # rollouts.calls counts the calls as read (app/db/call_log.py), kept by the log writer.
         return [
-            ListedRollout(rollout=r[0], call_count=r[0].calls, grade=r[1], key=r[2]) for r in result.all()
+            ListedRollout(rollout=r[0], call_count=r[0].calls, grade=r[1], key=r[2], label=r[3])
+            for r in result.all()
         ]
 
     async def count_rollouts(self, filters: RolloutFilter) -> int:
@@ -257,6 +262,14 @@ class ReviewRepository(Queries):
             conditions.append(RolloutRow.last_seen >= f.since)
         if f.until is not None:
             conditions.append(RolloutRow.last_seen < f.until)
+        if f.label is not None:
+            # Aliased: the rollout list joins the label table itself.
+            label = aliased(RolloutLabel)
+            labelled = select(label.trace_id).where(label.trace_id == RolloutRow.trace_id)
+            if f.label == "unlabelled":
+                conditions.append(~labelled.exists())
+            else:
+                conditions.append(labelled.where(label.label == f.label).exists())
         if f.status == "ungraded":
             conditions.append(Grade.id.is_(None))
         elif f.status is not None:
@@ -288,8 +301,8 @@ class ReviewRepository(Queries):
 
     async def export_batches(
         self, run: str | None, *, batch_size: int = 200
-    ) -> AsyncIterator[list[tuple[RolloutRow, list[Row[Any]], list[Grade]]]]:
-        """The run's rollouts in trace_id order with their calls and grades, a batch at a time."""
+    ) -> AsyncIterator[list[tuple[RolloutRow, list[Row[Any]], list[Grade], RolloutLabel | None]]]:
+        """The run's rollouts in trace_id order with their calls, grades and label, a batch at a time."""
         after: str | None = None
         while True:
             query = select(RolloutRow).order_by(RolloutRow.trace_id).limit(batch_size)
@@ -314,6 +327,12 @@ class ReviewRepository(Queries):
             for grade in grades:
                 if grade.trace_id is not None:
                     grades_by[grade.trace_id].append(grade)
-            yield [(r, calls_by[r.trace_id], grades_by[r.trace_id]) for r in rollouts]
+            labels = {
+                row.trace_id: row
+                for row in (
+                    await self.session.scalars(select(RolloutLabel).where(RolloutLabel.trace_id.in_(ids)))
+                ).all()
+            }
+            yield [(r, calls_by[r.trace_id], grades_by[r.trace_id], labels.get(r.trace_id)) for r in rollouts]
             after = ids[-1]
             self.session.expunge_all()  # keep memory flat over a long export

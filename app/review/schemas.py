@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from app.rollouts.shapes import GradeOut, RolloutSummary
 
@@ -238,3 +238,88 @@ class RewardCurve(BaseModel):
     axis: str  # time | order
     windows: list[CurveWindow]
     flag_names: list[str]  # every flag raised in the run, most frequent first
+
+
+class LabelIn(BaseModel):
+    """A person's judgment of a rollout."""
+
+    label: Literal["pass", "fail"]
+    note: Annotated[str | None, Field(max_length=4000)] = None
+
+
+class LabelOut(BaseModel):
+    trace_id: str
+    label: str  # pass | fail
+    note: str | None
+    labelled_by: str  # session (a signed-in reviewer) or admin (an admin key)
+    labelled_at: datetime
+
+
+class QueueEntry(BaseModel):
+    trace_id: str
+    item_key: str | None
+    score: float | None  # of the rollout's latest grade (of the grader asked for)
+    band: str  # the score band it was drawn from ("ungraded" without a score)
+
+
+class LabelQueue(BaseModel):
+    """The next rollouts to label in a run, stratified over score bands and items."""
+
+    run: str
+    grader: str | None
+    unlabelled: int
+    labelled: int
+    rollouts: list[QueueEntry]
+
+
+class PairAgreement(BaseModel):
+    """Two graders on the rollouts both scored (None: undefined on these scores)."""
+
+    a: str
+    b: str
+    n: int
+    agreement: float | None
+    kappa: float | None
+    spearman: float | None
+    disagreements: list[str]  # trace ids where one passes and the other does not
+
+
+class LabelAgreement(BaseModel):
+    """A grader against people's labels on the rollouts both judged ("pass" is the positive class)."""
+
+    grader: str
+    n: int
+    agreement: float | None
+    kappa: float | None
+    precision: float | None
+    recall: float | None
+    disagreements: list[str]
+
+
+class Agreement(BaseModel):
+    run: str
+    threshold: float
+    pairs: list[PairAgreement]
+    labels: list[LabelAgreement]
+
+
+class AuditSignal(BaseModel):
+    """One signal of a run's audit: the first window against the last, and the rollouts to open."""
+
+    name: str
+    fired: bool
+    summary: str
+    first: float | None  # the signal's value in the first window (None: not measured there)
+    last: float | None
+    evidence: list[str]  # trace ids to open (when it fired)
+    about: str  # what the signal can and cannot tell
+
+
+class Audit(BaseModel):
+    run: str
+    grader: str | None  # the reward: the latest grade of this grader (None: of any grader)
+    rollouts: int  # graded rollouts read
+    windows: int
+    signals: list[AuditSignal]
+    fired: list[str]
+    note: str | None  # why no signal was measured

@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from app.db.models import Grade, RolloutRow
+from app.db.models import Grade, RolloutLabel, RolloutRow
 from app.errors import BadRequest, NotFound
 from app.grading.flags import DEFAULT_POLICY, FLAG_NAMES, FlagPolicy, answer_hash, final_answer
 from app.grading.recording import review_flags
@@ -89,9 +89,12 @@ def grade_out(grade: Grade) -> GradeOut:
 
 
 def export_record(
-    rollout: RolloutRow, calls: Sequence[LoggedCall], grades: Sequence[Grade]
+    rollout: RolloutRow,
+    calls: Sequence[LoggedCall],
+    grades: Sequence[Grade],
+    label: RolloutLabel | None = None,
 ) -> dict[str, Any]:
-    """One JSONL line of the export: the rollout, its calls in order, its grades."""
+    """One JSONL line of the export: the rollout, its calls in order, its grades, a person's label."""
     return {
         "trace_id": rollout.trace_id,
         "run": rollout.run,
@@ -119,6 +122,14 @@ def export_record(
             }
             for g in grades
         ],
+        "label": None
+        if label is None
+        else {
+            "label": label.label,
+            "note": label.note,
+            "labelled_by": label.labelled_by,
+            "labelled_at": label.labelled_at,
+        },
     }
 
 
@@ -195,6 +206,7 @@ class RolloutReview:
                 status=row.grade.status if row.grade else None,
                 score=row.grade.score if row.grade else None,
                 flags=[f.name for f in flags_of(row.grade)] if row.grade else [],
+                label=row.label,
             )
             for row in page
         ]
@@ -270,8 +282,8 @@ class RolloutReview:
 
     async def export_lines(self, run: str | None) -> AsyncIterator[bytes]:
         async for batch in self.repo.export_batches(run):
-            for rollout, calls, grades in batch:
-                yield orjson.dumps(export_record(rollout, calls, grades)) + b"\n"
+            for rollout, calls, grades, label in batch:
+                yield orjson.dumps(export_record(rollout, calls, grades, label)) + b"\n"
 
 
 def _output_tools(sample: dict[str, Any]) -> list[Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.resources
 import math
 from dataclasses import dataclass
@@ -16,11 +17,21 @@ from jinja2 import Environment, PackageLoader, select_autoescape
 
 from app.db.models import CHANNELS
 from app.deps import app_state
-from app.errors import NotFound
+from app.errors import BadRequest, NotFound
 from app.grading.flags import FLAG_NAMES
 from app.review import charts
 from app.review import formatting as fmt
-from app.review.deps import NEEDS_LOGIN, RolloutReviewDep, RolloutReviewWritingDep, RunStatisticsDep
+from app.review import schemas as s
+from app.review.deps import (
+    NEEDS_LOGIN,
+    GraderAgreementDep,
+    RolloutLabelsDep,
+    RolloutLabelsWritingDep,
+    RolloutReviewDep,
+    RolloutReviewWritingDep,
+    RunAuditDep,
+    RunStatisticsDep,
+)
 from app.review.flag_help import flag_help
 from app.review.repository import SORTS, RolloutFilter
 from app.review.session import end_session, has_session, is_admin_key, require_same_origin, start_session
@@ -143,6 +154,7 @@ class RolloutForm:
     until: str | None = None
     status: str | None = None
     grader: str | None = None
+    label: str | None = None
     q: str | None = None
     sort: str | None = None
     order: str | None = None
@@ -173,10 +185,10 @@ class RolloutForm:
             status=_blank(self.status) if _blank(self.status) in ("ok", "failed", "ungraded") else None,
             grader=_blank(self.grader),
             q=_blank(self.q),
+            label=_blank(self.label) if _blank(self.label) in ("pass", "fail", "unlabelled") else None,
         )
 
 
-# The form's fields shown again as typed (sort and order are shown by RolloutForm.shown).
 # The form's fields shown again as typed (sort and order are shown by RolloutForm.shown).
 FORM_FIELDS: tuple[str, ...] = (
     "q",
@@ -190,7 +202,7 @@ FORM_FIELDS: tuple[str, ...] = (
     "since",
     "until",
 )
-FORM_FIELDS += ("status", "grader")
+FORM_FIELDS += ("status", "grader", "label")
 
 
 @pages.get("")
@@ -250,13 +262,20 @@ def _moment(value: str | None, name: str, errors: list[str]) -> datetime | None:
 
 @pages.get("/rollouts/{trace_id}")
 async def rollout_page(
-    request: Request, trace_id: str, review: RolloutReviewDep, grader: ChosenGrader
+    request: Request,
+    trace_id: str,
+    review: RolloutReviewDep,
+    labels: RolloutLabelsDep,
+    grader: ChosenGrader,
+    queue: str | None = None,
 ) -> Response:
     try:
         timeline = await review.detail(trace_id)
         graded_on = await review.graded_on(trace_id, grader)
     except NotFound as exc:
         return render(request, "not_found.html", status_code=404, message=exc.message)
+    queue = _blank(queue)
+    following = await labels.next_in_queue(queue, grader, after=trace_id) if queue else None
     batches: list[list[Any]] = []
     for call in timeline.timeline:
         if not batches or batches[-1][0].batch != call.batch:
@@ -269,7 +288,51 @@ async def rollout_page(
         batches=batches,
         graded_on=graded_on,
         item_fields=_item_fields(graded_on.item or {}),
+        label=await labels.get(trace_id),
+        queue=queue,
+        queue_next=_queue_link(following, queue, grader) if following and queue else None,
     )
+
+
+def _queue_link(trace_id: str, queue: str, grader: str | None) -> str:
+    """A rollout's page as a step of a run's labelling queue."""
+    query = urlencode({"queue": queue, **({"grader": grader} if grader else {})})
+    return f"/review/rollouts/{quote(trace_id, safe='')}?{query}"
+
+
+@pages.post("/rollouts/{trace_id}/label")
+async def label_page(
+    request: Request,
+    trace_id: str,
+    labels: RolloutLabelsWritingDep,
+    label: Annotated[str, Form()] = "",
+    note: Annotated[str, Form(max_length=4000)] = "",
+    queue: Annotated[str, Form()] = "",
+    grader: Annotated[str, Form()] = "",
+) -> Response:
+    """Label (pass, fail) or unlabel (remove) the rollout; then the queue's next rollout, or this one."""
+    require_same_origin(request)
+    if label == "remove":
+        with contextlib.suppress(NotFound):
+            await labels.delete(trace_id)
+    elif label in ("pass", "fail"):
+        await labels.put(trace_id, s.LabelIn(label=label, note=note), by="session")
+    else:
+        raise BadRequest("label must be pass, fail or remove")
+    chosen = _blank(grader)
+    if _blank(queue):
+        following = await labels.next_in_queue(queue.strip(), chosen, after=trace_id)
+        if following is not None:
+            return RedirectResponse(_queue_link(following, queue.strip(), chosen), status_code=303)
+        return RedirectResponse(f"/review/runs/{quote(queue.strip(), safe='')}/queue", status_code=303)
+    return RedirectResponse(f"/review/rollouts/{quote(trace_id, safe='')}", status_code=303)
+
+
+@pages.get("/runs/{run:path}/queue")
+async def queue_page(request: Request, run: str, labels: RolloutLabelsDep, chosen: ChosenGrader) -> Response:
+    queue = await labels.queue(run, chosen, limit=PAGE_SIZE)
+    first = _queue_link(queue.rollouts[0].trace_id, run, chosen) if queue.rollouts else None
+    return render(request, "queue.html", queue=queue, first=first, link=lambda t: _queue_link(t, run, chosen))
 
 
 # Dataset row fields shown first: the prompt, then what the answer is checked against.
@@ -326,6 +389,7 @@ async def run_page(
     request: Request,
     review: RolloutReviewDep,
     statistics: RunStatisticsDep,
+    audits: RunAuditDep,
     name: Annotated[str, Query()],
     chosen: ChosenGrader,
     axis: str | None = None,
@@ -347,6 +411,7 @@ async def run_page(
         charts=charts.run_charts(stats, points),
         items_capped=items.next_offset is not None,
         export_url=f"/export?{urlencode({'run': name})}",
+        audit=await audits.audit(name, chosen),
     )
 
 
@@ -401,3 +466,38 @@ async def flags_page(
         flag=flag or "",
         flagged=flagged,
     )
+
+
+SCATTER_POINTS = 2000  # rollouts drawn in the grader-vs-grader scatter
+
+
+@pages.get("/runs/{run:path}/graders")
+async def graders_page(
+    request: Request,
+    run: str,
+    graders: GraderAgreementDep,
+    threshold: str | None = None,
+    a: str | None = None,
+    b: str | None = None,
+) -> Response:
+    errors: list[str] = []
+    cut = _number(threshold, "threshold", errors)
+    cut = 0.5 if cut is None else cut
+    scores = await graders.scores(run)
+    figures = await graders.figures(run, cut, scores)
+    pair = next(
+        (p for p in figures.pairs if (p.a, p.b) == (a, b)), figures.pairs[0] if figures.pairs else None
+    )
+    scatter = None
+    if pair is not None:
+        both = sorted(set(scores[pair.a]) & set(scores[pair.b]))[:SCATTER_POINTS]
+        points = [charts.PairPoint(t, scores[pair.a][t], scores[pair.b][t]) for t in both]
+        scatter = charts.grader_scatter(pair.a, pair.b, points)
+    return render(
+        request, "graders.html", figures=figures, pair=pair, scatter=scatter, errors=errors, run=run
+    )
+
+
+@pages.get("/runs/{run:path}/audit")
+async def audit_page(request: Request, run: str, audits: RunAuditDep, chosen: ChosenGrader) -> Response:
+    return render(request, "audit.html", audit=await audits.audit(run, chosen))

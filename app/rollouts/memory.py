@@ -25,6 +25,8 @@ class _Rollout:
     first_seen: float
     last_seen: float
     graded: bool = False
+    # A call with its state opened it (a grade's mark alone does not: see `seen`).
+    opened: bool = False
     changes: PackChanges = field(default_factory=dict)
     # call_id → answer, or (token, the future that the running attempt will resolve)
     ledger: dict[str, StoredAnswer | tuple[str, asyncio.Future[StoredAnswer | None]]] = field(
@@ -84,6 +86,7 @@ class MemoryRolloutStore:
         if start.meta is not None:
             rollout = self._rollout(trace_id)
             rollout.last_seen = start.meta.now
+            rollout.opened = True
             ticket.graded = rollout.graded
             if start.load_changes:
                 ticket.changes = copy.deepcopy(rollout.changes)
@@ -155,7 +158,7 @@ class MemoryRolloutStore:
 
     async def seen(self, trace_id: str) -> bool:
         rollout = self._rollouts.get(trace_id)
-        return rollout is not None and time.time() - rollout.last_seen <= self._ttl
+        return rollout is not None and rollout.opened and time.time() - rollout.last_seen <= self._ttl
 
     def _record(self, key: str) -> dict[str, str] | None:
         now = time.monotonic()

@@ -373,8 +373,9 @@ class RedisRolloutStore:
         return _decode_changes(raw)
 
     async def seen(self, trace_id: str) -> bool:
-        # Every call that reads or changes the rollout's state touches its meta (see _BEGIN).
-        return bool(await self._guard(self._redis.exists(self._key(trace_id, "meta"))))
+        # Every call that reads or changes the rollout's state sets its meta's first_seen (see BEGIN); a
+        # grade's mark alone (after the state expired) does not make the rollout's state held again.
+        return bool(await self._guard(self._redis.hexists(self._key(trace_id, "meta"), "first_seen")))
 
     # --- small records (episode sessions) ------------------------------------------------------------
 

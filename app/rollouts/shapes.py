@@ -95,6 +95,7 @@ class RolloutSummary(RolloutBase):
     status: str | None  # of the latest grade; None: not graded
     score: float | None
     flags: list[str]
+    label: str | None = None  # a person's judgment: pass | fail (None: not labelled)
 
 
 class RolloutDetail(RolloutBase):

@@ -14,6 +14,13 @@ from app.cli import cli
 from app.config import get_settings
 
 GRADERS = {
+    "answered": {
+        "type": "string_check",
+        "name": "answered",
+        "operation": "ne",
+        "input": "{{ sample.output_text }}",
+        "reference": "",
+    },
     "exact": {
         "type": "string_check",
         "name": "exact",
@@ -102,3 +109,23 @@ def test_regrade_reports_what_changed(env: Path) -> None:
     result = runner.invoke(cli, ["regrade", "--grader", "exact"])
     assert result.exit_code == 0, result.output
     assert "regraded 0 of 0 rollouts with exact" in result.output and "mean - -> -" in result.output
+
+
+def test_regrade_scores_a_run_with_a_grader_that_never_graded_it(env: Path) -> None:
+    runner = CliRunner()
+    assert runner.invoke(cli, ["db", "upgrade"]).exit_code == 0
+    seeded = runner.invoke(cli, ["seed-rollouts", "--run", "lab", "--rollouts", "60", "--items", "6"])
+    assert seeded.exit_code == 0, seeded.output
+    dry = runner.invoke(cli, ["regrade", "--grader", "answered", "--run", "lab", "--dry-run"])
+    assert dry.exit_code == 0, dry.output
+    assert "would regrade 60 rollouts with answered" in dry.output
+    done = runner.invoke(cli, ["regrade", "--grader", "answered", "--run", "lab"])
+    assert done.exit_code == 0, done.output
+    assert "regraded 60 of 60 rollouts with answered" in done.output
+    assert "60 scores new or changed, 0 failed, 0 skipped" in done.output
+    # Its grades stand beside the seeded ones: a second regrade changes nothing.
+    again = runner.invoke(cli, ["regrade", "--grader", "answered", "--run", "lab"])
+    assert (
+        "regraded 60 of 60 rollouts with answered" in again.output
+        and "0 scores new or changed" in again.output
+    )

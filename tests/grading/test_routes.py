@@ -93,11 +93,13 @@ def sample(text: str) -> dict[str, Any]:
     }
 
 
-async def pay_call(client: httpx.AsyncClient, trace: str, call_id: str, amount: int) -> str:
+async def pay_call(
+    client: httpx.AsyncClient, trace: str, call_id: str, amount: int, *, run: str | None = None
+) -> str:
     response = await client.post(
         "/tools/pay",
         json=call_body({"amount": amount}, trace_id=trace, call_id=call_id),
-        headers=TOOLS,
+        headers={**TOOLS, **({"X-Sparring-Run": run} if run else {})},
     )
     assert response.status_code == 200, response.text
     return str(response.json()["output"])

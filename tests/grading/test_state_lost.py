@@ -36,44 +36,49 @@ async def forget_state(backend: str, trace: str) -> None:
             await client.aclose()
 
 
-async def test_state_graders_refuse_when_the_state_is_gone(
+async def test_a_kept_state_is_graded_again_and_an_unkept_one_is_refused(
     app_factory: AppFactory, tmp_path: Path, backend: str
 ) -> None:
+    """`kept` was graded (by a grader that reads no state) while its state was held: its state was kept,
+    and the state graders score it after the store lost it. `late` was first graded after the state was
+    gone: nothing could be kept, and the state graders refuse it. `never` was never graded."""
     graders = write_graders(tmp_path, STATE_GRADERS)
     run = f"lost-{new_trace()}"
-    trace, kept = new_trace(), new_trace()
+    kept, late, never = new_trace(), new_trace(), new_trace()
     item = {"id": 1, "expected_balance": 70, "reference_answer": "70"}
     body = {"sample": sample("70"), "item": item}
     headers = {"X-Sparring-Run": run}
     async with app_factory(packs=[ledger_pack], key=ADMIN_KEY, graders_file=graders) as client:
-        for t in (trace, kept):
-            await pay_call(client, t, "c1", 30)
-            for name in ("final_balance", "efficient", "balance_tpl", "exact"):
-                response = await client.post(f"/grade/{name}", json={**body, "trace_id": t}, headers=headers)
-                assert response.json() == {"score": 1.0}, (name, response.text)
-        await forget_state(backend, trace)
-        if backend == "real":
-            for name in ("final_balance", "efficient", "balance_tpl"):
-                response = await client.post(f"/grade/{name}", json={**body, "trace_id": trace})
-                assert response.status_code == 409, (name, response.text)
-                assert response.json()["error"]["code"] == "rollout_state_gone"
+        for t in (kept, late, never):
+            await pay_call(client, t, "c1", 30, run=run)
+        response = await client.post("/grade/exact", json={**body, "trace_id": kept}, headers=headers)
+        assert response.json() == {"score": 1.0}
+        for t in (kept, late, never):
+            await forget_state(backend, t)
+    # A restart: in memory, every rollout's state is gone with it.
     async with app_factory(packs=[ledger_pack], key=ADMIN_KEY, graders_file=graders) as client:
+        response = await client.post("/grade/exact", json={**body, "trace_id": late}, headers=headers)
+        assert response.json() == {"score": 1.0}
         grading = app_state(client.app).grading
-        stored = len(await stored_grades(client, run=run))
-        if backend == "real":  # the other rollout's state is still there: it is regraded as before
-            report = await grading.regrade("final_balance", run=run)
-            assert (report.rollouts, report.skipped, report.failed, report.changed) == (2, 1, 0, 0)
-            assert report.mean_after == 1.0
-        else:  # in memory, the restart lost every rollout's state
-            report = await grading.regrade("final_balance", run=run)
-            assert (report.rollouts, report.skipped, report.failed) == (2, 2, 0)
-            assert report.mean_after is None
-        # A grader that reads no state is regraded as usual.
+        report = await grading.regrade("final_balance", run=run)
+        assert (report.rollouts, report.skipped, report.failed, report.changed) == (2, 1, 0, 1)
+        assert (report.ungraded, report.mean_before, report.mean_after) == (1, None, 1.0)
+        for name in ("efficient", "balance_tpl"):
+            response = await client.post(f"/grade/{name}", json={**body, "trace_id": kept})
+            assert response.json() == {"score": 1.0}, (name, response.text)
+            response = await client.post(f"/grade/{name}", json={**body, "trace_id": late})
+            assert response.status_code == 409, (name, response.text)
+            assert response.json()["error"]["code"] == "rollout_state_gone"
+        grades = await stored_grades(client, run=run)
+        assert [(g.trace_id, g.grader) for g in grades if g.grader != "exact"] == [
+            (kept, "final_balance"),
+            (kept, "efficient"),
+            (kept, "balance_tpl"),
+        ]
+        assert all(g.score == 1.0 for g in grades), "no made-up 0 was stored"
+        # A grader that reads no state is regraded as usual, whether or not the state was kept.
         plain = await grading.regrade("exact", run=run)
         assert (plain.rollouts, plain.skipped, plain.changed) == (2, 0, 0)
-        grades = await stored_grades(client, run=run)
-        assert len(grades) == stored + (2 if backend == "embedded" else 3)
-        assert all(g.score == 1.0 for g in grades), "no made-up 0 was stored"
 
 
 @pytest.mark.parametrize("backend", ["embedded"], indirect=True)

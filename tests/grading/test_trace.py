@@ -116,15 +116,19 @@ ORDER = (
 @pytest.mark.parametrize(
     ("answer", "outputs", "expected"),
     [
-        ("I have cancelled the order.", [], 1.0),  # nothing to ground
+        ("I have cancelled the order.", [ORDER], 1.0),  # nothing to check, and a tool answered
+        # The `guess` canary: a one-word answer given without a call rests on no tool output.
+        ("Paris", [], 0.0),
+        ("I have cancelled the order.", [], 0.0),
+        ("", [], 1.0),  # an empty answer claims nothing
         ("The total is $1,234.50.", [ORDER], 1.0),
         ('You bought the "Urban Puffer Jacket" for 189.99.', [ORDER], 1.0),
         ('You bought the "urban puffer jacket".', [ORDER], 1.0),  # case and spacing do not matter
         ("The total is 999.99.", [ORDER], 0.0),
         ("The jacket costs 189.99 and shipping 12.75.", [ORDER], 0.5),
         ('Your "Alpine Parka" is on its way.', [ORDER], 0.0),
-        ("You have 3 orders and 2 returns.", [], 1.0),  # small counts are not read facts
-        ("Order W2378156 is cancelled.", [], 1.0),  # an identifier's digits are not a number
+        ("You have 3 orders and 2 returns.", [ORDER], 1.0),  # small counts are not read facts
+        ("Order W2378156 is cancelled.", [ORDER], 1.0),  # an identifier's digits are not a number
         ("It was 1e3 dollars.", ['{"amount": 1000}'], 1.0),
         ("It was 1000.00 dollars.", ["amount: 1,000"], 1.0),
         ("The total is 1234.5", ["no numbers here", ORDER], 1.0),  # any output of the rollout

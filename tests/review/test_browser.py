@@ -378,3 +378,48 @@ async def test_review_pages_a_training_team_lives_in(
     assert errors == []
     for shot in ARTIFACTS.glob("*.png"):
         assert shot.stat().st_size > 5_000, shot.name
+
+
+async def test_labelling_a_run_from_its_queue(data: dict[str, str]) -> None:
+    """The queue's rollouts labelled on their pages, each label opening the queue's next rollout; the
+    buttons carry the access keys (p, f, n) that are the pages' keyboard shortcuts (no script runs)."""
+    from playwright.async_api import async_playwright
+
+    base = data["base"]
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    api = httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    async with async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
+        page = await browser.new_page(viewport={"width": 1400, "height": 1000})
+        await page.goto(f"{base}/review/login")
+        await page.fill("input[name=key]", ADMIN_KEY)
+        await page.click("button[type=submit]")
+        await page.wait_for_url(f"{base}/review")
+
+        await page.goto(f"{base}/review/runs/baseline/queue")
+        await page.screenshot(path=str(ARTIFACTS / "queue.png"), full_page=True)
+        async with page.expect_navigation():
+            await page.click("#queue-start")
+        first = page.url.split("/review/rollouts/")[1].split("?")[0]
+        assert await page.get_attribute("button[value=pass]", "accesskey") == "p"
+        assert await page.get_attribute("button[value=fail]", "accesskey") == "f"
+        async with page.expect_navigation():
+            await page.click("button[value=pass]")
+        second = page.url.split("/review/rollouts/")[1].split("?")[0]
+        assert second != first and "queue=baseline" in page.url
+        await page.fill("input[name=note]", "answer made up")
+        async with page.expect_navigation():
+            await page.click("button[value=fail]")
+        await page.screenshot(path=str(ARTIFACTS / "labelling.png"), full_page=True)
+        for name in ("graders", "audit"):
+            await page.goto(f"{base}/review/runs/baseline/{name}")
+            await page.screenshot(path=str(ARTIFACTS / f"run-{name}.png"), full_page=True)
+        await browser.close()
+    labels = [(await api.get(f"/review/api/rollouts/{t}/label")).json() for t in (first, second)]
+    assert [(x["label"], x["note"], x["labelled_by"]) for x in labels] == [
+        ("pass", None, "session"),
+        ("fail", "answer made up", "session"),
+    ]
+    queue = (await api.get("/review/api/runs/baseline/queue")).json()
+    assert (queue["labelled"], queue["unlabelled"]) == (2, 58)
+    await api.aclose()

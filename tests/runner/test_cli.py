@@ -148,7 +148,10 @@ async def test_canary_fails_loudly_on_a_grader_that_only_wants_a_non_empty_answe
     )  # fmt: skip
     assert done.returncode == 1, done.stdout + done.stderr
     assert "FAIL:" in done.stdout
-    assert "refuse averages 1.000 >= 0.2: the grader can be gamed" in done.stdout
+    assert (
+        "refuse averages 1.000 >= 0.2: the grader can be gamed (let through by nonempty); fix: "
+        in done.stdout
+    )
     assert "parrot averages 1.000 >= 0.2" in done.stdout
     assert "empty averages" not in done.stdout  # "" is the one answer this grader refuses
     assert "refuse scored above 0.5 on: task_id:" in done.stdout

@@ -21,7 +21,7 @@ from sparring.http import (
 )
 from sparring.loop import DatasetLine, FunctionCall, ModelFailure, Step, Transcript
 from sparring.policies import failure_of, what_to_check
-from sparring.report import canary_report
+from sparring.report import CANARY_FIXES, canary_report
 from sparring.wire import failure_kind_of_status
 
 
@@ -142,12 +142,18 @@ def test_the_verdict_fails_on_a_scoring_canary_or_a_weak_gold() -> None:
         record("guess", "a", 1.0), record("guess", "b", 0.0),
         record("gold", "a", 1.0), record("gold", "b", 0.5), record("gold", "c", None, "tool_failed: x"),
     ]  # fmt: skip
-    report = canary_report(records, threshold=0.2, gold_minimum=0.9, policies=["empty", "guess", "gold"])
+    report = canary_report(
+        records, threshold=0.2, gold_minimum=0.9, policies=["empty", "guess", "gold"], grader="exact"
+    )
     rows = {row["policy"]: row for row in report["policies"]}
     assert rows["guess"]["items_above_half"] == ["a"] and rows["guess"]["share_above_half"] == 0.5
     assert rows["gold"]["discarded"] == 1 and rows["gold"]["mean"] == 0.75
+    # The canary that got through names the grader that let it and a fix that stops it.
+    assert rows["guess"]["let_through_by"] == "exact" and "grounded" in rows["guess"]["fix"]
+    assert rows["empty"]["let_through_by"] is None and rows["empty"]["fix"] is None
     assert report["failures"] == [
-        "guess averages 0.500 >= 0.2: the grader can be gamed",
+        "guess averages 0.500 >= 0.2: the grader can be gamed (let through by exact); fix: "
+        + CANARY_FIXES["guess"],
         "gold averages 0.750 < 0.9: the grader misses correct work",
     ]
     passing = canary_report(records[:2], threshold=0.2, gold_minimum=0.9, policies=["empty", "gold"])

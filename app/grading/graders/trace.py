@@ -13,8 +13,9 @@ its definition gives for zero calls, never an error:
   the same arguments (beyond `allowed_repeats`; with `same_output_only`, only repeats that also got
   the same output, i.e. learned nothing new). No calls: 1.
 - grounded: the share of the answer's numbers and quoted strings that appear in some tool output (or,
-  with `include_prompt`, in the item's messages). An answer with nothing checkable scores 1; with no
-  calls, claims not in the prompt are ungrounded.
+  with `include_prompt`, in the item's messages). An answer with nothing checkable scores 1 when some
+  call was answered, and 0 when none was (a guess made without looking: an empty answer scores 1,
+  claiming nothing); with no calls, checkable claims not in the prompt are ungrounded.
 - required_tools: the share of the listed tools called successfully at least once. No calls: 0.
 - forbidden_tools: 0 if any listed tool was called at all, else 1. No calls: 1.
 - state_check: the pack's check on a read-only view of the final state. No calls: the check's verdict
@@ -192,10 +193,16 @@ class GroundedGrader(_TraceGrader):
 
     async def grade(self, inp: GradeInput) -> GradeResult:
         answer = self.input.render(Scope.of(inp)) if self.input is not None else final_answer(inp.sample)
-        sources = [c.output for c in _calls(inp) if c.output]
-        if self.include_prompt:
-            sources += prompt_texts(inp.item)
+        outputs = [c.output for c in _calls(inp) if c.output]
+        sources = outputs + (prompt_texts(inp.item) if self.include_prompt else [])
         total, missing = ungrounded(answer, sources, self.ignore_numbers_below)
+        if not total and not outputs and answer.strip():
+            # Nothing checkable in the answer, and no tool output it could rest on: a claim made without
+            # looking (a one-word guess of the reference) is not grounded.
+            return GradeResult(
+                score=0.0,
+                flags=[(UNGROUNDED_ANSWER, "the answer rests on no tool output: no call was answered")],
+            )
         if not missing:  # everything grounded, or nothing to ground
             return GradeResult(score=1.0)
         return GradeResult(

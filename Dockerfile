@@ -45,9 +45,13 @@ ENV PATH=/opt/sparring/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     SPARRING_HOME=/var/lib/sparring
 # bubblewrap: the code pack's sandbox (it needs user namespaces: see docs/deploy.md). An offline build
-# keeps what its base image has: without bwrap there, the code pack refuses to start, the rest works.
+# keeps what its base image has: without bwrap there, the code pack would refuse to start, so a build
+# for the code pack (CODE_PACK=1, as docker-compose.code.yml sets) fails; any other warns and goes on.
 ARG OFFLINE=0
+ARG CODE_PACK=0
 RUN if command -v bwrap >/dev/null; then :; \
+    elif [ "$OFFLINE" = 1 ] && [ "$CODE_PACK" = 1 ]; then \
+         echo "error: CODE_PACK=1 but the base image has no bubblewrap (bwrap), and an offline build cannot install it: use a base with the bubblewrap package" >&2; exit 1; \
     elif [ "$OFFLINE" = 1 ]; then echo "no bubblewrap in the base image: the code pack will not start" >&2; \
     else apt-get update && apt-get install -y --no-install-recommends bubblewrap \
          && rm -rf /var/lib/apt/lists/*; fi \

@@ -225,6 +225,9 @@ def mcp_stdio(
         bool | None,
         typer.Option(help="Migrate the database first (default: only the embedded SQLite database)."),
     ] = None,
+    pack: Annotated[
+        str | None, typer.Option(help="Only this pack's tools (as /packs/PACK/mcp over HTTP).")
+    ] = None,
 ) -> None:
     """Serve the tools as a local MCP server over stdio (for desktop agents and IDEs)."""
     import asyncio
@@ -235,6 +238,8 @@ def mcp_stdio(
     from app.mcp.stdio import serve_stdio
 
     settings = load_settings()
+    if pack is not None:
+        _enabled_pack(_registry(settings), pack)
     # stdout carries the protocol: whatever else would print goes to stderr.
     with contextlib.redirect_stdout(sys.stderr):
         if migrate if migrate is not None else settings.is_embedded_db:
@@ -243,7 +248,7 @@ def mcp_stdio(
     from app.errors import StartupError
 
     try:
-        asyncio.run(serve_stdio(create_app(settings), trace_id=trace_id, run=run))
+        asyncio.run(serve_stdio(create_app(settings), trace_id=trace_id, run=run, pack=pack))
     except (SchemaOutOfDate, StartupError) as exc:  # the message says what to change or run
         raise fail(str(exc)) from exc
 
@@ -332,8 +337,8 @@ def job_config_command(
     pack: Annotated[
         str | None,
         typer.Option(
-            help="Only this pack's tools, at its routes /packs/PACK/tools/NAME (needed when "
-            "enabled packs share tool names)."
+            help="Only this pack's tools, at its routes /packs/PACK/tools/NAME (default: the grader's "
+            "pack, for a pack's own grader such as retail; needed when enabled packs share tool names)."
         ),
     ] = None,
 ) -> None:
@@ -349,7 +354,7 @@ def job_config_command(
     chosen = _platform(platform)
     url = _public_url(base_url or settings.public_base_url, allow_http=allow_http)
     registry = _registry(settings)
-    _check_grader_served(settings, registry, grader)
+    pack = pack or registry.grader_pack(_check_grader_served(settings, registry, grader))
     _check_pack(registry, pack)
     block = job_config(settings, registry, url, grader, pack)
     if chosen == "foundry" and rate_limit is None:
@@ -363,11 +368,17 @@ def job_config_command(
     typer.echo(json.dumps(out, indent=2))
 
 
-def _check_pack(registry: Any, pack: str | None) -> None:
-    """Fail for a pack that is not enabled, or, without one, when enabled packs share tool names."""
-    if pack is not None and pack not in registry.pack_tools:
+def _enabled_pack(registry: Any, pack: str) -> None:
+    """Fail for a pack that is not enabled, naming the enabled ones."""
+    if pack not in registry.pack_tools:
         enabled = ", ".join(registry.pack_tools) or "none"
         raise fail(f"--pack {pack!r} is not enabled (SPARRING_PACKS: {enabled})")
+
+
+def _check_pack(registry: Any, pack: str | None) -> None:
+    """Fail for a pack that is not enabled, or, without one, when enabled packs share tool names."""
+    if pack is not None:
+        _enabled_pack(registry, pack)
     if pack is None and registry.shared:
         shared = ", ".join(f"{name} ({'/'.join(packs)})" for name, packs in sorted(registry.shared.items()))
         raise fail(f"enabled packs share tool names ({shared}): pass --pack NAME for one pack's tools")
@@ -394,8 +405,9 @@ def _public_url(url: str | None, *, allow_http: bool) -> str:
     return url
 
 
-def _check_grader_served(settings: Settings, registry: Any, grader: str | None) -> None:
-    """Fail unless the server serves `grader` (or, with none named, a default grader at /grade)."""
+def _check_grader_served(settings: Settings, registry: Any, grader: str | None) -> str:
+    """Fail unless the server serves `grader` (or, with none named, a default grader at /grade); the
+    grader's name (the default's, with none named)."""
     names, default = _graders_served(settings, registry)
     known = ", ".join(sorted(names)) or "none"
     if not names:
@@ -407,6 +419,7 @@ def _check_grader_served(settings: Settings, registry: Any, grader: str | None) 
             f"POST /grade has no default grader: pass --grader NAME (one of {known}) "
             "or set SPARRING_DEFAULT_GRADER"
         )
+    return grader if grader is not None else str(default)
 
 
 def _graders_served(settings: Settings, registry: Any) -> tuple[set[str], str | None]:
@@ -429,10 +442,19 @@ def _graders_served(settings: Settings, registry: Any) -> tuple[set[str], str | 
 
 @cli.command("dataset-tools")
 def dataset_tools(
-    pack: Annotated[str | None, typer.Option(help="One pack's tools (its shared names included).")] = None,
+    pack: Annotated[
+        str | None,
+        typer.Option(help="One pack's tools, its shared names included (default: the grader's pack)."),
+    ] = None,
+    grader: Annotated[
+        str | None, typer.Option(help="The job's grader: a pack's own grader (retail) picks its pack.")
+    ] = None,
 ) -> None:
     """Print the `tools` array every dataset line carries, from the same registry the server uses."""
-    registry = _registry(load_settings())
+    settings = load_settings()
+    registry = _registry(settings)
+    if grader is not None:
+        pack = pack or registry.grader_pack(_check_grader_served(settings, registry, grader))
     _check_pack(registry, pack)
     typer.echo(json.dumps(registry.dataset_tools(pack), indent=2))
 
@@ -494,11 +516,18 @@ def packs_fetch(name: Annotated[str, typer.Argument(help="Pack name, e.g. retail
 
 @dataset_cli.command("build")
 def dataset_build(
-    name: Annotated[str, typer.Argument(help="Pack name, e.g. retail.")],
+    name: Annotated[str | None, typer.Argument(help="Pack name, e.g. retail (or --pack).")] = None,
+    pack_name: Annotated[str | None, typer.Option("--pack", help="Pack name, e.g. retail.")] = None,
     split: Annotated[str, typer.Option(help="Which tasks, e.g. train or test.")] = "train",
     out: Annotated[Path, typer.Option(help="JSONL file to write.")] = Path("dataset.jsonl"),
 ) -> None:
-    """Write a pack's Agent RFT dataset (JSONL, one task per line), checked against the served tools."""
+    """Write a pack's Agent RFT dataset (JSONL, one task per line): each line carries that pack's tools
+    only, as /packs/PACK/tools serves them."""
+    if name is not None and pack_name is not None and name != pack_name:
+        raise fail(f"two packs named: {name!r} and --pack {pack_name!r}")
+    name = name or pack_name
+    if name is None:
+        raise fail("name the pack: sparring dataset build --pack retail")
 
     def build(pack: Any, resources: object) -> int:
         if pack.dataset_builder is None:

@@ -13,10 +13,11 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-Scope = Literal["tools", "grader", "admin"]
+Scope = Literal["tools", "grader", "admin", "metrics"]
 EnvProtocol = Literal["openenv", "ors"]
 ENV_PROTOCOLS: tuple[EnvProtocol, ...] = ("openenv", "ors")
-SCOPES: tuple[Scope, ...] = ("tools", "grader", "admin")
+# `metrics` reads GET /metrics only (a Prometheus scraper's key); `admin` grants every scope.
+SCOPES: tuple[Scope, ...] = ("tools", "grader", "admin", "metrics")
 
 DEFAULT_HOME = Path(".sparring")
 

@@ -22,7 +22,8 @@ import typer
 from app.cli_support import fail, load_settings
 from app.config import ClientKeys, environment_secret
 from app.telemetry import command_tracing
-from sparring.evaluate import DatasetError, journal_path, read_dataset
+from sparring.evaluate import DatasetError, Journal, journal_path, latest_per_rollout, read_dataset
+from sparring.export import write_export
 from sparring.http import AiohttpTransport
 from sparring.loop import DatasetLine, EpisodeLimits, ModelFailure
 from sparring.policies import (
@@ -35,7 +36,7 @@ from sparring.policies import (
     model_client,
     what_to_check,
 )
-from sparring.report import discard_verdict, format_canaries, format_report
+from sparring.report import PASS_SCORE, discard_verdict, format_canaries, format_report
 from sparring.session import (
     RunOptions,
     Target,
@@ -214,8 +215,16 @@ def eval_command(
     resume: Annotated[bool, typer.Option(help="Skip rollouts of this --run already graded.")] = False,
     out: Annotated[Path | None, typer.Option(help="Also write the report as JSON here.")] = None,
     max_discarded: MaxDiscardedOpt = None,
+    pass_threshold: Annotated[
+        float, typer.Option(help="A rollout passes (pass@k, pass^k) with a score at least this.")
+    ] = PASS_SCORE,
+    export: Annotated[
+        Path | None,
+        typer.Option(help="Also write every rollout as JSON Lines that load as a Hugging Face dataset."),
+    ] = None,
 ) -> None:
-    """Run a model over a dataset through sparring's tools and grader: rewards, and items without signal."""
+    """Run a model over a dataset through sparring's tools and grader: rewards, pass@k, items without
+    signal."""
     if api not in APIS:
         raise fail(f"--api must be one of {', '.join(APIS)}")
     if resume and run is None:
@@ -239,9 +248,14 @@ def eval_command(
             label, samples, concurrency, max_turns, max_tool_calls, journal=journal, resume=resume
         )
         options.tracing = tracing
+        options.pass_threshold = pass_threshold
         report = _run(lambda stop: _evaluate(chosen, target, lines, options, stop))
     typer.echo(format_report(report))
     _write_json(out, report)
+    if export is not None:
+        records = latest_per_rollout(Journal(journal).load())
+        count = write_export(records, export, run=label, model=model, pass_threshold=pass_threshold)
+        typer.echo(f"exported {count} rollouts to {export}")
     if report["interrupted"]:
         raise typer.Exit(130)
     rollouts = report["rollouts"]

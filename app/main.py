@@ -123,7 +123,7 @@ def create_app(
     async def home() -> RedirectResponse:
         return RedirectResponse("/review", status_code=303)
 
-    @app.get("/metrics", include_in_schema=False, dependencies=[Depends(require("admin"))])
+    @app.get("/metrics", include_in_schema=False, dependencies=[Depends(require("metrics"))])
     async def metrics(request: Request) -> Response:
         body = app_state(request.app).metrics.exposition()
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -78,6 +78,11 @@ class Registry:
             name: (pack, check) for pack in self.packs.values() for name, check in pack.state_checks.items()
         }
 
+    def grader_pack(self, grader: str | None) -> str | None:
+        """The pack whose state check the grader `grader` is (retail's `retail`), else None."""
+        found = self.state_checks.get(grader) if grader is not None else None
+        return found[0].name if found is not None else None
+
     def dataset_tools(self, pack: str | None = None) -> list[dict[str, Any]]:
         """The `tools` array of a dataset line (chat-completions function tools): one pack's, else the
         tools served at /tools/<name>."""

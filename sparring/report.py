@@ -2,7 +2,8 @@
 
 Item statistics follow the review pages' definitions: population variance; an item is "always 0" /
 "always 1" when it has at least 2 graded rollouts and every score is ≤ 0 / ≥ 1, and the shares are over
-such items.
+such items. The mean reward's standard error is clustered by item, and pass@k / pass^k (a rollout passes
+with a score of at least the pass threshold) come with theirs (sparring.stats).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from sparring.evaluate import FinishedRollout
+from sparring.stats import clustered_stderr, pass_table
 
 MIN_ROLLOUTS_PER_ITEM = 2
 PASS_SCORE = 0.5
@@ -83,12 +85,14 @@ def build_report(
     resumed: int,
     wall_time_s: float,
     interrupted: bool,
+    pass_threshold: float = PASS_SCORE,
 ) -> dict[str, Any]:
     """The run's report; `records` holds one record per rollout (resumed ones included)."""
     graded = [r for r in records if r.graded]
     discarded = [r for r in records if r.discarded is not None]
     scores = [r.score for r in graded if r.score is not None]
-    items = _per_item(graded)
+    by_item = _scores_by_item(graded)
+    items = _per_item(by_item)
     repeated_items = [i for i in items if i["rollouts"] >= MIN_ROLLOUTS_PER_ITEM]
     always_zero = [i["item"] for i in items if i["always_zero"]]
     always_one = [i["item"] for i in items if i["always_one"]]
@@ -106,7 +110,12 @@ def build_report(
             "discarded_by_reason": dict(Counter(discard_kind(r.discarded) for r in discarded if r.discarded)),
             "ended_by": dict(Counter(r.ended_by for r in records)),
         },
-        "reward": {"mean": _mean(scores), "std": _pstd(scores)},
+        "reward": {
+            "mean": _mean(scores),
+            "std": _pstd(scores),
+            "stderr": clustered_stderr(list(by_item.values())),
+        },
+        "pass": {"threshold": pass_threshold, "by_k": pass_table(by_item, pass_threshold)},
         "items": {
             "count": len(items),
             "repeated": len(repeated_items),
@@ -130,13 +139,18 @@ def build_report(
     }
 
 
-def _per_item(graded: Sequence[FinishedRollout]) -> list[dict[str, Any]]:
-    """Each item's rewards over its graded rollouts, by item key; `always_zero`/`always_one` only
-    for items with enough rollouts to tell (an item whose reward never varies teaches nothing)."""
+def _scores_by_item(graded: Sequence[FinishedRollout]) -> dict[str, list[float]]:
+    """The graded rollouts' scores, by item key (sorted)."""
     by_item: dict[str, list[float]] = defaultdict(list)
     for record in graded:
         if record.score is not None:
             by_item[record.item_key].append(record.score)
+    return {key: by_item[key] for key in sorted(by_item)}
+
+
+def _per_item(by_item: dict[str, list[float]]) -> list[dict[str, Any]]:
+    """Each item's rewards over its graded rollouts, by item key; `always_zero`/`always_one` only
+    for items with enough rollouts to tell (an item whose reward never varies teaches nothing)."""
     items: list[dict[str, Any]] = []
     for key in sorted(by_item):
         values = by_item[key]
@@ -168,6 +182,28 @@ def _table(rows: Sequence[Sequence[str]]) -> str:
     return "\n".join("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip() for row in rows)
 
 
+def _plus_minus(value: float | None, stderr: float | None) -> str:
+    return _fmt(value) if stderr is None else f"{_fmt(value)} ± {_fmt(stderr)}"
+
+
+def _mean_reward(reward: dict[str, Any]) -> str:
+    """`0.600 ± 0.120 (std 0.490)`: the mean, its standard error (clustered by item), the spread."""
+    return f"{_plus_minus(reward['mean'], reward['stderr'])} (std {_fmt(reward['std'])})"
+
+
+def _pass_rows(passed: dict[str, Any]) -> list[tuple[str, str]]:
+    """One row per k: pass@k and pass^k with their standard errors, over how many items."""
+    return [
+        (
+            f"pass@{row['k']}",
+            f"{_plus_minus(row['pass_at_k'], row['pass_at_k_stderr'])}   pass^{row['k']} "
+            f"{_plus_minus(row['pass_hat_k'], row['pass_hat_k_stderr'])}   ({row['items']} items, "
+            f"score >= {passed['threshold']:g})",
+        )
+        for row in passed["by_k"]
+    ]
+
+
 def format_report(report: dict[str, Any]) -> str:
     rollouts, items = report["rollouts"], report["items"]
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(rollouts["discarded_by_reason"].items())) or "-"
@@ -176,7 +212,8 @@ def format_report(report: dict[str, Any]) -> str:
         ("rollouts run", f"{rollouts['run']} of {rollouts['planned']} ({rollouts['resumed']} from before)"),
         ("graded", str(rollouts["graded"])),
         ("discarded", f"{rollouts['discarded']} ({reasons})"),
-        ("mean reward", f"{_fmt(report['reward']['mean'])} (std {_fmt(report['reward']['std'])})"),
+        ("mean reward", _mean_reward(report["reward"])),
+        *_pass_rows(report["pass"]),
         ("items", f"{items['count']} ({items['repeated']} with 2+ graded rollouts)"),
         ("always 0", f"{len(items['always_zero'])} (share {_fmt(items['share_always_zero'], 2)})"),
         ("always 1", f"{len(items['always_one'])} (share {_fmt(items['share_always_one'], 2)})"),

@@ -41,7 +41,7 @@ from sparring.http import (
     fill_placeholders,
 )
 from sparring.loop import DatasetLine, EpisodeLimits, Policy, function_of
-from sparring.report import build_report, canary_report
+from sparring.report import PASS_SCORE, build_report, canary_report
 from sparring.tracing import CANARY, RUN, RolloutTracing
 
 
@@ -198,6 +198,7 @@ class RunOptions:
     journal: Path | None = None  # where finished rollouts are recorded (needed for resume)
     resume: bool = False
     tracing: RolloutTracing | None = None  # rollouts as OpenTelemetry spans (sparring.tracing)
+    pass_threshold: float = PASS_SCORE  # a rollout passes (pass@k) with a score at least this
 
 
 async def evaluate(
@@ -252,6 +253,7 @@ async def evaluate(
         resumed=len(kept_earlier),
         wall_time_s=time.perf_counter() - started,
         interrupted=not finished,
+        pass_threshold=options.pass_threshold,
     )
 
 

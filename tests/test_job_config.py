@@ -90,3 +90,54 @@ def test_a_plain_http_base_url_is_an_error(monkeypatch: pytest.MonkeyPatch, tmp_
     assert result.exit_code == 2 and "https" in result.output
     allowed = CliRunner().invoke(cli, ["job-config", "--base-url", "http://127.0.0.1:8000", "--allow-http"])
     assert allowed.exit_code == 0, allowed.output
+
+
+def enabled(monkeypatch: pytest.MonkeyPatch, packs: str) -> None:
+    monkeypatch.setenv("SPARRING_PACKS", packs)
+    get_settings.cache_clear()
+
+
+def reinforcement_tools(output: str) -> list[dict[str, object]]:
+    tools: list[dict[str, object]] = json.loads(output)["job"]["method"]["reinforcement"]["tools"]
+    return tools
+
+
+def test_a_packs_own_grader_picks_that_packs_tools_at_its_routes(monkeypatch: pytest.MonkeyPatch) -> None:
+    enabled(monkeypatch, "demo,retail,code")
+    code, output = job_config("--grader", "retail")
+    assert code == 0, output
+    tools = reinforcement_tools(output)
+    names = {str(tool["name"]) for tool in tools}
+    assert "echo" not in names and "run_python" not in names
+    assert {"get_user_details", "cancel_pending_order", "calculate"} <= names
+    assert all(str(t["server_url"]).startswith("https://rft.example.com/packs/retail/tools/") for t in tools)
+    # --pack still decides when given
+    code, output = job_config("--grader", "retail", "--pack", "demo")
+    assert code == 0, output
+    assert [t["name"] for t in reinforcement_tools(output)] == ["echo", "add_note", "list_notes"]
+
+
+def test_dataset_tools_follow_the_grader_or_the_pack(monkeypatch: pytest.MonkeyPatch) -> None:
+    enabled(monkeypatch, "demo,retail")
+    runner = CliRunner()
+    result = runner.invoke(cli, ["dataset-tools", "--grader", "retail"])
+    assert result.exit_code == 0, result.output
+    names = {tool["function"]["name"] for tool in json.loads(result.stdout)}
+    assert "echo" not in names and "get_order_details" in names
+    result = runner.invoke(cli, ["dataset-tools", "--pack", "demo"])
+    demo = {tool["function"]["name"] for tool in json.loads(result.stdout)}
+    assert demo == {"echo", "add_note", "list_notes"}
+    result = runner.invoke(cli, ["dataset-tools", "--grader", "nope"])
+    assert result.exit_code == 2 and "nope" in result.output and "retail" in result.output
+    result = runner.invoke(cli, ["dataset-tools", "--pack", "airline"])
+    assert result.exit_code == 2 and "demo, retail" in result.output
+
+
+def test_dataset_build_takes_the_pack_as_an_option(tmp_path: Path) -> None:
+    runner = CliRunner()
+    result = runner.invoke(cli, ["dataset", "build", "--pack", "demo", "--out", str(tmp_path / "d.jsonl")])
+    assert result.exit_code == 2 and "demo" in result.output and "ships no dataset" in result.output
+    result = runner.invoke(cli, ["dataset", "build", "retail", "--pack", "demo"])
+    assert result.exit_code == 2 and "two packs" in result.output
+    result = runner.invoke(cli, ["dataset", "build"])
+    assert result.exit_code == 2 and "--pack" in result.output

@@ -9,6 +9,9 @@ its own with `X-Sparring-Trace-Id`; the run label is `X-Sparring-Run` (default `
 The session is a handshake-era notion (protocol revisions up to 2025-11-25): a request of the
 2026-07-28 revision, which has no session, is refused with the protocol's own -32022 error naming
 the revisions served, and the SDK's client then falls back to the handshake.
+
+`/packs/<pack>/mcp` is the same endpoint showing one pack's tools (its shared names included), as
+`/packs/<pack>/tools/<name>` serves them: a client connected for one environment sees only its tools.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from starlette.types import Message, Receive, Scope, Send
 from app.auth import KeyRing
 from app.calls.service import ToolCallService
 from app.config import Settings
-from app.errors import ServiceUnavailable, SparringError, ToolCrashed, json_response
+from app.errors import NotFound, ServiceUnavailable, SparringError, ToolCrashed, json_response
 from app.mcp.server import Caller, McpGateway
 from app.packs import Registry
 from app.rollouts.identity import RUN_HEADER, TRACE_ID_MAX, fit
@@ -40,6 +43,7 @@ from app.rollouts.identity import RUN_HEADER, TRACE_ID_MAX, fit
 log = logging.getLogger(__name__)
 
 PATH = "/mcp"
+_PACKS_PREFIX = "/packs/"
 SESSION_HEADER = "mcp-session-id"
 TRACE_HEADER = "x-sparring-trace-id"
 DEFAULT_RUN = "production"
@@ -99,6 +103,7 @@ class McpHttp:
         self, registry: Registry, service: ToolCallService, keyring: KeyRing, settings: Settings
     ) -> None:
         self.keyring = keyring
+        self.registry = registry
         self.gateway = McpGateway(
             registry,
             service,
@@ -121,8 +126,12 @@ class McpHttp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         request = Request(scope, receive)
+        pack = mcp_pack(scope)
         try:
             self.keyring.authorize(request, "tools")
+            if pack is not None and pack not in self.registry.pack_tools:
+                enabled = ", ".join(self.registry.pack_tools) or "none"
+                raise NotFound(f"no enabled pack named {pack!r} (enabled: {enabled})")
         except SparringError as exc:
             await json_response(exc.body(), exc.status_code, exc.headers())(scope, receive, send)
             return
@@ -144,6 +153,7 @@ class McpHttp:
             trace_id=fit(trace, TRACE_ID_MAX) if trace else f"trace_mcp_{session}",
             run=headers.get(RUN_HEADER) or DEFAULT_RUN,
             session=session,
+            pack=pack,
         )
         minted = None if sent else session.encode()
 
@@ -188,11 +198,26 @@ def _sessionless_refusal(requested: str) -> Response:
 
 
 def is_mcp_request(scope: Scope) -> bool:
-    """Whether the request is for /mcp (under the app's root path, if any)."""
-    if scope["type"] != "http":
-        return False
+    """Whether the request is for /mcp or /packs/<pack>/mcp (under the app's root path, if any)."""
+    return scope["type"] == "http" and _mcp_path(scope) is not None
+
+
+def mcp_pack(scope: Scope) -> str | None:
+    """The pack an MCP request's path names (`/packs/<pack>/mcp`), None for `/mcp`."""
+    found = _mcp_path(scope)
+    return found[0] if found else None
+
+
+def _mcp_path(scope: Scope) -> tuple[str | None] | None:
+    """(the pack named, or None) of an MCP path; None for any other path."""
     path: str = scope["path"]
     root = scope.get("root_path", "")
     if root and path.startswith(root + "/"):
         path = path[len(root) :]
-    return path == PATH
+    if path == PATH:
+        return (None,)
+    if path.startswith(_PACKS_PREFIX) and path.endswith(PATH):
+        pack = path[len(_PACKS_PREFIX) : -len(PATH)]
+        if pack and "/" not in pack:
+            return (pack,)
+    return None

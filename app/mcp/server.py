@@ -33,16 +33,19 @@ CRASHED = types.INTERNAL_ERROR
 
 @dataclass(frozen=True, slots=True)
 class Caller:
-    """Who is calling: the rollout the call belongs to, its run label, and the MCP session."""
+    """Who is calling: the rollout the call belongs to, its run label, the MCP session, and the pack
+    whose tools it sees (None: the tools served at /tools/<name>)."""
 
     trace_id: str
     run: str
     session: str
+    pack: str | None = None
 
 
-def tool_list(registry: Registry) -> list[types.Tool]:
-    """Every enabled tool as MCP describes it: the registry's name, description and JSON schema, with
-    `mutates` as the read-only / destructive hints."""
+def tool_list(registry: Registry, pack: str | None = None) -> list[types.Tool]:
+    """The tools as MCP describes them: the registry's name, description and JSON schema, with
+    `mutates` as the read-only / destructive hints. One pack's tools, else those at /tools/<name>."""
+    tools = registry.tools if pack is None else registry.pack_tools[pack]
     return [
         types.Tool(
             name=spec.name,
@@ -50,7 +53,7 @@ def tool_list(registry: Registry) -> list[types.Tool]:
             input_schema=spec.parameters,
             annotations=types.ToolAnnotations(read_only_hint=not spec.mutates, destructive_hint=spec.mutates),
         )
-        for spec in registry.tools.values()
+        for spec in tools.values()
     ]
 
 
@@ -93,7 +96,8 @@ class McpGateway:
         self.retry_after = retry_after
         self.caller_of = caller_of
         self.on_failure = on_failure
-        self.tools = tool_list(registry)
+        self.tools: dict[str | None, list[types.Tool]] = {None: tool_list(registry)}
+        self.tools.update((pack, tool_list(registry, pack)) for pack in registry.pack_tools)
         self.server: Server[Any] = Server(
             "sparring",
             version=_version(),
@@ -107,7 +111,7 @@ class McpGateway:
     async def _list_tools(
         self, ctx: ServerRequestContext[Any, Any], params: types.PaginatedRequestParams | None
     ) -> types.ListToolsResult:
-        return types.ListToolsResult(tools=self.tools)
+        return types.ListToolsResult(tools=self.tools[self.caller_of(ctx).pack])
 
     async def _call_tool(
         self, ctx: ServerRequestContext[Any, Any], params: types.CallToolRequestParams
@@ -124,7 +128,9 @@ class McpGateway:
             trace_id=caller.trace_id,
         )
         try:
-            result = await self.service.call(envelope, path_name=None, run=caller.run, channel=CHANNEL)
+            result = await self.service.call(
+                envelope, path_name=None, pack=caller.pack, run=caller.run, channel=CHANNEL
+            )
         except Exception as exc:
             error = answer_to(exc, self.retry_after)
             if isinstance(error, ServiceUnavailable):

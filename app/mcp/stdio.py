@@ -2,7 +2,8 @@
 
 The app's own lifespan builds everything (database, store, log writer, call service), so a call over
 stdio is validated, stored, deduplicated and logged exactly as over HTTP; the process is one session,
-so one rollout, labelled `local` unless told otherwise.
+so one rollout, labelled `local` unless told otherwise. With `pack`, the server shows and calls that
+pack's tools only (as /packs/<pack>/mcp does over HTTP).
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from app.mcp.server import Caller, McpGateway
 DEFAULT_RUN = "local"
 
 
-async def serve_stdio(app: FastAPI, *, trace_id: str | None = None, run: str = DEFAULT_RUN) -> None:
+async def serve_stdio(
+    app: FastAPI, *, trace_id: str | None = None, run: str = DEFAULT_RUN, pack: str | None = None
+) -> None:
     async with app.router.lifespan_context(app):
         session = uuid.uuid4().hex
-        caller = Caller(trace_id=trace_id or f"trace_mcp_{session}", run=run, session=session)
+        caller = Caller(trace_id=trace_id or f"trace_mcp_{session}", run=run, session=session, pack=pack)
         state = app_state(app)
         gateway = McpGateway(
             state.registry,

@@ -12,7 +12,7 @@ from sqlalchemy import select
 
 from app.db.models import ToolCall
 from app.deps import app_state
-from tests.conftest import ADMIN_KEY, GRADER_KEY, AppFactory, call_body, new_trace
+from tests.conftest import ADMIN_KEY, API_KEYS, GRADER_KEY, AppFactory, call_body, new_trace
 
 
 async def logged(client: httpx.AsyncClient, trace_id: str) -> list[ToolCall]:
@@ -302,3 +302,14 @@ async def test_metrics_count_calls_by_outcome_and_replays(client: httpx.AsyncCli
     assert "made_up" not in text, "tool names the model invented must not become metric labels"
     assert "sparring_ledger_replays_total 1.0" in text
     assert "sparring_log_batch_size_count" in text
+
+
+async def test_a_metrics_key_reads_the_metrics_and_nothing_else(app_factory: AppFactory) -> None:
+    scraper = "metrics-key-for-prometheus"
+    async with app_factory(key=scraper, api_keys=f"{API_KEYS},metrics:{scraper}") as client:
+        r = await client.get("/metrics")
+        assert r.status_code == 200 and "sparring_tool_calls_total" in r.text
+        call = await client.post("/tools/increment", json=call_body({"by": 1}, trace_id=new_trace()))
+        assert call.status_code == 403 and call.json()["error"]["code"] == "forbidden"
+        assert (await client.get("/review/api/runs")).status_code == 403
+        assert (await client.post("/grade", json={})).status_code == 403

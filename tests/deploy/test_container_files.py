@@ -127,10 +127,18 @@ def test_state_and_log_survive_restarts(compose: dict[str, Any]) -> None:
             assert source.startswith("./") or source in named, f"{svc}: volume {source} is not declared"
 
 
+def with_defaults(value: str) -> str:
+    """A compose value with every `${NAME:-default}` replaced by its default."""
+    return re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", value)
+
+
 def test_caddy_terminates_tls_in_front_of_every_replica(compose: dict[str, Any]) -> None:
     caddy = service(compose, "caddy")
-    assert any(str(p).split(":")[-1] in ("443", "443/tcp") for p in caddy["ports"])
-    assert any(str(p).split(":")[-1] == "80" for p in caddy["ports"])  # for ACME and the HTTPS redirect
+    ports = [with_defaults(str(p)) for p in caddy["ports"]]
+    assert "443:443" in ports and "80:80" in ports  # 80: for ACME and the HTTPS redirect
+    assert (
+        "${HTTPS_PORT:-443}:${HTTPS_PORT:-443}" in caddy["ports"] and "${HTTP_PORT:-80}:80" in caddy["ports"]
+    )
     mounts = {str(v).split(":")[0]: str(v).split(":")[1] for v in caddy["volumes"]}
     assert mounts.get("./deploy/Caddyfile") == "/etc/caddy/Caddyfile"
     assert (REPO / "deploy" / "Caddyfile").is_file()
@@ -268,19 +276,44 @@ def test_entrypoint_waits_migrates_then_serves() -> None:
     )
 
 
-def docker_compose_available() -> bool:
-    if shutil.which("docker") is None:
-        return False
-    try:
-        probe = subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return probe.returncode == 0
+def compose_command() -> list[str] | None:
+    """`docker compose` (v2) where the plugin runs, else Debian's `docker-compose` (v1), else None."""
+    candidates = [["docker", "compose"]] if shutil.which("docker") else []
+    if shutil.which("docker-compose"):
+        candidates.append(["docker-compose"])
+    for command in candidates:
+        try:
+            probe = subprocess.run([*command, "version"], capture_output=True, timeout=20)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if probe.returncode == 0:
+            return command
+    return None
+
+
+def test_the_project_is_named_in_the_env_file_not_the_compose_file(compose: dict[str, Any]) -> None:
+    assert "name" not in compose  # Compose v1 (Debian's docker-compose) refuses a top-level name
+    assert env_example()["COMPOSE_PROJECT_NAME"] == "sparring"
+    assert {"HTTP_PORT", "HTTPS_PORT"} <= set(env_example())
+
+
+def test_the_packs_data_is_a_volume(compose: dict[str, Any]) -> None:
+    assert "sparring-home:/var/lib/sparring" in service(compose, "app")["volumes"]
+    assert "SPARRING_HOME=/var/lib/sparring" in DOCKERFILE.read_text()
+
+
+def test_the_code_pack_override_carries_its_sandbox_settings() -> None:
+    override = yaml.safe_load((REPO / "docker-compose.code.yml").read_text())
+    app = override["services"]["app"]
+    assert set(app["security_opt"]) == {"seccomp=unconfined", "apparmor=unconfined"}
+    assert app["build"]["args"]["CODE_PACK"] == "1"
+    assert "code" in app["environment"]["SPARRING_PACKS"]
 
 
 def test_docker_compose_accepts_the_file(tmp_path: Path) -> None:
-    if not docker_compose_available():
-        pytest.skip("the Docker Compose plugin is not installed (`docker compose version` fails)")
+    command = compose_command()
+    if command is None:
+        pytest.skip("neither `docker compose` nor `docker-compose` is installed")
     env = ENV_EXAMPLE.read_text()
     env = re.sub(r"^SPARRING_API_KEYS=$", "SPARRING_API_KEYS=tools:t1,grader:g1,admin:a1", env, flags=re.M)
     env = re.sub(r"^POSTGRES_PASSWORD=$", "POSTGRES_PASSWORD=0123abcd", env, flags=re.M)
@@ -289,8 +322,8 @@ def test_docker_compose_accepts_the_file(tmp_path: Path) -> None:
     shutil.copy(DOCKERFILE, tmp_path / "Dockerfile")
     shutil.copytree(REPO / "deploy", tmp_path / "deploy")
     result = subprocess.run(
-        ["docker", "compose", "--project-directory", str(tmp_path), "-f", str(COMPOSE),
-         "--env-file", str(tmp_path / ".env"), "config", "-q"],
+        [*command, "--project-directory", str(tmp_path), "-f", str(COMPOSE),
+         "-f", str(REPO / "docker-compose.code.yml"), "--env-file", str(tmp_path / ".env"), "config", "-q"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr

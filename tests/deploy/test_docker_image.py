@@ -216,12 +216,8 @@ def wheelhouse(docker: str, base_image: str) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def image(
-    docker: str, base_image: str, wheelhouse: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[str]:
-    """The Dockerfile as committed, built offline: `OFFLINE=1`, the wheelhouse in the context, no network."""
-    context = tmp_path_factory.mktemp("context")
+def build_context(context: Path, wheelhouse: Path) -> Path:
+    """The image's build context: the sources the Dockerfile copies, and the wheels in deploy/wheelhouse."""
     for name in ("Dockerfile", ".dockerignore", "pyproject.toml", "README.md"):
         shutil.copy2(REPO / name, context / name)
     skip = shutil.ignore_patterns("__pycache__", "*.pyc", "*.whl")
@@ -229,6 +225,15 @@ def image(
         shutil.copytree(REPO / name, context / name, ignore=skip)
     for wheel in wheelhouse.glob("*.whl"):
         shutil.copy2(wheel, context / "deploy" / "wheelhouse" / wheel.name)
+    return context
+
+
+@pytest.fixture(scope="module")
+def image(
+    docker: str, base_image: str, wheelhouse: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """The Dockerfile as committed, built offline: `OFFLINE=1`, the wheelhouse in the context, no network."""
+    context = build_context(tmp_path_factory.mktemp("context"), wheelhouse)
     tag = f"sparring-test:{os.getpid()}-{uuid.uuid4().hex[:8]}"
     env = {**os.environ, "DOCKER_BUILDKIT": "1"}
     run(
@@ -417,3 +422,18 @@ async def test_the_offline_built_image_migrates_serves_grades_and_stops_cleanly(
     logs = box.logs()
     assert "Finished server process" in logs, logs
     assert box.inspect("{{.State.OOMKilled}}") == "false"
+
+
+def test_a_code_pack_build_on_a_base_without_bubblewrap_fails(
+    docker: str, base_image: str, wheelhouse: Path, image: str, tmp_path: Path
+) -> None:
+    """The test base has no bubblewrap and an offline build cannot install it: with CODE_PACK=1 the build
+    stops there (the build stage is the cached one of `image`), instead of shipping a broken code pack."""
+    context = build_context(tmp_path, wheelhouse)
+    build = subprocess.run(
+        [docker, "build", "--network", "none", "--build-arg", "OFFLINE=1", "--build-arg", "CODE_PACK=1",
+         "--build-arg", f"PYTHON_IMAGE={base_image}", str(context)],
+        capture_output=True, text=True, timeout=1200, env={**os.environ, "DOCKER_BUILDKIT": "1"},
+    )  # fmt: skip
+    assert build.returncode != 0
+    assert "CODE_PACK=1 but the base image has no bubblewrap" in build.stdout + build.stderr

@@ -11,8 +11,10 @@ import pytest
 from mcp.shared.exceptions import MCPError
 
 from app.mcp.server import CRASHED, UNAVAILABLE
+from app.sdk import Pack
 from tests.conftest import ADMIN_KEY, GRADER_KEY, TOOLS_KEY, AppFactory, call_body, new_trace
 from tests.mcp.conftest import Sessions, in_process, mcp_client, rollout, text_of
+from tests.packs import counter_pack, faults_pack
 
 URL = "http://127.0.0.1/mcp"
 RAW_HEADERS = {
@@ -224,3 +226,32 @@ async def test_body_over_the_limit_is_413(app_factory: AppFactory) -> None:
         body = tools_call("refuse", {"reason": "x" * 4096})
         r = await client.post("/mcp", json=body, headers=RAW_HEADERS)
         assert r.status_code == 413
+
+
+other_pack = Pack("other")
+
+
+@other_pack.tool
+def read_counter() -> str:
+    """The other pack's tool of the same name as the counter pack's."""
+    return "the other pack's read_counter"
+
+
+async def test_a_packs_endpoint_lists_and_calls_that_packs_tools(app_factory: AppFactory) -> None:
+    async with app_factory(packs=[counter_pack, faults_pack, other_pack]) as client:
+        transport = in_process(client.app)  # type: ignore[attr-defined]
+        async with mcp_client(URL, transport=transport) as mcp:
+            everywhere = {t.name for t in (await mcp.list_tools()).tools}
+        assert "increment" in everywhere and "crash" in everywhere and "read_counter" not in everywhere
+        async with mcp_client("http://127.0.0.1/packs/counter/mcp", transport=transport) as mcp:
+            assert {t.name for t in (await mcp.list_tools()).tools} == set(counter_pack.tools)
+            assert text_of(await mcp.call_tool("read_counter", {})) == '{"value":100}'
+            refused = await mcp.call_tool("crash", {})
+            assert refused.is_error and text_of(refused).startswith("Error: ")
+        async with mcp_client("http://127.0.0.1/packs/other/mcp", transport=transport) as mcp:
+            assert [t.name for t in (await mcp.list_tools()).tools] == ["read_counter"]
+            assert text_of(await mcp.call_tool("read_counter", {})) == "the other pack's read_counter"
+        r = await client.post("/packs/nope/mcp", json=tools_call("read_counter", {}), headers=RAW_HEADERS)
+        assert r.status_code == 404
+        error = r.json()["error"]
+        assert error["code"] == "not_found" and "counter, faults, other" in error["message"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -84,3 +85,21 @@ async def test_stdio_on_postgres_and_redis_with_a_named_rollout(pg_database: str
         ("add_note", "desk", "mcp"),
         ("list_notes", "desk", "mcp"),
     ]
+
+
+async def test_stdio_serves_one_packs_tools_with_pack(tmp_path: Path) -> None:
+    env = clean_env(SPARRING_HOME=str(tmp_path / "home"), SPARRING_PACKS="demo,retail")
+    params = StdioServerParameters(command=SPARRING, args=["mcp", "--pack", "demo"], env=env, cwd=str(ROOT))
+    async with Client(params) as client:
+        tools = {t.name for t in (await client.list_tools()).tools}
+        other = await client.call_tool("get_user_details", {"user_id": "x"})
+    assert tools == {"echo", "add_note", "list_notes"}
+    assert other.is_error and text_of(other).startswith("Error: ")
+
+
+def test_stdio_names_the_enabled_packs_for_a_wrong_pack(tmp_path: Path) -> None:
+    env = clean_env(SPARRING_HOME=str(tmp_path / "home"), SPARRING_PACKS="demo,retail")
+    wrong = subprocess.run(
+        [SPARRING, "mcp", "--pack", "nope"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert wrong.returncode == 2 and "demo, retail" in wrong.stderr

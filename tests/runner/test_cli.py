@@ -183,10 +183,22 @@ async def test_eval_against_an_openai_compatible_server_matches_the_review_api(
         tmp_path,
         "eval", "--dataset", str(dataset), "--model", "scripted", "--base-url", model_server.base_url,
         *where, "--run", run, "--samples", "2", "--out", str(tmp_path / "report.json"),
+        "--export", str(tmp_path / "export.jsonl"),
         OPENAI_API_KEY="test-key",
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
+    # One item passes both times, the other once: pass@2 is 1, pass^2 a half; errors clustered by item.
+    assert report["reward"]["stderr"] == pytest.approx(0.25)
+    assert [(r["k"], r["pass_at_k"], r["pass_hat_k"]) for r in report["pass"]["by_k"]] == [
+        (1, 0.75, 0.75),
+        (2, 1.0, 0.5),
+    ]
+    assert "mean reward        0.750 ± 0.250" in done.stdout
+    exported = [json.loads(line) for line in (tmp_path / "export.jsonl").read_text().splitlines()]
+    assert {(row["run"], row["model"]) for row in exported} == {(run, "scripted")}
+    assert sorted((row["score"], row["passed"]) for row in exported) == [(0.0, False)] + [(1.0, True)] * 3
+    assert [row["sample"] for row in exported] == [0, 1, 0, 1]
     assert ["review", f"{sparring.url}/review/run?name={run}"] in [
         line.split() for line in done.stdout.splitlines()
     ]

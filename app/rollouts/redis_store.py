@@ -16,8 +16,20 @@ from urllib.parse import quote
 
 import orjson
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
-from app.rollouts.redis_scripts import ABORT, BEGIN, EXTEND, FINISH, SEP, Script, ScriptBatcher, script_flags
+from app.rollouts.redis_cluster import ClusterScriptBatcher
+from app.rollouts.redis_scripts import (
+    ABORT,
+    BEGIN,
+    EXTEND,
+    FINISH,
+    SEP,
+    BatcherBase,
+    Script,
+    ScriptBatcher,
+    script_flags,
+)
 from app.rollouts.store import CallStart, PackChanges, RecordWrite, StoredAnswer, StoreUnavailable, Ticket
 
 log = logging.getLogger(__name__)
@@ -107,7 +119,7 @@ class RedisRolloutStore:
 
     def __init__(
         self,
-        client: Redis,
+        client: Redis | RedisCluster,
         *,
         ttl_seconds: float,
         lock_timeout: float,
@@ -127,7 +139,11 @@ class RedisRolloutStore:
         self._begin, self._finish, self._abort, self._extend = (
             Script(Template(source).substitute(expiries)) for source in (BEGIN, FINISH, ABORT, EXTEND)
         )
-        self._batcher = ScriptBatcher(client, op_timeout)
+        self._batcher: BatcherBase = (
+            ClusterScriptBatcher(client, op_timeout)
+            if isinstance(client, RedisCluster)
+            else ScriptBatcher(client, op_timeout)
+        )
         self._record_put, self._record_add = Script(_RECORD_PUT), Script(_RECORD_ADD)
         # Running calls that hold a claim or a lock → when it was last extended. One task extends
         # those due every third of the shorter expiry (a timer per call cost more than the call).
@@ -157,7 +173,7 @@ class RedisRolloutStore:
         event loop raises RuntimeError (uvloop) or OSError when a reset connection is written to.
         """
         try:
-            async with asyncio.timeout(self._op_timeout):
+            async with asyncio.timeout(self._op_timeout), self._batcher.direct():
                 return await operation
         except Exception as exc:
             raise self._unavailable(exc) from exc
@@ -401,7 +417,10 @@ class RedisRolloutStore:
         return bool(await self._guard(self._redis.delete(_record_key(self._namespace, key))))
 
     async def ping(self) -> None:
-        await self._guard(self._redis.ping())
+        if isinstance(self._redis, RedisCluster):
+            await self._guard(_ping_any_primary(self._redis))
+        else:
+            await self._guard(self._redis.ping())
 
     async def aclose(self) -> None:
         self._live.clear()
@@ -409,6 +428,18 @@ class RedisRolloutStore:
             self._keeper.cancel()
         await self._batcher.aclose()
         await self._redis.aclose()
+
+
+async def _ping_any_primary(cluster: RedisCluster) -> None:
+    """Ready while some shard answers: the rollouts of a lost shard get 503s, the others are served."""
+    await cluster.initialize()
+    primaries = cluster.get_primaries()
+    replies = await asyncio.gather(
+        *(cluster.ping(target_nodes=node) for node in primaries), return_exceptions=True
+    )
+    failures = [reply for reply in replies if isinstance(reply, BaseException)]
+    if len(failures) == len(primaries):
+        raise failures[0] if failures else StoreUnavailable("the Redis Cluster has no primary")
 
 
 def _decode_changes(raw: dict[Any, Any]) -> PackChanges:

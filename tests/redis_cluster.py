@@ -8,6 +8,7 @@ when it is closed. The fault tests stop, pause and resume one shard.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -24,10 +25,22 @@ import pytest
 SHARDS = 3
 
 
-def _free_port() -> int:
+def _is_free(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def _free_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is free and valid too."""
+    for _ in range(200):
+        port = random.randrange(20000, 55000)
+        if _is_free(port) and _is_free(port + 10000):
+            return port
+    raise RuntimeError("no free pair of ports for a Redis Cluster node")
 
 
 def _cli(port: int, *args: str) -> str:

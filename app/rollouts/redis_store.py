@@ -88,6 +88,15 @@ redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return value
 """
 
+# One hash, atomically (a script, not MULTI: the same on one Redis and on a cluster): set the field
+# ARGV[2] to ARGV[3] if given, extend the hash's expiry to ARGV[1] ms, and return its fields.
+_TOUCH = """
+if ARGV[2] then redis.call('HSET', KEYS[1], ARGV[2], ARGV[3]) end
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+if ARGV[2] then return {} end
+return redis.call('HGETALL', KEYS[1])
+"""
+
 
 def _record_key(namespace: str, key: str) -> str:
     return f"{namespace}:rec:{_key_part(key)}"
@@ -144,7 +153,11 @@ class RedisRolloutStore:
             if isinstance(client, RedisCluster)
             else ScriptBatcher(client, op_timeout)
         )
-        self._record_put, self._record_add = Script(_RECORD_PUT), Script(_RECORD_ADD)
+        self._record_put, self._record_add, self._touch = (
+            Script(_RECORD_PUT),
+            Script(_RECORD_ADD),
+            Script(_TOUCH),
+        )
         # Running calls that hold a claim or a lock → when it was last extended. One task extends
         # those due every third of the shorter expiry (a timer per call cost more than the call).
         self._live: dict[Ticket, float] = {}
@@ -375,11 +388,9 @@ class RedisRolloutStore:
     # --- state and lifecycle -------------------------------------------------------------------------
 
     async def mark_graded(self, trace_id: str) -> None:
-        key = self._key(trace_id, "meta")
-        pipe = self._redis.pipeline(transaction=True)
-        pipe.hset(key, "graded", 1)
-        pipe.pexpire(key, self._ttl_ms)
-        await self._guard(pipe.execute())
+        await self._guard(
+            self._touch(self._redis, [self._key(trace_id, "meta")], [self._ttl_ms, "graded", 1])
+        )
 
     async def is_graded(self, trace_id: str) -> bool:
         return bool(await self._guard(self._redis.hget(self._key(trace_id, "meta"), "graded")))
@@ -402,11 +413,9 @@ class RedisRolloutStore:
         )
 
     async def record_get(self, key: str, *, ttl_seconds: float) -> dict[str, str] | None:
-        pipe = self._redis.pipeline(transaction=True)
-        pipe.hgetall(_record_key(self._namespace, key))
-        pipe.pexpire(_record_key(self._namespace, key), int(ttl_seconds * 1000))
-        raw, _ = await self._guard(pipe.execute())
-        return {_text(k): _text(v) for k, v in raw.items()} if raw else None
+        args = [int(ttl_seconds * 1000)]
+        flat = await self._guard(self._touch(self._redis, [_record_key(self._namespace, key)], args))
+        return {_text(k): _text(v) for k, v in zip(flat[::2], flat[1::2], strict=True)} if flat else None
 
     async def record_add(self, key: str, field: str, amount: int, *, ttl_seconds: float) -> int | None:
         args = [int(ttl_seconds * 1000), field, amount]

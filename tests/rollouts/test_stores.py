@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 from app.rollouts.memory import MemoryRolloutStore
 from app.rollouts.redis_store import RedisRolloutStore
@@ -22,6 +23,7 @@ from app.rollouts.store import (
     Ticket,
 )
 from tests.conftest import REDIS_KEY_PREFIX, REDIS_URL, new_trace
+from tests.redis_cluster import LocalCluster
 
 ANSWER = StoredAnswer(output='{"ok":true}', outcome="ok")
 
@@ -31,10 +33,14 @@ def meta() -> RolloutMeta:
 
 
 def redis_store(
-    *, claim_timeout: float = 1.5, lock_timeout: float = 2.0, lock_wait: float = 5.0
+    *,
+    claim_timeout: float = 1.5,
+    lock_timeout: float = 2.0,
+    lock_wait: float = 5.0,
+    client: Redis | RedisCluster | None = None,
 ) -> RedisRolloutStore:
     return RedisRolloutStore(
-        Redis.from_url(REDIS_URL),
+        client if client is not None else Redis.from_url(REDIS_URL),
         key_prefix=REDIS_KEY_PREFIX,
         ttl_seconds=3600,
         lock_timeout=lock_timeout,
@@ -54,11 +60,14 @@ async def redis_store_and_client(**settings: float) -> AsyncIterator[tuple[Redis
         await store.aclose()
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "cluster"])
 async def store(request: pytest.FixtureRequest) -> AsyncIterator[RolloutStore]:
     s: RolloutStore
     if request.param == "memory":
         s = MemoryRolloutStore(ttl_seconds=3600, lock_wait=5.0)
+    elif request.param == "cluster":  # a local three-shard Redis Cluster (tests/redis_cluster.py)
+        cluster: LocalCluster = request.getfixturevalue("redis_cluster")
+        s = redis_store(client=RedisCluster.from_url(cluster.url))
     else:
         s = redis_store()
     yield s

@@ -57,6 +57,8 @@ def _cli(port: int, *args: str) -> str:
 @dataclass
 class LocalCluster:
     root: Path
+    # An append-only file fsynced on every write: a shard killed and started again comes back with its data.
+    persist: bool = False
     ports: list[int] = field(default_factory=list)
     processes: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
 
@@ -80,12 +82,37 @@ class LocalCluster:
                 # A lost shard stops only its own slots (the others' rollouts go on).
                 "--cluster-require-full-coverage", "no",
                 "--save", "",
-                "--appendonly", "no",
+                "--appendonly", "yes" if self.persist else "no",
+                "--appendfsync", "always",
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )  # fmt: skip
         _wait(lambda: _answers(port), f"redis-server on port {port}")
+
+    def restart_node(self, port: int) -> None:
+        """Start a stopped shard again on its port (it rejoins with its node file)."""
+        self.start_node(port)
+        self.wait_ok()
+
+    def node_id(self, port: int) -> str:
+        return _cli(port, "CLUSTER", "MYID").strip()
+
+    def move_slot(self, slot: int, source: int, target: int, *, finish: bool = True) -> None:
+        """Move a slot and its keys between shards as `redis-cli --cluster reshard` does; with `finish`
+        False the slot stays half-moved (keys on the target, source MIGRATING), so clients meet ASK."""
+        source_id, target_id = self.node_id(source), self.node_id(target)
+        _cli(target, "CLUSTER", "SETSLOT", str(slot), "IMPORTING", source_id)
+        _cli(source, "CLUSTER", "SETSLOT", str(slot), "MIGRATING", target_id)
+        while keys := _cli(source, "CLUSTER", "GETKEYSINSLOT", str(slot), "100").split():
+            _cli(source, "MIGRATE", "127.0.0.1", str(target), "", "0", "5000", "KEYS", *keys)
+        if finish:
+            self.finish_move(slot, target)
+
+    def finish_move(self, slot: int, target: int) -> None:
+        target_id = self.node_id(target)
+        for port in self.ports:
+            _cli(port, "CLUSTER", "SETSLOT", str(slot), "NODE", target_id)
 
     def stop_node(self, port: int) -> None:
         process = self.processes.pop(port)
@@ -98,10 +125,17 @@ class LocalCluster:
     def resume_node(self, port: int) -> None:
         os.kill(self.processes[port].pid, signal.SIGCONT)
 
+    @property
+    def _live_port(self) -> int:
+        return next(iter(self.processes))
+
+    def slot_of(self, key: str) -> int:
+        return int(_cli(self._live_port, "CLUSTER", "KEYSLOT", key).strip())
+
     def port_of_key(self, key: str) -> int:
         """The port of the shard that holds `key`'s slot."""
-        slot = int(_cli(self.ports[0], "CLUSTER", "KEYSLOT", key).strip())
-        for line in _cli(self.ports[0], "CLUSTER", "NODES").splitlines():
+        slot = self.slot_of(key)
+        for line in _cli(self._live_port, "CLUSTER", "NODES").splitlines():
             fields = line.split()
             port = int(fields[1].split("@")[0].rsplit(":", 1)[1])
             for part in fields[8:]:
@@ -138,11 +172,11 @@ def _wait(ready: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
 
 
 @contextmanager
-def local_cluster() -> Iterator[LocalCluster]:
+def local_cluster(*, persist: bool = False) -> Iterator[LocalCluster]:
     """A running three-shard cluster; skips the test where redis-server or redis-cli is missing."""
     if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
         pytest.skip("needs redis-server and redis-cli (Debian's redis-server package)")
-    cluster = LocalCluster(Path(tempfile.mkdtemp(prefix="sparring-cluster-")))
+    cluster = LocalCluster(Path(tempfile.mkdtemp(prefix="sparring-cluster-")), persist=persist)
     try:
         for _ in range(SHARDS):
             port = _free_port()

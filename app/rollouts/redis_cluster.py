@@ -53,9 +53,38 @@ class ClusterScriptBatcher(BatcherBase):
     def direct(self) -> AbstractAsyncContextManager[Any]:
         return self._direct
 
-    async def _one(self, script: Script, keys: list[str], args: list[Any]) -> Any:
+    async def _one(
+        self, script: Script, keys: list[str], args: list[Any], reason: BaseException | None = None
+    ) -> Any:
         async with self._direct:
+            if isinstance(reason, AskError):
+                return await self._asked(script, keys, args, reason)
+            return await super()._one(script, keys, args, reason)
+
+    async def _asked(self, script: Script, keys: list[str], args: list[Any], ask: AskError) -> Any:
+        """A slot being moved (ASK): the script on the importing node, after ASKING on the same
+        connection (the client's own ASK handling may send the two on different connections).
+
+        A script that names keys the node has not received yet is told TRYAGAIN: it tries again until
+        the move is done or its deadline passes (a 503, like any unanswered call).
+        """
+        node = self._cluster.nodes_manager.get_node(host=ask.host, port=ask.port)
+        if node is None:  # a node the slot map does not know yet: the client learns it
             return await super()._one(script, keys, args)
+        async with asyncio.timeout(self._op_timeout):
+            command: tuple[Any, ...] = ("EVALSHA", script.sha)
+            while True:
+                _, reply = await _pipeline_on(node, [("ASKING",), (*command, len(keys), *keys, *args)])
+                if isinstance(reply, NoScriptError):
+                    command = ("EVAL", script.source)  # which loads the script the node lacked
+                elif isinstance(reply, TryAgainError):
+                    await asyncio.sleep(0.02)
+                elif isinstance(reply, (AskError, MovedError)):
+                    return await super()._one(script, keys, args)
+                elif isinstance(reply, Exception):
+                    raise reply
+                else:
+                    return reply
 
     async def _send(self, batch: list[Queued]) -> None:
         try:

@@ -183,7 +183,10 @@ class BatcherBase:
         whose pool waits for a free connection)."""
         return contextlib.nullcontext()
 
-    async def _one(self, script: Script, keys: list[str], args: list[Any]) -> Any:
+    async def _one(
+        self, script: Script, keys: list[str], args: list[Any], reason: BaseException | None = None
+    ) -> Any:
+        """The script once more on its own (`reason`: the reply or failure that sent it here)."""
         async with asyncio.timeout(self._op_timeout):
             return await script(self._target, keys, args)
 
@@ -197,16 +200,21 @@ class BatcherBase:
             if future.done():
                 continue  # the caller gave up (its deadline passed)
             if isinstance(result, self._ALONE):
-                self._retry_alone(script, keys, args, future)
+                self._retry_alone(script, keys, args, future, result)
             elif isinstance(result, BaseException):
                 future.set_exception(result)
             else:
                 future.set_result(result)
 
     def _retry_alone(
-        self, script: Script, keys: list[str], args: list[Any], future: asyncio.Future[Any]
+        self,
+        script: Script,
+        keys: list[str],
+        args: list[Any],
+        future: asyncio.Future[Any],
+        reason: BaseException | None = None,
     ) -> None:
-        retry = asyncio.get_running_loop().create_task(self._one(script, keys, args))
+        retry = asyncio.get_running_loop().create_task(self._one(script, keys, args, reason))
         retry.add_done_callback(functools.partial(_settle_from, future))
         self._sending.add(retry)
         retry.add_done_callback(self._sending.discard)

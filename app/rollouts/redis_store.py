@@ -440,15 +440,22 @@ class RedisRolloutStore:
 
 
 async def _ping_any_primary(cluster: RedisCluster) -> None:
-    """Ready while some shard answers: the rollouts of a lost shard get 503s, the others are served."""
+    """Ready as soon as some shard answers: the rollouts of a lost shard get 503s, the others are served
+    (a readiness probe must not wait for a shard that does not answer)."""
     await cluster.initialize()
-    primaries = cluster.get_primaries()
-    replies = await asyncio.gather(
-        *(cluster.ping(target_nodes=node) for node in primaries), return_exceptions=True
-    )
-    failures = [reply for reply in replies if isinstance(reply, BaseException)]
-    if len(failures) == len(primaries):
-        raise failures[0] if failures else StoreUnavailable("the Redis Cluster has no primary")
+    pings = [asyncio.ensure_future(cluster.ping(target_nodes=node)) for node in cluster.get_primaries()]
+    failure: BaseException = StoreUnavailable("the Redis Cluster has no primary")
+    try:
+        for done in asyncio.as_completed(pings):
+            try:
+                await done
+                return
+            except Exception as exc:  # this shard is down: another may answer
+                failure = exc
+        raise failure
+    finally:
+        for ping in pings:
+            ping.cancel()
 
 
 def _decode_changes(raw: dict[Any, Any]) -> PackChanges:

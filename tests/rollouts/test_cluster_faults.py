@@ -118,6 +118,8 @@ async def test_a_paused_shard_is_a_503_in_bounded_time_while_the_others_answer(
             # While the paused shard holds that call, the other shard's rollouts are answered.
             values = [value(await increment(client, kept, f"k{n}")) for n in range(2, 6)]
             assert values == [102, 103, 104, 105]
+            ready = await client.get("/readyz")  # ready: some shard answers
+            assert ready.status_code == 200, ready.text
             assert_unavailable(await asyncio.wait_for(waiting, 30))  # never a hang
         finally:
             redis_cluster.resume_node(port)

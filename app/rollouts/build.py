@@ -12,7 +12,7 @@ from redis.backoff import ExponentialBackoff
 from app.config import Settings
 from app.errors import StartupError
 from app.rollouts.memory import MemoryRolloutStore
-from app.rollouts.redis_packing import use_hiredis_packing
+from app.rollouts.redis_packing import use_hiredis_packing, use_hiredis_packing_on_cluster
 from app.rollouts.redis_store import RedisRolloutStore
 from app.rollouts.store import RolloutStore
 
@@ -77,7 +77,7 @@ def cluster_seed(url: str) -> str:
 
 
 def _cluster_client(url: str, settings: Settings) -> RedisCluster:
-    return RedisCluster.from_url(
+    client = RedisCluster.from_url(
         cluster_seed(url),
         max_connections=settings.redis_max_connections,
         socket_timeout=CLUSTER_SOCKET_TIMEOUT,
@@ -86,3 +86,5 @@ def _cluster_client(url: str, settings: Settings) -> RedisCluster:
         require_full_coverage=False,
         retry=Retry(ExponentialBackoff(cap=0.2, base=0.01), 2),
     )
+    use_hiredis_packing_on_cluster(client)
+    return client

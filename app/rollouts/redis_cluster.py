@@ -119,6 +119,9 @@ class ClusterScriptBatcher(BatcherBase):
                 )
                 async with limit:
                     results = await _pipeline_on(node, commands)
+        except TimeoutError as exc:  # the batch's deadline passed (an OSError, but not a broken connection)
+            self._fail(group, exc)
+            return
         except (RedisConnectionError, OSError):
             # The node is down or its connection broke: each call once more through the client.
             for script, keys, args, future in group:

@@ -57,6 +57,11 @@ class Settings(BaseSettings):
     redis_url: str | None = Field(
         None, description="Redis URL; unset means in-memory state (one process only)."
     )
+    redis_cluster: bool = Field(
+        False,
+        description="SPARRING_REDIS_URL is a seed node of a Redis Cluster (no database number: a cluster "
+        "has only db 0); the rest of the cluster is discovered from it.",
+    )
     redis_key_prefix: str = Field(
         "sp",
         pattern=r"^[A-Za-z0-9_.:-]{1,64}$",

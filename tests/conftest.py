@@ -22,6 +22,7 @@ from app.db.migrate import upgrade
 from app.main import create_app
 from app.sdk import Pack
 from tests.packs import counter_pack, faults_pack
+from tests.redis_cluster import LocalCluster, local_cluster
 
 PG_ADMIN_URL = os.environ.get("SPARRING_TEST_PG", "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("SPARRING_TEST_REDIS", "redis://127.0.0.1:6379/9")
@@ -33,6 +34,8 @@ TOOLS_KEY, GRADER_KEY, ADMIN_KEY = "tools-key-123", "grader-key-456", "admin-key
 API_KEYS = f"tools:{TOOLS_KEY},grader:{GRADER_KEY},admin:{ADMIN_KEY}"
 
 BACKENDS = ["embedded", "real"]
+# The suites that must hold on a Redis Cluster too take these (tests/redis_cluster.py starts one).
+CLUSTER_BACKENDS = [*BACKENDS, "cluster"]
 
 
 def pg_url(database: str) -> str:
@@ -96,6 +99,13 @@ def redis_cleanup() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[LocalCluster]:
+    """A local three-shard Redis Cluster shared by the session's `cluster` backend tests."""
+    with local_cluster() as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
 def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A migrated SQLite file, copied for each test that needs a fresh embedded database."""
     path = tmp_path_factory.mktemp("sqlite") / "template.db"
@@ -132,6 +142,9 @@ def backend_settings(
         db.write_bytes(sqlite_template.read_bytes())
         return {"database_url": f"sqlite+aiosqlite:///{db}", "redis_url": None}
     pg = request.getfixturevalue("pg_database")
+    if backend == "cluster":  # Postgres and a Redis Cluster (suites that list it among their backends)
+        cluster: LocalCluster = request.getfixturevalue("redis_cluster")
+        return {"database_url": pg, "redis_url": cluster.url, "redis_cluster": True}
     return {"database_url": pg, "redis_url": REDIS_URL}
 
 

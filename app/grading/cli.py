@@ -66,7 +66,10 @@ async def grading_service(settings: Settings, *, reads_log: bool = False) -> Asy
             else build_engine(settings.effective_database_url, pool_size=2)
         )
         stack.push_async_callback(engine.dispose)
-        store = build_store(settings)
+        try:
+            store = build_store(settings)
+        except StartupError as exc:  # a Redis Cluster URL naming a database, say
+            raise fail(str(exc)) from exc
         stack.push_async_callback(store.aclose)
         try:
             yield build_grading(

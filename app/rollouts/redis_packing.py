@@ -13,6 +13,7 @@ from typing import Any
 
 import hiredis  # installed with redis[hiredis]
 from redis.asyncio import ConnectionPool
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import DataError
 
 
@@ -57,3 +58,14 @@ def use_hiredis_packing(pool: ConnectionPool) -> None:
     base = pool.connection_class
     if not issubclass(base, HiredisPacking):
         pool.connection_class = type(f"HiredisPacked{base.__name__}", (HiredisPacking, base), {})
+
+
+def use_hiredis_packing_on_cluster(client: RedisCluster) -> None:
+    """The same for a cluster client: the nodes it knows now and those it discovers later (each node
+    makes its connections from the client's connection settings)."""
+    base = client.connection_kwargs["connection_class"]
+    if not issubclass(base, HiredisPacking):
+        packed = type(f"HiredisPacked{base.__name__}", (HiredisPacking, base), {})
+        client.connection_kwargs["connection_class"] = packed
+        for node in client.startup_nodes:
+            node.connection_class = packed

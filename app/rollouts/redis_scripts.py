@@ -8,11 +8,14 @@ dropped connection goes once more on a new one (app/rollouts/redis_store.py uses
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError, NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -136,40 +139,26 @@ class Script:
         self.source = source
         self.sha = hashlib.sha1(source.encode()).hexdigest()  # the name Redis gives the script
 
-    async def __call__(self, client: Redis, keys: list[str], args: list[Any]) -> Any:
+    async def __call__(self, client: Redis | RedisCluster, keys: list[str], args: list[Any]) -> Any:
         run: Any = client.execute_command
         try:
             return await run("EVALSHA", self.sha, len(keys), *keys, *args)
         except NoScriptError:
-            await run("SCRIPT LOAD", self.source)
-            return await run("EVALSHA", self.sha, len(keys), *keys, *args)
+            # EVAL runs the source and loads it, on the one server (or cluster node) that holds the keys.
+            return await run("EVAL", self.source, len(keys), *keys, *args)
 
 
-_Queued = tuple[Script, list[str], list[Any], "asyncio.Future[Any]"]
+Queued = tuple[Script, list[str], list[Any], "asyncio.Future[Any]"]
 
 
-class ScriptBatcher:
-    """Sends the scripts that concurrent calls run in one turn of the event loop as one pipeline.
+class BatcherBase:
+    """Queues the scripts that calls run in one turn of the event loop; `_send` sends each turn's batch."""
 
-    Under load many calls reach Redis at once; one pipeline takes one connection and one write for
-    all of them, instead of a checkout, a write and a retry wrapper each. Every script here is safe
-    to send twice (it recognizes its own token), so sending a pipeline again after a dropped
-    connection cannot apply a call twice.
-
-    A connection that served a pipeline well is kept for the next one rather than handed back to
-    the pool (whose checkout, with its lock, deadline and bookkeeping, cost more than a pipeline's
-    own client work): at most a quarter of the pool, and never more than four, so the pool's other
-    users always find connections. One that failed goes back to the pool, dropped.
-    """
-
-    def __init__(self, client: Redis, op_timeout: float) -> None:
-        self._client = client
+    def __init__(self, client: Redis | RedisCluster, op_timeout: float) -> None:
+        self._target = client
         self._op_timeout = op_timeout
-        self._queue: list[_Queued] = []
+        self._queue: list[Queued] = []
         self._sending: set[asyncio.Task[None]] = set()
-        self._kept: list[Any] = []
-        pool_size = getattr(client.connection_pool, "max_connections", 0) or 0
-        self._keep = max(0, min(4, pool_size // 4))
 
     def run(self, script: Script, keys: list[str], args: list[Any]) -> asyncio.Future[Any]:
         loop = asyncio.get_running_loop()
@@ -186,36 +175,95 @@ class ScriptBatcher:
         batch, self._queue = self._queue, []
         await self._send(batch)
 
-    async def _one(self, script: Script, keys: list[str], args: list[Any]) -> Any:
-        async with asyncio.timeout(self._op_timeout):
-            return await script(self._client, keys, args)
+    async def _send(self, batch: list[Queued]) -> None:
+        raise NotImplementedError
 
-    async def _send(self, batch: list[_Queued]) -> None:
+    def direct(self) -> AbstractAsyncContextManager[Any]:
+        """Held around each of the store's commands that go past the batcher (none needed on one Redis,
+        whose pool waits for a free connection)."""
+        return contextlib.nullcontext()
+
+    async def _one(
+        self, script: Script, keys: list[str], args: list[Any], reason: BaseException | None = None
+    ) -> Any:
+        """The script once more on its own (`reason`: the reply or failure that sent it here)."""
+        async with asyncio.timeout(self._op_timeout):
+            return await script(self._target, keys, args)
+
+    # Replies after which a script is sent once more on its own, through the client (which loads it,
+    # or follows the cluster to the node that holds its keys): Redis lost its scripts (restarted,
+    # flushed).
+    _ALONE: tuple[type[Exception], ...] = (NoScriptError,)
+
+    def _settle(self, batch: list[Queued], results: list[Any]) -> None:
+        for (script, keys, args, future), result in zip(batch, results, strict=True):
+            if future.done():
+                continue  # the caller gave up (its deadline passed)
+            if isinstance(result, self._ALONE):
+                self._retry_alone(script, keys, args, future, result)
+            elif isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+    def _retry_alone(
+        self,
+        script: Script,
+        keys: list[str],
+        args: list[Any],
+        future: asyncio.Future[Any],
+        reason: BaseException | None = None,
+    ) -> None:
+        retry = asyncio.get_running_loop().create_task(self._one(script, keys, args, reason))
+        retry.add_done_callback(functools.partial(_settle_from, future))
+        self._sending.add(retry)
+        retry.add_done_callback(self._sending.discard)
+
+    @staticmethod
+    def _fail(batch: list[Queued], exc: BaseException) -> None:
+        for *_, future in batch:
+            if not future.done():
+                future.set_exception(exc)
+
+    async def aclose(self) -> None:
+        """Stop sending."""
+        for task in self._sending:
+            task.cancel()
+
+
+class ScriptBatcher(BatcherBase):
+    """Sends the scripts that concurrent calls run in one turn of the event loop as one pipeline.
+
+    Under load many calls reach Redis at once; one pipeline takes one connection and one write for
+    all of them, instead of a checkout, a write and a retry wrapper each. Every script here is safe
+    to send twice (it recognizes its own token), so sending a pipeline again after a dropped
+    connection cannot apply a call twice.
+
+    A connection that served a pipeline well is kept for the next one rather than handed back to
+    the pool (whose checkout, with its lock, deadline and bookkeeping, cost more than a pipeline's
+    own client work): at most a quarter of the pool, and never more than four, so the pool's other
+    users always find connections. One that failed goes back to the pool, dropped.
+    """
+
+    def __init__(self, client: Redis, op_timeout: float) -> None:
+        super().__init__(client, op_timeout)
+        self._client = client
+        self._kept: list[Any] = []
+        pool_size = getattr(client.connection_pool, "max_connections", 0) or 0
+        self._keep = max(0, min(4, pool_size // 4))
+
+    async def _send(self, batch: list[Queued]) -> None:
         # One deadline for the whole batch: a hung Redis fails every call in it with TimeoutError.
         commands = [("EVALSHA", script.sha, len(keys), *keys, *args) for script, keys, args, _ in batch]
         try:
             async with asyncio.timeout(self._op_timeout):
                 results = await self._pipeline(commands)
         except BaseException as exc:
-            for *_, future in batch:
-                if not future.done():
-                    future.set_exception(exc)
+            self._fail(batch, exc)
             if isinstance(exc, asyncio.CancelledError):
                 raise
             return
-        for (script, keys, args, future), result in zip(batch, results, strict=True):
-            if future.done():
-                continue  # the caller gave up (its deadline passed)
-            if isinstance(result, NoScriptError):
-                # Redis lost its scripts (restarted, flushed): this one loads it and runs again.
-                retry = asyncio.get_running_loop().create_task(self._one(script, keys, args))
-                retry.add_done_callback(functools.partial(_settle_from, future))
-                self._sending.add(retry)
-                retry.add_done_callback(self._sending.discard)
-            elif isinstance(result, BaseException):
-                future.set_exception(result)
-            else:
-                future.set_result(result)
+        self._settle(batch, results)
 
     async def _pipeline(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         """Send the commands in one write on one pooled connection and read their replies in order.
@@ -234,11 +282,11 @@ class ScriptBatcher:
         served = False
         try:
             try:
-                results = await self._exchange(connection, commands)
+                results = await exchange(connection, commands)
             except _DEAD_CONNECTION:
                 # The connection was dead (Redis restarted, a proxy closed it while idle): the same
                 # scripts once more, on a new one. Each is safe to run twice.
-                results = await self._exchange(connection, commands)
+                results = await exchange(connection, commands)
             served = True
             return results
         finally:
@@ -247,28 +295,29 @@ class ScriptBatcher:
             else:
                 await pool.release(connection)
 
-    @staticmethod
-    async def _exchange(connection: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
-        try:
-            await connection.send_packed_command(connection.pack_commands(commands))
-            results: list[Any] = []
-            for _ in commands:
-                try:
-                    results.append(await connection.read_response())
-                except ResponseError as exc:
-                    results.append(exc)
-            return results
-        except BaseException:
-            await connection.disconnect(nowait=True)
-            raise
-
     async def aclose(self) -> None:
         """Stop sending, and give the kept connections back to the pool."""
-        for task in self._sending:
-            task.cancel()
+        await super().aclose()
         kept, self._kept = self._kept, []
         for connection in kept:
             await self._client.connection_pool.release(connection)
+
+
+async def exchange(connection: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+    """Write the commands at once on the connection and read their replies in order; a command's error
+    reply stands in its place. Any other failure drops the connection (it is out of step)."""
+    try:
+        await connection.send_packed_command(connection.pack_commands(commands))
+        results: list[Any] = []
+        for _ in commands:
+            try:
+                results.append(await connection.read_response())
+            except ResponseError as exc:
+                results.append(exc)
+        return results
+    except BaseException:
+        await connection.disconnect(nowait=True)
+        raise
 
 
 def _settle_from(future: asyncio.Future[Any], task: asyncio.Task[Any]) -> None:

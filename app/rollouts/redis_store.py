@@ -16,8 +16,20 @@ from urllib.parse import quote
 
 import orjson
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
-from app.rollouts.redis_scripts import ABORT, BEGIN, EXTEND, FINISH, SEP, Script, ScriptBatcher, script_flags
+from app.rollouts.redis_cluster import ClusterScriptBatcher
+from app.rollouts.redis_scripts import (
+    ABORT,
+    BEGIN,
+    EXTEND,
+    FINISH,
+    SEP,
+    BatcherBase,
+    Script,
+    ScriptBatcher,
+    script_flags,
+)
 from app.rollouts.store import CallStart, PackChanges, RecordWrite, StoredAnswer, StoreUnavailable, Ticket
 
 log = logging.getLogger(__name__)
@@ -76,6 +88,15 @@ redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return value
 """
 
+# One hash, atomically (a script, not MULTI: the same on one Redis and on a cluster): set the field
+# ARGV[2] to ARGV[3] if given, extend the hash's expiry to ARGV[1] ms, and return its fields.
+_TOUCH = """
+if ARGV[2] then redis.call('HSET', KEYS[1], ARGV[2], ARGV[3]) end
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+if ARGV[2] then return {} end
+return redis.call('HGETALL', KEYS[1])
+"""
+
 
 def _record_key(namespace: str, key: str) -> str:
     return f"{namespace}:rec:{_key_part(key)}"
@@ -107,7 +128,7 @@ class RedisRolloutStore:
 
     def __init__(
         self,
-        client: Redis,
+        client: Redis | RedisCluster,
         *,
         ttl_seconds: float,
         lock_timeout: float,
@@ -127,8 +148,16 @@ class RedisRolloutStore:
         self._begin, self._finish, self._abort, self._extend = (
             Script(Template(source).substitute(expiries)) for source in (BEGIN, FINISH, ABORT, EXTEND)
         )
-        self._batcher = ScriptBatcher(client, op_timeout)
-        self._record_put, self._record_add = Script(_RECORD_PUT), Script(_RECORD_ADD)
+        self._batcher: BatcherBase = (
+            ClusterScriptBatcher(client, op_timeout)
+            if isinstance(client, RedisCluster)
+            else ScriptBatcher(client, op_timeout)
+        )
+        self._record_put, self._record_add, self._touch = (
+            Script(_RECORD_PUT),
+            Script(_RECORD_ADD),
+            Script(_TOUCH),
+        )
         # Running calls that hold a claim or a lock → when it was last extended. One task extends
         # those due every third of the shorter expiry (a timer per call cost more than the call).
         self._live: dict[Ticket, float] = {}
@@ -157,7 +186,7 @@ class RedisRolloutStore:
         event loop raises RuntimeError (uvloop) or OSError when a reset connection is written to.
         """
         try:
-            async with asyncio.timeout(self._op_timeout):
+            async with asyncio.timeout(self._op_timeout), self._batcher.direct():
                 return await operation
         except Exception as exc:
             raise self._unavailable(exc) from exc
@@ -359,11 +388,9 @@ class RedisRolloutStore:
     # --- state and lifecycle -------------------------------------------------------------------------
 
     async def mark_graded(self, trace_id: str) -> None:
-        key = self._key(trace_id, "meta")
-        pipe = self._redis.pipeline(transaction=True)
-        pipe.hset(key, "graded", 1)
-        pipe.pexpire(key, self._ttl_ms)
-        await self._guard(pipe.execute())
+        await self._guard(
+            self._touch(self._redis, [self._key(trace_id, "meta")], [self._ttl_ms, "graded", 1])
+        )
 
     async def is_graded(self, trace_id: str) -> bool:
         return bool(await self._guard(self._redis.hget(self._key(trace_id, "meta"), "graded")))
@@ -387,11 +414,9 @@ class RedisRolloutStore:
         )
 
     async def record_get(self, key: str, *, ttl_seconds: float) -> dict[str, str] | None:
-        pipe = self._redis.pipeline(transaction=True)
-        pipe.hgetall(_record_key(self._namespace, key))
-        pipe.pexpire(_record_key(self._namespace, key), int(ttl_seconds * 1000))
-        raw, _ = await self._guard(pipe.execute())
-        return {_text(k): _text(v) for k, v in raw.items()} if raw else None
+        args = [int(ttl_seconds * 1000)]
+        flat = await self._guard(self._touch(self._redis, [_record_key(self._namespace, key)], args))
+        return {_text(k): _text(v) for k, v in zip(flat[::2], flat[1::2], strict=True)} if flat else None
 
     async def record_add(self, key: str, field: str, amount: int, *, ttl_seconds: float) -> int | None:
         args = [int(ttl_seconds * 1000), field, amount]
@@ -402,7 +427,10 @@ class RedisRolloutStore:
         return bool(await self._guard(self._redis.delete(_record_key(self._namespace, key))))
 
     async def ping(self) -> None:
-        await self._guard(self._redis.ping())
+        if isinstance(self._redis, RedisCluster):
+            await self._guard(_ping_any_primary(self._redis))
+        else:
+            await self._guard(self._redis.ping())
 
     async def aclose(self) -> None:
         self._live.clear()
@@ -410,6 +438,25 @@ class RedisRolloutStore:
             self._keeper.cancel()
         await self._batcher.aclose()
         await self._redis.aclose()
+
+
+async def _ping_any_primary(cluster: RedisCluster) -> None:
+    """Ready as soon as some shard answers: the rollouts of a lost shard get 503s, the others are served
+    (a readiness probe must not wait for a shard that does not answer)."""
+    await cluster.initialize()
+    pings = [asyncio.ensure_future(cluster.ping(target_nodes=node)) for node in cluster.get_primaries()]
+    failure: BaseException = StoreUnavailable("the Redis Cluster has no primary")
+    try:
+        for done in asyncio.as_completed(pings):
+            try:
+                await done
+                return
+            except Exception as exc:  # this shard is down: another may answer
+                failure = exc
+        raise failure
+    finally:
+        for ping in pings:
+            ping.cancel()
 
 
 def _decode_changes(raw: dict[Any, Any]) -> PackChanges:

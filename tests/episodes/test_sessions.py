@@ -1,4 +1,5 @@
-"""Episode session records in the state store: memory and real Redis, through one interface."""
+"""Episode session records in the state store: memory, real Redis and a Redis Cluster, through one
+interface."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 from app.episodes.sessions import SessionStore
 from app.rollouts.memory import MemoryRolloutStore
@@ -18,14 +20,17 @@ from tests.conftest import REDIS_KEY_PREFIX, REDIS_URL
 ROW = {"task_id": "7", "messages": [{"role": "user", "content": "hi"}]}
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "cluster"])
 async def store(request: pytest.FixtureRequest) -> AsyncIterator[RolloutStore]:
     s: RolloutStore
     if request.param == "memory":
         s = MemoryRolloutStore(ttl_seconds=3600)
     else:
+        client: Redis | RedisCluster = Redis.from_url(REDIS_URL)
+        if request.param == "cluster":  # a local three-shard Redis Cluster (tests/redis_cluster.py)
+            client = RedisCluster.from_url(request.getfixturevalue("redis_cluster").url)
         s = RedisRolloutStore(
-            Redis.from_url(REDIS_URL),
+            client,
             key_prefix=REDIS_KEY_PREFIX,
             ttl_seconds=3600,
             lock_timeout=2,

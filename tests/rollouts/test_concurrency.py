@@ -1,6 +1,7 @@
 """Parallel and retried calls on one process: locks, the call ledger, the log, and reading rollouts back.
 
-Every test runs on the embedded backend (SQLite + memory) and on the real one (Postgres + Redis).
+Every test runs on the embedded backend (SQLite + memory), on the real one (Postgres + Redis) and on
+Postgres with a local Redis Cluster.
 """
 
 from __future__ import annotations
@@ -19,11 +20,17 @@ import pytest
 from app.deps import app_state
 from app.sdk import Pack, ToolContext
 from tests.call_log import logged_calls_on
-from tests.conftest import ADMIN_KEY, AppFactory, call_body, new_trace
+from tests.conftest import ADMIN_KEY, CLUSTER_BACKENDS, AppFactory, call_body, new_trace
 from tests.packs import counter_pack, faults_pack
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 BASE_VALUE = 100  # tests.packs.counter_pack starts its counter here
+
+
+@pytest.fixture(params=CLUSTER_BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
 
 # --- a pack whose tools wait on gates the test opens, so "while the lock is held" is exact -----------
 

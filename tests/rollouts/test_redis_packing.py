@@ -6,10 +6,12 @@ from typing import Any
 
 import pytest
 from redis.asyncio import BlockingConnectionPool, Connection, Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import DataError
 
-from app.rollouts.redis_packing import HiredisPacking, use_hiredis_packing
+from app.rollouts.redis_packing import HiredisPacking, use_hiredis_packing, use_hiredis_packing_on_cluster
 from tests.conftest import REDIS_URL
+from tests.redis_cluster import LocalCluster
 
 COMMANDS: list[tuple[Any, ...]] = [
     ("GET", "key"),
@@ -50,4 +52,24 @@ async def test_a_client_on_a_packing_pool_talks_to_redis() -> None:
         assert await client.eval("return ARGV[1]", 0, "échö") == "échö".encode()
     finally:
         await client.delete("sparring-test:packing", "sparring-test:packing-n")
+        await client.aclose()
+
+
+async def test_a_cluster_client_packs_with_hiredis_on_every_node(redis_cluster: LocalCluster) -> None:
+    client = RedisCluster.from_url(redis_cluster.url)
+    use_hiredis_packing_on_cluster(client)
+    use_hiredis_packing_on_cluster(client)  # twice changes nothing
+    try:
+        keys = [f"sparring-test:packing:{n}" for n in range(20)]  # spread over the shards
+        for key in keys:
+            await client.set(key, "vålue 🙂", px=5000)
+        values = [await client.get(key) for key in keys]
+        assert values == ["vålue 🙂".encode()] * len(keys)
+        nodes = client.get_nodes()
+        assert len(nodes) == 3
+        for node in nodes:
+            assert node.connection_class.__mro__[1:3] == (HiredisPacking, Connection)
+            assert all(isinstance(c, HiredisPacking) for c in node._connections)
+    finally:
+        await client.delete(*keys)
         await client.aclose()

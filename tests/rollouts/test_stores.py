@@ -6,9 +6,11 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import pytest
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 from app.rollouts.memory import MemoryRolloutStore
 from app.rollouts.redis_store import RedisRolloutStore
@@ -22,6 +24,7 @@ from app.rollouts.store import (
     Ticket,
 )
 from tests.conftest import REDIS_KEY_PREFIX, REDIS_URL, new_trace
+from tests.redis_cluster import LocalCluster
 
 ANSWER = StoredAnswer(output='{"ok":true}', outcome="ok")
 
@@ -30,11 +33,20 @@ def meta() -> RolloutMeta:
     return RolloutMeta(run="r", item_key="id:1", now=time.time())
 
 
+def redis_client(cluster: LocalCluster | None = None) -> Redis | RedisCluster:
+    """A client of the test Redis, or of the local cluster when one is given."""
+    return RedisCluster.from_url(cluster.url) if cluster is not None else Redis.from_url(REDIS_URL)
+
+
 def redis_store(
-    *, claim_timeout: float = 1.5, lock_timeout: float = 2.0, lock_wait: float = 5.0
+    *,
+    claim_timeout: float = 1.5,
+    lock_timeout: float = 2.0,
+    lock_wait: float = 5.0,
+    cluster: LocalCluster | None = None,
 ) -> RedisRolloutStore:
     return RedisRolloutStore(
-        Redis.from_url(REDIS_URL),
+        redis_client(cluster),
         key_prefix=REDIS_KEY_PREFIX,
         ttl_seconds=3600,
         lock_timeout=lock_timeout,
@@ -43,10 +55,18 @@ def redis_store(
     )
 
 
+@pytest.fixture(params=["redis", "cluster"])
+def cluster(request: pytest.FixtureRequest) -> LocalCluster | None:
+    """None for the test Redis, or the local Redis Cluster: the tests that take it run on both."""
+    return request.getfixturevalue("redis_cluster") if request.param == "cluster" else None
+
+
 @asynccontextmanager
-async def redis_store_and_client(**settings: float) -> AsyncIterator[tuple[RedisRolloutStore, Redis]]:
-    """A Redis store and a plain client on the same database, to look at the keys it writes."""
-    store, client = redis_store(**settings), Redis.from_url(REDIS_URL)
+async def redis_store_and_client(
+    cluster: LocalCluster | None = None, **settings: float
+) -> AsyncIterator[tuple[RedisRolloutStore, Any]]:
+    """A Redis store and a plain client on the same database (or cluster), to look at the keys it writes."""
+    store, client = redis_store(cluster=cluster, **settings), redis_client(cluster)
     try:
         yield store, client
     finally:
@@ -54,11 +74,14 @@ async def redis_store_and_client(**settings: float) -> AsyncIterator[tuple[Redis
         await store.aclose()
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "cluster"])
 async def store(request: pytest.FixtureRequest) -> AsyncIterator[RolloutStore]:
     s: RolloutStore
     if request.param == "memory":
         s = MemoryRolloutStore(ttl_seconds=3600, lock_wait=5.0)
+    elif request.param == "cluster":  # a local three-shard Redis Cluster (tests/redis_cluster.py)
+        cluster: LocalCluster = request.getfixturevalue("redis_cluster")
+        s = redis_store(cluster=cluster)
     else:
         s = redis_store()
     yield s
@@ -180,9 +203,9 @@ async def test_parallel_read_modify_write_loses_nothing(store: RolloutStore) -> 
     assert await store.changes(trace) == {"p": {"t": {"n": 40}}}
 
 
-async def test_redis_stores_of_two_processes_share_the_lock() -> None:
+async def test_redis_stores_of_two_processes_share_the_lock(cluster: LocalCluster | None) -> None:
     """Each store queues its own calls locally; across stores only the Redis lock serializes them."""
-    stores = [redis_store(), redis_store()]
+    stores = [redis_store(cluster=cluster), redis_store(cluster=cluster)]
     trace = new_trace()
 
     async def bump(i: int) -> None:
@@ -196,7 +219,7 @@ async def test_redis_stores_of_two_processes_share_the_lock() -> None:
         await asyncio.gather(*(bump(i) for i in range(30)))
         assert await stores[0].changes(trace) == {"p": {"t": {"n": 30}}}
         held = await ticket(stores[0], trace, "long", lock=True)
-        short = redis_store(lock_wait=0.1)
+        short = redis_store(lock_wait=0.1, cluster=cluster)
         try:
             with pytest.raises(StoreUnavailable, match="lock"):
                 await begin(short, trace, "other", lock=True)
@@ -275,8 +298,8 @@ async def test_rollouts_are_isolated(store: RolloutStore) -> None:
     assert await store.changes(b) == {}
 
 
-async def test_redis_rollout_metadata_is_kept() -> None:
-    async with redis_store_and_client() as (store, client):
+async def test_redis_rollout_metadata_is_kept(cluster: LocalCluster | None) -> None:
+    async with redis_store_and_client(cluster) as (store, client):
         trace = new_trace()
         await store.begin(
             CallStart(trace, None, meta=RolloutMeta(run="run-a", item_key="id:7", now=100.0), wait=1)
@@ -294,8 +317,8 @@ async def test_redis_rollout_metadata_is_kept() -> None:
         assert 0 < await client.pttl(f"{REDIS_KEY_PREFIX}:{{{trace}}}:meta") <= 3600 * 1000
 
 
-async def test_redis_finish_refuses_a_lapsed_claim() -> None:
-    store = redis_store()
+async def test_redis_finish_refuses_a_lapsed_claim(cluster: LocalCluster | None) -> None:
+    store = redis_store(cluster=cluster)
     try:
         trace = new_trace()
         stale = await ticket(store, trace, "c1", lock=True)
@@ -312,8 +335,8 @@ async def test_redis_finish_refuses_a_lapsed_claim() -> None:
         await store.aclose()
 
 
-async def test_redis_finish_refuses_a_lapsed_lock() -> None:
-    async with redis_store_and_client() as (store, client):
+async def test_redis_finish_refuses_a_lapsed_lock(cluster: LocalCluster | None) -> None:
+    async with redis_store_and_client(cluster) as (store, client):
         trace = new_trace()
         stale = await ticket(store, trace, "c1", lock=True)
         # The lock expired under a stalled worker and another call holds it now.
@@ -329,8 +352,8 @@ async def test_redis_finish_refuses_a_lapsed_lock() -> None:
         )
 
 
-async def test_redis_claim_of_a_crashed_worker_lapses() -> None:
-    async with redis_store_and_client(claim_timeout=0.3) as (store, client):
+async def test_redis_claim_of_a_crashed_worker_lapses(cluster: LocalCluster | None) -> None:
+    async with redis_store_and_client(cluster, claim_timeout=0.3) as (store, client):
         trace = new_trace()
         # A claim written by a worker that died (no keep-alive runs for it).
         await client.set(f"{REDIS_KEY_PREFIX}:{{{trace}}}:call:c1", "P:deadbeef", px=300)
@@ -340,9 +363,9 @@ async def test_redis_claim_of_a_crashed_worker_lapses() -> None:
         await store.abort(again)
 
 
-async def test_redis_keep_alive_holds_claim_and_lock_of_a_long_call() -> None:
+async def test_redis_keep_alive_holds_claim_and_lock_of_a_long_call(cluster: LocalCluster | None) -> None:
     # Expiries long enough that a loaded machine's stall of a few hundred ms does not lapse them.
-    async with redis_store_and_client(claim_timeout=0.6, lock_timeout=0.6) as (store, client):
+    async with redis_store_and_client(cluster, claim_timeout=0.6, lock_timeout=0.6) as (store, client):
         trace = new_trace()
         long_call = await ticket(store, trace, "c1", lock=True)
         await asyncio.sleep(2.0)  # more than three expiries
@@ -354,8 +377,8 @@ async def test_redis_keep_alive_holds_claim_and_lock_of_a_long_call() -> None:
         assert await begin(store, trace, "c1") == ANSWER, "the answer outlives the claim's expiry"
 
 
-async def test_redis_begin_retried_after_a_lost_reply_keeps_its_claim() -> None:
-    async with redis_store_and_client() as (store, _):
+async def test_redis_begin_retried_after_a_lost_reply_keeps_its_claim(cluster: LocalCluster | None) -> None:
+    async with redis_store_and_client(cluster) as (store, _):
         trace = new_trace()
         first = await ticket(store, trace, "c1", lock=True)
         # Redis applied the script but its reply was lost: the client runs it again with the same token.
@@ -370,8 +393,8 @@ async def test_redis_begin_retried_after_a_lost_reply_keeps_its_claim() -> None:
         await store.finish(first, {}, ANSWER)
 
 
-async def test_redis_reloads_its_scripts_after_a_flush() -> None:
-    async with redis_store_and_client() as (store, client):
+async def test_redis_reloads_its_scripts_after_a_flush(cluster: LocalCluster | None) -> None:
+    async with redis_store_and_client(cluster) as (store, client):
         trace = new_trace()
         await client.script_flush()  # as after a Redis restart: the server knows no script
         began = await ticket(store, trace, "c1", lock=True)
@@ -380,9 +403,9 @@ async def test_redis_reloads_its_scripts_after_a_flush() -> None:
         assert await begin(store, trace, "c1") == ANSWER
 
 
-async def test_redis_scripts_of_one_turn_reload_after_a_flush_together() -> None:
+async def test_redis_scripts_of_one_turn_reload_after_a_flush_together(cluster: LocalCluster | None) -> None:
     """One pipeline where every script gets an error reply: each is loaded again and answered."""
-    async with redis_store_and_client() as (store, client):
+    async with redis_store_and_client(cluster) as (store, client):
         traces = [new_trace() for _ in range(6)]
         await client.script_flush()
         tickets = await asyncio.gather(*(ticket(store, trace, "c1", lock=True) for trace in traces))

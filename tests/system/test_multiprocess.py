@@ -1,4 +1,4 @@
-"""Several server processes sharing Postgres and Redis, and one of them killed under load."""
+"""Several server processes sharing Postgres and Redis (one or a cluster), one of them killed under load."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import orjson
 import pytest
 
 from tests.conftest import ADMIN_KEY, REDIS_URL
+from tests.redis_cluster import LocalCluster
 from tests.system.helpers import (
     BASE_VALUE,
     TOOLS_HEADERS,
@@ -41,13 +42,15 @@ def increment(trace: str, call_id: str, by: int) -> dict[str, Any]:
     }
 
 
-async def two_servers(servers: Servers, database: str, tmp_path: Path) -> tuple[str, str]:
+async def two_servers(
+    servers: Servers, database: str, tmp_path: Path, redis_url: str = REDIS_URL, **extra: str
+) -> tuple[str, str]:
     a, b = await asyncio.gather(
         *(
             servers.start(
                 name,
                 server_settings(
-                    database_url=database, redis_url=REDIS_URL, home=tmp_path / name, worker=name
+                    database_url=database, redis_url=redis_url, home=tmp_path / name, worker=name, **extra
                 ),
             )
             for name in ("A", "B")
@@ -56,10 +59,17 @@ async def two_servers(servers: Servers, database: str, tmp_path: Path) -> tuple[
     return a.url, b.url
 
 
+@pytest.mark.parametrize("redis", ["one", "cluster"])
 async def test_one_rollout_spread_over_two_servers_sees_one_state(
-    servers: Servers, module_database: str, tmp_path: Path
+    servers: Servers, module_database: str, tmp_path: Path, redis: str, request: pytest.FixtureRequest
 ) -> None:
-    a, b = await two_servers(servers, module_database, tmp_path)
+    if redis == "cluster":  # the two processes share a local Redis Cluster (tests/redis_cluster.py)
+        cluster: LocalCluster = request.getfixturevalue("redis_cluster")
+        a, b = await two_servers(
+            servers, module_database, tmp_path, cluster.url, SPARRING_REDIS_CLUSTER="true"
+        )
+    else:
+        a, b = await two_servers(servers, module_database, tmp_path)
     urls = [a, b]
 
     async with httpx.AsyncClient(headers=TOOLS_HEADERS, timeout=30) as client:

@@ -7,9 +7,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from tools.code.runtime import CodeResources
+from tools.code.runtime import RUN_LIMITS, CodeResources
 from tools.code.tasks import EXAMPLES_FILE, SOLUTION_FILE, SPLITS, CodeTask, Split, split_task_ids
-from tools.code.tools import RUN_LIMITS, pack
+from tools.code.tools import pack
 from tools.code.workspace import LIMITS
 
 DEVELOPER_MESSAGE = f"""\

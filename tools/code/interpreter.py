@@ -39,6 +39,7 @@ RESTARTED = "the interpreter was restarted; earlier state is lost"
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 READY_SECONDS = 15.0  # bwrap's setup and the driver's start
 LOST_REASONS_KEPT = 4096
+ENDING_GRACE_SECONDS = 1.0  # for an interpreter whose pipe closed to exit, so its status is known
 
 
 class InterpreterStopped(Exception):
@@ -130,8 +131,8 @@ class Interpreter:
         return answer
 
     async def _why_ended(self) -> str:
-        code = await self.session.close()
-        if self.session.out_of_memory():
+        code = await self.session.close(grace=ENDING_GRACE_SECONDS)
+        if self.session.memory_exceeded:
             what = "it used more memory than its limit"
         elif code is not None and code >= 0:
             what = f"it exited with status {code}"

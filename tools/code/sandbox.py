@@ -599,6 +599,8 @@ class Session:
         self.run = run
         self.process = process
         self._frames_fd = frames_fd
+        self.closed = False
+        self.memory_exceeded = False  # known once closed: the kernel killed a process of it at the cap
         self._reader: asyncio.StreamReader | None = None
         self._transport: asyncio.BaseTransport | None = None
         overflow = asyncio.Event()  # never stops a session: its output is only drained
@@ -626,15 +628,19 @@ class Session:
             )
         return await self._reader.readexactly(size)
 
-    def out_of_memory(self) -> bool:
-        return self.run.group is not None and self.sandbox.memory.out_of_memory(self.run.group)
-
     async def stderr(self) -> bytes:
         """What the session wrote to its stderr, once it is closed (bwrap's or the driver's complaint)."""
         return (await self._drains[1]).data
 
-    async def close(self) -> int | None:
-        """Kill the session and everything in it, give back what it held; answers its exit status."""
+    async def close(self, grace: float = 0.0) -> int | None:
+        """Kill the session and everything in it (after `grace` seconds to end by itself), give back what
+        it held; answers its exit status."""
+        if self.closed:
+            return self.process.returncode
+        self.closed = True
+        if grace > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self.process.wait()), grace)
         _kill_group(self.process.pid)
         with contextlib.suppress(ProcessLookupError):
             self.process.kill()
@@ -647,7 +653,11 @@ class Session:
         self._frames_fd = -1
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.gather(*self._drains), REPORT_GRACE_SECONDS)
+        group = self.run.group
+        if group is not None and not self.memory_exceeded:
+            self.memory_exceeded = self.sandbox.memory.out_of_memory(group)
         await asyncio.to_thread(self.run.release)
+        self.run.group = None
         return code
 
 

@@ -260,3 +260,25 @@ async def test_a_call_on_another_worker_says_the_state_is_not_there(code_app: An
     # Worker one still holds an interpreter with x = 5, but the rollout moved on: never the stale value.
     assert back.startswith(f"Error: {RESTARTED}")
     assert back_again["value"] == "False"
+
+
+async def test_a_call_cut_by_its_deadline_never_lets_a_later_call_read_its_answer(
+    code_app: Any, backend: str
+) -> None:
+    async with code_app(code={"interpreter_cell_seconds": 30.0}, tool_timeout_seconds=1.0) as code:
+        trace = new_trace()
+        await cell(code, trace, "x = 1")
+        body = {
+            "type": "function_call",
+            "call_id": "slow",
+            "name": "python",
+            "arguments": json.dumps({"code": "import time\ntime.sleep(5)\n'slow'"}),
+            "trace_id": trace,
+            "item": {"task_id": TASK},
+        }
+        cut = await code.http.post("/tools/python", json=body)
+        after = await cell(code, trace, "'fast'")
+        fresh = await cell(code, trace, "'fast'")
+    assert cut.status_code == 503  # the call's deadline: an outage the trainer retries
+    assert after.startswith(f"Error: {RESTARTED}")  # never the cut call's 'slow'
+    assert fresh["value"] == "'fast'"

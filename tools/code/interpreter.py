@@ -81,12 +81,15 @@ class Interpreter:
         self.last_used = now
         self.lock = asyncio.Lock()
         self.known: dict[str, str] = {}  # the workspace's files as the interpreter last had them
+        self.broken = False
 
     def marker(self) -> dict[str, Any]:
         return {"worker": self.worker, "session": self.id, "cells": self.cells}
 
     def matches(self, marker: Mapping[str, Any] | None) -> bool:
-        return marker is not None and marker.get("session") == self.id and marker.get("cells") == self.cells
+        if self.broken or marker is None:
+            return False
+        return marker.get("session") == self.id and marker.get("cells") == self.cells
 
     def changes(self, files: Mapping[str, str]) -> dict[str, str | None]:
         """What to send so the interpreter's workspace holds `files` (the rollout's)."""
@@ -120,6 +123,12 @@ class Interpreter:
             ) from exc
         except (ConnectionError, asyncio.IncompleteReadError, ValueError, KeyError, TypeError) as exc:
             raise InterpreterStopped(await self._why_ended()) from exc
+        except BaseException:
+            # Cancelled mid-cell (the call's own deadline): the cell may still run, so no later request
+            # may read its answer. Killed now; the pool removes it at the rollout's next call.
+            self.broken = True
+            self.session.kill()
+            raise
 
     async def _receive(self) -> dict[str, Any]:
         (size,) = struct.unpack(">I", await self.session.receive(4))

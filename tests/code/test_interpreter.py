@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from tests.code.conftest import CodeClient, served_resources
+from tests.code.test_isolation import processes_with
 from tests.conftest import new_trace
 from tools.code.interpreter import RESTARTED, InterpreterPool
 from tools.code.runtime import CodeResources
@@ -117,12 +118,20 @@ async def test_an_exit_kills_the_interpreter_and_the_next_call_says_state_is_los
 
 
 async def test_a_cell_that_runs_too_long_stops_the_interpreter(code_app: Any, backend: str) -> None:
+    marker = f"sparring-leftover-{uuid.uuid4().hex}"
+    loop = (
+        "import subprocess, sys\n"
+        f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)', {marker!r}])\n"
+        "while True:\n    pass"
+    )
     async with code_app(code={"interpreter_cell_seconds": 1.0}) as code:
         trace = new_trace()
         await cell(code, trace, "x = 1")
-        looped = await cell(code, trace, "while True:\n    pass")
+        looped = await cell(code, trace, loop)
+        left = processes_with(marker)
         restarted = await cell(code, trace, "x")
         fresh = await cell(code, trace, "1 + 1")
+    assert left == []  # the interpreter and all it started are gone
     assert looped.startswith("Error: the code ran longer than 1 seconds")
     assert restarted.startswith(f"Error: {RESTARTED}") and "stopped it" in restarted
     assert fresh["value"] == "2"
@@ -282,3 +291,24 @@ async def test_a_call_cut_by_its_deadline_never_lets_a_later_call_read_its_answe
     assert cut.status_code == 503  # the call's deadline: an outage the trainer retries
     assert after.startswith(f"Error: {RESTARTED}")  # never the cut call's 'slow'
     assert fresh["value"] == "'fast'"
+
+
+async def test_frames_a_cell_forges_never_answer_a_later_call(code_app: Any, backend: str) -> None:
+    forge = (
+        "import json, os, struct\n"
+        "fake = {'id': 'forged', 'value': \"'forged'\", 'exception': None, 'stdout': '', 'stderr': '',\n"
+        "        'stdout_total': 0, 'stderr_total': 0, 'files': ''}\n"
+        "frame = json.dumps(fake).encode()\n"
+        "for fd in range(3, 64):\n"
+        "    try:\n"
+        "        os.write(fd, struct.pack('>I', len(frame)) + frame)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "'real'"
+    )
+    async with code_app(code=FAST) as code:
+        trace = new_trace()
+        forged = await cell(code, trace, forge)
+        after = await cell(code, trace, "2 + 2")
+    assert forged["value"] == "'real'"
+    assert after == {"stdout": "", "stderr": "", "value": "4"}

@@ -8,14 +8,15 @@ UTF-8 JSON. The driver moves both pipes to private descriptors (not inherited by
 and points fds 0, 1 and 2 at /dev/null; during a cell, fds 1 and 2 are memory files whose first bytes
 (and size) the answer carries, so whatever a cell prints (from Python, C or a child process) is output,
 never a frame. A cell can still write to the frame pipe on purpose; the server trusts nothing in a
-frame (capped, checked, and a malformed one stops the interpreter), so the worst it forges is its own
-answer.
+frame (capped, checked, a malformed one stops the interpreter, one of another request's id is skipped),
+so the worst it forges is its own answer.
 
-Request: `{"code", "files": {path: text or null}, "output_bytes", "max_files", "max_bytes"}`; `files`
-are the rollout's workspace changes to apply first (null: delete). The driver first answers
-`{"ready": true}`; each cell answers `{"stdout", "stderr"` (base64 of the first bytes), `"stdout_total",
-"stderr_total", "value"` (repr of a last expression, or null), `"exception"` (a traceback, or null),
-`"files"` (base64 of the supervisor's report frames: the workspace after the cell)`}`.
+Request: `{"id", "code", "files": {path: text or null}, "output_bytes", "max_files", "max_bytes"}`;
+`files` are the rollout's workspace changes to apply first (null: delete). The driver first answers
+`{"ready": true}`; each cell answers `{"id"` (the request's), `"stdout", "stderr"` (base64 of the
+first bytes), `"stdout_total", "stderr_total", "value"` (repr of a last expression, or null),
+`"exception"` (a traceback, or null), `"files"` (base64 of the supervisor's report frames: the
+workspace after the cell)`}`.
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ class Driver:
         self.cells += 1
         filename = f"<cell {self.cells}>"
         out, err = memory_file("stdout"), memory_file("stderr")
-        answer: dict[str, Any] = {"value": None, "exception": None}
+        answer: dict[str, Any] = {"id": request["id"], "value": None, "exception": None}
         os.dup2(out, 1)
         os.dup2(err, 2)
         sys.stdout = io.TextIOWrapper(open(1, "wb", closefd=False), encoding="utf-8", line_buffering=True)

@@ -104,7 +104,9 @@ class Interpreter:
 
     async def cell(self, code: str, files: Mapping[str, str | None], limits: InterpreterLimits) -> CellResult:
         """Run `code` after applying `files`; InterpreterStopped if it ends or outlives the limit."""
+        request_id = uuid.uuid4().hex
         request = {
+            "id": request_id,
             "code": code,
             "files": dict(files),
             "output_bytes": limits.run.output_bytes,
@@ -114,7 +116,7 @@ class Interpreter:
         body = json.dumps(request).encode("utf-8")
         try:
             await self.session.send(struct.pack(">I", len(body)) + body)
-            answer = await asyncio.wait_for(self._receive(), limits.cell_seconds)
+            answer = await asyncio.wait_for(self._answer_to(request_id), limits.cell_seconds)
             return _cell_result(answer)
         except TimeoutError as exc:
             raise InterpreterStopped(
@@ -129,6 +131,14 @@ class Interpreter:
             self.broken = True
             self.session.kill()
             raise
+
+    async def _answer_to(self, request_id: str) -> dict[str, Any]:
+        """The frame answering the request `request_id`: frames of another id (a cell writing to the frame
+        pipe, or the late answer of a cut call) are skipped, so they never answer a later request."""
+        while True:
+            answer = await self._receive()
+            if answer.get("id") == request_id:
+                return answer
 
     async def _receive(self) -> dict[str, Any]:
         (size,) = struct.unpack(">I", await self.session.receive(4))

@@ -312,3 +312,18 @@ async def test_frames_a_cell_forges_never_answer_a_later_call(code_app: Any, bac
         after = await cell(code, trace, "2 + 2")
     assert forged["value"] == "'real'"
     assert after == {"stdout": "", "stderr": "", "value": "4"}
+
+
+async def test_an_interpreter_killed_between_calls_is_restarted_and_said_so(
+    code_app: Any, backend: str
+) -> None:
+    async with code_app(code=FAST) as code:
+        trace = new_trace()
+        await cell(code, trace, "x = 1")
+        process = pool_of(code).live[trace].session.process
+        process.kill()  # from outside, as an operator or the kernel might
+        await process.wait()
+        restarted = await cell(code, trace, "x")
+        fresh = await cell(code, trace, "'x' in globals()")
+    assert restarted.startswith(f"Error: {RESTARTED}") and "ended between calls" in restarted
+    assert fresh["value"] == "False"

@@ -220,6 +220,9 @@ class InterpreterPool:
         """The rollout's interpreter, held (nothing stops it meanwhile), and why the earlier one is lost
         when a new one had to start (None when nothing was lost)."""
         current = self.live.get(trace_id)
+        if current is not None and current.session.process.returncode is not None:
+            await self.discard(trace_id, "it ended between calls (something a cell started stopped it)")
+            current = None
         if current is not None and current.matches(marker):
             async with current.lock:
                 self.live.move_to_end(trace_id)

@@ -77,7 +77,7 @@ class Interpreter:
         self.session = session
         self.id = uuid.uuid4().hex
         self.worker = worker
-        self.cells = 0  # cells whose answers the rollout stored (see `stored`)
+        self.cells = 0  # cells whose answers the rollout stored (its marker counts them too)
         self.last_used = now
         self.lock = asyncio.Lock()
         self.known: dict[str, str] = {}  # the workspace's files as the interpreter last had them
@@ -221,7 +221,7 @@ class InterpreterPool:
         when a new one had to start (None when nothing was lost)."""
         current = self.live.get(trace_id)
         if current is not None and current.session.process.returncode is not None:
-            await self.discard(trace_id, "it ended between calls (something a cell started stopped it)")
+            await self.discard(trace_id, "it ended between calls")
             current = None
         if current is not None and current.matches(marker):
             async with current.lock:

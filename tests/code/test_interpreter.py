@@ -327,3 +327,13 @@ async def test_an_interpreter_killed_between_calls_is_restarted_and_said_so(
         fresh = await cell(code, trace, "'x' in globals()")
     assert restarted.startswith(f"Error: {RESTARTED}") and "ended between calls" in restarted
     assert fresh["value"] == "False"
+
+
+async def test_the_interpreter_works_without_isolation_too(code_app: Any, backend: str) -> None:
+    async with code_app(code={**FAST, "sandbox": "unsafe-local"}) as code:
+        trace = new_trace()
+        await cell(code, trace, "x = 3\nopen('made.txt', 'w').write('here')")
+        answer = await cell(code, trace, "import os\n(x, sorted(os.listdir('.')))")
+        read = await code.call(trace, "read_file", {"path": "made.txt"}, task_id=TASK)
+    assert eval(answer["value"]) == (3, ["examples.py", "made.txt", "solution.py"])
+    assert read == "here"

@@ -18,7 +18,7 @@ from tests.code.conftest import CodeClient, all_tasks, served_resources
 from tests.code.test_isolation import processes_with
 from tests.code.test_startup import fake_bwrap
 from tests.conftest import new_trace
-from tools.code import check, memory, sandbox, tools
+from tools.code import check, memory, sandbox
 from tools.code.runtime import CodeResources
 
 TASK = "HumanEval/0"
@@ -213,7 +213,7 @@ async def test_a_busy_rollout_cannot_take_every_slot(
 ) -> None:
     # A rollout's tool calls that change files already wait for each other; its grades do not. A
     # solution that spins in a process of its own (named by the marker) holds a slot per grade.
-    monkeypatch.setattr(check, "GRADE_LIMITS", tools.Limits(wall_seconds=10.0, cpu_seconds=10))
+    monkeypatch.setattr(check, "GRADE_LIMITS", sandbox.Limits(wall_seconds=10.0, cpu_seconds=10))
     marker = f"spin_{uuid.uuid4().hex}"
     spinner = (
         f"import os, sys\nos.execv(sys.executable, [sys.executable, '-c', 'while True: pass', {marker!r}])\n"

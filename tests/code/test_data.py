@@ -88,6 +88,7 @@ def test_dataset_build_writes_lines_with_the_task_and_hidden_gold(env: Path) -> 
         "write_file",
         "run_python",
         "run_examples",
+        "python",
     }
     assert first["actions"] == [
         {"name": "write_file", "arguments": {"path": "solution.py", "content": task.gold_solution}}

@@ -15,6 +15,7 @@ import pytest
 from tests.code.conftest import gather_bounded
 from tests.conftest import new_trace
 from tools.code import tools
+from tools.code.sandbox import Limits
 
 TASK = "HumanEval/0"
 
@@ -143,7 +144,7 @@ async def test_a_run_cannot_see_host_processes(code_app: Any) -> None:
 async def test_a_timed_out_run_leaves_no_process_behind(
     code_app: Any, backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(tools, "RUN_LIMITS", tools.Limits(wall_seconds=2.0, cpu_seconds=10))
+    monkeypatch.setattr(tools, "RUN_LIMITS", Limits(wall_seconds=2.0, cpu_seconds=10))
     marker = f"sparring-leftover-{uuid.uuid4().hex}"
     script = (
         "import os, subprocess, sys, time\n"

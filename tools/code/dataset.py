@@ -7,9 +7,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from tools.code.runtime import CodeResources
+from tools.code.runtime import RUN_LIMITS, CodeResources
 from tools.code.tasks import EXAMPLES_FILE, SOLUTION_FILE, SPLITS, CodeTask, Split, split_task_ids
-from tools.code.tools import RUN_LIMITS, pack
+from tools.code.tools import pack
 from tools.code.workspace import LIMITS
 
 DEVELOPER_MESSAGE = f"""\
@@ -20,7 +20,10 @@ You are a careful Python programmer working in a small workspace of files, with 
 - write_file(path, content): create or replace a file (its whole content);
 - run_python(path, args): run a Python file of the workspace (`python path args...`) and see its exit \
 code, stdout, stderr and wall time;
-- run_examples(): run {EXAMPLES_FILE}, the docstring's examples as asserts, against {SOLUTION_FILE}.
+- run_examples(): run {EXAMPLES_FILE}, the docstring's examples as asserts, against {SOLUTION_FILE};
+- python(code): run code in your own persistent interpreter, like a notebook cell, in the workspace \
+directory: variables, imports and files persist between calls; it answers stdout, stderr, the value of a \
+final expression and the traceback of an exception.
 
 The workspace starts with {SOLUTION_FILE}, which holds the function to implement (its signature and \
 docstring), and {EXAMPLES_FILE}. Paths are relative to the workspace. Code runs with Python's standard \

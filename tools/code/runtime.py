@@ -14,11 +14,22 @@ from pydantic import Field
 
 from app.sdk import Base, DataLocation, PackSettings, PackStart, pack_settings_config
 from tools.code import data
-from tools.code.sandbox import Containment, Sandbox, SandboxUnavailable, create, probe
+from tools.code.interpreter import InterpreterLimits, InterpreterPool
+from tools.code.sandbox import Containment, Limits, Sandbox, SandboxUnavailable, create, probe
 from tools.code.tasks import CodeTask, load_tasks
+from tools.code.workspace import LIMITS
 from tools.code.workspace import load_base as workspace_base
 
 log = logging.getLogger("sparring.packs.code")
+
+# Each run: 10 s of wall clock and CPU, 32 processes, 64 open files, files of at most 1 MiB, 16 KiB of
+# each output stream kept; its memory, workspace size and slots are the settings' (`Containment`).
+RUN_LIMITS = Limits(
+    wall_seconds=10.0,
+    cpu_seconds=10,
+    max_files=LIMITS.max_files,
+    max_workspace_bytes=LIMITS.max_workspace_bytes,
+)
 
 UNSAFE_WARNING = (
     "SPARRING_CODE_SANDBOX=unsafe-local: the code pack runs model-written code WITHOUT ISOLATION, as the "
@@ -62,6 +73,32 @@ class CodeSettings(PackSettings):
         2, ge=1, description="Code runs one rollout holds at once, so a busy rollout cannot starve others."
     )
 
+    interpreter_idle_seconds: float = Field(
+        600.0, gt=0, description="A rollout's `python` interpreter is stopped after this long without a call."
+    )
+    interpreter_max: int = Field(
+        16,
+        ge=1,
+        description="Live `python` interpreters per worker; at the cap the least recently used stops.",
+    )
+    interpreter_cell_seconds: float = Field(
+        30.0,
+        gt=0,
+        description="Wall clock of one `python` call; a longer one stops (and loses) the interpreter.",
+    )
+    interpreter_cpu_seconds: int = Field(
+        600, ge=1, description="CPU seconds one `python` interpreter may use over its whole life."
+    )
+
+    def interpreter_limits(self) -> InterpreterLimits:
+        return InterpreterLimits(
+            idle_seconds=self.interpreter_idle_seconds,
+            max_live=self.interpreter_max,
+            cell_seconds=self.interpreter_cell_seconds,
+            cpu_seconds=self.interpreter_cpu_seconds,
+            run=RUN_LIMITS,
+        )
+
     def containment(self) -> Containment:
         """The limits every run of the sandbox gets, from these settings."""
         return Containment(
@@ -80,6 +117,7 @@ class CodeResources:
 
     sandbox: Sandbox
     tasks: Mapping[str, CodeTask]
+    interpreters: InterpreterPool | None = None  # the `python` tool's, one per rollout
 
 
 def build_sandbox(settings: CodeSettings, *, home: Path, binds_loopback: bool) -> Sandbox:
@@ -107,12 +145,16 @@ def load_base(resources: CodeResources) -> Base:
 async def lifespan(start: PackStart[CodeSettings]) -> AsyncIterator[CodeResources]:
     """Find (or fetch) HumanEval, then build and try the sandbox; refuse to start if it cannot run code.
 
-    The sandbox lives as long as the app: its directory is removed when the app stops.
+    The sandbox lives as long as the app: its directory is removed when the app stops, and the rollouts'
+    interpreters (the `python` tool's) are stopped.
     """
     tasks = await anyio.to_thread.run_sync(read_tasks, start.settings, start.home)
     sandbox = build_sandbox(start.settings, home=start.home, binds_loopback=start.binds_loopback)
+    interpreters = InterpreterPool(sandbox, start.settings.interpreter_limits())
     try:
         await probe(sandbox)
-        yield CodeResources(sandbox=sandbox, tasks=tasks)
+        interpreters.start()
+        yield CodeResources(sandbox=sandbox, tasks=tasks, interpreters=interpreters)
     finally:
+        await interpreters.close()
         sandbox.close()

@@ -271,8 +271,9 @@ class Sandbox:
         return args
 
     def _command(self, run: _Run) -> list[str]:
-        """The run's whole command line: the supervisor, under prlimit, bwrap, setpriv and its cgroup."""
-        command = self._supervisor(run)
+        """The run's whole command line: the supervisor (or a session's driver), under prlimit, bwrap,
+        setpriv and its cgroup."""
+        command = self._driver(run) if run.driver is not None else self._supervisor(run)
         if self.prlimit is not None:
             command = self._under_prlimit(run, command)
         if self.isolated:
@@ -303,6 +304,22 @@ class Sandbox:
             inside,
             "--",
             *args,
+        ]
+
+    def _driver(self, run: _Run) -> list[str]:
+        """A session's driver: `python -I -S -B -c <source> FRAME_FD WORKSPACE ARGS...`."""
+        assert run.driver is not None
+        inside = WORKSPACE_MOUNT if self.isolated else str(run.workspace)
+        return [
+            str(self.python),
+            "-I",
+            "-S",
+            "-B",
+            "-c",
+            run.driver,
+            str(run.report_fd),
+            inside,
+            *run.python_args,
         ]
 
     def _under_prlimit(self, run: _Run, command: list[str]) -> list[str]:
@@ -396,6 +413,29 @@ class Sandbox:
         if conflicts and collect:
             result = replace(result, skipped=[*conflicts, *result.skipped])
         return result
+
+    def hold_slot(self, owner: str | None) -> contextlib.AbstractAsyncContextManager[None]:
+        """One of the worker's run slots (and of the rollout's share), for work that is not `run`."""
+        return self._slots.hold(owner)
+
+    async def open_session(self, driver: str, args: Sequence[str], *, limits: Limits) -> Session:
+        """Start a long-lived sandboxed Python running `driver` (its source), with an empty workspace.
+
+        The driver reads requests on its stdin and answers on the frame pipe; the session lives until
+        `close()`: the same containment as a run, but no wall-clock limit of its own (its owner keeps
+        the time). OSError or SandboxUnavailable when it could not start.
+        """
+        run = _Run(python_args=args, limits=limits, collect=False, cwd="workspace", driver=driver)
+        try:
+            if self.memory.per_run:
+                run.group = await asyncio.to_thread(self.memory.new_group, self.containment.memory_bytes)
+            if not self.isolated:
+                run.workspace = await asyncio.to_thread(self._materialize, {})
+            process, frames, _ = await self._spawn(run)
+        except BaseException:
+            await asyncio.to_thread(run.release)
+            raise
+        return Session(self, run, process, frames)
 
     def _materialize(self, files: Mapping[str, bytes]) -> Path:
         """The run's files in a directory of the host (only without isolation)."""
@@ -531,6 +571,7 @@ class _Run:
     file_args: list[str] = field(default_factory=list)  # bwrap's arguments placing the files
     input_fds: list[int] = field(default_factory=list)  # the files' contents, for bwrap to copy
     report_fd: int = -1
+    driver: str | None = None  # a session's driver source (the supervisor when None)
 
     def close_inputs(self) -> None:
         for fd in self.input_fds:
@@ -547,9 +588,94 @@ class _Run:
             remove_tree(self.workspace)
 
 
+class Session:
+    """A sandboxed Python that outlives one request (`Sandbox.open_session`): its process, the pipe its
+    driver answers on, and what it holds on the host until `close()`."""
+
+    def __init__(
+        self, sandbox: Sandbox, run: _Run, process: asyncio.subprocess.Process, frames_fd: int
+    ) -> None:
+        self.sandbox = sandbox
+        self.run = run
+        self.process = process
+        self._frames_fd = frames_fd
+        self.closed = False
+        self.memory_exceeded = False  # known once closed: the kernel killed a process of it at the cap
+        self._reader: asyncio.StreamReader | None = None
+        self._transport: asyncio.BaseTransport | None = None
+        overflow = asyncio.Event()  # never stops a session: its output is only drained
+        assert process.stdout is not None and process.stderr is not None
+        self._drains = [
+            asyncio.ensure_future(_read_capped(stream, run.limits.output_bytes, overflow))
+            for stream in (process.stdout, process.stderr)
+        ]
+
+    async def send(self, data: bytes) -> None:
+        """Write `data` to the driver's stdin; ConnectionError when it is gone."""
+        stdin = self.process.stdin
+        assert stdin is not None
+        stdin.write(data)
+        await stdin.drain()
+
+    async def receive(self, size: int) -> bytes:
+        """Exactly `size` bytes of the frame pipe; asyncio.IncompleteReadError when it ended first."""
+        if self._reader is None:
+            loop = asyncio.get_running_loop()
+            self._reader = asyncio.StreamReader(limit=2**20)
+            self._transport, _ = await loop.connect_read_pipe(
+                lambda: asyncio.StreamReaderProtocol(self._reader),  # type: ignore[arg-type]
+                os.fdopen(self._frames_fd, "rb", buffering=0),
+            )
+        return await self._reader.readexactly(size)
+
+    async def stderr(self) -> bytes:
+        """What the session wrote to its stderr, once it is closed (bwrap's or the driver's complaint)."""
+        return (await self._drains[1]).data
+
+    def kill(self) -> None:
+        """Kill the session's processes now (without waiting); `close()` still gives back the rest."""
+        if not self.closed:
+            _kill_group(self.process.pid)
+            with contextlib.suppress(ProcessLookupError):
+                self.process.kill()
+
+    async def close(self, grace: float = 0.0) -> int | None:
+        """Kill the session and everything in it (after `grace` seconds to end by itself), give back what
+        it held; answers its exit status."""
+        if self.closed:
+            return self.process.returncode
+        self.closed = True
+        if grace > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self.process.wait()), grace)
+        _kill_group(self.process.pid)
+        with contextlib.suppress(ProcessLookupError):
+            self.process.kill()
+        code = await self.process.wait()
+        if self._transport is not None:
+            self._transport.close()
+        elif self._frames_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._frames_fd)
+        self._frames_fd = -1
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*self._drains), REPORT_GRACE_SECONDS)
+        group = self.run.group
+        if group is not None and not self.memory_exceeded:
+            self.memory_exceeded = self.sandbox.memory.out_of_memory(group)
+        await asyncio.to_thread(self.run.release)
+        self.run.group = None
+        return code
+
+
 @cache
+def harness_source(name: str) -> str:
+    """The source of a script that runs inside the sandbox (`harness_*.py`), passed to it with `-c`."""
+    return (Path(__file__).parent / name).read_text(encoding="utf-8")
+
+
 def _supervisor_source() -> str:
-    return (Path(__file__).parent / "harness_supervisor.py").read_text(encoding="utf-8")
+    return harness_source("harness_supervisor.py")
 
 
 def place_files(files: Mapping[str, str | bytes]) -> tuple[dict[str, bytes], list[str]]:

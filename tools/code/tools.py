@@ -1,4 +1,4 @@
-"""The five workspace tools: list, read and write files, and run them in the sandbox."""
+"""The workspace tools: list, read and write files, run them in the sandbox, and a persistent interpreter."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ from typing import Annotated, Any
 from pydantic import Field
 
 from app.sdk import Pack, ToolContext, ToolError, ToolUnavailable
-from tools.code.runtime import CodeResources, CodeSettings, lifespan, load_base
-from tools.code.sandbox import Limits, RunResult, SandboxUnavailable
+from tools.code.interpreter import MARKER, RESTARTED, CellResult, InterpreterBusy, InterpreterStopped
+from tools.code.runtime import RUN_LIMITS, CodeResources, CodeSettings, lifespan, load_base
+from tools.code.sandbox import RunResult, SandboxUnavailable
 from tools.code.tasks import EXAMPLES_FILE
 from tools.code.workspace import LIMITS, Workspace, check_path, task_of
 
@@ -23,16 +24,9 @@ pack = Pack(
     lifespan=lifespan,
 )
 
-# Each run: 10 s of wall clock and CPU, 32 processes, 64 open files, files of at most 1 MiB, 16 KiB of
-# each output stream kept; its memory, workspace size and slots are the settings' (`Containment`).
-RUN_LIMITS = Limits(
-    wall_seconds=10.0,
-    cpu_seconds=10,
-    max_files=LIMITS.max_files,
-    max_workspace_bytes=LIMITS.max_workspace_bytes,
-)
 MAX_ARGS = 32
 MAX_ARG_CHARS = 1000
+MAX_CODE_CHARS = 256 * 1024
 
 
 Path_ = Annotated[
@@ -93,6 +87,67 @@ async def run_python(
 async def run_examples(ctx: ToolContext) -> dict[str, Any]:
     """Run examples.py (the task's docstring examples, as asserts) against your solution.py."""
     return await _run(ctx, EXAMPLES_FILE, [])
+
+
+@pack.tool(mutates=True)
+async def python(
+    ctx: ToolContext,
+    code: Annotated[
+        str,
+        Field(
+            description="Python statements; the value of a final expression is answered, as in a notebook."
+        ),
+    ],
+) -> dict[str, Any] | str:
+    """Run Python in your own persistent interpreter, like a notebook cell (in the workspace directory, no
+    network, standard library only).
+
+    Variables, imports and files persist between calls; files it writes in the workspace are kept, and
+    files other tools write are there. Answers stdout and stderr (each cut to 16 KiB), the repr of a final
+    expression's value (`value`) and the traceback of an exception (`exception`). A call that runs too
+    long stops the interpreter, and its state is lost.
+    """
+    if len(code) > MAX_CODE_CHARS:
+        raise ToolError(f"code may be at most {MAX_CODE_CHARS} characters")
+    resources = ctx.resource(CodeResources)
+    pool = resources.interpreters
+    if pool is None:
+        raise ToolUnavailable("this server holds no interpreters")
+    workspace = _workspace(ctx)
+    try:
+        async with pool.use(ctx.trace_id, ctx.state.get(*MARKER)) as (interpreter, lost):
+            ctx.state.put(*MARKER, interpreter.marker())
+            if lost is not None:
+                return f"Error: {RESTARTED} ({lost}). A new one is ready: run the code again, with its setup."
+            before = workspace.files()
+            async with resources.sandbox.hold_slot(ctx.trace_id):
+                result = await interpreter.cell(code, interpreter.changes(before), pool.limits)
+            interpreter.cells += 1
+            ctx.state.put(*MARKER, interpreter.marker())
+            not_kept = _keep_files(workspace, before, result.files)
+            interpreter.known = workspace.files()
+    except InterpreterStopped as exc:
+        await pool.discard(ctx.trace_id, "the code of an earlier call stopped it")
+        return f"Error: {exc}"
+    except InterpreterBusy as exc:
+        raise ToolUnavailable(str(exc)) from exc
+    except (OSError, SandboxUnavailable) as exc:
+        raise ToolUnavailable(f"the interpreter could not start: {exc}") from exc
+    return _cell_answer(result, not_kept)
+
+
+def _cell_answer(result: CellResult, not_kept: list[str]) -> dict[str, Any]:
+    answer: dict[str, Any] = {
+        "stdout": _text(result.stdout, result.stdout_total),
+        "stderr": _text(result.stderr, result.stderr_total),
+    }
+    if result.value is not None:
+        answer["value"] = result.value
+    if result.exception is not None:
+        answer["exception"] = result.exception
+    if not_kept:
+        answer["files_not_kept"] = not_kept
+    return answer
 
 
 async def _run(ctx: ToolContext, path: str, args: list[str]) -> dict[str, Any]:

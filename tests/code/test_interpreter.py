@@ -1,0 +1,339 @@
+"""The `python` tool: a persistent sandboxed interpreter per rollout, through the HTTP API.
+
+State persists within one trace_id and never crosses to another; exceptions, crashes, timeouts and
+hostile output are answers (never a 5xx); idle and least-recently-used interpreters are stopped and the
+next call says so; calls of one rollout run one at a time; a retried call_id replays; a call that lands
+on a worker without the rollout's interpreter says the state is lost instead of running on wrong state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.code.conftest import CodeClient, served_resources
+from tests.code.test_isolation import processes_with
+from tests.conftest import new_trace
+from tools.code.interpreter import RESTARTED, InterpreterPool
+from tools.code.runtime import CodeResources
+
+pytestmark = pytest.mark.parametrize("backend", ["real"])  # the shared lock, ledger and state of a fleet
+
+TASK = "HumanEval/0"
+FAST = {"interpreter_cell_seconds": 3.0}
+
+
+async def cell(code: CodeClient, trace: str, source: str, *, call_id: str | None = None) -> Any:
+    """The `python` tool's answer: a dict, or the `Error: ...` text."""
+    output = await code.call(trace, "python", {"code": source}, task_id=TASK, call_id=call_id)
+    return output if output.startswith("Error:") else json.loads(output)
+
+
+def pool_of(code: CodeClient) -> InterpreterPool:
+    resources = served_resources(code.http)["code"]
+    assert isinstance(resources, CodeResources) and resources.interpreters is not None
+    return resources.interpreters
+
+
+async def test_variables_imports_and_files_persist_between_calls(code_app: Any, backend: str) -> None:
+    async with code_app(code=FAST) as code:
+        trace = new_trace()
+        first = await cell(code, trace, "import math\nx = 20\nopen('notes.txt', 'w').write('kept')\nx + 1")
+        second = await cell(code, trace, "print(math.pi > 3, x)\nopen('notes.txt').read()")
+        read = await code.call(trace, "read_file", {"path": "notes.txt"}, task_id=TASK)
+        await code.write(trace, "helper.py", "def twice(n):\n    return 2 * n\n", task_id=TASK)
+        third = await cell(code, trace, "from helper import twice\ntwice(x)")
+        solution = await cell(code, trace, "'def ' in open('solution.py').read()")
+    assert first == {"stdout": "", "stderr": "", "value": "21"}
+    assert second == {"stdout": "True 20\n", "stderr": "", "value": "'kept'"}
+    assert read == "kept"  # a file the interpreter wrote is in the rollout's workspace
+    assert third["value"] == "40"  # a file another tool wrote is in the interpreter's
+    assert solution["value"] == "True"  # the task's starting files are there from the start
+
+
+async def test_two_rollouts_never_see_each_others_state(code_app: Any, backend: str) -> None:
+    secret = uuid.uuid4().hex
+    async with code_app(code=FAST) as code:
+        owner, other = new_trace(), new_trace()
+        await cell(code, owner, f"secret = {secret!r}\nopen('secret.txt', 'w').write(secret)")
+        looked = await cell(
+            code,
+            other,
+            "import os\nprint(sorted(os.listdir('.')))\n'secret' in globals() or 'secret' in dir()",
+        )
+        mine = await cell(code, owner, "secret")
+    assert looked["value"] == "False"
+    assert "secret.txt" not in looked["stdout"] and secret not in json.dumps(looked)
+    assert mine["value"] == repr(secret)
+
+
+async def test_a_cell_answers_the_value_of_its_last_expression_only(code_app: Any, backend: str) -> None:
+    async with code_app(code=FAST) as code:
+        trace = new_trace()
+        expression = await cell(code, trace, "y = [1, 2]\ny + [3]")
+        statement = await cell(code, trace, "z = len(y)")
+        none = await cell(code, trace, "print('side effect')")
+        underscore = await cell(code, trace, "_")
+    assert expression["value"] == "[1, 2, 3]"
+    assert "value" not in statement and "value" not in none
+    assert none["stdout"] == "side effect\n"
+    assert underscore["value"] == "[1, 2, 3]"  # the last value, as in a notebook
+
+
+async def test_exceptions_are_answers_and_the_interpreter_survives(code_app: Any, backend: str) -> None:
+    async with code_app(code=FAST) as code:
+        trace = new_trace()
+        await cell(code, trace, "kept = 7")
+        raised = await cell(code, trace, "def f():\n    return 1 / 0\nf()")
+        syntax = await cell(code, trace, "def broken(:\n")
+        exited = await cell(code, trace, "import sys\nsys.exit(3)")
+        after = await cell(code, trace, "kept")
+    assert "ZeroDivisionError" in raised["exception"] and "<cell 2>" in raised["exception"]
+    assert "return 1 / 0" in raised["exception"]  # the cell's source line, as a notebook shows it
+    assert "harness_interpreter" not in raised["exception"]  # the driver's frames are not shown
+    assert "SyntaxError" in syntax["exception"]
+    assert "SystemExit: 3" in exited["exception"]
+    assert after["value"] == "7"
+
+
+async def test_an_exit_kills_the_interpreter_and_the_next_call_says_state_is_lost(
+    code_app: Any, backend: str
+) -> None:
+    async with code_app(code=FAST) as code:
+        trace = new_trace()
+        await cell(code, trace, "x = 1")
+        crashed = await cell(code, trace, "import os\nos._exit(5)")
+        restarted = await cell(code, trace, "x")
+        fresh = await cell(code, trace, "'x' in globals()")
+    assert crashed.startswith(
+        "Error: the interpreter stopped while running this code (it exited with status 5)"
+    )
+    assert restarted.startswith(f"Error: {RESTARTED}")
+    assert fresh["value"] == "False"
+
+
+async def test_a_cell_that_runs_too_long_stops_the_interpreter(code_app: Any, backend: str) -> None:
+    marker = f"sparring-leftover-{uuid.uuid4().hex}"
+    loop = (
+        "import subprocess, sys\n"
+        f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)', {marker!r}])\n"
+        "while True:\n    pass"
+    )
+    async with code_app(code={"interpreter_cell_seconds": 1.0}) as code:
+        trace = new_trace()
+        await cell(code, trace, "x = 1")
+        looped = await cell(code, trace, loop)
+        left = processes_with(marker)
+        restarted = await cell(code, trace, "x")
+        fresh = await cell(code, trace, "1 + 1")
+    assert left == []  # the interpreter and all it started are gone
+    assert looped.startswith("Error: the code ran longer than 1 seconds")
+    assert restarted.startswith(f"Error: {RESTARTED}") and "stopped it" in restarted
+    assert fresh["value"] == "2"
+
+
+async def test_a_memory_blowup_is_held_by_the_cap(code_app: Any, backend: str) -> None:
+    MiB = 1024 * 1024
+    async with code_app(code={**FAST, "run_memory_bytes": 64 * MiB}) as code:
+        trace = new_trace()
+        per_run = served_resources(code.http)["code"].sandbox.memory.per_run  # type: ignore[attr-defined]
+        await cell(code, trace, "x = 1")
+        blown = await cell(code, trace, f"hog = bytearray({256 * MiB})")
+        after = await cell(code, trace, "x")
+    if per_run:  # a cgroup: the kernel kills the interpreter
+        assert blown.startswith("Error: the interpreter stopped") and "more memory than its limit" in blown
+        assert after.startswith(f"Error: {RESTARTED}")
+    else:  # an address-space limit: the allocation fails inside
+        assert "MemoryError" in blown["exception"]
+        assert after["value"] == "1"
+
+
+async def test_an_idle_interpreter_is_stopped_and_the_next_call_says_so(code_app: Any, backend: str) -> None:
+    async with code_app(code={**FAST, "interpreter_idle_seconds": 60.0}) as code:
+        pool = pool_of(code)
+        now = [0.0]
+        pool.clock = lambda: now[0]
+        trace, busy = new_trace(), new_trace()
+        await cell(code, trace, "x = 1")
+        now[0] = 50.0
+        await cell(code, busy, "y = 2")
+        now[0] = 100.0  # `trace` idle for 100 s, `busy` for 50 s
+        await pool.reap()
+        restarted = await cell(code, trace, "x")
+        kept = await cell(code, busy, "y")
+    assert restarted.startswith(f"Error: {RESTARTED}") and "idle for more than 60 seconds" in restarted
+    assert kept["value"] == "2"
+
+
+async def test_at_the_cap_the_least_recently_used_interpreter_is_stopped(code_app: Any, backend: str) -> None:
+    async with code_app(code={**FAST, "interpreter_max": 2}) as code:
+        first, second, third = new_trace(), new_trace(), new_trace()
+        await cell(code, first, "v = 'first'")
+        await cell(code, second, "v = 'second'")
+        await cell(code, first, "v")  # `second` is now the least recently used
+        await cell(code, third, "v = 'third'")
+        live = len(pool_of(code).live)
+        kept = await cell(code, first, "v")
+        evicted = await cell(code, second, "v")
+    assert live == 2
+    assert kept["value"] == "'first'"
+    assert evicted.startswith(f"Error: {RESTARTED}") and "least recently used" in evicted
+
+
+async def test_parallel_calls_of_one_rollout_run_one_at_a_time(code_app: Any, backend: str) -> None:
+    async with code_app(code=FAST) as code:
+        trace = new_trace()
+        await cell(code, trace, "events = []")
+        step = "import time\nevents.append(('start', {n}))\ntime.sleep(0.05)\nevents.append(('end', {n}))"
+        answers = await asyncio.gather(*(cell(code, trace, step.format(n=n)) for n in range(4)))
+        events = await cell(code, trace, "events")
+    assert all(answer == {"stdout": "", "stderr": ""} for answer in answers), answers
+    pairs = eval(events["value"])  # a list of tuples the test itself built
+    assert len(pairs) == 8
+    for start, end in zip(pairs[::2], pairs[1::2], strict=True):
+        assert start[0] == "start" and end == ("end", start[1])  # never interleaved
+
+
+async def test_a_retried_call_id_replays_without_running_again(code_app: Any, backend: str) -> None:
+    async with code_app(code=FAST) as code:
+        trace = new_trace()
+        await cell(code, trace, "count = 0")
+        first = await cell(code, trace, "count += 1\ncount", call_id="retried")
+        retried = await cell(code, trace, "count += 1\ncount", call_id="retried")
+        now = await cell(code, trace, "count")
+    assert first == retried == {"stdout": "", "stderr": "", "value": "1"}
+    assert now["value"] == "1"
+
+
+async def test_the_interpreter_has_no_network_and_no_host_files(
+    code_app: Any, backend: str, tmp_path: Path
+) -> None:
+    connections: list[str] = []
+
+    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append("connected")
+        writer.close()
+
+    server = await asyncio.start_server(accept, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    host_file = tmp_path / "host-secret.txt"
+    host_file.write_text("host secret")
+    probe = (
+        "import os, socket\n"
+        "try:\n"
+        f"    socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+        "    net = 'connected'\n"
+        "except OSError as exc:\n"
+        "    net = type(exc).__name__\n"
+        f"(net, os.path.exists({str(host_file)!r}), os.path.exists('/etc/passwd'), os.getuid(), os.getcwd())"
+    )
+    async with server, code_app(code=FAST) as code:
+        answer = await cell(code, new_trace(), probe)
+    network, host_seen, passwd_seen, uid, cwd = eval(answer["value"])
+    assert network != "connected" and connections == []
+    assert host_seen is False and passwd_seen is False
+    assert uid == 65534 and cwd == "/workspace"
+
+
+async def test_hostile_output_is_cut_and_never_a_server_error(code_app: Any, backend: str) -> None:
+    async with code_app(code=FAST) as code:
+        trace = new_trace()
+        huge = await cell(code, trace, "print('x' * 3_000_000)")
+        binary = await cell(code, trace, "import sys\nsys.stdout.buffer.write(bytes(range(256)) * 4)\nNone")
+        value = await cell(code, trace, "'y' * 1_000_000")
+        fd_level = await cell(code, trace, "import os\nos.write(2, b'\\xff\\xfe raw')\n")
+        still = await cell(code, trace, "1")
+    assert len(huge["stdout"]) < 20_000 and "[output truncated:" in huge["stdout"]
+    assert "\ufffd" in binary["stdout"]  # undecodable bytes shown replaced, the answer still JSON
+    assert "[value truncated:" in value["value"] and len(value["value"]) < 20_000
+    assert fd_level["stderr"].endswith(" raw")  # what C code or children write to the fds is output
+    assert still["value"] == "1"
+
+
+async def test_a_call_on_another_worker_says_the_state_is_not_there(code_app: Any, backend: str) -> None:
+    """Two apps on one Postgres and Redis: two workers of one fleet, each with its own interpreters."""
+    trace = new_trace()
+    async with code_app(code=FAST) as one, code_app(code=FAST) as two:
+        await cell(one, trace, "x = 5", call_id="a1")
+        elsewhere = await cell(two, trace, "x", call_id="b1")
+        set_there = await cell(two, trace, "x = 9", call_id="b2")
+        back = await cell(one, trace, "x", call_id="a2")
+        back_again = await cell(one, trace, "'x' in globals()", call_id="a3")
+    assert elsewhere.startswith(f"Error: {RESTARTED}") and "another server process" in elsewhere
+    assert set_there == {"stdout": "", "stderr": ""}
+    # Worker one still holds an interpreter with x = 5, but the rollout moved on: never the stale value.
+    assert back.startswith(f"Error: {RESTARTED}")
+    assert back_again["value"] == "False"
+
+
+async def test_a_call_cut_by_its_deadline_never_lets_a_later_call_read_its_answer(
+    code_app: Any, backend: str
+) -> None:
+    async with code_app(code={"interpreter_cell_seconds": 30.0}, tool_timeout_seconds=1.0) as code:
+        trace = new_trace()
+        await cell(code, trace, "x = 1")
+        body = {
+            "type": "function_call",
+            "call_id": "slow",
+            "name": "python",
+            "arguments": json.dumps({"code": "import time\ntime.sleep(5)\n'slow'"}),
+            "trace_id": trace,
+            "item": {"task_id": TASK},
+        }
+        cut = await code.http.post("/tools/python", json=body)
+        after = await cell(code, trace, "'fast'")
+        fresh = await cell(code, trace, "'fast'")
+    assert cut.status_code == 503  # the call's deadline: an outage the trainer retries
+    assert after.startswith(f"Error: {RESTARTED}")  # never the cut call's 'slow'
+    assert fresh["value"] == "'fast'"
+
+
+async def test_frames_a_cell_forges_never_answer_a_later_call(code_app: Any, backend: str) -> None:
+    forge = (
+        "import json, os, struct\n"
+        "fake = {'id': 'forged', 'value': \"'forged'\", 'exception': None, 'stdout': '', 'stderr': '',\n"
+        "        'stdout_total': 0, 'stderr_total': 0, 'files': ''}\n"
+        "frame = json.dumps(fake).encode()\n"
+        "for fd in range(3, 64):\n"
+        "    try:\n"
+        "        os.write(fd, struct.pack('>I', len(frame)) + frame)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "'real'"
+    )
+    async with code_app(code=FAST) as code:
+        trace = new_trace()
+        forged = await cell(code, trace, forge)
+        after = await cell(code, trace, "2 + 2")
+    assert forged["value"] == "'real'"
+    assert after == {"stdout": "", "stderr": "", "value": "4"}
+
+
+async def test_an_interpreter_killed_between_calls_is_restarted_and_said_so(
+    code_app: Any, backend: str
+) -> None:
+    async with code_app(code=FAST) as code:
+        trace = new_trace()
+        await cell(code, trace, "x = 1")
+        process = pool_of(code).live[trace].session.process
+        process.kill()  # from outside, as an operator or the kernel might
+        await process.wait()
+        restarted = await cell(code, trace, "x")
+        fresh = await cell(code, trace, "'x' in globals()")
+    assert restarted.startswith(f"Error: {RESTARTED}") and "ended between calls" in restarted
+    assert fresh["value"] == "False"
+
+
+async def test_the_interpreter_works_without_isolation_too(code_app: Any, backend: str) -> None:
+    async with code_app(code={**FAST, "sandbox": "unsafe-local"}) as code:
+        trace = new_trace()
+        await cell(code, trace, "x = 3\nopen('made.txt', 'w').write('here')")
+        answer = await cell(code, trace, "import os\n(x, sorted(os.listdir('.')))")
+        read = await code.call(trace, "read_file", {"path": "made.txt"}, task_id=TASK)
+    assert eval(answer["value"]) == (3, ["examples.py", "made.txt", "solution.py"])
+    assert read == "here"

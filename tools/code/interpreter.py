@@ -1,0 +1,317 @@
+"""A persistent Python interpreter per rollout: the `python` tool's notebook-like kernel.
+
+Each rollout (trace_id) gets its own sandboxed process (`Sandbox.open_session`: the same bwrap, rlimits,
+memory cgroup and no network as a run) running `harness_interpreter.py`; the server talks to it with
+length-prefixed JSON frames over its stdin and a pipe of its own. A worker holds at most `max_live`
+interpreters, stops those idle for `idle_seconds` and, at the cap, the least recently used one.
+
+Which interpreter a rollout's state belongs to is recorded in the rollout's state (`MARKER`): the
+worker, a session id and the number of cells whose answers were stored. A call whose rollout names
+another session (another worker, a restarted one, an interpreter that was stopped, or one that ran a
+cell whose answer was never stored) is never run against the wrong state: it starts a new interpreter
+and says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+import os
+import socket
+import struct
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from tools.code.memory import process_identity
+from tools.code.sandbox import Limits, Output, RunResult, Sandbox, Session, harness_source, parse_report
+
+log = logging.getLogger("sparring.packs.code.interpreter")
+
+MARKER = ("interpreter", "session")  # the rollout-state record naming its interpreter
+RESTARTED = "the interpreter was restarted; earlier state is lost"
+MAX_FRAME_BYTES = 16 * 1024 * 1024
+READY_SECONDS = 15.0  # bwrap's setup and the driver's start
+LOST_REASONS_KEPT = 4096
+ENDING_GRACE_SECONDS = 1.0  # for an interpreter whose pipe closed to exit, so its status is known
+
+
+class InterpreterStopped(Exception):
+    """The interpreter ended while running a cell (or was stopped at the time limit): its state is lost."""
+
+
+class InterpreterBusy(Exception):
+    """Every interpreter of the worker is running a cell: none can make room for a new one."""
+
+
+@dataclass(frozen=True)
+class InterpreterLimits:
+    idle_seconds: float = 600.0
+    max_live: int = 16
+    cell_seconds: float = 30.0
+    cpu_seconds: int = 600  # CPU time of an interpreter's whole life
+    run: Limits = field(default_factory=Limits)
+
+
+@dataclass(frozen=True)
+class CellResult:
+    stdout: bytes
+    stdout_total: int
+    stderr: bytes
+    stderr_total: int
+    value: str | None
+    exception: str | None
+    files: RunResult  # the workspace after the cell, as a run's result carries it
+
+
+class Interpreter:
+    """One rollout's live interpreter."""
+
+    def __init__(self, session: Session, worker: str, now: float) -> None:
+        self.session = session
+        self.id = uuid.uuid4().hex
+        self.worker = worker
+        self.cells = 0  # cells whose answers the rollout stored (its marker counts them too)
+        self.last_used = now
+        self.lock = asyncio.Lock()
+        self.known: dict[str, str] = {}  # the workspace's files as the interpreter last had them
+        self.broken = False
+
+    def marker(self) -> dict[str, Any]:
+        return {"worker": self.worker, "session": self.id, "cells": self.cells}
+
+    def matches(self, marker: Mapping[str, Any] | None) -> bool:
+        if self.broken or marker is None:
+            return False
+        return marker.get("session") == self.id and marker.get("cells") == self.cells
+
+    def changes(self, files: Mapping[str, str]) -> dict[str, str | None]:
+        """What to send so the interpreter's workspace holds `files` (the rollout's)."""
+        changes: dict[str, str | None] = {
+            path: text for path, text in files.items() if self.known.get(path) != text
+        }
+        changes.update({path: None for path in self.known if path not in files})
+        return changes
+
+    async def ready(self) -> None:
+        await asyncio.wait_for(self._receive(), READY_SECONDS)
+
+    async def cell(self, code: str, files: Mapping[str, str | None], limits: InterpreterLimits) -> CellResult:
+        """Run `code` after applying `files`; InterpreterStopped if it ends or outlives the limit."""
+        request_id = uuid.uuid4().hex
+        request = {
+            "id": request_id,
+            "code": code,
+            "files": dict(files),
+            "output_bytes": limits.run.output_bytes,
+            "max_files": limits.run.max_files,
+            "max_bytes": limits.run.max_workspace_bytes,
+        }
+        body = json.dumps(request).encode("utf-8")
+        try:
+            await self.session.send(struct.pack(">I", len(body)) + body)
+            answer = await asyncio.wait_for(self._answer_to(request_id), limits.cell_seconds)
+            return _cell_result(answer)
+        except TimeoutError as exc:
+            raise InterpreterStopped(
+                f"the code ran longer than {limits.cell_seconds:g} seconds (the wall-clock limit of a call): "
+                "the interpreter was stopped and its state is lost"
+            ) from exc
+        except (ConnectionError, asyncio.IncompleteReadError, ValueError, KeyError, TypeError) as exc:
+            raise InterpreterStopped(await self._why_ended()) from exc
+        except BaseException:
+            # Cancelled mid-cell (the call's own deadline): the cell may still run, so no later request
+            # may read its answer. Killed now; the pool removes it at the rollout's next call.
+            self.broken = True
+            self.session.kill()
+            raise
+
+    async def _answer_to(self, request_id: str) -> dict[str, Any]:
+        """The frame answering the request `request_id`: frames of another id (a cell writing to the frame
+        pipe, or the late answer of a cut call) are skipped, so they never answer a later request."""
+        while True:
+            answer = await self._receive()
+            if answer.get("id") == request_id:
+                return answer
+
+    async def _receive(self) -> dict[str, Any]:
+        (size,) = struct.unpack(">I", await self.session.receive(4))
+        if size > MAX_FRAME_BYTES:
+            raise ValueError("frame too large")
+        answer = json.loads(await self.session.receive(size))
+        if not isinstance(answer, dict):
+            raise ValueError("not a frame")
+        return answer
+
+    async def _why_ended(self) -> str:
+        code = await self.session.close(grace=ENDING_GRACE_SECONDS)
+        if self.session.memory_exceeded:
+            what = "it used more memory than its limit"
+        elif code is not None and code >= 0:
+            what = f"it exited with status {code}"
+        else:
+            what = "it was killed" if code is None else f"it was killed by signal {-code}"
+        return f"the interpreter stopped while running this code ({what}); its state is lost"
+
+
+def _decoded(text: Any) -> bytes:
+    if not isinstance(text, str):
+        raise TypeError("not base64 text")
+    return base64.b64decode(text, validate=True)
+
+
+def _cell_result(answer: Mapping[str, Any]) -> CellResult:
+    """The answer's fields, checked (a malformed one is a broken interpreter: ValueError/TypeError)."""
+    value, exception = answer["value"], answer["exception"]
+    if not (value is None or isinstance(value, str)) or not (exception is None or isinstance(exception, str)):
+        raise TypeError("value and exception must be text")
+    report = parse_report(_decoded(answer["files"]))
+    files = RunResult(
+        exit_code=0,
+        stdout=Output(b"", 0),
+        stderr=Output(b"", 0),
+        wall_seconds=0.0,
+        files=report.files,
+        skipped=report.skipped,
+        files_complete=not report.truncated,
+    )
+    return CellResult(
+        stdout=_decoded(answer["stdout"]),
+        stdout_total=int(answer["stdout_total"]),
+        stderr=_decoded(answer["stderr"]),
+        stderr_total=int(answer["stderr_total"]),
+        value=value,
+        exception=exception,
+        files=files,
+    )
+
+
+def worker_name() -> str:
+    """This worker's name in rollout state: host, process (pid and start time) and a random part."""
+    identity = process_identity(os.getpid()) or str(os.getpid())
+    return f"{socket.gethostname()}:{identity}:{uuid.uuid4().hex[:8]}"
+
+
+class InterpreterPool:
+    """The live interpreters of one worker, by rollout."""
+
+    def __init__(
+        self, sandbox: Sandbox, limits: InterpreterLimits, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.sandbox = sandbox
+        self.limits = limits
+        self.clock = clock
+        self.worker = worker_name()
+        self.live: OrderedDict[str, Interpreter] = OrderedDict()  # least recently used first
+        self.lost: OrderedDict[str, str] = OrderedDict()  # why a rollout's interpreter was stopped
+        self._opening = asyncio.Lock()
+        self._reaper: asyncio.Task[None] | None = None
+
+    @contextlib.asynccontextmanager
+    async def use(
+        self, trace_id: str, marker: Mapping[str, Any] | None
+    ) -> AsyncIterator[tuple[Interpreter, str | None]]:
+        """The rollout's interpreter, held (nothing stops it meanwhile), and why the earlier one is lost
+        when a new one had to start (None when nothing was lost)."""
+        current = self.live.get(trace_id)
+        if current is not None and current.session.process.returncode is not None:
+            await self.discard(trace_id, "it ended between calls")
+            current = None
+        if current is not None and current.matches(marker):
+            async with current.lock:
+                self.live.move_to_end(trace_id)
+                yield current, None
+                current.last_used = self.clock()
+            return
+        if current is not None:
+            # Its rollout does not know the cells it ran (their answers were not stored), or names another.
+            await self.discard(trace_id, "a call's code ran in it but its answer was not stored")
+        reason = None
+        if marker is not None:
+            reason = self.lost.pop(trace_id, None) or "it was stopped"
+            if marker.get("worker") != self.worker:
+                reason = (
+                    "it lived in another server process, or this one restarted; the calls of one trace_id "
+                    "must reach one worker (docs/deploy.md)"
+                )
+        interpreter = await self._open(trace_id)
+        try:
+            yield interpreter, reason
+            interpreter.last_used = self.clock()
+        finally:
+            interpreter.lock.release()
+
+    async def _open(self, trace_id: str) -> Interpreter:
+        """A new interpreter for the rollout, started and ready, returned with its lock held."""
+        async with self._opening:
+            while len(self.live) >= self.limits.max_live:
+                victim = next((t for t, i in self.live.items() if not i.lock.locked()), None)
+                if victim is None:
+                    raise InterpreterBusy(f"all {self.limits.max_live} interpreters of this worker are busy")
+                await self.discard(
+                    victim,
+                    f"it was the least recently used when this worker reached its {self.limits.max_live} "
+                    "interpreters",
+                )
+            session = await self.sandbox.open_session(
+                harness_source("harness_interpreter.py"),
+                [harness_source("harness_supervisor.py")],
+                limits=replace(self.limits.run, cpu_seconds=self.limits.cpu_seconds),
+            )
+            interpreter = Interpreter(session, self.worker, self.clock())
+            await interpreter.lock.acquire()
+            self.live[trace_id] = interpreter
+        try:
+            await interpreter.ready()
+        except (TimeoutError, ConnectionError, asyncio.IncompleteReadError, ValueError) as exc:
+            await self.discard(trace_id, "")
+            interpreter.lock.release()
+            stderr = (await session.stderr()).decode("utf-8", "replace").strip()[:500]
+            raise OSError(f"the interpreter did not start ({stderr or type(exc).__name__})") from exc
+        return interpreter
+
+    async def discard(self, trace_id: str, reason: str) -> None:
+        """Stop the rollout's interpreter (if live here), remembering why for its next call."""
+        interpreter = self.live.pop(trace_id, None)
+        if reason:
+            self.lost[trace_id] = reason
+            while len(self.lost) > LOST_REASONS_KEPT:
+                self.lost.popitem(last=False)
+        if interpreter is not None:
+            await interpreter.session.close()
+
+    async def reap(self) -> None:
+        """Stop the interpreters idle for longer than the limit."""
+        now = self.clock()
+        idle = [
+            trace_id
+            for trace_id, interpreter in self.live.items()
+            if not interpreter.lock.locked() and now - interpreter.last_used > self.limits.idle_seconds
+        ]
+        for trace_id in idle:
+            await self.discard(trace_id, f"it was idle for more than {self.limits.idle_seconds:g} seconds")
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(max(0.05, min(self.limits.idle_seconds / 4, 10.0)))
+            try:
+                await self.reap()
+            except Exception:  # a failure to stop one must not end the reaper
+                log.exception("code interpreter: stopping idle interpreters failed")
+
+    def start(self) -> None:
+        self._reaper = asyncio.ensure_future(self._reap_forever())
+
+    async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        for trace_id in list(self.live):
+            await self.discard(trace_id, "")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import quote
@@ -43,6 +43,7 @@ from sparring.http import (
 from sparring.loop import DatasetLine, EpisodeLimits, Policy, function_of
 from sparring.report import build_report, canary_report
 from sparring.tracing import CANARY, RUN, RolloutTracing
+from sparring.usersim import HttpUserTools, SimulatedUser
 
 
 class TargetError(ValueError):
@@ -191,6 +192,21 @@ class RunOptions:
     journal: Path | None = None  # where finished rollouts are recorded (needed for resume)
     resume: bool = False
     tracing: RolloutTracing | None = None  # rollouts as OpenTelemetry spans (sparring.tracing)
+    user: SimulatedUser | None = None  # plays the customer of lines with a user scenario (sparring.usersim)
+
+
+def user_on_target(
+    client: Transport | httpx.AsyncClient, target: Target, options: RunOptions, run: str
+) -> SimulatedUser | None:
+    """The run's simulated user, its own tools called on the target's server (`/user-tools/<name>`,
+    with the tool routes' headers); a job config names no such route, so its user has no tools."""
+    user = options.user
+    if user is None or target.server is None or target.tools.fallback is None:
+        return user
+    tools = HttpUserTools(
+        as_transport(client), target.server, target.tools.fallback.headers, run=run, retry=options.retry
+    )
+    return replace(user, tools=tools)
 
 
 async def evaluate(
@@ -234,6 +250,7 @@ async def evaluate(
             on_record=on_record,
             stop=stop,
             tracing=options.tracing.labelled(**{RUN: options.run}) if options.tracing else None,
+            user=user_on_target(client, target, options, options.run),
         )
     finally:
         progress.close()
@@ -245,6 +262,7 @@ async def evaluate(
         resumed=len(kept_earlier),
         wall_time_s=time.perf_counter() - started,
         interrupted=not finished,
+        user_model=options.user.name if options.user is not None else None,
     )
 
 
@@ -292,6 +310,7 @@ async def run_canaries(
             break
     report = canary_report(records, threshold=threshold, gold_minimum=gold_minimum, policies=chosen)
     report["run"] = options.run
+    report["user_model"] = options.user.name if options.user is not None else None
     report["review_urls"] = runs
     report["interrupted"] = interrupted
     report["wall_time_s"] = round(time.perf_counter() - started, 3)
@@ -346,6 +365,7 @@ async def _run_canary(
             stop=stop,
             limits_for=lambda job: canary_limits(options.limits, job),
             tracing=options.tracing.labelled(**{RUN: run, CANARY: name}) if options.tracing else None,
+            user=user_on_target(client, target, options, run),
         )
     finally:
         progress.close()

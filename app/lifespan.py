@@ -35,6 +35,7 @@ from app.rollouts.build import build_store
 from app.rollouts.store import RolloutStore
 from app.sdk import Pack
 from app.telemetry import Tracing, build_tracing
+from app.users.service import build_user
 
 log = logging.getLogger("sparring")
 
@@ -265,6 +266,7 @@ async def _start_remote(
         model_http=model_http,
         worker=worker_name(settings),
         tracing=tracing,
+        user=build_user(settings, model_http),
     )
     stack.push_async_callback(remote.aclose)
     await remote.start()

@@ -6,12 +6,14 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+import httpx
 import pytest
 from openai import AsyncOpenAI
 
+from sparring.http import as_transport
 from sparring.loop import DatasetLine, FunctionCall, ToolResult, run_rollout
 from sparring.policies import ChatPolicy
-from sparring.usersim import GREETING, OUT_OF_SCOPE, STOP, TRANSFER, USER_ROLE, SimulatedUser
+from sparring.usersim import GREETING, OUT_OF_SCOPE, STOP, TRANSFER, USER_ROLE, HttpUserTools, SimulatedUser
 from tests.retail import corpus
 from tests.runner.model_server import Call, ModelRequest, ModelServer, Reply
 from tests.usersim.reference import requests_of, tau2_user
@@ -236,3 +238,55 @@ async def test_a_user_model_outage_discards_the_rollout_with_a_clear_reason(
     assert result.ended_by == "discarded"
     assert result.discarded is not None and result.discarded.startswith("user_model_error: ")
     assert result.grade is None
+
+
+async def test_http_user_tools_post_the_envelope_to_the_user_tools_route() -> None:
+    seen: list[httpx.Request] = []
+
+    def route(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, json={"output": '{"airplane_mode": false}'})
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(route)) as client:
+        tools = HttpUserTools(
+            as_transport(client), "http://sparring/", {"Authorization": "Bearer k"}, run="r"
+        )
+        call = FunctionCall(call_id="call_1", name="toggle_airplane_mode", arguments="{}")
+        result = await tools.call(call, trace_id="trace_abc", item={"task_id": "7"})
+
+    assert result.output == '{"airplane_mode": false}' and result.failure is None
+    (request,) = seen
+    assert str(request.url) == "http://sparring/user-tools/toggle_airplane_mode"
+    assert request.headers["Authorization"] == "Bearer k"
+    body = json.loads(request.content)
+    assert (body["name"], body["call_id"], body["trace_id"], body["item"]) == (
+        "toggle_airplane_mode",
+        "call_1",
+        "trace_abc",
+        {"task_id": "7"},
+    )
+
+
+async def test_the_agents_tool_calls_count_two_steps_toward_the_limit(
+    model_server: ModelServer, openai_client: AsyncOpenAI
+) -> None:
+    # The user's message (1), the agent's call and its results (2, 3): τ² stops there with max_steps=3.
+    class Lookups:
+        calls = 0
+
+        async def call(self, call: FunctionCall, *, trace_id: str, item: Mapping[str, Any]) -> ToolResult:
+            Lookups.calls += 1
+            return ToolResult(call=call, output="{}")
+
+    model_server.script = scripted(
+        agent=[Reply(calls=(Call("find_user_id_by_email", {"email": "a@b.c"}),))] * 3,
+        user=[Reply(text="Hello.")],
+    )
+    result = await run_rollout(
+        ChatPolicy(openai_client, AGENT),
+        Lookups(),
+        retail_line(),
+        user=simulated_user(openai_client, max_steps=3),
+    )
+    assert result.ended_by == "max_steps"
+    assert Lookups.calls == 1

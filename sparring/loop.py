@@ -402,12 +402,22 @@ async def _rollout(run: _Run, line: DatasetLine, trace_id: str) -> RolloutResult
         else []
     )
     result.sample = build_sample(text, last_calls, final_calls)
+    if transcript.user is not None:
+        # τ² checks what the agent had to communicate in any of its messages, not only in its last.
+        result.sample["output_text"] = "\n".join(_agent_texts(transcript))
     if run.grader is not None:
         result.grade = await run.grader.grade(result.sample, transcript.item, transcript.trace_id)
         if result.grade.score is None:
             result.discarded = f"grader_failed: {result.grade.failure}"
     result.duration_s = time.perf_counter() - started
     return result
+
+
+def _agent_texts(transcript: Transcript) -> list[str]:
+    """Every message the agent wrote in a conversation, in order (τ²'s greeting first)."""
+    opening = [m for m in transcript.messages if m.get("role") == "assistant"]
+    texts = [content_text(m.get("content")) for m in opening]
+    return [text for text in (*texts, *(step.turn.text for step in transcript.steps)) if text]
 
 
 async def _next_turn(policy: Policy, transcript: Transcript, tracing: RolloutTracing | None) -> ModelTurn:

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from sparring.usersim import STOP
 from tests.runner.model_server import ModelRequest, ModelServer, Reply, Unavailable
 from tests.runner.test_cli import retail_data, run_cli, servers, sparring, train, write_lines
@@ -13,6 +15,9 @@ from tests.runner.test_retail import GoldModel, with_writes_and_facts
 from tests.system.helpers import Server
 
 __all__ = ["retail_data", "servers", "sparring", "train"]
+
+
+FOLLOW_UP = "One more question: can I also change the address later?"
 
 
 def opening(line: dict[str, Any]) -> str:
@@ -23,30 +28,34 @@ class Conversation:
     """The agent plays each task's gold calls, then states its facts; the user opens with the task it
     read in its scenario, and ends the conversation once the agent has answered."""
 
-    def __init__(self, raw: list[dict[str, Any]]) -> None:
+    def __init__(self, raw: list[dict[str, Any]], *, follow_up: bool = False) -> None:
         self.agent = GoldModel(raw)
         self.agent.by_user = {opening(line): line for line in raw}
         self.raw = raw
+        # The user asks one more thing after the facts: the agent's last message then states none.
+        self.replies = [FOLLOW_UP] if follow_up else []
 
     def __call__(self, request: ModelRequest) -> Reply:
         if request.model == "down":
             raise Unavailable
         if request.model != "user":
-            return self.agent(request)
+            return Reply(text="Anything else I can do?") if request.user == FOLLOW_UP else self.agent(request)
         (line,) = [
             line
             for line in self.raw
             if line["user_simulator"]["scenario"]["instructions"]["reason_for_call"] in request.system
         ]
         answered = sum(1 for m in request.body["messages"] if m["role"] == "assistant")
-        return Reply(text=opening(line) if answered == 0 else f"Thank you! {STOP}")
+        replies = [opening(line), *self.replies, f"Thank you! {STOP}"]
+        return Reply(text=replies[min(answered, len(replies) - 1)])
 
 
+@pytest.mark.parametrize("follow_up", [False, True])
 async def test_eval_with_a_user_model_grades_the_conversation_and_names_the_user(
-    sparring: Server, model_server: ModelServer, train: list[dict[str, Any]], tmp_path: Path
+    sparring: Server, model_server: ModelServer, train: list[dict[str, Any]], tmp_path: Path, follow_up: bool
 ) -> None:
     raw = with_writes_and_facts(train, 2)
-    model_server.script = Conversation(raw)
+    model_server.script = Conversation(raw, follow_up=follow_up)
     dataset = write_lines(tmp_path / "retail.jsonl", raw)
     out = tmp_path / "report.json"
     done = await run_cli(
@@ -61,7 +70,7 @@ async def test_eval_with_a_user_model_grades_the_conversation_and_names_the_user
     assert "user model" in done.stdout
     assert report["rollouts"]["graded"] == 2 and report["reward"]["mean"] == 1.0
     users = [request for request in model_server.requests if request.model == "user"]
-    assert len(users) == 4  # an opening and a stop per rollout
+    assert len(users) == (6 if follow_up else 4)  # an opening (a follow-up) and a stop per rollout
     assert all(request.body["temperature"] == 0.0 for request in users)
 
 

@@ -90,6 +90,8 @@ async def test_the_user_model_gets_tau2s_prompt_and_the_flipped_conversation(
     assert result.ended_by == "user_stop"
     assert result.discarded is None
     assert result.final_text == ask
+    # The grader reads every message the agent wrote, as τ²'s communicate check does.
+    assert result.sample is not None and result.sample["output_text"] == f"{GREETING}\n{ask}"
     scenario = line.item["user_simulator"]["scenario"]
     expected = requests_of(scenario, [GREETING, ask], [opening, stop])
     users = by_model(model_server, USER)

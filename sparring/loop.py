@@ -54,9 +54,13 @@ from sparring.wire import FailureKind, new_trace_id
 if TYPE_CHECKING:
     from sparring.usersim import SimulatedUser, UserConversation, UserReply
 
-ITEM_EXCLUDED_KEYS = ("tools",)
+USER_KEY = "user_simulator"
+"""The key of a dataset line holding what a simulated user needs (sparring.usersim)."""
+
+ITEM_EXCLUDED_KEYS = ("tools", USER_KEY)
 """The keys of a dataset line left out of the `item` the tools and grader receive (the schemas are
-already in the request; the messages stay, as the platform sends them to graders)."""
+already in the request; the simulated user's scenario is no business of the tools; the messages
+stay, as the platform sends them to graders)."""
 
 EndReason = Literal[
     "answer",
@@ -82,6 +86,7 @@ class DatasetLine:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]]
     item: dict[str, Any]
+    user: Any = None  # the line's `user_simulator`, when it has one
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> DatasetLine:
@@ -92,7 +97,7 @@ class DatasetLine:
         if not isinstance(tools, list):
             raise ValueError("`tools` must be a list")
         item = {key: value for key, value in obj.items() if key not in ITEM_EXCLUDED_KEYS}
-        return cls(messages=list(messages), tools=list(tools), item=item)
+        return cls(messages=list(messages), tools=list(tools), item=item, user=obj.get(USER_KEY))
 
 
 @dataclass(frozen=True)
@@ -387,7 +392,7 @@ async def _rollout(run: _Run, line: DatasetLine, trace_id: str) -> RolloutResult
             duration_s=time.perf_counter() - started,
         )
 
-    opened = await _open_conversation(run.user, transcript)
+    opened = await _open_conversation(run.user, line.user, transcript)
     if opened is not None:
         return finish(opened[0], "", opened[1])
     ended_by, text, last_calls, discarded = await _turns(run, transcript, usage)
@@ -435,7 +440,7 @@ async def _next_turn(policy: Policy, transcript: Transcript, tracing: RolloutTra
 
 
 async def _open_conversation(
-    user: SimulatedUser | None, transcript: Transcript
+    user: SimulatedUser | None, scenario: Any, transcript: Transcript
 ) -> tuple[EndReason, str | None] | None:
     """With a simulated user and a line that has a scenario: the agent's opening (its prompt, τ²'s
     greeting, the user's first message) replaces the line's messages. Returns how the rollout ended
@@ -443,7 +448,7 @@ async def _open_conversation(
     if user is None:
         return None
     try:
-        conversation = user.start(transcript.item, transcript.trace_id)
+        conversation = user.start(scenario, transcript.item, transcript.trace_id)
     except ValueError as exc:
         return "discarded", f"user_error: {exc}"
     if conversation is None:

@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from sparring.http import Endpoint, HttpToolCaller, Retry, ToolEndpoints, Transport
-from sparring.loop import FunctionCall, ModelFailure, Policy, ToolResult, Transcript, Usage
+from sparring.loop import USER_KEY, FunctionCall, ModelFailure, Policy, ToolResult, Transcript, Usage
 
-SCENARIO_KEY = "user_simulator"
-"""The dataset line's key holding what the simulated user needs."""
+SCENARIO_KEY = USER_KEY
+"""The dataset line's key holding what the simulated user needs (left out of the tools' `item`)."""
 
 GREETING = "Hi! How can I help you today?"
 """τ²'s first agent message: the agent opens every conversation with it."""
@@ -103,9 +103,8 @@ def end_of(text: str) -> UserEnd | None:
     return next((end for token, end in _TOKENS if token in text), None)
 
 
-def user_scenario(item: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    """The line's `user_simulator`, checked; None when the line has none."""
-    spec = item.get(SCENARIO_KEY)
+def user_scenario(spec: Any) -> Mapping[str, Any] | None:
+    """A line's `user_simulator`, checked; None when the line has none."""
     if spec is None:
         return None
     if not isinstance(spec, Mapping) or not isinstance(spec.get("scenario"), Mapping):
@@ -208,6 +207,7 @@ class UserConversation:
     trace_id: str
     item: Mapping[str, Any]
     max_steps: int
+    opening: list[dict[str, Any]] | None = None  # the agent's messages before the greeting, if given
     messages: list[dict[str, Any]] = field(default_factory=list)
     steps: int = 0
     usage: Usage = field(default_factory=Usage)
@@ -223,7 +223,10 @@ class UserConversation:
         """The agent's opening messages (its prompt, τ²'s greeting, the user's first message) and that
         first reply of the user."""
         reply = await self.reply(GREETING)
-        opening = [*agent_opening(self.item, line_messages), {"role": "assistant", "content": GREETING}]
+        # Without its own opening, the line's messages but its user messages (they speak for a
+        # customer the simulator now plays).
+        before = self.opening or [dict(m) for m in line_messages if m.get("role") != "user"]
+        opening = [*before, {"role": "assistant", "content": GREETING}]
         if not reply.ended:
             opening.append({"role": "user", "content": reply.text})
         return opening, reply
@@ -286,9 +289,11 @@ class SimulatedUser:
     tools: UserTools = field(default_factory=NoUserTools)
     max_steps: int = DEFAULT_MAX_STEPS
 
-    def start(self, item: Mapping[str, Any], trace_id: str) -> UserConversation | None:
-        """The user of one rollout of the line whose item is `item`; None when it has no scenario."""
-        spec = user_scenario(item)
+    def start(self, scenario: Any, item: Mapping[str, Any], trace_id: str) -> UserConversation | None:
+        """The user of one rollout of a line: `scenario` is its `user_simulator` (None: the line has no
+        user, and None is returned), `item` what the user's tools receive. ScenarioError when the
+        scenario is not usable."""
+        spec = user_scenario(scenario)
         if spec is None:
             return None
         schemas = self.tools.schemas(spec)
@@ -301,14 +306,15 @@ class SimulatedUser:
             trace_id=trace_id,
             item=item,
             max_steps=self.max_steps,
+            opening=agent_opening(spec),
         )
 
 
-def agent_opening(item: Mapping[str, Any], messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The agent's messages before the greeting: the line's `user_simulator.agent_messages`, else the
-    line's messages without its user messages (they speak for a customer the simulator now plays)."""
-    spec = item.get(SCENARIO_KEY)
-    opening = spec.get("agent_messages") if isinstance(spec, Mapping) else None
-    if isinstance(opening, list) and opening:
-        return [dict(message) for message in opening]
-    return [dict(message) for message in messages if message.get("role") != "user"]
+def agent_opening(spec: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    """The agent's messages before the greeting given by a line's `user_simulator.agent_messages`."""
+    opening = spec.get("agent_messages")
+    if not isinstance(opening, list) or not opening:
+        return None
+    if not all(isinstance(message, Mapping) for message in opening):
+        raise ScenarioError(f"`{SCENARIO_KEY}.agent_messages` must be a list of messages")
+    return [dict(message) for message in opening]

@@ -17,7 +17,7 @@ from app.episodes.sessions import EpisodeSession, SessionStore
 from app.errors import ServiceUnavailable, SparringError, StartupError, answer_to
 from app.packs import Registry
 from app.remote.runner import contained
-from sparring.loop import ModelFailure
+from sparring.loop import USER_KEY, ModelFailure
 from sparring.usersim import UserReply
 
 SUBMIT = "submit"  # the reserved terminal call: not a tool of any pack, never in a tool list
@@ -197,7 +197,9 @@ async def message_user(
         return _user_error(call_id, f"the customer has ended the conversation ({session.user['ended']})")
     user = contained(services.user, session.trace_id, what="the user model of episode")
     try:
-        conversation = user.start(session.row or {}, session.trace_id) if user is not None else None
+        row = session.row or {}
+        item = {key: value for key, value in row.items() if key != USER_KEY}
+        conversation = user.start(row.get(USER_KEY), item, session.trace_id) if user is not None else None
     except ValueError as exc:
         return _user_error(call_id, f"this task's user scenario is unusable: {exc}")
     if conversation is None:

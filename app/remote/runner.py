@@ -35,6 +35,7 @@ from app.remote.service import RolloutOutcome
 from app.telemetry import Tracing
 from sparring.http import Attempt, Retry, call_with_retries, grade_with_retries
 from sparring.loop import (
+    USER_KEY,
     DatasetLine,
     EpisodeLimits,
     FunctionCall,
@@ -209,7 +210,9 @@ class RemoteRunner:
         # is the caller's parameter for the model, not an argument of the policy.
         chat.params = dict(rollout.sampling)
         policy = ContainedPolicy(DeadlinePolicy(chat, self.model_timeout_s), rollout.rollout_id)
-        line = DatasetLine(messages=rollout.messages, tools=self.tools_for(rollout), item=rollout.item or {})
+        item = {key: value for key, value in (rollout.item or {}).items() if key != USER_KEY}
+        user = (rollout.item or {}).get(USER_KEY)
+        line = DatasetLine(messages=rollout.messages, tools=self.tools_for(rollout), item=item, user=user)
         grader = (
             ServiceGrader(
                 self.grading, self.grader, run=rollout.run, retry=self.retry, max_bytes=self.grade_max_bytes

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -33,12 +34,14 @@ class PhoneTools:
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, str]] = []
+        self.items: list[dict[str, Any]] = []
 
     def schemas(self, scenario: Mapping[str, Any]) -> list[dict[str, Any]]:
         return list(scenario.get("tools") or [])
 
     async def call(self, call: FunctionCall, *, trace_id: str, item: Mapping[str, Any]) -> ToolResult:
         self.calls.append((call.name, trace_id))
+        self.items.append(dict(item))
         return ToolResult(call=call, output='{"airplane_mode": false}')
 
 
@@ -92,7 +95,7 @@ async def test_the_user_model_gets_tau2s_prompt_and_the_flipped_conversation(
     assert result.final_text == ask
     # The grader reads every message the agent wrote, as τ²'s communicate check does.
     assert result.sample is not None and result.sample["output_text"] == f"{GREETING}\n{ask}"
-    scenario = line.item["user_simulator"]["scenario"]
+    scenario = line.user["scenario"]
     expected = requests_of(scenario, [GREETING, ask], [opening, stop])
     users = by_model(model_server, USER)
     assert [sent(request) for request in users] == [
@@ -116,7 +119,7 @@ def test_a_user_with_tools_gets_the_tools_guidelines_as_tau2_gives_them() -> Non
     from sparring.usersim import system_prompt
     from tools.retail.data import read_user_guidelines
 
-    scenario = retail_line("0").item["user_simulator"]["scenario"]
+    scenario = retail_line("0").user["scenario"]
     for tools in (False, True):
         with tau2_user(scenario, user_tools=tools) as user:
             assert (
@@ -128,16 +131,12 @@ def test_a_user_with_tools_gets_the_tools_guidelines_as_tau2_gives_them() -> Non
 async def test_the_users_tool_calls_run_on_its_side_and_the_agent_never_sees_them(
     model_server: ModelServer, openai_client: AsyncOpenAI
 ) -> None:
-    line = retail_line("0")
+    plain = retail_line("0")
     toggle = {
         "type": "function",
         "function": {"name": "toggle_airplane_mode", "parameters": {"type": "object"}},
     }
-    line.item["user_simulator"] = {
-        **line.item["user_simulator"],
-        "tools": [toggle],
-        "guidelines_tools": "TOOLS",
-    }
+    line = replace(plain, user={**plain.user, "tools": [toggle], "guidelines_tools": "TOOLS"})
     model_server.script = scripted(
         agent=[Reply(text="Please turn airplane mode off."), Reply(text="Great, anything else?")],
         user=[
@@ -155,6 +154,7 @@ async def test_the_users_tool_calls_run_on_its_side_and_the_agent_never_sees_the
 
     assert result.ended_by == "user_stop"
     assert phone.calls == [("toggle_airplane_mode", result.trace_id)]
+    assert phone.items == [line.item] and "user_simulator" not in line.item  # the row, without the scenario
     users = by_model(model_server, USER)
     assert all(request.tools == ["toggle_airplane_mode"] for request in users)
     assert all(request.system.startswith("TOOLS\n\n<scenario>") for request in users)
@@ -222,7 +222,8 @@ async def test_a_line_without_a_scenario_plays_as_before(
     model_server: ModelServer, openai_client: AsyncOpenAI
 ) -> None:
     line = retail_line()
-    plain = DatasetLine(messages=line.messages, tools=line.tools, item={"task_id": "0"})
+    assert "user_simulator" not in line.item  # the tools never receive it
+    plain = DatasetLine(messages=line.messages, tools=line.tools, item=line.item)
     model_server.script = scripted(agent=[Reply(text="Done.")], user=[])
     result = await run_rollout(
         ChatPolicy(openai_client, AGENT), NoCalls(), plain, user=simulated_user(openai_client)

@@ -218,6 +218,24 @@ class Settings(BaseSettings):
         "even when they are not public (loopback, private, link-local); e.g. 127.0.0.1 for local work.",
     )
 
+    # The simulated user (sparring.usersim) of remote rollouts and episodes, for rows with a user scenario
+    user_model: str | None = Field(
+        None, description="Chat model that plays the customer of rows with a user scenario (unset: no user)."
+    )
+    user_base_url: str | None = Field(
+        None,
+        description="OpenAI-compatible base URL of the user model (default: OpenAI); a non-public host "
+        "must be listed in SPARRING_REMOTE_ALLOWED_HOSTS, as the remote rollouts' model URLs are.",
+    )
+    user_api_key: SecretStr | None = Field(None, description="API key of the user model endpoint.")
+    user_temperature: float = Field(0.0, ge=0.0, description="Sampling temperature of the user model.")
+    user_max_steps: int = Field(
+        200, ge=1, description="Steps of a conversation with the user before it ends (τ²'s count)."
+    )
+    user_timeout_seconds: float = Field(
+        300.0, gt=0, description="Deadline of one user model call, the client's retries included."
+    )
+
     # Episode protocols (app/episodes): OpenEnv under /openenv/<pack>, ORS at the origin root
     env_protocols: Annotated[list[EnvProtocol], NoDecode] = Field(
         default_factory=lambda: list(ENV_PROTOCOLS),

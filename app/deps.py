@@ -28,6 +28,7 @@ from app.metrics import Metrics
 from app.packs import Registry
 from app.remote.service import RemoteRolloutService
 from app.rollouts.store import RolloutStore
+from sparring.usersim import SimulatedUser
 
 _STATE = "sparring"  # the one name under app.state
 
@@ -48,6 +49,7 @@ class AppState:
     call_service: ToolCallService  # the one entry of a tool call: HTTP, MCP and the runner call it
     mcp: McpHttp  # /mcp: the registry over MCP, through call_service
     remote: RemoteRolloutService  # remote rollouts (eval-protocol): in the background, kept in the database
+    user: SimulatedUser | None = None  # the simulated user of episodes (SPARRING_USER_MODEL; app/users)
 
 
 def set_app_state(app: Starlette, state: AppState | None) -> None:

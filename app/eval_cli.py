@@ -11,7 +11,7 @@ import json
 import secrets
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -31,6 +31,8 @@ from sparring.policies import (
     MODEL_ANSWER_MAX_BYTES,
     MODEL_DEADLINE_S,
     Api,
+    ChatPolicy,
+    DeadlinePolicy,
     check_model,
     make_policy,
     model_client,
@@ -48,6 +50,7 @@ from sparring.session import (
     run_canaries,
     server_target,
 )
+from sparring.usersim import DEFAULT_MAX_STEPS, DEFAULT_TEMPERATURE, SimulatedUser
 
 if TYPE_CHECKING:
     from openai import AsyncOpenAI
@@ -83,6 +86,22 @@ MaxDiscardedOpt = Annotated[
         "A run where nothing could be graded always exits 1.",
     ),
 ]
+
+UserModelOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Model that plays the customer of lines with a user scenario (τ²-bench's simulated user; "
+        "chat completions, key from SPARRING_USER_API_KEY, else OPENAI_API_KEY). Unset: no user."
+    ),
+]
+UserBaseUrlOpt = Annotated[
+    str | None, typer.Option(help="OpenAI-compatible endpoint of --user-model (default: OpenAI).")
+]
+UserTemperatureOpt = Annotated[float, typer.Option(min=0.0, help="Sampling temperature of --user-model.")]
+UserMaxStepsOpt = Annotated[
+    int, typer.Option(min=1, help="Steps of a conversation with the user before it ends (τ²'s count).")
+]
+USER_KEY_ENVS = ("SPARRING_USER_API_KEY", "OPENAI_API_KEY")
 
 PREFLIGHT_DEADLINE_S = 120.0
 """The longest wait for the model's pre-flight turn (less when --model-timeout is shorter)."""
@@ -222,6 +241,10 @@ def eval_command(
         Path | None,
         typer.Option(help="Also write every rollout as JSON Lines that load as a Hugging Face dataset."),
     ] = None,
+    user_model: UserModelOpt = None,
+    user_base_url: UserBaseUrlOpt = None,
+    user_temperature: UserTemperatureOpt = DEFAULT_TEMPERATURE,
+    user_max_steps: UserMaxStepsOpt = DEFAULT_MAX_STEPS,
 ) -> None:
     """Run a model over a dataset through sparring's tools and grader: rewards, pass@k, items without
     signal."""
@@ -240,6 +263,7 @@ def eval_command(
         deadline_s=model_timeout,
         max_answer_bytes=model_max_bytes,
     )
+    user = _user_spec(user_model, user_base_url, user_temperature, user_max_steps, model_timeout)
     label = _run_label(run, "eval")
     settings = load_settings()
     journal = journal_path(settings.home, label)
@@ -249,7 +273,7 @@ def eval_command(
         )
         options.tracing = tracing
         options.pass_threshold = pass_threshold
-        report = _run(lambda stop: _evaluate(chosen, target, lines, options, stop))
+        report = _run(lambda stop: _evaluate(chosen, target, lines, options, stop, user))
     typer.echo(format_report(report))
     _write_json(out, report)
     if export is not None:
@@ -283,12 +307,74 @@ class _Model:
     max_answer_bytes: int
 
 
+@dataclass(frozen=True)
+class _User:
+    """The model that plays the simulated user: its endpoint, sampling and limits."""
+
+    name: str
+    api_key: str
+    key_env: str
+    base_url: str | None
+    temperature: float
+    max_steps: int
+    deadline_s: float
+
+
+def _user_spec(
+    name: str | None, base_url: str | None, temperature: float, max_steps: int, deadline_s: float
+) -> _User | None:
+    """The simulated user the flags ask for (None without --user-model), its key from the environment."""
+    if name is None:
+        if base_url is not None:
+            raise fail("--user-base-url needs --user-model")
+        return None
+    key_env = next((env for env in USER_KEY_ENVS if environment_secret(env) is not None), USER_KEY_ENVS[0])
+    return _User(
+        name=name,
+        api_key=_model_api_key(key_env, base_url),
+        key_env=key_env,
+        base_url=base_url,
+        temperature=temperature,
+        max_steps=max_steps,
+        deadline_s=deadline_s,
+    )
+
+
+@contextlib.asynccontextmanager
+async def _simulated_user(user: _User | None, max_answer_bytes: int) -> AsyncIterator[SimulatedUser | None]:
+    """The run's simulated user on its own client, its model checked by one cheap turn first."""
+    if user is None:
+        yield None
+        return
+    client = model_client(user.api_key, user.base_url, max_answer_bytes=max_answer_bytes)
+    try:
+        policy = DeadlinePolicy(ChatPolicy(client, user.name, temperature=user.temperature), user.deadline_s)
+        try:
+            await check_model(DeadlinePolicy(policy, min(user.deadline_s, PREFLIGHT_DEADLINE_S)))
+        except ModelFailure as exc:
+            where = user.base_url or "OpenAI's own API"
+            hint = f"--user-base-url ({where}, chat completions), --user-model, and the key in {user.key_env}"
+            message = f"the user model failed its pre-flight call ({user.name}): {exc}"
+            raise fail(f"{message}\n  check: {hint}") from exc
+        yield SimulatedUser(model=policy, name=user.name, max_steps=user.max_steps)
+    finally:
+        await client.close()
+
+
 async def _evaluate(
-    model: _Model, target: Target, lines: list[DatasetLine], options: RunOptions, stop: asyncio.Event
+    model: _Model,
+    target: Target,
+    lines: list[DatasetLine],
+    options: RunOptions,
+    stop: asyncio.Event,
+    user: _User | None = None,
 ) -> dict[str, Any]:
-    """Pre-flight the target, then run `model` over `lines`: the run's report."""
+    """Pre-flight the target, then run `model` over `lines` (with the simulated `user`): the run's report."""
     openai_client = model_client(model.api_key, model.base_url, max_answer_bytes=model.max_answer_bytes)
-    async with AiohttpTransport.open(options.concurrency) as client:
+    async with (
+        AiohttpTransport.open(options.concurrency) as client,
+        _simulated_user(user, model.max_answer_bytes) as options.user,
+    ):
         try:
             await _preflight(client, target, lines)
         except TargetError as exc:
@@ -383,14 +469,22 @@ def canary_command(
     max_tool_calls: MaxCallsOpt = 20,
     as_json: Annotated[bool, typer.Option("--json", help="Print the verdict as JSON.")] = False,
     max_discarded: MaxDiscardedOpt = None,
+    user_model: UserModelOpt = None,
+    user_base_url: UserBaseUrlOpt = None,
+    user_temperature: UserTemperatureOpt = DEFAULT_TEMPERATURE,
+    user_max_steps: UserMaxStepsOpt = DEFAULT_MAX_STEPS,
 ) -> None:
     """Attack the grader with scripted policies; exit 1 when one of them scores (or gold does not)."""
     lines = _lines(dataset)
     target = _target(server, job_config, grader, grader_url)
+    user = _user_spec(user_model, user_base_url, user_temperature, user_max_steps, MODEL_DEADLINE_S)
     options = _run_options(_run_label(run, "canary"), samples, concurrency, max_turns, max_tool_calls)
 
     async def main(stop: asyncio.Event) -> dict[str, Any]:
-        async with AiohttpTransport.open(concurrency) as client:
+        async with (
+            AiohttpTransport.open(concurrency) as client,
+            _simulated_user(user, MODEL_ANSWER_MAX_BYTES) as options.user,
+        ):
             try:
                 await _preflight(client, target, lines)
                 return await run_canaries(

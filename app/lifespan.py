@@ -35,6 +35,8 @@ from app.rollouts.build import build_store
 from app.rollouts.store import RolloutStore
 from app.sdk import Pack
 from app.telemetry import Tracing, build_tracing
+from app.users.service import build_user
+from sparring.usersim import SimulatedUser
 
 log = logging.getLogger("sparring")
 
@@ -153,7 +155,9 @@ async def _resources(
         call_service = _call_service(stack, settings, registry, store, writer, metrics, tracing)
         # The same calls over MCP (Streamable HTTP at /mcp), through the same call service.
         mcp = McpHttp(registry, call_service, keyring, settings)
-        remote = await _start_remote(stack, settings, registry, call_service, grading, database, tracing)
+        remote, user = await _start_remote(
+            stack, settings, registry, call_service, grading, database, tracing
+        )
         await stack.enter_async_context(mcp.running())
         _freeze_startup_objects()
         yield AppState(
@@ -169,6 +173,7 @@ async def _resources(
             call_service=call_service,
             mcp=mcp,
             remote=remote,
+            user=user,
         )
 
 
@@ -250,12 +255,14 @@ async def _start_remote(
     grading: GradingService,
     database: Database,
     tracing: Tracing | None,
-) -> RemoteRolloutService:
-    """The remote rollouts and the model HTTP client they use, started now.
+) -> tuple[RemoteRolloutService, SimulatedUser | None]:
+    """The remote rollouts and the model HTTP client they use, started now, and the simulated user
+    (SPARRING_USER_MODEL) on that client, which remote rollouts and episodes share.
 
     Remote rollouts stop first: stopping them records them as errors, which needs the database."""
     model_http = build_model_http(settings)
     stack.push_async_callback(model_http.aclose)
+    user = build_user(settings, model_http)
     remote = build_remote(
         settings,
         registry=registry,
@@ -265,7 +272,8 @@ async def _start_remote(
         model_http=model_http,
         worker=worker_name(settings),
         tracing=tracing,
+        user=user,
     )
     stack.push_async_callback(remote.aclose)
     await remote.start()
-    return remote
+    return remote, user

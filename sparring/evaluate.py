@@ -28,6 +28,7 @@ from sparring.loop import (
     run_rollout,
 )
 from sparring.tracing import RolloutTracing
+from sparring.usersim import SimulatedUser
 from sparring.wire import item_key
 
 
@@ -227,8 +228,11 @@ async def run_jobs(
     stop: asyncio.Event | None = None,
     limits_for: Callable[[Job], EpisodeLimits] | None = None,
     tracing: RolloutTracing | None = None,
+    user: SimulatedUser | None = None,
 ) -> bool:
     """Run `jobs` with at most `concurrency` rollouts in flight; False when `stop` interrupted them.
+
+    With `user`, lines that carry a user scenario are played against the simulated user.
 
     Each finished rollout goes to `on_record` as it ends. When `stop` is set, rollouts in flight are
     cancelled (they were not graded: a resumed run runs them again) and no new one starts.
@@ -247,6 +251,7 @@ async def run_jobs(
                 grader=grader,
                 limits=limits_for(job) if limits_for is not None else limits,
                 tracing=tracing,
+                user=user,
             )
             on_record(FinishedRollout.of(job, result))
 

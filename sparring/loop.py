@@ -46,16 +46,33 @@ import json
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from sparring.tracing import RolloutTracing, mark_failed, record_rollout, record_usage
 from sparring.wire import FailureKind, new_trace_id
 
-ITEM_EXCLUDED_KEYS = ("tools",)
-"""The keys of a dataset line left out of the `item` the tools and grader receive (the schemas are
-already in the request; the messages stay, as the platform sends them to graders)."""
+if TYPE_CHECKING:
+    from sparring.usersim import SimulatedUser, UserConversation, UserReply
 
-EndReason = Literal["answer", "max_turns", "max_tool_calls", "discarded"]
+USER_KEY = "user_simulator"
+"""The key of a dataset line holding what a simulated user needs (sparring.usersim)."""
+
+ITEM_EXCLUDED_KEYS = ("tools", USER_KEY)
+"""The keys of a dataset line left out of the `item` the tools and grader receive (the schemas are
+already in the request; the simulated user's scenario is no business of the tools; the messages
+stay, as the platform sends them to graders)."""
+
+EndReason = Literal[
+    "answer",
+    "max_turns",
+    "max_tool_calls",
+    "discarded",
+    # With a simulated user (sparring.usersim): its stop tokens, and τ²'s step limit.
+    "user_stop",
+    "user_transfer",
+    "user_out_of_scope",
+    "max_steps",
+]
 
 
 @dataclass(frozen=True)
@@ -69,6 +86,7 @@ class DatasetLine:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]]
     item: dict[str, Any]
+    user: Any = None  # the line's `user_simulator`, when it has one
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> DatasetLine:
@@ -79,7 +97,7 @@ class DatasetLine:
         if not isinstance(tools, list):
             raise ValueError("`tools` must be a list")
         item = {key: value for key, value in obj.items() if key not in ITEM_EXCLUDED_KEYS}
-        return cls(messages=list(messages), tools=list(tools), item=item)
+        return cls(messages=list(messages), tools=list(tools), item=item, user=obj.get(USER_KEY))
 
 
 @dataclass(frozen=True)
@@ -159,6 +177,7 @@ class Step:
 
     turn: ModelTurn
     results: list[ToolResult] = field(default_factory=list)
+    reply: str | None = None  # the simulated user's answer to this turn's text, if one was given
 
 
 @dataclass
@@ -170,6 +189,7 @@ class Transcript:
     tools: list[dict[str, Any]]
     item: dict[str, Any]
     steps: list[Step] = field(default_factory=list)
+    user: UserConversation | None = None  # the simulated user's side, when one plays (sparring.usersim)
 
     @property
     def calls_made(self) -> int:
@@ -312,17 +332,20 @@ async def run_rollout(
     limits: EpisodeLimits | None = None,
     trace_id: str | None = None,
     tracing: RolloutTracing | None = None,
+    user: SimulatedUser | None = None,
 ) -> RolloutResult:
     """Run one rollout of `line` and grade it (see the module docstring for the whole contract).
 
     With `tracing`, the rollout is an `invoke_agent` span and each model turn a `chat` span under it
-    (sparring.tracing); the tool calls and the grade run inside the rollout span's context.
+    (sparring.tracing); the tool calls and the grade run inside the rollout span's context. With `user`,
+    a line that carries a user scenario is played against the simulated user (sparring.usersim).
     """
     trace_id = trace_id or new_trace_id()
+    run = _Run(policy, tools, grader, limits or EpisodeLimits(), tracing, user)
     if tracing is None:
-        return await _rollout(policy, tools, line, grader, limits or EpisodeLimits(), trace_id, None)
+        return await _rollout(run, line, trace_id)
     with tracing.rollout(trace_id) as span:
-        result = await _rollout(policy, tools, line, grader, limits or EpisodeLimits(), trace_id, tracing)
+        result = await _rollout(run, line, trace_id)
         record_rollout(
             span,
             ended_by=result.ended_by,
@@ -334,15 +357,19 @@ async def run_rollout(
         return result
 
 
-async def _rollout(
-    policy: Policy,
-    tools: ToolCaller,
-    line: DatasetLine,
-    grader: GradeCaller | None,
-    limits: EpisodeLimits,
-    trace_id: str,
-    tracing: RolloutTracing | None,
-) -> RolloutResult:
+@dataclass(frozen=True)
+class _Run:
+    """What one rollout runs with."""
+
+    policy: Policy
+    tools: ToolCaller
+    grader: GradeCaller | None
+    limits: EpisodeLimits
+    tracing: RolloutTracing | None
+    user: SimulatedUser | None
+
+
+async def _rollout(run: _Run, line: DatasetLine, trace_id: str) -> RolloutResult:
     started = time.perf_counter()
     transcript = Transcript(
         trace_id=trace_id,
@@ -353,6 +380,8 @@ async def _rollout(
     usage = Usage()
 
     def finish(ended_by: EndReason, text: str, discarded: str | None = None) -> RolloutResult:
+        if transcript.user is not None:
+            usage.add(transcript.user.usage)
         return RolloutResult(
             trace_id=transcript.trace_id,
             transcript=transcript,
@@ -363,7 +392,10 @@ async def _rollout(
             duration_s=time.perf_counter() - started,
         )
 
-    ended_by, text, last_calls, discarded = await _turns(policy, tools, transcript, usage, limits, tracing)
+    opened = await _open_conversation(run.user, line.user, transcript)
+    if opened is not None:
+        return finish(opened[0], "", opened[1])
+    ended_by, text, last_calls, discarded = await _turns(run, transcript, usage)
     if discarded is not None:
         return finish("discarded", text, discarded)
     result = finish(ended_by, text)
@@ -375,12 +407,22 @@ async def _rollout(
         else []
     )
     result.sample = build_sample(text, last_calls, final_calls)
-    if grader is not None:
-        result.grade = await grader.grade(result.sample, transcript.item, transcript.trace_id)
+    if transcript.user is not None:
+        # τ² checks what the agent had to communicate in any of its messages, not only in its last.
+        result.sample["output_text"] = "\n".join(_agent_texts(transcript))
+    if run.grader is not None:
+        result.grade = await run.grader.grade(result.sample, transcript.item, transcript.trace_id)
         if result.grade.score is None:
             result.discarded = f"grader_failed: {result.grade.failure}"
     result.duration_s = time.perf_counter() - started
     return result
+
+
+def _agent_texts(transcript: Transcript) -> list[str]:
+    """Every message the agent wrote in a conversation, in order (τ²'s greeting first)."""
+    opening = [m for m in transcript.messages if m.get("role") == "assistant"]
+    texts = [content_text(m.get("content")) for m in opening]
+    return [text for text in (*texts, *(step.turn.text for step in transcript.steps)) if text]
 
 
 async def _next_turn(policy: Policy, transcript: Transcript, tracing: RolloutTracing | None) -> ModelTurn:
@@ -397,24 +439,58 @@ async def _next_turn(policy: Policy, transcript: Transcript, tracing: RolloutTra
         return turn
 
 
+async def _open_conversation(
+    user: SimulatedUser | None, scenario: Any, transcript: Transcript
+) -> tuple[EndReason, str | None] | None:
+    """With a simulated user and a line that has a scenario: the agent's opening (its prompt, τ²'s
+    greeting, the user's first message) replaces the line's messages. Returns how the rollout ended
+    when the user ended it at once or its model failed (then with the discard reason), else None."""
+    if user is None:
+        return None
+    try:
+        conversation = user.start(scenario, transcript.item, transcript.trace_id)
+    except ValueError as exc:
+        return "discarded", f"user_error: {exc}"
+    if conversation is None:
+        return None
+    transcript.user = conversation
+    try:
+        transcript.messages, reply = await conversation.open(transcript.messages)
+    except ModelFailure as exc:
+        return "discarded", f"user_model_error: {exc}"
+    return (reply.ended, None) if reply.ended is not None else None
+
+
+async def _user_reply(conversation: UserConversation, step: Step) -> tuple[EndReason | None, str | None]:
+    """The simulated user's answer to the agent's message of `step`: how it ended the episode (its stop
+    tokens, τ²'s step limit), and the discard reason when its model failed."""
+    conversation.count()
+    if conversation.exhausted:
+        return "max_steps", None
+    try:
+        reply: UserReply = await conversation.reply(step.turn.text)
+    except ModelFailure as exc:
+        return "discarded", f"user_model_error: {exc}"
+    if reply.ended is None:
+        step.reply = reply.text
+    return reply.ended, None
+
+
 async def _turns(
-    policy: Policy,
-    tools: ToolCaller,
-    transcript: Transcript,
-    usage: Usage,
-    limits: EpisodeLimits,
-    tracing: RolloutTracing | None,
+    run: _Run, transcript: Transcript, usage: Usage
 ) -> tuple[EndReason, str, tuple[FunctionCall, ...], str | None]:
-    """The model's turns and their tool calls, within `limits`, appended to `transcript`.
+    """The model's turns and their tool calls, within the limits, appended to `transcript`; with a
+    simulated user, each turn without calls goes to the user, whose answer the next turn reads.
 
     Returns why the episode ended, the last turn's text, the last calls sent, and why the rollout is
     discarded (a model or tool failure), or None.
     """
     text = ""
     last_calls: tuple[FunctionCall, ...] = ()
+    limits, conversation = run.limits, transcript.user
     for _ in range(limits.max_turns):
         try:
-            turn = await _next_turn(policy, transcript, tracing)
+            turn = await _next_turn(run.policy, transcript, run.tracing)
         except ModelFailure as exc:
             return "discarded", text, last_calls, f"model_error: {exc}"
         usage.add(turn.usage)
@@ -422,13 +498,17 @@ async def _turns(
         step = Step(turn=turn)
         transcript.steps.append(step)
         if not turn.calls:
-            return "answer", text, last_calls, None
+            if conversation is None:
+                return "answer", text, last_calls, None
+            ended, discarded = await _user_reply(conversation, step)
+            if ended is not None:
+                return ended, text, last_calls, discarded
+            continue
         budget = limits.max_tool_calls - transcript.calls_made
         to_send = turn.calls[: max(budget, 0)]
+        trace_id, item = transcript.trace_id, transcript.item
         step.results = list(
-            await asyncio.gather(
-                *(tools.call(call, trace_id=transcript.trace_id, item=transcript.item) for call in to_send)
-            )
+            await asyncio.gather(*(run.tools.call(call, trace_id=trace_id, item=item) for call in to_send))
         )
         if to_send:
             last_calls = to_send
@@ -437,4 +517,8 @@ async def _turns(
             return "discarded", text, last_calls, f"tool_failed: {failed.call.name}: {failed.failure}"
         if len(to_send) < len(turn.calls):
             return "max_tool_calls", text, last_calls, None
+        if conversation is not None:
+            conversation.count(2)  # the agent's call and its results, as τ²'s orchestrator counts them
+            if conversation.exhausted:
+                return "max_steps", text, last_calls, None
     return "max_turns", text, last_calls, None

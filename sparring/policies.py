@@ -255,6 +255,8 @@ def responses_input(transcript: Transcript) -> list[dict[str, Any]]:
                     "output": result.output or "",
                 }
             )
+        if step.reply is not None:
+            items.append({"role": "user", "content": step.reply})
     return items
 
 
@@ -286,6 +288,8 @@ def chat_messages(transcript: Transcript, *, developer_role: str = "system") -> 
                     "content": answered.get(call.call_id, "Error: tool call limit reached"),
                 }
             )
+        if step.reply is not None:
+            messages.append({"role": "user", "content": step.reply})
     return messages
 
 

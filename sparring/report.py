@@ -86,8 +86,10 @@ def build_report(
     wall_time_s: float,
     interrupted: bool,
     pass_threshold: float = PASS_SCORE,
+    user_model: str | None = None,
 ) -> dict[str, Any]:
-    """The run's report; `records` holds one record per rollout (resumed ones included)."""
+    """The run's report; `records` holds one record per rollout (resumed ones included). `user_model`
+    names the model that played the simulated user, if one did."""
     graded = [r for r in records if r.graded]
     discarded = [r for r in records if r.discarded is not None]
     scores = [r.score for r in graded if r.score is not None]
@@ -99,6 +101,7 @@ def build_report(
     done = [r for r in records if r.discarded is None]
     return {
         "run": run,
+        "user_model": user_model,
         "review_url": review_url,
         "interrupted": interrupted,
         "rollouts": {
@@ -209,6 +212,7 @@ def format_report(report: dict[str, Any]) -> str:
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(rollouts["discarded_by_reason"].items())) or "-"
     rows = [
         ("run", report["run"]),
+        *([("user model", report["user_model"])] if report.get("user_model") else []),
         ("rollouts run", f"{rollouts['run']} of {rollouts['planned']} ({rollouts['resumed']} from before)"),
         ("graded", str(rollouts["graded"])),
         ("discarded", f"{rollouts['discarded']} ({reasons})"),

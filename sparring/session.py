@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import quote, unquote, urlsplit
@@ -43,6 +43,7 @@ from sparring.http import (
 from sparring.loop import DatasetLine, EpisodeLimits, Policy, function_of
 from sparring.report import PASS_SCORE, build_report, canary_report
 from sparring.tracing import CANARY, RUN, RolloutTracing
+from sparring.usersim import HttpUserTools, SimulatedUser
 
 
 class TargetError(ValueError):
@@ -199,6 +200,21 @@ class RunOptions:
     resume: bool = False
     tracing: RolloutTracing | None = None  # rollouts as OpenTelemetry spans (sparring.tracing)
     pass_threshold: float = PASS_SCORE  # a rollout passes (pass@k) with a score at least this
+    user: SimulatedUser | None = None  # plays the customer of lines with a user scenario (sparring.usersim)
+
+
+def user_on_target(
+    client: Transport | httpx.AsyncClient, target: Target, options: RunOptions, run: str
+) -> SimulatedUser | None:
+    """The run's simulated user, its own tools called on the target's server (`/user-tools/<name>`,
+    with the tool routes' headers); a job config names no such route, so its user has no tools."""
+    user = options.user
+    if user is None or target.server is None or target.tools.fallback is None:
+        return user
+    tools = HttpUserTools(
+        as_transport(client), target.server, target.tools.fallback.headers, run=run, retry=options.retry
+    )
+    return replace(user, tools=tools)
 
 
 async def evaluate(
@@ -242,6 +258,7 @@ async def evaluate(
             on_record=on_record,
             stop=stop,
             tracing=options.tracing.labelled(**{RUN: options.run}) if options.tracing else None,
+            user=user_on_target(client, target, options, options.run),
         )
     finally:
         progress.close()
@@ -254,6 +271,7 @@ async def evaluate(
         wall_time_s=time.perf_counter() - started,
         interrupted=not finished,
         pass_threshold=options.pass_threshold,
+        user_model=options.user.name if options.user is not None else None,
     )
 
 
@@ -303,6 +321,7 @@ async def run_canaries(
         records, threshold=threshold, gold_minimum=gold_minimum, policies=chosen, grader=target.grader_name
     )
     report["run"] = options.run
+    report["user_model"] = options.user.name if options.user is not None else None
     report["review_urls"] = runs
     report["interrupted"] = interrupted
     report["wall_time_s"] = round(time.perf_counter() - started, 3)
@@ -357,6 +376,7 @@ async def _run_canary(
             stop=stop,
             limits_for=lambda job: canary_limits(options.limits, job),
             tracing=options.tracing.labelled(**{RUN: run, CANARY: name}) if options.tracing else None,
+            user=user_on_target(client, target, options, run),
         )
     finally:
         progress.close()

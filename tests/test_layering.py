@@ -128,6 +128,7 @@ CLIENT_MODULES = (
     "sparring.report",
     "sparring.client",
     "sparring.tracing",
+    "sparring.usersim",
 )
 
 BLOCKER = """

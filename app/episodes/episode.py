@@ -16,12 +16,23 @@ from app.deps import AppState
 from app.episodes.sessions import EpisodeSession, SessionStore
 from app.errors import ServiceUnavailable, SparringError, StartupError, answer_to
 from app.packs import Registry
+from app.remote.runner import contained
+from sparring.loop import USER_KEY, ModelFailure
+from sparring.usersim import UserReply
 
 SUBMIT = "submit"  # the reserved terminal call: not a tool of any pack, never in a tool list
 SUBMIT_ARG = "answer"
 SUBMIT_DESCRIPTION = (
     "End the episode with your final answer: your final message to the user, as text. It is graded "
     "and the episode ends; no call is accepted after it."
+)
+
+
+SEND_TO_USER = "send_message_to_user"  # the agent's message to the simulated user, when the server has one
+SEND_TO_USER_ARG = "message"
+SEND_TO_USER_DESCRIPTION = (
+    "Send a message to the customer and read their reply. The customer may end the conversation: "
+    "their reply then holds ###STOP###, ###TRANSFER### or ###OUT-OF-SCOPE###."
 )
 
 
@@ -67,14 +78,24 @@ def session_store(services: AppState) -> SessionStore:
     return SessionStore(services.store, ttl_seconds=services.settings.episode_ttl_seconds)
 
 
-def tool_specs(registry: Registry, pack: str) -> list[dict[str, Any]]:
+def tool_specs(registry: Registry, pack: str, *, user: bool = False) -> list[dict[str, Any]]:
     """The pack's tools as the protocols list them: exactly `name`, `description` and `input_schema`
     (`GET /tools?pack=`' `parameters`), in that order; `submit` is not among them. A name the pack
-    shares with another enabled pack is listed too: an episode's calls go to its own pack's tools."""
-    return [
+    shares with another enabled pack is listed too: an episode's calls go to its own pack's tools.
+    With `user` (the server has a simulated user), `send_message_to_user` comes last."""
+    specs = [
         {"name": spec.name, "description": spec.description, "input_schema": spec.parameters}
         for spec in registry.pack_tools.get(pack, {}).values()
     ]
+    if user:
+        argument = {"type": "string", "description": "Your message to the customer."}
+        schema = {
+            "type": "object",
+            "properties": {SEND_TO_USER_ARG: argument},
+            "required": [SEND_TO_USER_ARG],
+        }
+        specs.append({"name": SEND_TO_USER, "description": SEND_TO_USER_DESCRIPTION, "input_schema": schema})
+    return specs
 
 
 def grader_for(services: AppState, pack: str) -> str | None:
@@ -97,6 +118,8 @@ async def call_tool(
     """
     if session.done:
         raise EpisodeFinished
+    if name == SEND_TO_USER and services.user is not None:
+        return await message_user(services, session, arguments, call_id)
     envelope = ToolCallEnvelope(
         type="function_call",
         call_id=call_id,
@@ -159,3 +182,44 @@ async def submit(
         reward = result.score
     await sessions.finish(session, reward, call_id=call_id)
     return reward
+
+
+async def message_user(
+    services: AppState, session: EpisodeSession, arguments: Any, call_id: str
+) -> StepResult:
+    """The agent's message to the simulated user, answered with the user's reply (its own tool calls
+    run in between, unseen). A message the user cannot take, or a user model that fails, is an
+    `Error: ...` the agent reads (a failed exchange is not kept: the same message may be sent again)."""
+    message = arguments.get(SEND_TO_USER_ARG) if isinstance(arguments, dict) else None
+    if not isinstance(message, str) or not message.strip():
+        return _user_error(call_id, f"{SEND_TO_USER} takes one argument, {SEND_TO_USER_ARG!r}: your message")
+    if session.user.get("ended"):
+        return _user_error(call_id, f"the customer has ended the conversation ({session.user['ended']})")
+    user = contained(services.user, session.trace_id, what="the user model of episode")
+    try:
+        row = session.row or {}
+        item = {key: value for key, value in row.items() if key != USER_KEY}
+        conversation = user.start(row.get(USER_KEY), item, session.trace_id) if user is not None else None
+    except ValueError as exc:
+        return _user_error(call_id, f"this task's user scenario is unusable: {exc}")
+    if conversation is None:
+        return _user_error(call_id, "this task has no simulated customer (its row has no user scenario)")
+    conversation.messages = list(session.user.get("messages", []))
+    conversation.steps = int(session.user.get("steps", 0))
+    conversation.count()  # the agent's message, as τ²'s orchestrator counts it
+    if conversation.exhausted:
+        reply = UserReply(text="", ended="max_steps")
+    else:
+        try:
+            reply = await conversation.reply(message)
+        except ModelFailure as exc:
+            return _user_error(call_id, f"the customer could not answer ({exc}); send your message again")
+    state = {"messages": conversation.messages, "steps": conversation.steps, "ended": reply.ended}
+    await session_store(services).save_user(session, state)
+    await session_store(services).count_step(session)
+    text = reply.text or f"(the conversation has ended: {reply.ended})"
+    return StepResult(output=text, is_error=False, call_id=call_id, outcome="ok")
+
+
+def _user_error(call_id: str, message: str) -> StepResult:
+    return StepResult(output=f"Error: {message}", is_error=True, call_id=call_id, outcome="model_error")

@@ -268,7 +268,7 @@ async def _on_step(
     kind = action.get("type")
     metadata = {"trace_id": session.trace_id} if session.trace_id else {}
     if kind == "list_tools":
-        tools = episode.tool_specs(services.registry, pack)
+        tools = episode.tool_specs(services.registry, pack, user=services.user is not None)
         return _observed({"tools": tools}, metadata=metadata)
     if kind != "call_tool" or not isinstance(action.get("tool_name"), str):
         raise EpisodeRefused(
@@ -334,7 +334,7 @@ async def _session_create(services: AppState, pack: str, params: dict[str, Any],
 
 
 async def _tools_list(services: AppState, pack: str, params: dict[str, Any], run: str) -> Any:
-    return {"tools": episode.tool_specs(services.registry, pack)}
+    return {"tools": episode.tool_specs(services.registry, pack, user=services.user is not None)}
 
 
 async def _tools_call(services: AppState, pack: str, params: dict[str, Any], run: str) -> Any:

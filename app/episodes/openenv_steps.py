@@ -126,7 +126,7 @@ async def reset(services: AppState, pack: str, session: EpisodeSession, raw: Any
         raise EpisodeRefused(exc.message, code="VALIDATION_ERROR") from exc
     session.pack, session.row, session.run = pack, row, run
     session.trace_id = trace_key(data.episode_id) if data.episode_id else f"trace_openenv_{uuid.uuid4().hex}"
-    session.done, session.reward, session.step_count = False, None, 0
+    session.done, session.reward, session.step_count, session.user = False, None, 0, {}
     if not await episode.session_store(services).save(session):
         raise EpisodeRefused("the session was closed")
     return session

@@ -198,10 +198,10 @@ async def _task_of(services: AppState, body: dict[str, Any]) -> tuple[str, dict[
     return env, await load_task_row(services.registry, env, split, index)
 
 
-def _tools_answer(registry: Registry, env: str) -> dict[str, Any]:
+def _tools_answer(registry: Registry, env: str, *, user: bool) -> dict[str, Any]:
     started_pack(registry, env)
     return {
-        "tools": tool_specs(registry, env),
+        "tools": tool_specs(registry, env, user=user),
         "terminal_tool": {"name": SUBMIT, "arg": SUBMIT_ARG, "description": SUBMIT_DESCRIPTION},
     }
 
@@ -360,7 +360,8 @@ def _env_routes(router: APIRouter, running: set[asyncio.Future[Any]]) -> None:
     @router.get("/{env}/tools")
     @router.get("/{env}/task_tools")
     async def tools(env: str, request: Request) -> Response:
-        return json_response(_tools_answer(app_state(request.app).registry, env))
+        services = app_state(request.app)
+        return json_response(_tools_answer(services.registry, env, user=services.user is not None))
 
     @router.get("/{env}/prompt")
     async def prompt(env: str, request: Request) -> Response:

@@ -9,7 +9,7 @@ episode (pack, trace, row), `count_step` the step counter, `finish` the end; a s
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -38,6 +38,9 @@ class EpisodeSession:
     run: str
     # The call id of the `submit` that ended the episode: a retry of it is answered its reward again.
     submit_call_id: str | None = None
+    # The simulated user's side of the conversation (`send_message_to_user`): its messages, the steps
+    # taken and how the user ended it; empty until the agent first writes to the user.
+    user: dict[str, Any] = field(default_factory=dict)
 
     @property
     def started(self) -> bool:
@@ -76,7 +79,13 @@ def _session(sid: str, fields: dict[str, str]) -> EpisodeSession:
         channel=fields.get("channel", ""),
         run=fields.get("run", ""),
         submit_call_id=fields.get("submit_call") or None,
+        user=_user_of(fields.get("user")),
     )
+
+
+def _user_of(raw: str | None) -> dict[str, Any]:
+    user = orjson.loads(raw) if raw else None
+    return user if isinstance(user, dict) else {}
 
 
 class SessionStore:
@@ -128,8 +137,15 @@ class SessionStore:
             **_end_fields(session.done, session.reward),
             "steps": str(session.step_count),
             "submits": "1" if session.done else "0",
+            "user": orjson.dumps(session.user).decode() if session.user else "",
         }
         return await self.store.record_put(RecordWrite(_key(session.sid), fields, self.ttl))
+
+    async def save_user(self, session: EpisodeSession, user: dict[str, Any]) -> None:
+        """Keep the simulated user's side of the conversation (after each of its answers)."""
+        session.user = user
+        fields = {"user": orjson.dumps(user).decode()}
+        await self.store.record_put(RecordWrite(_key(session.sid), fields, self.ttl))
 
     async def start(self, session: EpisodeSession) -> bool:
         """Give a session made without a task its episode: only once (False if it has one already or

@@ -17,6 +17,7 @@ from app.remote.service import RemoteRolloutService
 from app.telemetry import Tracing
 from sparring.loop import EpisodeLimits
 from sparring.policies import CappedAnswers
+from sparring.usersim import SimulatedUser
 
 
 def build_model_http(settings: Settings) -> DefaultAsyncHttpxClient:
@@ -44,8 +45,10 @@ def build_remote(
     model_http: DefaultAsyncHttpxClient,
     worker: str,
     tracing: Tracing | None = None,
+    user: SimulatedUser | None = None,
 ) -> RemoteRolloutService:
-    """StartupError when SPARRING_REMOTE_GRADER names no configured grader."""
+    """StartupError when SPARRING_REMOTE_GRADER names no configured grader. `user` plays the customer
+    of rows with a user scenario (SPARRING_USER_MODEL, `app.users.service.build_user`)."""
     if settings.remote_grader is not None and settings.remote_grader not in grading.graders:
         known = ", ".join(sorted(grading.graders)) or "none"
         raise StartupError(
@@ -61,6 +64,7 @@ def build_remote(
         model_timeout_s=settings.remote_model_timeout_seconds,
         grade_max_bytes=settings.max_body_bytes,
         tracing=tracing,
+        user=user,
     )
     return RemoteRolloutService(
         database=database,

@@ -20,7 +20,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
@@ -35,6 +35,7 @@ from app.remote.service import RolloutOutcome
 from app.telemetry import Tracing
 from sparring.http import Attempt, Retry, call_with_retries, grade_with_retries
 from sparring.loop import (
+    USER_KEY,
     DatasetLine,
     EpisodeLimits,
     FunctionCall,
@@ -49,6 +50,7 @@ from sparring.loop import (
 )
 from sparring.policies import ChatPolicy, DeadlinePolicy
 from sparring.tracing import RUN, RolloutTracing
+from sparring.usersim import SimulatedUser
 from sparring.wire import INFRA_ERROR, REFUSED, TOOL_CRASH, ToolCallEnvelope
 
 FINAL_TEXT_KEPT = 2000
@@ -144,21 +146,28 @@ class ServiceGrader:
         return await grade_with_retries(self.retry, attempt)
 
 
+def contained(user: SimulatedUser | None, label: str, *, what: str) -> SimulatedUser | None:
+    """`user` for one rollout, its model's failures told in sparring's words (`what` and `label` name
+    it in the log)."""
+    return None if user is None else replace(user, model=ContainedPolicy(user.model, label, what=what))
+
+
 class ContainedPolicy:
     """The policy of a remote rollout: the model's failures told in sparring's own words.
 
     The endpoint is the caller's, and may be a service inside the network answering with its own
     error text; that text goes to the server's log, never into the rollout's reason."""
 
-    def __init__(self, inner: Policy, rollout_id: str) -> None:
+    def __init__(self, inner: Policy, rollout_id: str, *, what: str = "the model of remote rollout") -> None:
         self.inner = inner
         self.rollout_id = rollout_id
+        self.what = what  # how the log names the model and what it served
 
     async def next_turn(self, transcript: Transcript) -> ModelTurn:
         try:
             return await self.inner.next_turn(transcript)
         except ModelFailure as exc:
-            log.warning("the model of remote rollout %s failed: %s", self.rollout_id, exc)
+            log.warning("%s %s failed: %s", self.what, self.rollout_id, exc)
             raise ModelFailure(exc.brief) from exc
 
 
@@ -176,6 +185,7 @@ class RemoteRunner:
     retry: Retry = field(default_factory=Retry)
     grade_max_bytes: int | None = None
     tracing: Tracing | None = None  # None: tracing is off (app/telemetry.py)
+    user: SimulatedUser | None = None  # plays the customer of rows with a user scenario (app/users)
 
     def tools_for(self, rollout: RolloutPlan) -> list[dict[str, Any]]:
         """The request's tool schemas, else every served tool (of the named pack)."""
@@ -200,7 +210,9 @@ class RemoteRunner:
         # is the caller's parameter for the model, not an argument of the policy.
         chat.params = dict(rollout.sampling)
         policy = ContainedPolicy(DeadlinePolicy(chat, self.model_timeout_s), rollout.rollout_id)
-        line = DatasetLine(messages=rollout.messages, tools=self.tools_for(rollout), item=rollout.item or {})
+        item = {key: value for key, value in (rollout.item or {}).items() if key != USER_KEY}
+        user = (rollout.item or {}).get(USER_KEY)
+        line = DatasetLine(messages=rollout.messages, tools=self.tools_for(rollout), item=item, user=user)
         grader = (
             ServiceGrader(
                 self.grading, self.grader, run=rollout.run, retry=self.retry, max_bytes=self.grade_max_bytes
@@ -216,12 +228,16 @@ class RemoteRunner:
             limits=self.limits,
             trace_id=rollout.trace_id,
             tracing=self._tracing(rollout),
+            user=contained(self.user, rollout.rollout_id, what="the user model of remote rollout"),
         )
         if grader is None or result.grade is None:
             # Graded rollouts keep their state with the grade; an ungraded one keeps it at its end, so a
             # grader tried later (`sparring regrade`) can still read it.
             await self.grading.keep_state(rollout.trace_id)
-        return outcome_of(result, grader=self.grader if grader is not None else None)
+        outcome = outcome_of(result, grader=self.grader if grader is not None else None)
+        if result.transcript.user is not None and self.user is not None:
+            outcome.summary["user_model"] = self.user.name
+        return outcome
 
     def _tracing(self, rollout: RolloutPlan) -> RolloutTracing | None:
         """The rollout as an `invoke_agent` span (under the init request's `traceparent`, if any)."""

@@ -19,7 +19,7 @@ async def test_rows_are_the_dataset_build_lines_in_order(
     rows = task_rows("retail", "test", registry=registry)
     assert rows == built_test_split
     assert len(rows) == 40
-    assert set(rows[0]) == {"messages", "tools", "task_id", "actions", "communicate_info"}
+    assert set(rows[0]) == {"messages", "tools", "task_id", "actions", "communicate_info", "user_simulator"}
     assert task_row("retail", "test", 39, registry=registry) == built_test_split[39]
     # Each call parses its own copy: a caller changing a row changes nobody else's.
     rows[0]["task_id"] = "changed"

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from tests.retail.corpus import (
+    DATA_DIR,
     build_dataset,
     get_task,
     gold_calls,
@@ -14,6 +15,7 @@ from tests.retail.corpus import (
     write_dataset,
 )
 from tools.retail import pack
+from tools.retail.data import read_json
 from tools.retail.dataset import PREFACE, check_dataset, user_message
 
 SERVED = set(pack.tools)
@@ -44,7 +46,16 @@ def test_a_line_carries_the_policy_the_scenario_the_tools_and_the_gold() -> None
     assert [(a["name"], a["arguments"]) for a in line["actions"]] == gold_calls("0")
     assert line["actions"][0]["action_id"] == "0_0"
     assert line["communicate_info"] == []
-    assert set(line) == {"messages", "tools", "task_id", "actions", "communicate_info"}
+    assert set(line) == {"messages", "tools", "task_id", "actions", "communicate_info", "user_simulator"}
+    simulator = line["user_simulator"]
+    raw = next(t for t in read_json(DATA_DIR, "tasks.json") if t["id"] == "0")["user_scenario"]
+    assert simulator["scenario"]["instructions"] == raw["instructions"]
+    assert simulator["scenario"]["persona"] == raw.get("persona")
+    assert simulator["guidelines"].startswith("# User Simulation Guidelines")
+    assert "tools" not in simulator  # a retail customer has no tools of their own
+    (opening,) = simulator["agent_messages"]
+    assert opening["role"] == "developer" and opening["content"].endswith(read_policy())
+    assert "counts as that confirmation" not in opening["content"]  # the user now answers for itself
 
 
 def test_placeholder_instructions_are_left_out() -> None:

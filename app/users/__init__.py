@@ -1,0 +1,1 @@
+"""The server's simulated user (sparring.usersim), for remote rollouts and episodes."""

@@ -1,0 +1,320 @@
+"""The simulated user: an OpenAI-compatible model role-playing the customer of a τ²-bench task.
+
+A dataset line whose item carries `user_simulator` is played as a conversation: the agent opens with
+τ²'s greeting, the simulated user answers, and the two alternate as in τ²'s orchestrator. The line's
+`user_simulator` holds what the simulator needs (written by `sparring dataset build`):
+
+    {"scenario": {"persona": ..., "instructions": {...} or "..."},   # τ²'s user_scenario
+     "guidelines": "...",          # τ²'s simulation guidelines
+     "guidelines_tools": "...",    # optional: their variant for a user with tools (used when it has some)
+     "tools": [...],               # optional: the user's own tools (chat-completions schemas)
+     "agent_messages": [...]}      # optional: the agent's opening messages when a user plays
+
+The user's system prompt is built as τ²'s `UserSimulator` builds it (the guidelines, then the scenario
+in a `<scenario>` block, the scenario written as τ²'s `UserScenario.__str__` writes it); the model sees
+the conversation role-flipped (the agent's texts as `user`, its own turns as `assistant`). Each user
+turn is a message or a tool call: a tool call runs on the user's side (`UserTools`), its result goes
+back to the user and nothing of it is shown to the agent. The user ends the episode with `###STOP###`,
+`###TRANSFER###` or `###OUT-OF-SCOPE###`; the loop also stops at `max_steps`, counted as τ²'s
+orchestrator counts them (every message and every batch of tool results is a step).
+
+The user's turns are kept in `UserConversation.messages`, un-flipped, each with its role: `assistant`
+for the agent's texts, `simulated_user` for the user's turns, `tool` for the results of its calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import textwrap
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from sparring.http import Endpoint, HttpToolCaller, Retry, ToolEndpoints, Transport
+from sparring.loop import USER_KEY, FunctionCall, ModelFailure, Policy, ToolResult, Transcript, Usage
+
+SCENARIO_KEY = USER_KEY
+"""The dataset line's key holding what the simulated user needs (left out of the tools' `item`)."""
+
+GREETING = "Hi! How can I help you today?"
+"""τ²'s first agent message: the agent opens every conversation with it."""
+
+STOP = "###STOP###"
+TRANSFER = "###TRANSFER###"
+OUT_OF_SCOPE = "###OUT-OF-SCOPE###"
+
+USER_ROLE = "simulated_user"
+"""The role of the simulated user's turns in a stored conversation."""
+
+DEFAULT_MODEL = "gpt-4.1"
+DEFAULT_TEMPERATURE = 0.0
+DEFAULT_MAX_STEPS = 200
+"""τ²'s defaults: its user model, the user's temperature, and the orchestrator's step limit."""
+
+UserEnd = Literal["user_stop", "user_transfer", "user_out_of_scope", "max_steps"]
+_TOKENS: tuple[tuple[str, UserEnd], ...] = (
+    (STOP, "user_stop"),
+    (TRANSFER, "user_transfer"),
+    (OUT_OF_SCOPE, "user_out_of_scope"),
+)
+
+
+class ScenarioError(ValueError):
+    """A line's `user_simulator` is not what the simulator needs."""
+
+
+def _indented(text: str) -> str:
+    return textwrap.indent(text, "\t")
+
+
+def instructions_text(instructions: Any) -> str:
+    """A scenario's instructions as τ² writes them: a string as it is, structured ones field by field."""
+    if isinstance(instructions, str):
+        return instructions
+    if not isinstance(instructions, Mapping):
+        raise ScenarioError("the scenario's `instructions` must be text or an object")
+    lines = [
+        f"Domain: {instructions.get('domain')}",
+        f"Reason for call:\n{_indented(str(instructions.get('reason_for_call')))}",
+    ]
+    for key, title in (("known_info", "Known info"), ("unknown_info", "Unknown info")):
+        if instructions.get(key) is not None:
+            lines.append(f"{title}:\n{_indented(str(instructions[key]))}")
+    lines.append(f"Task instructions:\n{_indented(str(instructions.get('task_instructions')))}")
+    return "\n".join(lines)
+
+
+def scenario_text(scenario: Mapping[str, Any]) -> str:
+    """A `user_scenario` as τ²'s `UserScenario.__str__` writes it: the persona, then the instructions."""
+    lines = []
+    if scenario.get("persona") is not None:
+        lines += ["Persona:", _indented(str(scenario["persona"]))]
+    lines += ["Instructions:", _indented(instructions_text(scenario.get("instructions")))]
+    return "\n".join(lines)
+
+
+def system_prompt(guidelines: str, scenario: Mapping[str, Any]) -> str:
+    """The user's system prompt, as τ²'s `UserSimulator.system_prompt`."""
+    return f"{guidelines}\n\n<scenario>\n{scenario_text(scenario)}\n</scenario>".strip()
+
+
+def end_of(text: str) -> UserEnd | None:
+    """Why a user message ends the episode (τ²'s stop tokens), or None."""
+    return next((end for token, end in _TOKENS if token in text), None)
+
+
+def user_scenario(spec: Any) -> Mapping[str, Any] | None:
+    """A line's `user_simulator`, checked; None when the line has none."""
+    if spec is None:
+        return None
+    if not isinstance(spec, Mapping) or not isinstance(spec.get("scenario"), Mapping):
+        raise ScenarioError(f"`{SCENARIO_KEY}` must be an object with a `scenario` object")
+    if not isinstance(spec.get("guidelines"), str):
+        raise ScenarioError(f"`{SCENARIO_KEY}.guidelines` must be the simulation guidelines' text")
+    if spec.get("guidelines_tools") is not None and not isinstance(spec["guidelines_tools"], str):
+        raise ScenarioError(
+            f"`{SCENARIO_KEY}.guidelines_tools` must be the guidelines' text for a user with tools"
+        )
+    return spec
+
+
+class UserTools(Protocol):
+    """The user's own tools: their schemas for a scenario, and a call of one of them."""
+
+    def schemas(self, scenario: Mapping[str, Any]) -> list[dict[str, Any]]: ...
+
+    async def call(self, call: FunctionCall, *, trace_id: str, item: Mapping[str, Any]) -> ToolResult: ...
+
+
+class NoUserTools:
+    """A user without tools (retail, airline): no schemas, and any call answers an error it reads."""
+
+    def schemas(self, scenario: Mapping[str, Any]) -> list[dict[str, Any]]:
+        return []
+
+    async def call(self, call: FunctionCall, *, trace_id: str, item: Mapping[str, Any]) -> ToolResult:
+        return ToolResult(call=call, output=f"Error: the user has no tool {call.name!r}")
+
+
+class HttpUserTools:
+    """The user's tools on a sparring server, `POST <base>/user-tools/<name>` (the envelope, key and
+    trace of `/tools/<name>`), with the schemas the line's `user_simulator.tools` lists."""
+
+    def __init__(
+        self,
+        client: Transport,
+        base_url: str,
+        headers: Mapping[str, str],
+        *,
+        run: str | None = None,
+        retry: Retry | None = None,
+    ) -> None:
+        endpoints = ToolEndpoints(
+            fallback=Endpoint(url=f"{base_url.rstrip('/')}/user-tools/{{name}}", headers=dict(headers))
+        )
+        self.caller = HttpToolCaller(client, endpoints, run=run, retry=retry)
+
+    def schemas(self, scenario: Mapping[str, Any]) -> list[dict[str, Any]]:
+        return listed_tools(scenario)
+
+    async def call(self, call: FunctionCall, *, trace_id: str, item: Mapping[str, Any]) -> ToolResult:
+        return await self.caller.call(call, trace_id=trace_id, item=item)
+
+
+def listed_tools(scenario: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The user tools a line's `user_simulator` lists (chat-completions form)."""
+    tools = scenario.get("tools") or []
+    if not isinstance(tools, list) or not all(isinstance(tool, Mapping) for tool in tools):
+        raise ScenarioError(f"`{SCENARIO_KEY}.tools` must be a list of function tools")
+    return [dict(tool) for tool in tools]
+
+
+def flipped(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The user's history as its model reads it (τ²'s `UserState.flip_roles`): the agent's texts as
+    `user`, the user's own turns as `assistant`, the results of its calls as `tool`."""
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        role = message.get("role")
+        if role == "assistant":
+            out.append({"role": "user", "content": message.get("content")})
+        elif role == USER_ROLE:
+            turn: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
+            if message.get("tool_calls"):
+                turn["tool_calls"] = message["tool_calls"]
+            out.append(turn)
+        elif role == "tool":
+            call_id = message.get("tool_call_id")
+            out.append({"role": "tool", "tool_call_id": call_id, "content": message.get("content")})
+    return out
+
+
+@dataclass
+class UserReply:
+    """What the user said to the agent (its tool calls ran before), and whether it ended the episode."""
+
+    text: str
+    ended: UserEnd | None = None
+
+
+@dataclass
+class UserConversation:
+    """One rollout's simulated user: its prompt, its history, and the steps taken so far."""
+
+    model: Policy
+    tools: UserTools
+    schemas: list[dict[str, Any]]
+    prompt: str
+    trace_id: str
+    item: Mapping[str, Any]
+    max_steps: int
+    opening: list[dict[str, Any]] | None = None  # the agent's messages before the greeting, if given
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    steps: int = 0
+    usage: Usage = field(default_factory=Usage)
+
+    def request(self) -> Transcript:
+        """The next request to the user model: the system prompt and the flipped history."""
+        messages = [{"role": "system", "content": self.prompt}, *flipped(self.messages)]
+        return Transcript(trace_id=self.trace_id, messages=messages, tools=self.schemas, item={})
+
+    async def open(
+        self, line_messages: Sequence[Mapping[str, Any]]
+    ) -> tuple[list[dict[str, Any]], UserReply]:
+        """The agent's opening messages (its prompt, τ²'s greeting, the user's first message) and that
+        first reply of the user."""
+        reply = await self.reply(GREETING)
+        # Without its own opening, the line's messages but its user messages (they speak for a
+        # customer the simulator now plays).
+        before = self.opening or [dict(m) for m in line_messages if m.get("role") != "user"]
+        opening = [*before, {"role": "assistant", "content": GREETING}]
+        if not reply.ended:
+            opening.append({"role": "user", "content": reply.text})
+        return opening, reply
+
+    def count(self, steps: int = 1) -> None:
+        """Steps the agent took (a message, a batch of tool results), counted with the user's own."""
+        self.steps += steps
+
+    @property
+    def exhausted(self) -> bool:
+        return self.steps >= self.max_steps
+
+    async def reply(self, agent_text: str) -> UserReply:
+        """The user's answer to the agent's message: its tool calls run until it writes a message.
+
+        Raises ModelFailure when the user model fails or answers nothing."""
+        self.messages.append({"role": "assistant", "content": agent_text})
+        while True:
+            turn = await self.model.next_turn(self.request())
+            self.usage.add(turn.usage)
+            self.steps += 1
+            if not turn.calls:
+                if not turn.text.strip():
+                    raise ModelFailure("the user model answered an empty message")
+                self.messages.append({"role": USER_ROLE, "content": turn.text})
+                ended = end_of(turn.text) or ("max_steps" if self.exhausted else None)
+                return UserReply(text=turn.text, ended=ended)
+            self.messages.append(
+                {"role": USER_ROLE, "content": turn.text or None, "tool_calls": _chat_calls(turn.calls)}
+            )
+            results = await asyncio.gather(
+                *(self.tools.call(call, trace_id=self.trace_id, item=self.item) for call in turn.calls)
+            )
+            failed = next((result for result in results if result.failure is not None), None)
+            if failed is not None:
+                raise ModelFailure(f"the user's tool {failed.call.name} failed: {failed.failure}")
+            for result in results:
+                self.messages.append(
+                    {"role": "tool", "tool_call_id": result.call.call_id, "content": result.output or ""}
+                )
+            self.steps += 1
+            if self.exhausted:
+                return UserReply(text="", ended="max_steps")
+
+
+def _chat_calls(calls: Sequence[FunctionCall]) -> list[dict[str, Any]]:
+    return [
+        {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+        for call in calls
+    ]
+
+
+@dataclass(frozen=True)
+class SimulatedUser:
+    """The simulated user of a run: its model (a chat `Policy`, e.g. `sparring.policies.ChatPolicy`
+    with τ²'s temperature), its tools, and the step limit. `name` is the model's, for the report."""
+
+    model: Policy
+    name: str
+    tools: UserTools = field(default_factory=NoUserTools)
+    max_steps: int = DEFAULT_MAX_STEPS
+
+    def start(self, scenario: Any, item: Mapping[str, Any], trace_id: str) -> UserConversation | None:
+        """The user of one rollout of a line: `scenario` is its `user_simulator` (None: the line has no
+        user, and None is returned), `item` what the user's tools receive. ScenarioError when the
+        scenario is not usable."""
+        spec = user_scenario(scenario)
+        if spec is None:
+            return None
+        schemas = self.tools.schemas(spec)
+        guidelines = spec.get("guidelines_tools") if schemas else None
+        return UserConversation(
+            model=self.model,
+            tools=self.tools,
+            schemas=schemas,
+            prompt=system_prompt(guidelines or spec["guidelines"], spec["scenario"]),
+            trace_id=trace_id,
+            item=item,
+            max_steps=self.max_steps,
+            opening=agent_opening(spec),
+        )
+
+
+def agent_opening(spec: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    """The agent's messages before the greeting given by a line's `user_simulator.agent_messages`."""
+    opening = spec.get("agent_messages")
+    if not isinstance(opening, list) or not opening:
+        return None
+    if not all(isinstance(message, Mapping) for message in opening):
+        raise ScenarioError(f"`{SCENARIO_KEY}.agent_messages` must be a list of messages")
+    return [dict(message) for message in opening]

@@ -1,0 +1,99 @@
+"""Episodes with the server's simulated user: `send_message_to_user` is a step, the reply its answer."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from app.episodes.episode import SEND_TO_USER, call_tool, session_store
+from app.episodes.tasks import load_task_rows
+from sparring.usersim import GREETING, STOP, USER_ROLE
+from tests.conftest import TOOLS_KEY, AppFactory
+from tests.episodes.test_episode import open_session, state_of
+from tests.runner.conftest import model_server, model_server_process
+from tests.runner.model_server import ModelRequest, ModelServer, Reply, Unavailable
+from tools.retail import pack as retail_pack
+
+__all__ = ["model_server", "model_server_process"]
+
+OPENING = "Hi, I want to return something."
+
+
+def user_script(request: ModelRequest) -> Reply:
+    if request.model == "down":
+        raise Unavailable
+    answered = sum(1 for m in request.body["messages"] if m["role"] == "assistant")
+    return Reply(text=OPENING if answered == 0 else f"Thanks! {STOP}")
+
+
+@pytest.fixture
+async def with_user(
+    app_factory: AppFactory, retail_data: Path, model_server: ModelServer, request: pytest.FixtureRequest
+) -> AsyncIterator[httpx.AsyncClient]:
+    model_server.script = user_script
+    async with app_factory(
+        packs=[retail_pack],
+        pack_settings={"retail": {"data": retail_data}},
+        user_model=getattr(request, "param", "user"),
+        user_base_url=model_server.base_url,
+        remote_allowed_hosts=["127.0.0.1"],
+    ) as client:
+        yield client
+
+
+async def first_row(client: httpx.AsyncClient) -> dict[str, Any]:
+    return (await load_task_rows(state_of(client).registry, "retail", "test"))[0]
+
+
+async def test_the_user_answers_each_message_across_requests_until_it_stops(
+    with_user: httpx.AsyncClient, model_server: ModelServer
+) -> None:
+    services, row = state_of(with_user), await first_row(with_user)
+    session = await open_session(with_user, row)
+
+    first = await call_tool(services, session, SEND_TO_USER, {"message": GREETING}, "m1")
+    assert (first.output, first.is_error) == (OPENING, False)
+    again = await session_store(services).get(session.sid)  # another request, maybe another worker
+    assert again is not None and [m["role"] for m in again.user["messages"]] == ["assistant", USER_ROLE]
+    second = await call_tool(services, again, SEND_TO_USER, {"message": "Your return is done."}, "m2")
+    assert second.output == f"Thanks! {STOP}" and not second.is_error
+    last = model_server.requests[-1]
+    assert "<scenario>" in last.system
+    assert [(m["role"], m["content"]) for m in last.body["messages"][1:]] == [
+        ("user", GREETING),
+        ("assistant", OPENING),
+        ("user", "Your return is done."),
+    ]
+    ended = await session_store(services).get(session.sid)
+    assert ended is not None and ended.user["ended"] == "user_stop" and ended.step_count == 2
+    after = await call_tool(services, ended, SEND_TO_USER, {"message": "Anything else?"}, "m3")
+    assert after.is_error and after.output.startswith("Error: the customer has ended the conversation")
+    bad = await call_tool(services, ended, SEND_TO_USER, {"text": "hi"}, "m4")
+    assert bad.is_error and bad.output.startswith(f"Error: {SEND_TO_USER} takes one argument")
+
+
+async def test_the_protocols_list_send_message_to_user_when_the_server_has_a_user(
+    with_user: httpx.AsyncClient,
+) -> None:
+    listed = (await with_user.get("/retail/tools", headers={"X-API-Key": TOOLS_KEY})).json()
+    assert listed["tools"][-1]["name"] == SEND_TO_USER
+    assert listed["tools"][-1]["input_schema"]["required"] == ["message"]
+
+
+@pytest.mark.parametrize("with_user", ["down"], indirect=True)
+async def test_a_user_model_outage_is_an_error_the_agent_reads_and_may_retry(
+    with_user: httpx.AsyncClient,
+) -> None:
+    services = state_of(with_user)
+    session = await open_session(with_user, await first_row(with_user))
+    answer = await call_tool(services, session, SEND_TO_USER, {"message": GREETING}, "m1")
+    assert answer.is_error
+    assert answer.output == (
+        "Error: the customer could not answer (the model endpoint answered HTTP 503); send your message again"
+    )
+    kept = await session_store(services).get(session.sid)
+    assert kept is not None and kept.user == {} and kept.step_count == 0

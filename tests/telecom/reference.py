@@ -18,6 +18,8 @@ from tau2.data_model.message import AssistantMessage, ToolMessage, UserMessage  
 from tau2.data_model.message import ToolCall as Tau2ToolCall  # noqa: E402
 from tau2.data_model.tasks import RewardType, Task  # noqa: E402
 from tau2.domains.telecom.environment import get_environment, get_tasks  # noqa: E402
+from tau2.domains.telecom.user_data_model import PerformanceLevel, VpnDetails  # noqa: E402
+from tau2.domains.telecom.user_tools import TelecomUserTools  # noqa: E402
 from tau2.evaluator.evaluator_action import ActionEvaluator  # noqa: E402
 from tau2.evaluator.evaluator_env import EnvironmentEvaluator  # noqa: E402
 
@@ -40,8 +42,17 @@ def _kept(model: Any) -> Any:
     return json.loads(json.dumps(model.model_dump(), default=str))
 
 
+def fresh_process() -> None:
+    """Undo what earlier runs left in this process: the reference's `break_vpn` breaks the VPN object its
+    user toolkit shares between all phones (a class attribute), so each run starts as a new process."""
+    TelecomUserTools.default_vpn_details = VpnDetails(
+        server_address="192.168.1.1", protocol="OpenVPN", server_performance=PerformanceLevel.EXCELLENT
+    )
+
+
 def run(task_id: str, calls: Sequence[Call]) -> Run:
     """The task's initialization, then the calls, on a fresh τ²-bench telecom environment."""
+    fresh_process()
     env = get_environment()
     env.set_state(
         initialization_data=None,
@@ -72,6 +83,7 @@ def reward(task_id: str, calls: Sequence[Call], outputs: Sequence[str]) -> float
         trajectory.append(answer)
     trajectory.append(AssistantMessage(role="assistant", content="Done."))
     reference = task(task_id)
+    fresh_process()
     env = EnvironmentEvaluator.calculate_reward(
         environment_constructor=get_environment, task=reference, full_trajectory=trajectory
     )

@@ -79,6 +79,7 @@ def _break_vpn(rollout: Rollout) -> None:
     details = rollout.phone.device["vpn_details"]
     if details is not None:
         details["server_performance"] = "poor"
+    rollout.phone.vpn_performance = "poor"  # the reference's shared VPN object is the one broken
 
 
 def _assert_service_status(rollout: Rollout, expected_status: str) -> bool:

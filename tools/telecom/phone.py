@@ -51,6 +51,9 @@ class Handset:
 
     device: dict[str, Any]
     surroundings: dict[str, Any]
+    # How the VPN that `connect_vpn` joins performs. The reference connects every phone to one shared
+    # VPN object, which its `break_vpn` breaks for every later connection: kept per rollout here.
+    vpn_performance: str = "excellent"
 
     # --- what the phone shows ---------------------------------------------------------------------
 
@@ -302,7 +305,7 @@ class Handset:
         if self.device["vpn_connected"]:
             return False
         self.device["vpn_connected"] = True
-        self.device["vpn_details"] = as_kept(DEFAULT_VPN)
+        self.device["vpn_details"] = {**as_kept(DEFAULT_VPN), "server_performance": self.vpn_performance}
         return True
 
     def disconnect_vpn(self) -> bool:

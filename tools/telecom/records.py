@@ -25,8 +25,9 @@ CARRIER = (PLANS, CUSTOMERS, LINES, BILLS, DEVICES)
 PHONE = "phone"  # one record per rollout for each of DEVICE and SURROUNDINGS
 DEVICE = "device"
 SURROUNDINGS = "surroundings"
-SETUP = "setup"  # the rollout's task, once its initialization actions were applied: key TASK
+SETUP = "setup"  # the rollout's task, once its initialization actions were applied (TASK), and VPN
 TASK = "task"
+VPN = "vpn"  # how the VPN `connect_vpn` joins performs, once the rollout's `break_vpn` broke it
 COLLECTIONS = (*CARRIER, PHONE)
 
 

@@ -23,6 +23,7 @@ from tools.telecom.records import (
     SETUP,
     SURROUNDINGS,
     TASK,
+    VPN,
     carrier_database,
     phone_records,
 )
@@ -46,13 +47,19 @@ class Rollout:
 
     @classmethod
     def open(cls, state: RolloutState) -> Rollout:
-        return cls(state, Handset(state.get(PHONE, DEVICE), state.get(PHONE, SURROUNDINGS)))
+        phone = Handset(state.get(PHONE, DEVICE), state.get(PHONE, SURROUNDINGS))
+        vpn = state.get(SETUP, VPN)
+        if vpn is not None:
+            phone.vpn_performance = vpn["server_performance"]
+        return cls(state, phone)
 
     def close(self) -> None:
         """Put back the phone's records that changed."""
         for key, value in ((DEVICE, self.phone.device), (SURROUNDINGS, self.phone.surroundings)):
             if self.state.get(PHONE, key) != value:
                 self.state.put(PHONE, key, value)
+        if self.phone.vpn_performance != Handset.vpn_performance and self.state.get(SETUP, VPN) is None:
+            self.state.put(SETUP, VPN, {"server_performance": self.phone.vpn_performance})
 
     def sync(self) -> None:
         """τ²-bench's `sync_tools`: what the carrier's records mean on the phone, and bills paid there."""

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import anyio
-from pydantic import Field
+from pydantic import Field, WithJsonSchema
 
 from app.sdk import (
     Base,
@@ -247,7 +247,11 @@ def refuel_data(
     ctx: ToolContext,
     customer_id: CustomerId,
     line_id: Annotated[str, Field(description="ID of the line to refuel data for.")],
-    gb_amount: Annotated[float, Field(description="Amount of data to add in gigabytes.")],
+    gb_amount: Annotated[
+        float | int,  # a whole number stays one: the reference writes `2 GB` for 2 and `2.0 GB` for 2.0
+        WithJsonSchema({"type": "number"}),
+        Field(description="Amount of data to add in gigabytes."),
+    ],
 ) -> str:
     """Refuels data for a specific line, adding to the customer's bill.
     Checks: Line status must be Active, Customer owns the line.

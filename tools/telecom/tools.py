@@ -33,6 +33,11 @@ from tools.telecom.rollout import Rollout, database, run_call
 
 
 def load_base(resources: TelecomData) -> Base:
+    """The carrier and the phone every rollout starts from; the tasks are parsed now too (14 MB of
+    JSON), so a rollout's first call that names its task does not pay for it."""
+    from tools.telecom.tasks import load_tasks
+
+    load_tasks(resources.directory)
     return database(resources.directory)
 
 

@@ -62,6 +62,16 @@ async def test_the_agent_is_never_offered_the_phones_tools(client: httpx.AsyncCl
     by_name = {tool["name"]: tool for tool in listed}
     assert by_name["grant_app_permission"]["parameters"]["required"] == ["app_name", "permission"]
     assert (await client.get("/user-tools?pack=nope")).status_code == 404
+    mcp_headers = {
+        "Host": "127.0.0.1",
+        "Accept": "application/json, text/event-stream",
+        "MCP-Protocol-Version": "2025-11-25",
+        "Authorization": f"Bearer {ADMIN_KEY}",
+    }
+    listing = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
+    mcp = await client.post("/mcp", json=listing, headers=mcp_headers)
+    assert mcp.status_code == 200, mcp.text
+    assert [tool["name"] for tool in mcp.json()["result"]["tools"]] == agent
 
 
 async def test_each_side_calls_only_its_own_tools(client: httpx.AsyncClient) -> None:

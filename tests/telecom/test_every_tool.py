@@ -166,3 +166,17 @@ def test_every_tool_of_both_sides_answers_as_the_reference(probe: str) -> None:
         for call, ours, expected in zip(calls, outputs, theirs.outputs, strict=True):
             assert ours == expected, (task_id, call)
         assert corpus.state_text(changes) == theirs.state, task_id
+
+
+def test_the_tools_are_the_references_names_order_descriptions_and_parameters() -> None:
+    env = reference.get_environment()
+    for theirs, ours in ((env.get_tools(), pack.tools), (env.get_user_tools(), pack.user_tools)):
+        assert [tool.name for tool in theirs] == list(ours)
+        for tool in theirs:
+            schema = tool.openai_schema["function"]
+            spec = ours[tool.name]
+            assert spec.description == schema["description"], tool.name
+            assert list(spec.parameters["properties"]) == list(schema["parameters"]["properties"]), tool.name
+            for name, described in schema["parameters"]["properties"].items():
+                if "description" in described:
+                    assert spec.parameters["properties"][name]["description"] == described["description"]

@@ -62,6 +62,7 @@ def run_speed_test(ctx: ToolContext) -> str:
 @user_tool
 def toggle_airplane_mode(ctx: ToolContext) -> str:
     """Toggles Airplane Mode ON or OFF. When ON, it disconnects all wireless communications including cellular, Wi-Fi, and Bluetooth.
+
     Returns the new state of airplane_mode."""  # noqa: E501
     return _run(
         ctx,
@@ -92,6 +93,7 @@ def reseat_sim_card(ctx: ToolContext) -> str:
 @user_tool
 def toggle_data(ctx: ToolContext) -> str:
     """Toggles your phone's mobile data connection ON or OFF. Controls whether your phone can use cellular data for internet access when Wi-Fi is unavailable.
+
     Returns the new data connection status."""  # noqa: E501
     return _run(ctx, lambda phone: _toggled(phone, "Mobile Data", "data_enabled", search=True))
 
@@ -99,6 +101,7 @@ def toggle_data(ctx: ToolContext) -> str:
 @user_tool
 def toggle_roaming(ctx: ToolContext) -> str:
     """Toggles Data Roaming ON or OFF. When ON, your phone can use data networks in areas outside your carrier's coverage.
+
     Returns the new data roaming status."""  # noqa: E501
     return _run(ctx, lambda phone: _toggled(phone, "Data Roaming", "roaming_enabled", search=True))
 
@@ -119,6 +122,7 @@ def check_data_restriction_status(ctx: ToolContext) -> str:
 @user_tool
 def toggle_data_saver_mode(ctx: ToolContext) -> str:
     """Toggles Data Saver mode ON or OFF. When ON, it reduces data usage, which may affect data speed.
+
     Returns the new data saver mode status."""
     return _run(ctx, lambda phone: _toggled(phone, "Data Saver Mode", "data_saver_mode", search=False))
 
@@ -168,6 +172,7 @@ def _toggle_wifi(phone: Handset) -> str:
 @user_tool
 def toggle_wifi(ctx: ToolContext) -> str:
     """Toggles your phone's Wi-Fi radio ON or OFF. Controls whether your phone can discover and connect to wireless networks for internet access.
+
     Returns the new Wi-Fi status."""  # noqa: E501
     return _run(ctx, _toggle_wifi)
 
@@ -186,6 +191,7 @@ def check_wifi_calling_status(ctx: ToolContext) -> str:
 @user_tool
 def toggle_wifi_calling(ctx: ToolContext) -> str:
     """Toggles Wi-Fi Calling ON or OFF. This feature allows you to make and receive calls over Wi-Fi instead of the cellular network, which can help in areas with weak cellular signal.
+
     Returns the new Wi-Fi Calling status."""  # noqa: E501
     return _run(ctx, lambda phone: _toggled(phone, "Wi-Fi Calling", "wifi_calling_enabled", search=False))
 
@@ -232,7 +238,7 @@ def check_installed_apps(ctx: ToolContext) -> str:
     )
 
 
-AppName = Annotated[str, Field(description="The name of the app.")]
+AppName = str
 
 
 @user_tool

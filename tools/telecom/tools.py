@@ -106,6 +106,7 @@ def get_customer_by_name(
     dob: Annotated[str, Field(description="Date of birth for verification, in the format YYYY-MM-DD.")],
 ) -> str:
     """Searches for customers by name and DOB. May return multiple matches if names are similar,
+
     DOB helps disambiguate."""
     return _run(ctx, lambda rollout: _json(carrier.customers_by_name(rollout.state, full_name, dob)))
 
@@ -115,6 +116,7 @@ def get_details_by_id(
     ctx: ToolContext, id: Annotated[str, Field(description="The ID of the object to retrieve.")]
 ) -> str:
     """Retrieves the details for a given ID.
+
     The ID must be a valid ID for a Customer, Line, Device, Bill, or Plan."""
     return _run(ctx, lambda rollout: _json(carrier.details(rollout.state, id)))
 
@@ -144,6 +146,7 @@ def suspend_line(
     reason: Annotated[str, Field(description="Reason for suspension.")],
 ) -> str:
     """Suspends a specific line (max 6 months).
+
     Checks: Line status must be Active.
     Logic: Sets line status to Suspended, records suspension_start_date."""
     return _run(ctx, lambda rollout: _set_line_status(rollout, customer_id, line_id, True))
@@ -156,6 +159,7 @@ def resume_line(
     line_id: Annotated[str, Field(description="ID of the line to resume.")],
 ) -> str:
     """Resumes a suspended line.
+
     Checks: Line status must be Suspended or Pending Activation.
     Logic: Sets line status to Active, clears suspension_start_date."""
     return _run(ctx, lambda rollout: _set_line_status(rollout, customer_id, line_id, False))
@@ -195,6 +199,7 @@ def send_payment_request(
     bill_id: Annotated[str, Field(description="ID of the bill to send payment request for.")],
 ) -> str:
     """Sends a payment request to the customer for a specific bill.
+
     Checks:
         - Customer exists
         - Bill exists and belongs to the customer
@@ -212,6 +217,7 @@ def get_data_usage(
     line_id: Annotated[str, Field(description="ID of the line to check usage for.")],
 ) -> str:
     """Retrieves current billing cycle data usage for a line, including data
+
     refueling amount, data limit, and cycle end date."""
     return _run(ctx, lambda rollout: _json(carrier.data_usage(rollout.state, customer_id, line_id)))
 
@@ -241,6 +247,7 @@ def transfer_to_human_agents(
     ctx: ToolContext, summary: Annotated[str, Field(description="A summary of the user's issue.")]
 ) -> str:
     """Transfer the user to a human agent, with a summary of the user's issue.
+
     Only transfer if
      -  the user explicitly asks for a human agent
      -  given the policy and the available tools, you cannot solve the user's issue."""
@@ -259,6 +266,7 @@ def refuel_data(
     ],
 ) -> str:
     """Refuels data for a specific line, adding to the customer's bill.
+
     Checks: Line status must be Active, Customer owns the line.
     Logic: Adds data to the line and charges customer based on the plan's refueling rate."""
     return _run(ctx, lambda rollout: _json(carrier.refuel(rollout.state, customer_id, line_id, gb_amount)))

@@ -37,6 +37,8 @@ class Registry:
     # Names several enabled packs have (retail's and airline's `calculate`): the packs, in order. They are
     # served only at their packs' qualified routes.
     shared: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # The simulated user's tools of each pack that has some, served at POST /user-tools/<name>.
+    user_tools: dict[str, dict[str, ToolSpec]] = field(default_factory=dict)
     # What each started pack's lifespan yielded, by pack name (None before start-up).
     resources: dict[str, object] = field(default_factory=dict)
 
@@ -50,6 +52,8 @@ class Registry:
             registry.packs[pack.name] = pack
             registry.resources[pack.name] = pack.resources
             registry.pack_tools[pack.name] = pack.tools
+            if pack.user_tools:
+                registry.user_tools[pack.name] = pack.user_tools
             for name in pack.tools:
                 owners.setdefault(name, []).append(pack.name)
         for name, names in owners.items():
@@ -64,9 +68,20 @@ class Registry:
         packs = [pack for pack, tools in self.pack_tools.items() if name in tools]
         return [f"POST /packs/{pack}/tools/{name}" for pack in packs]
 
+    def all_user_tools(self) -> dict[str, ToolSpec]:
+        """The user tools served at /user-tools/<name> (the first enabled pack's, where names repeat)."""
+        merged: dict[str, ToolSpec] = {}
+        for tools in reversed(self.user_tools.values()):
+            merged.update(tools)
+        return merged
+
     def served(self, name: str) -> bool:
         """Whether some enabled pack has a tool `name` (at /tools/<name> or only at its pack's route)."""
-        return name in self.tools or name in self.shared
+        return (
+            name in self.tools
+            or name in self.shared
+            or any(name in tools for tools in self.user_tools.values())
+        )
 
     @classmethod
     def from_names(cls, names: Iterable[str]) -> Registry:

@@ -75,6 +75,9 @@ class PackBench:
     is_write: Callable[[str], bool]  # whether a tool changes the database (for the report)
     warm: tuple[str, dict[str, Any]]  # a read call that makes the server load its base
     serve: bool = False  # start the server with `sparring serve` (as users run it), not uvicorn's factory
+    # Every call of a rollout carries `item: {"task_id": ...}` (a pack that sets up each rollout from its
+    # task, such as telecom); a plan's call named `user-tools/<name>` goes to the simulated user's route.
+    task_items: bool = False
 
     @property
     def data_setting(self) -> str:
@@ -116,10 +119,19 @@ class Drive:
         return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))] if ordered else float("nan")
 
 
-async def drive(url: str, key: str, plans: list[Plan], connections: int, nonce: str, pid: int) -> Drive:
+async def drive(
+    url: str,
+    key: str,
+    plans: list[Plan],
+    connections: int,
+    nonce: str,
+    pid: int,
+    items: list[dict[str, Any]] | None = None,
+) -> Drive:
     """Run every plan as one rollout (trace_<nonce>_<index>), all at once, over `connections` keep-alive
     HTTP/1.1 connections: a rollout's next call is sent only after its previous answer arrived, and goes
-    to the back of one shared queue, so all rollouts progress together.
+    to the back of one shared queue, so all rollouts progress together. Rollout `i`'s calls carry
+    `items[i]`; a call named `user-tools/<name>` is sent to that route (a simulated user's tool).
 
     A minimal HTTP client (asyncio streams, Content-Length bodies): a general-purpose client such as
     httpx costs the load generator more CPU per call than the echo server spends, which would make the
@@ -144,21 +156,20 @@ async def drive(url: str, key: str, plans: list[Plan], connections: int, nonce: 
             while (job := await queue.get()) is not None:
                 index, step = job
                 name, arguments = plans[index][step]
+                path = f"/{name}" if "/" in name else f"/tools/{name}"
                 body = orjson.dumps(
                     {
                         "type": "function_call",
                         "call_id": f"call_{step}",
                         "id": f"fc_{step}",
-                        "name": name,
+                        "name": name.rpartition("/")[2],
                         "arguments": orjson.dumps(arguments).decode(),
                         "trace_id": f"trace_{nonce}_{index}",
-                        "item": {},
+                        "item": items[index] if items is not None else {},
                     }
                 )
                 sent = time.perf_counter()
-                writer.write(
-                    f"POST /tools/{name} {prefix}Content-Length: {len(body)}\r\n\r\n".encode() + body
-                )
+                writer.write(f"POST {path} {prefix}Content-Length: {len(body)}\r\n\r\n".encode() + body)
                 head = await reader.readuntil(b"\r\n\r\n")
                 length = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
                 if length is None:
@@ -315,7 +326,10 @@ def run_backend(
             uvloop.run(drive(echo.url, "", echo_plans, args.connections, f"e1{i}{nonce}", echo.pid))
             for i in range(args.echo_repeats)
         ]
-        served = uvloop.run(drive(sparring.url, tools_key, plans, args.connections, nonce, sparring.pid))
+        items = [{"task_id": task_id} for task_id in tasks] if spec.task_items else None
+        served = uvloop.run(
+            drive(sparring.url, tools_key, plans, args.connections, nonce, sparring.pid, items)
+        )
         rss_after = rss(sparring.pid)
         if backend == "pg":
             redis_after = used_memory(env.redis_url)

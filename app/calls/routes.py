@@ -6,6 +6,8 @@ should a request ever reach them, they answer through `serve_tool_call` too.
 
 `/tools` and `/tools/{name}` serve the names one enabled pack has; `/packs/{pack}/tools` and
 `/packs/{pack}/tools/{name}` serve every tool of a pack, also a name several packs share.
+`/user-tools/{name}` and `/packs/{pack}/user-tools/{name}` serve a simulated user's tools (telecom's
+phone) the same way: the same envelope, key and exactly-once rule, logged on the channel `user`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.types import Receive, Scope, Send
 
 from app.calls.envelope import ToolCallEnvelope, ToolCallOutput
+from app.calls.service import USER_CHANNEL
 from app.deps import RegistryDep, ToolsKey, app_state, retry_after
 from app.errors import INTERNAL_ERROR, BadRequest, NotFound, answer_to, handle_sparring_error, json_response
 from app.middleware import BodyTooLarge
@@ -67,6 +70,24 @@ async def list_tools(_: ToolsKey, registry: RegistryDep, pack: str | None = None
     ]
 
 
+@router.get("/user-tools")
+async def list_user_tools(_: ToolsKey, registry: RegistryDep, pack: str | None = None) -> list[ToolInfo]:
+    """The simulated user's tools (never offered to the agent); with `?pack=`, that pack's."""
+    if pack is not None:
+        _pack_tools(registry, pack)
+    tools = registry.all_user_tools() if pack is None else registry.user_tools.get(pack, {})
+    return [
+        ToolInfo(
+            name=spec.name,
+            pack=spec.pack,
+            description=spec.description,
+            mutates=spec.mutates,
+            parameters=spec.parameters,
+        )
+        for spec in tools.values()
+    ]
+
+
 def _pack_tools(registry: Any, pack: str) -> dict[str, Any]:
     tools: dict[str, Any] | None = registry.pack_tools.get(pack)
     if tools is None:
@@ -79,6 +100,8 @@ TOOLS_PATH = "/tools"  # POST: the tool named by the body's `name`
 TOOL_PATH = "/tools/{name}"  # POST: the tool `name`
 PACK_TOOLS_PATH = "/packs/{pack}/tools"  # POST: the tool of `pack` named by the body's `name`
 PACK_TOOL_PATH = "/packs/{pack}/tools/{name}"  # POST: the tool `name` of `pack`
+USER_TOOL_PATH = "/user-tools/{name}"  # POST: the simulated user's tool `name`
+PACK_USER_TOOL_PATH = "/packs/{pack}/user-tools/{name}"  # POST: the user tool `name` of `pack`
 
 
 class _ServedByToolCall(Response):
@@ -142,6 +165,18 @@ async def call_pack_tool(pack: str, name: str) -> Response:
     return _ServedByToolCall(name)
 
 
+@router.post(USER_TOOL_PATH, **_PACK_ROUTE)
+async def call_user_tool(name: str) -> Response:
+    """Call the simulated user's tool `name` (a customer's phone); logged on the channel `user`."""
+    return _ServedByToolCall(name)
+
+
+@router.post(PACK_USER_TOOL_PATH, **_PACK_ROUTE)
+async def call_pack_user_tool(pack: str, name: str) -> Response:
+    """Call the simulated user's tool `name` of `pack`."""
+    return _ServedByToolCall(name)
+
+
 NOT_A_TOOL_CALL = "/"  # no tool name contains a slash
 _TOOL_PREFIX = TOOL_PATH.removesuffix("{name}")
 TOOL_SCOPE_KEY = "sparring.tool"  # where SparringApp leaves the target for serve_tool_call
@@ -158,6 +193,12 @@ def tool_call_pack(scope: Scope) -> str | None:
     """The pack a tool call's path names (`/packs/{pack}/tools...`), None for `/tools...`."""
     parts = _tool_path(scope)
     return None if parts is None else parts[0]
+
+
+def is_user_tool_call(scope: Scope) -> bool:
+    """Whether a tool call's path is a simulated user's (`.../user-tools/{name}`)."""
+    path: str = scope["path"]
+    return _USER_TOOL_PREFIX in path
 
 
 def _tool_path(scope: Scope) -> tuple[str | None, str | None] | None:
@@ -177,11 +218,13 @@ def _tool_path(scope: Scope) -> tuple[str | None, str | None] | None:
         path = "/" + path
     if path == TOOLS_PATH:
         return pack, None
-    name = path[len(_TOOL_PREFIX) :] if path.startswith(_TOOL_PREFIX) else ""
+    prefix = _USER_TOOL_PREFIX if path.startswith(_USER_TOOL_PREFIX) else _TOOL_PREFIX
+    name = path[len(prefix) :] if path.startswith(prefix) else ""
     return (pack, name) if name and "/" not in name else None
 
 
 _PACKS_PREFIX = "/packs/"
+_USER_TOOL_PREFIX = USER_TOOL_PATH.removesuffix("{name}")
 
 
 class _Disconnected(Exception):
@@ -213,8 +256,14 @@ async def serve_tool_call(scope: Scope, receive: Receive, send: Send) -> None:
         if pack is not None:
             _pack_tools(state.registry, pack)  # 404 for a pack that is not enabled
         envelope = _parse_envelope(await _read_body(receive))
+        user = is_user_tool_call(scope)
         answered = await state.call_service.call(
-            envelope, path_name=scope[TOOL_SCOPE_KEY], pack=pack, run=request.headers.get(RUN_HEADER)
+            envelope,
+            path_name=scope[TOOL_SCOPE_KEY],
+            pack=pack,
+            run=request.headers.get(RUN_HEADER),
+            channel=USER_CHANNEL if user else "rft",
+            user=user,
         )
         output = answered.output
     except _Disconnected:

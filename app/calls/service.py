@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 # 200 with an `Error: ...` output, logged with its own arguments (never deduplicated), flagged for review.
 # How long shutdown waits for voids still under way (each tries its UPDATE three times, 5 s at most).
 _CORRECTIONS_GRACE_SECONDS = 20.0
+USER_CHANNEL = "user"  # the call-log channel of a simulated user's tool calls
 
 
 def call_digest(tool: str, arguments: Mapping[str, Any]) -> str:
@@ -145,10 +146,12 @@ class ToolCallService:
         run: str | None,
         channel: str = "rft",
         pack: str | None = None,
+        user: bool = False,
     ) -> AnsweredCall:
         """Answer one call whichever way it arrived (HTTP tool route, MCP): validate, deduplicate, run
         under the rollout's state, log durably, answer; outages raise ServiceUnavailable, crashes
-        ToolCrashed. `pack` (an enabled pack) looks the tool up among that pack's tools only."""
+        ToolCrashed. `pack` (an enabled pack) looks the tool up among that pack's tools only; `user`
+        among the simulated user's tools (`Pack.user_tool`) instead of the agent's."""
         call = _Call(
             envelope=envelope,
             tool=(path_name or envelope.name or "")[:128],
@@ -165,7 +168,7 @@ class ToolCallService:
         self.metrics.in_flight.inc()
         try:
             try:
-                answer = await self._answer(call, path_name, pack)
+                answer = await self._answer(call, path_name, pack, user)
             except ToolCrashed as exc:
                 outcome = "tool_crash"
                 # The caller gets a short message; the exception's own text (which may name hosts,
@@ -202,6 +205,28 @@ class ToolCallService:
             ToolCallOutput(call_id=envelope.call_id, id=envelope.id, output=answer.output), answer.outcome
         )
 
+    async def call_user_tool(
+        self,
+        pack: str | Any,
+        name: str,
+        arguments: Mapping[str, Any],
+        *,
+        trace_id: str,
+        call_id: str | None = None,
+        item: Mapping[str, Any] | None = None,
+        run: str | None = None,
+    ) -> AnsweredCall:
+        """A simulated user's call of one of `pack`'s user tools (a pack name or a `Pack`), under the
+        rollout `trace_id`: the same path as an agent's call (exactly-once by `call_id`, the lock, the
+        log), logged on the channel `user`."""
+        envelope = ToolCallEnvelope(
+            name=name, arguments=dict(arguments), trace_id=trace_id, call_id=call_id, item=dict(item or {})
+        )
+        pack_name = pack if isinstance(pack, str) else pack.name
+        return await self.call(
+            envelope, path_name=name, run=run, channel=USER_CHANNEL, pack=pack_name, user=True
+        )
+
     def _answered(self, call: _Call, answer: StoredAnswer) -> CallRecord:
         error = answer.output if answer.outcome != "ok" else None
         outcome = REPLAYED if call.replayed else answer.outcome
@@ -231,7 +256,14 @@ class ToolCallService:
             channel=call.channel,
         )
 
-    def _resolve(self, call: _Call, path_name: str | None, pack: str | None) -> ToolSpec | StoredAnswer:
+    def _tools(self, pack: str | None, user: bool) -> Mapping[str, ToolSpec]:
+        if user:
+            return self.registry.all_user_tools() if pack is None else self.registry.user_tools.get(pack, {})
+        return self.registry.tools if pack is None else self.registry.pack_tools[pack]
+
+    def _resolve(
+        self, call: _Call, path_name: str | None, pack: str | None, user: bool = False
+    ) -> ToolSpec | StoredAnswer:
         body_name = call.envelope.name
         if (
             path_name
@@ -244,12 +276,12 @@ class ToolCallService:
                 "call each tool at its own URL"
             )
         name = path_name or (body_name or "").removeprefix("functions.")
-        tools = self.registry.tools if pack is None else self.registry.pack_tools[pack]
+        tools = self._tools(pack, user)
         available = ", ".join(sorted(tools)) or "none"
         if not name:
             return _model_error(f"the call does not name a tool. Available tools: {available}")
         spec = tools.get(name)
-        if spec is None and pack is None and name in self.registry.shared:
+        if spec is None and pack is None and not user and name in self.registry.shared:
             routes = " or ".join(self.registry.qualified_routes(name))
             return _model_error(
                 f"the tool {name!r} is served by several packs ({', '.join(self.registry.shared[name])}); "
@@ -259,8 +291,8 @@ class ToolCallService:
             return _model_error(f"unknown tool {name!r}. Available tools: {available}")
         return spec
 
-    async def _answer(self, call: _Call, path_name: str | None, pack: str | None) -> StoredAnswer:
-        spec = self._resolve(call, path_name, pack)
+    async def _answer(self, call: _Call, path_name: str | None, pack: str | None, user: bool) -> StoredAnswer:
+        spec = self._resolve(call, path_name, pack, user)
         if isinstance(spec, StoredAnswer):
             return spec
         if nested_deeper_than(call.envelope.item):

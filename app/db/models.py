@@ -19,7 +19,7 @@ from sparring.wire import REPLAYED as REPLAYED
 # ledger replayed the answer an earlier attempt stored (REPLAYED). Which of them is *the* answer is read
 # by app/db/call_log.py.
 # How a call arrived: the tool routes (rft: training), or the MCP server (mcp: production, local agents).
-CHANNELS = ("rft", "mcp")
+CHANNELS = ("rft", "mcp", "user")
 
 
 class RolloutRow(Base):

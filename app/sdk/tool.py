@@ -29,6 +29,8 @@ C = TypeVar("C", bound=StateCheck)
 DatasetBuilder = Callable[[Any, str, Path], int]
 # `fn(resources) -> base`: the records every rollout starts from, loaded once when the pack starts.
 BaseLoader = Callable[[Any], Base]
+# `fn(resources, item) -> scenario`: what a simulated user plays for a dataset row (None: no scenario).
+ScenarioLoader = Callable[[Any, Mapping[str, Any]], Any]
 B = TypeVar("B", bound=DatasetBuilder)
 
 _MISSING = object()
@@ -232,6 +234,41 @@ class Pack:
         self.settings_model = settings
         self.lifespan: PackLifespan = lifespan or no_resources
         self.dataset_builder: DatasetBuilder | None = None
+        # Tools the simulated user calls (a customer's phone), served at /user-tools/<name>: never
+        # offered to the agent (not in `tools`, job configs, datasets, MCP or the episode protocols).
+        self._user_tools: dict[str, ToolSpec] = {}
+        self.scenario_loader: ScenarioLoader | None = None
+
+    def scenario(self, fn: ScenarioLoader) -> ScenarioLoader:
+        """Register `fn(resources, item) -> scenario`: the user scenario of a dataset row, for a simulator."""
+        self.scenario_loader = fn
+        return fn
+
+    def user_tool(
+        self,
+        *,
+        name: str | None = None,
+        description: str | None = None,
+        mutates: bool = False,
+        inline: bool = False,
+    ) -> Callable[[F], F]:
+        """Register `fn` as a tool of the simulated user (`/user-tools/<name>`); returned unchanged.
+
+        It shares the pack's rollout state with the agent's tools; the agent never sees it.
+        """
+
+        def register(func: F) -> F:
+            spec = build_spec(func, name=name, description=description, mutates=mutates, inline=inline)
+            if spec.name in self._user_tools:
+                raise ToolDefinitionError(f"pack {self.name!r} already has a user tool named {spec.name!r}")
+            self._user_tools[spec.name] = dataclasses.replace(spec, pack=self.name, base=self.base)
+            return func
+
+        return register
+
+    @property
+    def user_tools(self) -> dict[str, ToolSpec]:
+        return dict(self._user_tools)
 
     def dataset(self, fn: B) -> B:
         """Register `fn(resources, split, out) -> lines written`: `sparring dataset build <pack> ...`.
@@ -318,6 +355,9 @@ class Pack:
         served._base = base
         served._tools = {
             name: dataclasses.replace(spec, base=served.base) for name, spec in self._tools.items()
+        }
+        served._user_tools = {
+            name: dataclasses.replace(spec, base=served.base) for name, spec in self._user_tools.items()
         }
         served.state_checks = {
             name: _with_resources(check, resources) for name, check in self.state_checks.items()

@@ -123,7 +123,14 @@ async def test_a_client_gone_before_its_body_gets_no_answer(client: httpx.AsyncC
 async def test_the_openapi_tool_routes_are_exactly_the_fast_path(client: httpx.AsyncClient) -> None:
     """The OpenAPI document cannot drift from the one tool-call implementation: same paths, same answer."""
     from app.calls.envelope import ToolCallOutput
-    from app.calls.routes import PACK_TOOL_PATH, PACK_TOOLS_PATH, TOOL_PATH, TOOLS_PATH
+    from app.calls.routes import (
+        PACK_TOOL_PATH,
+        PACK_TOOLS_PATH,
+        PACK_USER_TOOL_PATH,
+        TOOL_PATH,
+        TOOLS_PATH,
+        USER_TOOL_PATH,
+    )
 
     r = await client.get("/openapi.json", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
     document = r.json()
@@ -134,7 +141,14 @@ async def test_the_openapi_tool_routes_are_exactly_the_fast_path(client: httpx.A
         if tool_call_target(scope("POST", path.replace("{name}", "x").replace("{pack}", "p")))
         != NOT_A_TOOL_CALL
     }
-    assert described == {TOOLS_PATH, TOOL_PATH, PACK_TOOLS_PATH, PACK_TOOL_PATH}
+    assert described == {
+        TOOLS_PATH,
+        TOOL_PATH,
+        PACK_TOOLS_PATH,
+        PACK_TOOL_PATH,
+        USER_TOOL_PATH,
+        PACK_USER_TOOL_PATH,
+    }
     for path in described:
         operation = document["paths"][path]["post"]
         answer = operation["responses"]["200"]["content"]["application/json"]["schema"]

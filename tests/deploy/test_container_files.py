@@ -43,7 +43,7 @@ def env_names(field_name: str, model: type[BaseSettings] = Settings) -> set[str]
 
 
 # The shipped packs' own settings (SPARRING_<PACK>_*), read when the server starts them.
-PACK_SETTINGS = [load_pack(name).settings_model for name in ("demo", "retail", "code")]
+PACK_SETTINGS = [load_pack(name).settings_model for name in ("demo", "retail", "airline", "telecom", "code")]
 SETTING_NAMES = {
     name
     for model in (Settings, *PACK_SETTINGS)

@@ -1,0 +1,78 @@
+"""Agent RFT dataset lines for the telecom tasks (the base split), and the user scenario of a row."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from tools.retail import dataset as retail_dataset
+from tools.retail.dataset import write_lines
+from tools.telecom import data
+from tools.telecom.data import TelecomData
+from tools.telecom.tasks import SPLITS, Split, TelecomTask, get_task, load_tasks, split_task_ids
+from tools.telecom.tools import pack
+
+# The customer's first message is the task's ticket. A telecom fix needs the customer's hands on their
+# phone, so a rollout is meant to run with a simulated user (`user_scenario` is on the row for it).
+PREFACE = """\
+You are a customer service agent of a mobile carrier, working with the tools provided and following the \
+policy below. The customer can act on their phone when you ask them to.
+
+"""
+
+
+def developer_message(policy: str) -> str:
+    return PREFACE + policy
+
+
+def dataset_line(task: TelecomTask, policy: str, tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """One RFT line: the two messages, the agent's tools, what the grader and the simulated user read."""
+    criteria = task.evaluation_criteria
+    return {
+        "messages": [
+            {"role": "developer", "content": developer_message(policy)},
+            {
+                "role": "user",
+                "content": (task.ticket or task.user_scenario.instructions.reason_for_call).strip(),
+            },
+        ],
+        "tools": tools,
+        "task_id": task.id,
+        "user_scenario": task.user_scenario.model_dump(exclude_none=True),
+        "actions": [action.model_dump(exclude_none=True) for action in criteria.actions],
+        "reward_basis": list(criteria.reward_basis),
+    }
+
+
+def build_dataset(directory: Path, split: Split) -> list[dict[str, Any]]:
+    """The lines of a split of the base task set (train: 74 tasks, test: 40), in τ²-bench's order."""
+    tasks = load_tasks(directory)
+    policy = data.read_policy(directory)
+    tools = [spec.function_tool() for spec in pack.tools.values()]
+    return [dataset_line(tasks[task_id], policy, tools) for task_id in split_task_ids(directory, split)]
+
+
+@pack.dataset
+def build(resources: TelecomData, split: str, out: Path) -> int:
+    """`sparring dataset build telecom --split train|test --out FILE`: write the split, then check it."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; the telecom splits are {', '.join(SPLITS)}")
+    count = write_lines(build_dataset(resources.directory, split), out)
+    problems = retail_dataset.check_dataset(out.read_text(encoding="utf-8").splitlines(), pack.tools)
+    if problems:
+        raise ValueError(f"{out} would fail a job: " + "; ".join(problems[:5]))
+    return count
+
+
+@pack.scenario
+def scenario(resources: TelecomData, item: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The task's user scenario (persona and instructions) for a simulated user, by the row's task_id."""
+    task_id = item.get("task_id")
+    if not isinstance(task_id, str):
+        return None
+    try:
+        task = get_task(resources.directory, task_id)
+    except KeyError:
+        return None
+    return task.user_scenario.model_dump()

@@ -239,6 +239,7 @@ def eval_command(
             label, samples, concurrency, max_turns, max_tool_calls, journal=journal, resume=resume
         )
         options.tracing = tracing
+        options.model = model
         report = _run(lambda stop: _evaluate(chosen, target, lines, options, stop))
     typer.echo(format_report(report))
     _write_json(out, report)

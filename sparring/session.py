@@ -19,6 +19,7 @@ from urllib.parse import quote
 import httpx
 
 from sparring.canaries import Canary, all_canaries, gold_calls
+from sparring.conversation import HttpTranscripts
 from sparring.evaluate import (
     FinishedRollout,
     Job,
@@ -56,6 +57,16 @@ class Target:
     tools: ToolEndpoints
     grader: Endpoint
     server: str | None = None  # base URL of one sparring server (preflight checks and review links)
+
+    def transcripts(
+        self, client: Transport | httpx.AsyncClient, *, model: str | None, source: str
+    ) -> HttpTranscripts | None:
+        """Where the rollouts' conversations are kept: the server's transcript route, with the grader's
+        headers (None when the run has no sparring server)."""
+        if self.server is None:
+            return None
+        endpoint = Endpoint(url=self.server, headers=self.grader.headers)
+        return HttpTranscripts(client, endpoint, model=model, source=source)
 
     def review_url(self, run: str) -> str | None:
         return f"{self.server}/review/run?name={quote(run, safe='')}" if self.server else None
@@ -191,6 +202,7 @@ class RunOptions:
     journal: Path | None = None  # where finished rollouts are recorded (needed for resume)
     resume: bool = False
     tracing: RolloutTracing | None = None  # rollouts as OpenTelemetry spans (sparring.tracing)
+    model: str | None = None  # the model's name, stored with each rollout's conversation
 
 
 async def evaluate(
@@ -234,6 +246,7 @@ async def evaluate(
             on_record=on_record,
             stop=stop,
             tracing=options.tracing.labelled(**{RUN: options.run}) if options.tracing else None,
+            transcripts=target.transcripts(client, model=options.model, source="eval"),
         )
     finally:
         progress.close()
@@ -346,6 +359,7 @@ async def _run_canary(
             stop=stop,
             limits_for=lambda job: canary_limits(options.limits, job),
             tracing=options.tracing.labelled(**{RUN: run, CANARY: name}) if options.tracing else None,
+            transcripts=target.transcripts(client, model=f"canary:{name}", source="canary"),
         )
     finally:
         progress.close()

@@ -33,6 +33,7 @@ from app.packs import Registry
 from app.remote.schemas import CODE_INVALID_ARGUMENT, CODE_UNAVAILABLE, RolloutPlan
 from app.remote.service import RolloutOutcome
 from app.telemetry import Tracing
+from sparring.conversation import TranscriptStore
 from sparring.http import Attempt, Retry, call_with_retries, grade_with_retries
 from sparring.loop import (
     DatasetLine,
@@ -176,6 +177,7 @@ class RemoteRunner:
     retry: Retry = field(default_factory=Retry)
     grade_max_bytes: int | None = None
     tracing: Tracing | None = None  # None: tracing is off (app/telemetry.py)
+    transcripts: TranscriptStore | None = None  # where each rollout's conversation is kept
 
     def tools_for(self, rollout: RolloutPlan) -> list[dict[str, Any]]:
         """The request's tool schemas, else every served tool (of the named pack)."""
@@ -217,6 +219,8 @@ class RemoteRunner:
             trace_id=rollout.trace_id,
             tracing=self._tracing(rollout),
         )
+        if self.transcripts is not None:
+            await self.transcripts.store(result, model=rollout.model)
         return outcome_of(result, grader=self.grader if grader is not None else None)
 
     def _tracing(self, rollout: RolloutPlan) -> RolloutTracing | None:

@@ -22,8 +22,9 @@ from app.review import schemas as s
 from app.review.repository import ReviewRepository, RolloutFilter
 from app.review.statistics import item_stats_of
 from app.rollouts.repository import RolloutRepository
-from app.rollouts.shapes import FlagOut, GradeOut, RolloutDetail, RolloutSummary
+from app.rollouts.shapes import FlagOut, GradeOut, RolloutDetail, RolloutSummary, TranscriptOut
 from app.rollouts.timeline import LoggedCall, build_timeline, read_timeline, rollout_calls
+from app.rollouts.transcripts import TranscriptRepository
 
 
 def encode_cursor(key: Any, trace_id: str, sort: str = "time") -> str:
@@ -89,9 +90,12 @@ def grade_out(grade: Grade) -> GradeOut:
 
 
 def export_record(
-    rollout: RolloutRow, calls: Sequence[LoggedCall], grades: Sequence[Grade]
+    rollout: RolloutRow,
+    calls: Sequence[LoggedCall],
+    grades: Sequence[Grade],
+    transcript: TranscriptOut | None = None,
 ) -> dict[str, Any]:
-    """One JSONL line of the export: the rollout, its calls in order, its grades."""
+    """One JSONL line of the export: the rollout, its calls in order, its grades, its conversation."""
     return {
         "trace_id": rollout.trace_id,
         "run": rollout.run,
@@ -119,6 +123,8 @@ def export_record(
             }
             for g in grades
         ],
+        # The conversation (sparring.conversation's shape), when one was stored; else null.
+        "conversation": transcript.model_dump(exclude={"size_bytes"}) if transcript is not None else None,
     }
 
 
@@ -264,14 +270,18 @@ class RolloutReview:
         timeline = [
             call.model_copy(update={"flags": tuple(cited.get(call.seq, ()))}) for call in base.timeline
         ]
-        return base.model_copy(update={"timeline": timeline, "grades": graded})
+        transcript = await TranscriptRepository(self.session).get(trace_id)
+        return base.model_copy(update={"timeline": timeline, "grades": graded, "transcript": transcript})
 
     # --- export ----------------------------------------------------------------------------------------
 
     async def export_lines(self, run: str | None) -> AsyncIterator[bytes]:
+        transcripts = TranscriptRepository(self.session)
         async for batch in self.repo.export_batches(run):
+            conversations = await transcripts.for_traces(rollout.trace_id for rollout, _, _ in batch)
             for rollout, calls, grades in batch:
-                yield orjson.dumps(export_record(rollout, calls, grades)) + b"\n"
+                record = export_record(rollout, calls, grades, conversations.get(rollout.trace_id))
+                yield orjson.dumps(record) + b"\n"
 
 
 def _output_tools(sample: dict[str, Any]) -> list[Any]:

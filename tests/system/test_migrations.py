@@ -24,7 +24,7 @@ from app.db.models import Base
 from tests.conftest import REDIS_URL, create_pg_database, drop_pg_database
 from tests.system.helpers import ROOT, Servers, clean_env, server_settings
 
-TABLES = {"rollouts", "tool_calls", "grades", "revoked_review_sessions", "remote_rollouts"}
+TABLES = {"rollouts", "tool_calls", "grades", "revoked_review_sessions", "remote_rollouts", "transcripts"}
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

@@ -15,11 +15,12 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, PackageLoader, select_autoescape
 
 from app.db.models import CHANNELS
-from app.deps import app_state
+from app.deps import RegistryDep, app_state
 from app.errors import NotFound
 from app.grading.flags import FLAG_NAMES
 from app.review import charts
 from app.review import formatting as fmt
+from app.review.conversation import conversation_view, file_changes, starting_files
 from app.review.deps import NEEDS_LOGIN, RolloutReviewDep, RolloutReviewWritingDep, RunStatisticsDep
 from app.review.flag_help import flag_help
 from app.review.repository import SORTS, RolloutFilter
@@ -250,7 +251,7 @@ def _moment(value: str | None, name: str, errors: list[str]) -> datetime | None:
 
 @pages.get("/rollouts/{trace_id}")
 async def rollout_page(
-    request: Request, trace_id: str, review: RolloutReviewDep, grader: ChosenGrader
+    request: Request, trace_id: str, review: RolloutReviewDep, grader: ChosenGrader, registry: RegistryDep
 ) -> Response:
     try:
         timeline = await review.detail(trace_id)
@@ -262,11 +263,14 @@ async def rollout_page(
         if not batches or batches[-1][0].batch != call.batch:
             batches.append([])
         batches[-1].append(call)
+    starting = starting_files(registry, timeline.timeline, graded_on.item or {})
     return render(
         request,
         "rollout.html",
         timeline=timeline,
         batches=batches,
+        conversation=conversation_view(timeline.transcript, timeline.timeline),
+        files=file_changes(timeline.timeline, starting),
         graded_on=graded_on,
         item_fields=_item_fields(graded_on.item or {}),
     )

@@ -29,6 +29,8 @@ C = TypeVar("C", bound=StateCheck)
 DatasetBuilder = Callable[[Any, str, Path], int]
 # `fn(resources) -> base`: the records every rollout starts from, loaded once when the pack starts.
 BaseLoader = Callable[[Any], Base]
+# `fn(resources, item) -> {path: text}`: the files a rollout of `item` finds in its workspace at the start.
+StartingFiles = Callable[[Any, Mapping[str, Any]], Mapping[str, str]]
 B = TypeVar("B", bound=DatasetBuilder)
 
 _MISSING = object()
@@ -232,6 +234,7 @@ class Pack:
         self.settings_model = settings
         self.lifespan: PackLifespan = lifespan or no_resources
         self.dataset_builder: DatasetBuilder | None = None
+        self.starting_files_of: StartingFiles | None = None
 
     def dataset(self, fn: B) -> B:
         """Register `fn(resources, split, out) -> lines written`: `sparring dataset build <pack> ...`.
@@ -242,6 +245,18 @@ class Pack:
         """
         self.dataset_builder = fn
         return fn
+
+    def starting_files(self, fn: StartingFiles) -> StartingFiles:
+        """Register `fn(resources, item) -> {path: text}`: the files a rollout of the dataset row `item`
+        starts with (a workspace pack's). The review diffs the files a rollout writes against them."""
+        self.starting_files_of = fn
+        return fn
+
+    def files_at_start(self, item: Mapping[str, Any]) -> dict[str, str]:
+        """The files a rollout of `item` starts with ({} for a pack without files, or before start)."""
+        if self.starting_files_of is None:
+            return {}
+        return dict(self.starting_files_of(self.resources, item))
 
     @overload
     def tool(self, fn: F, /) -> F: ...

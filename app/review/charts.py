@@ -557,3 +557,34 @@ def compare_charts(c: RunComparison) -> dict[str, Any]:
             hi=max([1.0, *values]),
         )
     return out
+
+
+SPARK_W, SPARK_H = 120, 26
+
+
+def sparkline(chart: str, title: str, values: Sequence[float | None]) -> Markup:
+    """A small line of values (None: a gap) on a 0–1 scale (wider when a value falls outside it)."""
+    known = [v for v in values if v is not None]
+    if not known:
+        return Markup("")
+    lo, hi = min(0.0, *known), max(1.0, *known)
+    step = SPARK_W / max(len(values) - 1, 1)
+
+    def point(index: int, value: float) -> str:
+        return f"{_num(index * step)},{_num(SPARK_H - 2 - (value - lo) / (hi - lo) * (SPARK_H - 4))}"
+
+    body = [f'<line x1="0" y1="{SPARK_H - 2}" x2="{SPARK_W}" y2="{SPARK_H - 2}" stroke="#d9dde3"/>']
+    segment: list[str] = []
+    for index, value in enumerate([*values, None]):
+        if value is not None:
+            segment.append(point(index, value))
+            continue
+        if len(segment) > 1:
+            body.append(
+                f'<polyline points="{" ".join(segment)}" fill="none" stroke="#3b6ea5" stroke-width="1.5"/>'
+            )
+        elif segment:
+            x, y = segment[0].split(",")
+            body.append(f'<circle cx="{x}" cy="{y}" r="1.5" fill="#3b6ea5"/>')
+        segment = []
+    return _frame(chart, title, body, width=SPARK_W, height=SPARK_H)

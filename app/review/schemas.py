@@ -29,6 +29,26 @@ class RunOut(BaseModel):
     last_seen: datetime
 
 
+class RunSummary(RunOut):
+    """A run on the runs page: its rollouts, reward (latest grade of each rollout), grader, model."""
+
+    scored: int = 0
+    reward_mean: float | None = None
+    grader: str | None = None  # the grader of most of the run's latest grades
+    graders: list[str] = []
+    models: list[str] = []  # named by the run's stored conversations, most rollouts first
+    reward_windows: list[float | None] = []  # reward mean per window of rollouts in start order
+    canary: str | None = None  # the canary policy, for a run of `sparring canary`
+
+
+class RunGroup(BaseModel):
+    """Runs shown together: one run, or the runs of one `sparring canary` (`<label>-<policy>`)."""
+
+    label: str | None
+    canary: bool
+    runs: list[RunSummary]
+
+
 class Histogram(BaseModel):
     edges: list[float]  # len(counts) + 1 bin edges; the last bin includes its top edge
     counts: list[int]

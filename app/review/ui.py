@@ -46,6 +46,7 @@ SORT_LABELS = {"time": "last seen", "score": "score", "calls": "tool calls", "du
 ITEMS_IN_CHART = 200
 CURVE_WINDOWS = 20  # windows of the learning curve
 CURVE_FLAGS = 6  # flags drawn per window (the most frequent)
+SPARK_WINDOWS = 12  # points of each run's reward line on the runs page
 
 
 @cache
@@ -322,7 +323,13 @@ async def recompute_page(trace_id: str, review: RolloutReviewWritingDep) -> Resp
 
 @pages.get("/runs")
 async def runs_page(request: Request, review: RolloutReviewDep) -> Response:
-    return render(request, "runs.html", runs=await review.runs())
+    return render(
+        request,
+        "runs.html",
+        groups=await review.run_groups(windows=SPARK_WINDOWS),
+        sparkline=charts.sparkline,
+        windows=SPARK_WINDOWS,
+    )
 
 
 @pages.get("/run")

@@ -588,3 +588,23 @@ def sparkline(chart: str, title: str, values: Sequence[float | None]) -> Markup:
             body.append(f'<circle cx="{x}" cy="{y}" r="1.5" fill="#3b6ea5"/>')
         segment = []
     return _frame(chart, title, body, width=SPARK_W, height=SPARK_H)
+
+
+SCORE_BAR_W, SCORE_BAR_H = 56, 10
+
+
+def score_band(value: float) -> str:
+    """The class of a score's colour: low (< 0.34), mid, high (≥ 0.67)."""
+    return "score-low" if value < 0.34 else ("score-high" if value >= 0.67 else "score-mid")
+
+
+def score_bar(value: float) -> Markup:
+    """A score as a small bar (clamped to 0–1), coloured by its band."""
+    share = min(max(value, 0.0), 1.0)
+    colour = {"score-low": "#c44e52", "score-mid": "#d9a400", "score-high": "#4c9a6a"}[score_band(value)]
+    return Markup(
+        f'<svg class="score-bar" width="{SCORE_BAR_W}" height="{SCORE_BAR_H}" viewBox="0 0 {SCORE_BAR_W} '
+        f'{SCORE_BAR_H}" role="img" aria-label="score {value:.3g}"><rect width="{SCORE_BAR_W}" '
+        f'height="{SCORE_BAR_H}" rx="2" fill="#e8ebf0"/><rect class="fill" '
+        f'width="{_num(share * SCORE_BAR_W)}" height="{SCORE_BAR_H}" rx="2" fill="{colour}"/></svg>'
+    )

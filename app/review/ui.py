@@ -60,7 +60,7 @@ def templates() -> Environment:
     env.filters.update(pretty=fmt.pretty, when=fmt.when, score=fmt.score, ms=fmt.ms, pct=fmt.pct)
     env.filters.update(thousands=fmt.thousands, signed=fmt.signed, signed_pct=fmt.signed_pct)
     env.filters.update(json_text=fmt.json_text, content=fmt.content, tool_name=fmt.tool_name, size=fmt.size)
-    env.globals.update(duration=fmt.duration)
+    env.globals.update(duration=fmt.duration, score_bar=charts.score_bar, score_band=charts.score_band)
     env.globals.update(flag_names=FLAG_NAMES, quote=quote, flag_help=flag_help)
     return env
 

@@ -63,3 +63,16 @@ async def test_a_canary_s_runs_are_grouped_under_its_label(review: ReviewApp) ->
     assert all(index > group for index in members) and page.count(f'data-canary="{label}"') == 1
     assert f'<tr class="run-row canary-member" data-run="{label}-empty">' in page
     assert 'data-canary="my-' not in page and f'<tr class="run-row" data-run="{lookalike}">' in page
+
+
+async def test_the_rollout_list_colours_scores_and_draws_them_as_bars(review: ReviewApp) -> None:
+    run = f"bars-{uuid.uuid4().hex[:6]}"
+    low, high = await rollout(review, run, 0.1), await rollout(review, run, 0.9)
+    await login(review)
+    page = (await review.client.get("/review", params={"run": run})).text
+    for trace, band, width in ((low, "score-low", "5.6"), (high, "score-high", "50.4")):
+        row = page[page.index(f'data-trace="{trace}"') :]
+        row = row[: row.index("</tr>")]
+        assert f'class="score-value {band}"' in row
+        assert f'<rect class="fill" width="{width}"' in row
+    assert '<div class="table-scroll">' in page

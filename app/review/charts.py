@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -354,13 +356,25 @@ def pair_chart(
         f"{escape(_label(hi))}</text>",
     ]
     colors = {"improved": "#4c9a6a", "regressed": "#c44e52", "unchanged": "#888888"}
+    # Items on the same spot (means of few rollouts often coincide) are one dot, sized and counted.
+    spots: dict[tuple[float, float], list[PairPoint]] = {}
     for p in points:
+        spots.setdefault((round(px(p.a)), round(py(p.b))), []).append(p)
+    for group in spots.values():
+        p, count = group[0], len(group)
         kind = "improved" if p.b - p.a > 1e-9 else "regressed" if p.a - p.b > 1e-9 else "unchanged"
+        names = ", ".join(q.label for q in group[:5]) + (f" and {count - 5} more" if count > 5 else "")
+        radius = 3.5 + 1.5 * math.sqrt(count - 1)
         body.append(
-            f'<circle class="pair {kind}" cx="{_num(px(p.a))}" cy="{_num(py(p.b))}" r="3.5" '
-            f'fill="{colors[kind]}" fill-opacity="0.75"><title>{escape(p.label)}: '
+            f'<circle class="pair {kind}" data-items="{count}" cx="{_num(px(p.a))}" cy="{_num(py(p.b))}" '
+            f'r="{_num(radius)}" fill="{colors[kind]}" fill-opacity="0.75"><title>{escape(names)}: '
             f"{escape(_label(p.a))} → {escape(_label(p.b))}</title></circle>"
         )
+        if count > 1:
+            body.append(
+                f'<text class="pair-count" x="{_num(px(p.a) + radius + 2)}" y="{_num(py(p.b) - radius)}">'
+                f"{count}</text>"
+            )
     for i, (kind, color) in enumerate(colors.items()):
         y = MARGIN_TOP + 10 + i * 16
         x = MARGIN_LEFT + size + 16

@@ -172,6 +172,7 @@ class RunSide(BaseModel):
     share_no_signal: float | None
     reward_min: float | None = None
     reward_max: float | None = None
+    reward_se: float | None = None  # standard error of reward_mean (None under 2 graded rollouts)
 
 
 class ToolMix(BaseModel):
@@ -204,6 +205,11 @@ class RunComparison(BaseModel):
     a: RunSide
     b: RunSide
     reward_delta: float | None
+    reward_delta_se: float | None = None  # sqrt(se_a² + se_b²)
+    # 95% interval of reward_delta, by a bootstrap over items (app/review/uncertainty.py); None under
+    # 2 scored items in a run.
+    reward_delta_ci: tuple[float, float] | None = None
+    bootstrap_resamples: int = 0
     calls_per_rollout_delta: float | None
     latency_p50_delta_ms: float | None
     tool_mix: list[ToolMix]

@@ -37,6 +37,8 @@ ROLES = ("system", "user", "simulated_user", "assistant", "tool")
 MAX_MESSAGES = 5_000
 MAX_NAME_CHARS = 200
 UNSENT_OUTPUT = "Error: tool call limit reached"  # what the model read for a call past the budget
+# Answers that will not change within a run (a key without the scope, a server without the route).
+REFUSALS = frozenset({401, 403, 404, 405})
 
 
 def _text_field(message: Mapping[str, Any], name: str, where: str, *, required: bool = False) -> str | None:
@@ -184,8 +186,11 @@ class HttpTranscripts:
         self.source = source
         self.timeout_s = timeout_s
         self.failures = 0
+        self.refused = False  # the server refused the route or the key: not asked again this run
 
     async def store(self, result: RolloutResult, model: str | None = None) -> None:
+        if self.refused:
+            return
         conversation = conversation_of(result, model=model or self.model, source=self.source)
         url = f"{self.server.url.rstrip('/')}/rollouts/{result.trace_id}/transcript"
         headers = {**self.server.headers, "Content-Type": "application/json"}
@@ -197,7 +202,14 @@ class HttpTranscripts:
         except TransportError as exc:
             self._failed(result.trace_id, str(exc))
             return
-        if answer.status >= 300:
+        if answer.status in REFUSALS:
+            self.refused = True
+            log.warning(
+                "%s refused to keep conversations (HTTP %s): none is stored this run",
+                self.server.url,
+                answer.status,
+            )
+        elif answer.status >= 300:
             self._failed(result.trace_id, f"HTTP {answer.status}: {answer.text[:200]}")
 
     def _failed(self, trace_id: str, why: str) -> None:

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
 import orjson
 
-from sparring.conversation import conversation_of, parse_conversation
+from app.rollouts.transcripts import TranscriptRepository
+from sparring.conversation import HttpTranscripts, conversation_of, parse_conversation
+from sparring.http import Endpoint
 from sparring.loop import DatasetLine, FunctionCall, ModelTurn, RolloutResult, Step, ToolResult, Transcript
 from tests.conftest import GRADER_KEY, TOOLS_KEY, new_trace
 from tests.review.conftest import ADMIN, ReviewApp
@@ -122,3 +125,33 @@ def test_the_loop_s_transcript_becomes_one_conversation() -> None:
     ]
     # What the loop builds is what the server accepts, unchanged.
     assert parse_conversation(conversation) == conversation
+
+
+def _result(trace_id: str) -> RolloutResult:
+    line = DatasetLine.from_json({"messages": [{"role": "user", "content": "go"}]})
+    transcript = Transcript(trace_id, line.messages, [], line.item, [Step(ModelTurn(text="done"))])
+    return RolloutResult(trace_id, transcript, "done", "answer")
+
+
+async def test_the_client_stores_conversations_and_stops_asking_a_server_that_refuses(
+    review: ReviewApp,
+) -> None:
+    trace = new_trace()
+    kept = HttpTranscripts(review.client, Endpoint("http://sparring", GRADER), model="m", source="eval")
+    await kept.store(_result(trace))
+    async with review.sessions() as session:
+        row = await TranscriptRepository(session).get(trace)
+    assert row is not None and row.model == "m" and [m["role"] for m in row.messages] == ["user", "assistant"]
+
+    sent: list[str] = []
+
+    async def count(request: httpx.Request) -> None:
+        sent.append(request.method)
+
+    tools_key = {"Authorization": f"Bearer {TOOLS_KEY}"}
+    transport = httpx.ASGITransport(app=review.app)
+    async with httpx.AsyncClient(transport=transport, event_hooks={"request": [count]}) as client:
+        refused = HttpTranscripts(client, Endpoint("http://sparring", tools_key), source="eval")
+        for _ in range(3):
+            await refused.store(_result(new_trace()))  # never raises: the run goes on
+    assert refused.refused and sent == ["PUT"]  # the 403 is not asked again

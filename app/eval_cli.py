@@ -273,6 +273,7 @@ def eval_command(
         )
         options.tracing = tracing
         options.pass_threshold = pass_threshold
+        options.model = model
         report = _run(lambda stop: _evaluate(chosen, target, lines, options, stop, user))
     typer.echo(format_report(report))
     _write_json(out, report)

@@ -30,6 +30,7 @@ from typing import Any, Literal, TypeVar, cast
 import httpx
 from openai import AsyncOpenAI, OpenAI
 
+from sparring.conversation import HttpTranscripts
 from sparring.http import Endpoint, HttpGrader, HttpToolCaller, Retry, ToolEndpoints
 from sparring.loop import (
     DatasetLine,
@@ -168,6 +169,9 @@ class AsyncEnvironment:
         self.timeout_s = timeout_s
         self._tools_headers = _auth(header, key)
         self._grader_headers = _auth(header, grader_key if grader_key is not None else key)
+        self._transcripts = HttpTranscripts(
+            self.http, Endpoint(url=self.base_url, headers=self._grader_headers), source="client"
+        )
         self._caller = HttpToolCaller(
             self.http,
             ToolEndpoints.for_server(self.base_url, self._tools_headers),
@@ -280,6 +284,8 @@ class AsyncEnvironment:
             limits=EpisodeLimits(max_turns=max_turns, max_tool_calls=max_tool_calls),
             trace_id=trace_id,
         )
+        if grading is not None:  # the grader's key may store the conversation beside the rollout
+            await self._transcripts.store(result, model=model)
         # The conversation as the model saw it: chat servers get `developer` messages as `system`.
         return Episode.from_result(result, developer_role="system" if api == "chat" else "developer")
 

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from sparring.conversation import TranscriptStore
 from sparring.loop import (
     DatasetLine,
     EpisodeLimits,
@@ -229,12 +230,14 @@ async def run_jobs(
     limits_for: Callable[[Job], EpisodeLimits] | None = None,
     tracing: RolloutTracing | None = None,
     user: SimulatedUser | None = None,
+    transcripts: TranscriptStore | None = None,
 ) -> bool:
     """Run `jobs` with at most `concurrency` rollouts in flight; False when `stop` interrupted them.
 
     With `user`, lines that carry a user scenario are played against the simulated user.
 
-    Each finished rollout goes to `on_record` as it ends. When `stop` is set, rollouts in flight are
+    Each finished rollout goes to `on_record` as it ends (its conversation first to `transcripts`).
+    When `stop` is set, rollouts in flight are
     cancelled (they were not graded: a resumed run runs them again) and no new one starts.
     """
     stop = stop or asyncio.Event()
@@ -253,6 +256,8 @@ async def run_jobs(
                 tracing=tracing,
                 user=user,
             )
+            if transcripts is not None:
+                await transcripts.store(result)
             on_record(FinishedRollout.of(job, result))
 
     workers = [asyncio.create_task(worker()) for _ in range(max(1, min(concurrency, len(jobs))))]

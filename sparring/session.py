@@ -19,6 +19,7 @@ from urllib.parse import quote, unquote, urlsplit
 import httpx
 
 from sparring.canaries import Canary, all_canaries, gold_calls
+from sparring.conversation import HttpTranscripts
 from sparring.evaluate import (
     FinishedRollout,
     Job,
@@ -64,6 +65,16 @@ class Target:
         path = urlsplit(self.grader.url).path.rstrip("/")
         head, _, name = path.rpartition("/")
         return unquote(name) if head.endswith("/grade") and name else self.grader.url
+
+    def transcripts(
+        self, client: Transport | httpx.AsyncClient, *, model: str | None, source: str
+    ) -> HttpTranscripts | None:
+        """Where the rollouts' conversations are kept: the server's transcript route, with the grader's
+        headers (None when the run has no sparring server)."""
+        if self.server is None:
+            return None
+        endpoint = Endpoint(url=self.server, headers=self.grader.headers)
+        return HttpTranscripts(client, endpoint, model=model, source=source)
 
     def review_url(self, run: str) -> str | None:
         return f"{self.server}/review/run?name={quote(run, safe='')}" if self.server else None
@@ -201,6 +212,7 @@ class RunOptions:
     tracing: RolloutTracing | None = None  # rollouts as OpenTelemetry spans (sparring.tracing)
     pass_threshold: float = PASS_SCORE  # a rollout passes (pass@k) with a score at least this
     user: SimulatedUser | None = None  # plays the customer of lines with a user scenario (sparring.usersim)
+    model: str | None = None  # the model's name, stored with each rollout's conversation
 
 
 def user_on_target(
@@ -259,6 +271,7 @@ async def evaluate(
             stop=stop,
             tracing=options.tracing.labelled(**{RUN: options.run}) if options.tracing else None,
             user=user_on_target(client, target, options, options.run),
+            transcripts=target.transcripts(client, model=options.model, source="eval"),
         )
     finally:
         progress.close()
@@ -377,6 +390,7 @@ async def _run_canary(
             limits_for=lambda job: canary_limits(options.limits, job),
             tracing=options.tracing.labelled(**{RUN: run, CANARY: name}) if options.tracing else None,
             user=user_on_target(client, target, options, run),
+            transcripts=target.transcripts(client, model=f"canary:{name}", source="canary"),
         )
     finally:
         progress.close()

@@ -134,6 +134,20 @@ class RolloutLabel(Base):
     labelled_at: Mapped[datetime] = mapped_column(UtcDateTime())
 
 
+class TranscriptRow(Base):
+    """A rollout's conversation (`sparring.conversation`): stored by sparring's own loop or by a trainer."""
+
+    __tablename__ = "transcripts"
+
+    trace_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    model: Mapped[str | None] = mapped_column(String(200))
+    source: Mapped[str | None] = mapped_column(String(200))
+    # The messages in the stored shape: role, content, reasoning, tool_calls (call_id, name, arguments).
+    messages: Mapped[list[Any]] = mapped_column(JsonColumn, default=list)
+    size_bytes: Mapped[int] = mapped_column(Integer, default=0)
+    stored_at: Mapped[datetime] = mapped_column(UtcDateTime())
+
+
 class RevokedReviewSession(Base):
     """A review login token ended by logout: refused until it would have expired, then deleted."""
 

@@ -14,6 +14,7 @@ from app.packs import Registry
 from app.remote.egress import EgressRule, GuardedTransport
 from app.remote.runner import GatewayStatusLog, RemoteRunner
 from app.remote.service import RemoteRolloutService
+from app.rollouts.transcripts import DatabaseTranscripts
 from app.telemetry import Tracing
 from sparring.loop import EpisodeLimits
 from sparring.policies import CappedAnswers
@@ -63,6 +64,7 @@ def build_remote(
         limits=EpisodeLimits(max_turns=settings.remote_max_turns),
         model_timeout_s=settings.remote_model_timeout_seconds,
         grade_max_bytes=settings.max_body_bytes,
+        transcripts=DatabaseTranscripts(database, source="remote"),
         tracing=tracing,
         user=user,
     )

@@ -33,6 +33,7 @@ from app.packs import Registry
 from app.remote.schemas import CODE_INVALID_ARGUMENT, CODE_UNAVAILABLE, RolloutPlan
 from app.remote.service import RolloutOutcome
 from app.telemetry import Tracing
+from sparring.conversation import TranscriptStore
 from sparring.http import Attempt, Retry, call_with_retries, grade_with_retries
 from sparring.loop import (
     USER_KEY,
@@ -186,6 +187,7 @@ class RemoteRunner:
     grade_max_bytes: int | None = None
     tracing: Tracing | None = None  # None: tracing is off (app/telemetry.py)
     user: SimulatedUser | None = None  # plays the customer of rows with a user scenario (app/users)
+    transcripts: TranscriptStore | None = None  # where each rollout's conversation is kept
 
     def tools_for(self, rollout: RolloutPlan) -> list[dict[str, Any]]:
         """The request's tool schemas, else every served tool (of the named pack)."""
@@ -234,6 +236,8 @@ class RemoteRunner:
             # Graded rollouts keep their state with the grade; an ungraded one keeps it at its end, so a
             # grader tried later (`sparring regrade`) can still read it.
             await self.grading.keep_state(rollout.trace_id)
+        if self.transcripts is not None:
+            await self.transcripts.store(result, model=rollout.model)
         outcome = outcome_of(result, grader=self.grader if grader is not None else None)
         if result.transcript.user is not None and self.user is not None:
             outcome.summary["user_model"] = self.user.name

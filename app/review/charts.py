@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -366,13 +367,25 @@ def pair_chart(
         f"{escape(_label(hi))}</text>",
     ]
     colors = {"improved": "#4c9a6a", "regressed": "#c44e52", "unchanged": "#888888"}
+    # Items on the same spot (means of few rollouts often coincide) are one dot, sized and counted.
+    spots: dict[tuple[float, float], list[PairPoint]] = {}
     for p in points:
+        spots.setdefault((round(px(p.a)), round(py(p.b))), []).append(p)
+    for group in spots.values():
+        p, count = group[0], len(group)
         kind = "improved" if p.b - p.a > 1e-9 else "regressed" if p.a - p.b > 1e-9 else "unchanged"
+        names = ", ".join(q.label for q in group[:5]) + (f" and {count - 5} more" if count > 5 else "")
+        radius = 3.5 + 1.5 * math.sqrt(count - 1)
         body.append(
-            f'<circle class="pair {kind}" cx="{_num(px(p.a))}" cy="{_num(py(p.b))}" r="3.5" '
-            f'fill="{colors[kind]}" fill-opacity="0.75"><title>{escape(p.label)}: '
+            f'<circle class="pair {kind}" data-items="{count}" cx="{_num(px(p.a))}" cy="{_num(py(p.b))}" '
+            f'r="{_num(radius)}" fill="{colors[kind]}" fill-opacity="0.75"><title>{escape(names)}: '
             f"{escape(_label(p.a))} → {escape(_label(p.b))}</title></circle>"
         )
+        if count > 1:
+            body.append(
+                f'<text class="pair-count" x="{_num(px(p.a) + radius + 2)}" y="{_num(py(p.b) - radius)}">'
+                f"{count}</text>"
+            )
     for i, (kind, color) in enumerate(colors.items()):
         y = MARGIN_TOP + 10 + i * 16
         x = MARGIN_LEFT + size + 16
@@ -584,4 +597,55 @@ def grader_scatter(a: str, b: str, points: Sequence[PairPoint]) -> Markup:
         lo=lo,
         hi=hi,
         legend={"improved": f"{b} higher", "regressed": f"{a} higher", "unchanged": "equal"},
+    )
+
+
+SPARK_W, SPARK_H = 120, 26
+
+
+def sparkline(chart: str, title: str, values: Sequence[float | None]) -> Markup:
+    """A small line of values (None: a gap) on a 0–1 scale (wider when a value falls outside it)."""
+    known = [v for v in values if v is not None]
+    if not known:
+        return Markup("")
+    lo, hi = min(0.0, *known), max(1.0, *known)
+    step = SPARK_W / max(len(values) - 1, 1)
+
+    def point(index: int, value: float) -> str:
+        return f"{_num(index * step)},{_num(SPARK_H - 2 - (value - lo) / (hi - lo) * (SPARK_H - 4))}"
+
+    body = [f'<line x1="0" y1="{SPARK_H - 2}" x2="{SPARK_W}" y2="{SPARK_H - 2}" stroke="#d9dde3"/>']
+    segment: list[str] = []
+    for index, value in enumerate([*values, None]):
+        if value is not None:
+            segment.append(point(index, value))
+            continue
+        if len(segment) > 1:
+            body.append(
+                f'<polyline points="{" ".join(segment)}" fill="none" stroke="#3b6ea5" stroke-width="1.5"/>'
+            )
+        elif segment:
+            x, y = segment[0].split(",")
+            body.append(f'<circle cx="{x}" cy="{y}" r="1.5" fill="#3b6ea5"/>')
+        segment = []
+    return _frame(chart, title, body, width=SPARK_W, height=SPARK_H)
+
+
+SCORE_BAR_W, SCORE_BAR_H = 56, 10
+
+
+def score_band(value: float) -> str:
+    """The class of a score's colour: low (< 0.34), mid, high (≥ 0.67)."""
+    return "score-low" if value < 0.34 else ("score-high" if value >= 0.67 else "score-mid")
+
+
+def score_bar(value: float) -> Markup:
+    """A score as a small bar (clamped to 0–1), coloured by its band."""
+    share = min(max(value, 0.0), 1.0)
+    colour = {"score-low": "#c44e52", "score-mid": "#d9a400", "score-high": "#4c9a6a"}[score_band(value)]
+    return Markup(
+        f'<svg class="score-bar" width="{SCORE_BAR_W}" height="{SCORE_BAR_H}" viewBox="0 0 {SCORE_BAR_W} '
+        f'{SCORE_BAR_H}" role="img" aria-label="score {value:.3g}"><rect width="{SCORE_BAR_W}" '
+        f'height="{SCORE_BAR_H}" rx="2" fill="#e8ebf0"/><rect class="fill" '
+        f'width="{_num(share * SCORE_BAR_W)}" height="{SCORE_BAR_H}" rx="2" fill="{colour}"/></svg>'
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from app.grading.flags import (
+    CALL_ID_REUSED,
     DEFAULT_POLICY,
     EMPTY_ANSWER_HIGH_SCORE,
     GRADE_FAILED,
@@ -38,9 +39,15 @@ FLAG_HELP: dict[str, str] = {
     ),
     TOOL_ERRORS: "Calls crashed (500) or met an outage (503): the environment, not the model, failed.",
     GRADE_FAILED: "The grader itself failed on this rollout (see its errors); the rollout has no score.",
+    CALL_ID_REUSED: (
+        "The server answered a call whose call_id had already answered another tool or other arguments "
+        "(outcome call_id_reused, `Error: call_id … was already used for a different call`); the review "
+        "raises the flag from the call log: the trainer reuses ids, or the model copies them."
+    ),
 }
 
 
 def flag_help(name: str) -> str:
-    """The explanation of a review flag; a grader's own flag gets a generic line."""
+    """The explanation of a review flag (every name of FLAG_NAMES has one); a grader's own flag gets a
+    generic line."""
     return FLAG_HELP.get(name, "Raised by the grader itself (see the grade's reason).")

@@ -6,7 +6,7 @@ dialect here. A run's statistics (and its learning curve) are in app/review/stat
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
@@ -81,8 +81,52 @@ class RunRow:
     channels: dict[str, int]
 
 
+@dataclass(frozen=True)
+class RunScoreRow:
+    """Scores of a run's rollouts in one window (of equal numbers of rollouts, by start) by one grader."""
+
+    run: str
+    window: int
+    grader: str
+    scored: int
+    total: float
+
+
 class ReviewRepository(Queries):
     """The queries of the rollout list, the runs, the graders and the export."""
+
+    async def run_scores(self, runs: Sequence[str], windows: int) -> list[RunScoreRow]:
+        """Per run, window of its rollouts (in start order) and grader: the latest grades' count and sum."""
+        if not runs:
+            return []
+        latest = aliased(Grade)
+        newest = select(func.max(latest.id)).where(latest.trace_id == RolloutRow.trace_id)
+        window = func.ntile(windows).over(
+            partition_by=RolloutRow.run, order_by=(RolloutRow.first_seen, RolloutRow.trace_id)
+        )
+        scored = (
+            select(
+                RolloutRow.run.label("run"),
+                (window - 1).label("window"),
+                Grade.grader.label("grader"),
+                Grade.score.label("score"),
+            )
+            .join(Grade, Grade.id == newest.correlate(RolloutRow).scalar_subquery())
+            .where(RolloutRow.run.in_(list(runs)))
+            .subquery("scored")
+        )
+        result = await self.session.execute(
+            select(
+                scored.c.run,
+                scored.c.window,
+                scored.c.grader,
+                func.count(scored.c.score),
+                func.sum(scored.c.score),
+            ).group_by(scored.c.run, scored.c.window, scored.c.grader)
+        )
+        return [
+            RunScoreRow(str(r[0]), int(r[1]), str(r[2]), int(r[3]), float(r[4] or 0.0)) for r in result.all()
+        ]
 
     # --- lists ---------------------------------------------------------------------------------------
 

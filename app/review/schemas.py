@@ -29,6 +29,26 @@ class RunOut(BaseModel):
     last_seen: datetime
 
 
+class RunSummary(RunOut):
+    """A run on the runs page: its rollouts, reward (latest grade of each rollout), grader, model."""
+
+    scored: int = 0
+    reward_mean: float | None = None
+    grader: str | None = None  # the grader of most of the run's latest grades
+    graders: list[str] = []
+    models: list[str] = []  # named by the run's stored conversations, most rollouts first
+    reward_windows: list[float | None] = []  # reward mean per window of rollouts in start order
+    canary: str | None = None  # the canary policy, for a run of `sparring canary`
+
+
+class RunGroup(BaseModel):
+    """Runs shown together: one run, or the runs of one `sparring canary` (`<label>-<policy>`)."""
+
+    label: str | None
+    canary: bool
+    runs: list[RunSummary]
+
+
 class Histogram(BaseModel):
     edges: list[float]  # len(counts) + 1 bin edges; the last bin includes its top edge
     counts: list[int]
@@ -152,6 +172,7 @@ class RunSide(BaseModel):
     share_no_signal: float | None
     reward_min: float | None = None
     reward_max: float | None = None
+    reward_se: float | None = None  # standard error of reward_mean (None under 2 graded rollouts)
 
 
 class ToolMix(BaseModel):
@@ -184,6 +205,11 @@ class RunComparison(BaseModel):
     a: RunSide
     b: RunSide
     reward_delta: float | None
+    reward_delta_se: float | None = None  # sqrt(se_a² + se_b²)
+    # 95% interval of reward_delta, by a bootstrap over items (app/review/uncertainty.py); None under
+    # 2 scored items in a run.
+    reward_delta_ci: tuple[float, float] | None = None
+    bootstrap_resamples: int = 0
     calls_per_rollout_delta: float | None
     latency_p50_delta_ms: float | None
     tool_mix: list[ToolMix]

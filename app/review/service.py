@@ -19,11 +19,13 @@ from app.grading.recording import review_flags
 from app.grading.repository import GradeRepository
 from app.grounding import last_message
 from app.review import schemas as s
-from app.review.repository import ReviewRepository, RolloutFilter
+from app.review.repository import ReviewRepository, RolloutFilter, RunScoreRow
 from app.review.statistics import item_stats_of
 from app.rollouts.repository import RolloutRepository
-from app.rollouts.shapes import FlagOut, GradeOut, RolloutDetail, RolloutSummary
+from app.rollouts.shapes import FlagOut, GradeOut, RolloutDetail, RolloutSummary, TranscriptOut
 from app.rollouts.timeline import LoggedCall, build_timeline, read_timeline, rollout_calls
+from app.rollouts.transcripts import TranscriptRepository
+from sparring.canaries import all_canaries
 
 
 def encode_cursor(key: Any, trace_id: str, sort: str = "time") -> str:
@@ -93,8 +95,10 @@ def export_record(
     calls: Sequence[LoggedCall],
     grades: Sequence[Grade],
     label: RolloutLabel | None = None,
+    transcript: TranscriptOut | None = None,
 ) -> dict[str, Any]:
-    """One JSONL line of the export: the rollout, its calls in order, its grades, a person's label."""
+    """One JSONL line of the export: the rollout, its calls in order, its grades, a person's label, its
+    conversation."""
     return {
         "trace_id": rollout.trace_id,
         "run": rollout.run,
@@ -130,7 +134,56 @@ def export_record(
             "labelled_by": label.labelled_by,
             "labelled_at": label.labelled_at,
         },
+        # The conversation (sparring.conversation's shape), when one was stored; else null.
+        "conversation": transcript.model_dump(exclude={"size_bytes"}) if transcript is not None else None,
     }
+
+
+RUNS_SUMMARISED = 200  # runs on the runs page
+
+
+def _summary(run: s.RunOut, rows: Sequence[RunScoreRow], models: list[str], windows: int) -> s.RunSummary:
+    by_grader: dict[str, int] = {}
+    per_window: dict[int, tuple[int, float]] = {}
+    for row in rows:
+        by_grader[row.grader] = by_grader.get(row.grader, 0) + row.scored
+        count, total = per_window.get(row.window, (0, 0.0))
+        per_window[row.window] = (count + row.scored, total + row.total)
+    scored = sum(count for count, _ in per_window.values())
+    total = sum(value for _, value in per_window.values())
+    graders = sorted(by_grader, key=lambda name: (-by_grader[name], name))
+    return s.RunSummary(
+        **run.model_dump(),
+        scored=scored,
+        reward_mean=total / scored if scored else None,
+        grader=graders[0] if graders else None,
+        graders=graders,
+        models=models,
+        reward_windows=[
+            per_window[w][1] / per_window[w][0] if per_window.get(w, (0, 0.0))[0] else None
+            for w in range(windows)
+        ],
+    )
+
+
+def group_runs(runs: Sequence[s.RunSummary], canaries: set[str]) -> list[s.RunGroup]:
+    """Each run alone, but the runs of one `sparring canary` (`<label>-<policy>`, with a canary's model or
+    none recorded) together under their label, where the most recent of them stands."""
+    groups: list[s.RunGroup] = []
+    by_label: dict[str, s.RunGroup] = {}
+    for run in runs:
+        label, _, policy = (run.run or "").rpartition("-")
+        is_canary = bool(label) and policy in canaries and all(m == f"canary:{policy}" for m in run.models)
+        if not is_canary:
+            groups.append(s.RunGroup(label=run.run, canary=False, runs=[run]))
+            continue
+        member = run.model_copy(update={"canary": policy})
+        if label in by_label:
+            by_label[label].runs.append(member)
+        else:
+            by_label[label] = s.RunGroup(label=label, canary=True, runs=[member])
+            groups.append(by_label[label])
+    return groups
 
 
 class RolloutReview:
@@ -257,6 +310,21 @@ class RolloutReview:
             s.RunOut.model_validate(r, from_attributes=True) for r in await self.repo.runs(channel=channel)
         ]
 
+    async def run_groups(self, limit: int = RUNS_SUMMARISED, windows: int = 12) -> list[s.RunGroup]:
+        """The most recent runs with their reward, grader, model and reward per window, a canary's runs
+        grouped under its label."""
+        runs = (await self.runs())[:limit]
+        names = [r.run for r in runs if r.run]
+        scores = await self.repo.run_scores(names, windows)
+        models = await TranscriptRepository(self.session).models_of_runs(names)
+        summaries = [
+            _summary(r, [row for row in scores if row.run == r.run], models.get(r.run, []), windows)
+            if r.run
+            else s.RunSummary(**r.model_dump())
+            for r in runs
+        ]
+        return group_runs(summaries, set(all_canaries()))
+
     async def detail(self, trace_id: str) -> RolloutDetail:
         """The rollout's calls in order (each with the flags citing it) and its grades; 404 if neither."""
         base = await read_timeline(self.session, trace_id)
@@ -276,14 +344,18 @@ class RolloutReview:
         timeline = [
             call.model_copy(update={"flags": tuple(cited.get(call.seq, ()))}) for call in base.timeline
         ]
-        return base.model_copy(update={"timeline": timeline, "grades": graded})
+        transcript = await TranscriptRepository(self.session).get(trace_id)
+        return base.model_copy(update={"timeline": timeline, "grades": graded, "transcript": transcript})
 
     # --- export ----------------------------------------------------------------------------------------
 
     async def export_lines(self, run: str | None) -> AsyncIterator[bytes]:
+        transcripts = TranscriptRepository(self.session)
         async for batch in self.repo.export_batches(run):
+            conversations = await transcripts.for_traces(rollout.trace_id for rollout, _, _, _ in batch)
             for rollout, calls, grades, label in batch:
-                yield orjson.dumps(export_record(rollout, calls, grades, label)) + b"\n"
+                record = export_record(rollout, calls, grades, label, conversations.get(rollout.trace_id))
+                yield orjson.dumps(record) + b"\n"
 
 
 def _output_tools(sample: dict[str, Any]) -> list[Any]:

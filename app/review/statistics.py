@@ -13,6 +13,13 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from app.grading.flags import ENVIRONMENT_FAILURES
 from app.review import schemas as s
 from app.review.stats_repository import ItemRow, ItemSummary, RewardSummary, StatsRepository, ToolRow
+from app.review.uncertainty import (
+    ItemScores,
+    bootstrap_difference,
+    combined_error,
+    resamples_for,
+    standard_error,
+)
 
 REWARD_BINS = 10
 # Scores at or below ZERO / at or above ONE count as "always 0" / "always 1" for items.
@@ -237,6 +244,7 @@ class RunStatistics:
             share_no_signal=_item_summary(summary).share_no_signal,
             reward_min=reward.min,
             reward_max=reward.max,
+            reward_se=standard_error(_std(reward.mean, reward.mean_square), reward.graded),
         )
         return side, tools, items
 
@@ -264,10 +272,17 @@ class RunStatistics:
             key=lambda d: (-d.delta, d.item_key or ""),
         )
         hist_a, hist_b = await self._common_histograms(a, b, grader, side_a, side_b)
+        scores_a = [ItemScores(r.rollouts, r.mean * r.rollouts) for r in items_a]
+        scores_b = [ItemScores(r.rollouts, r.mean * r.rollouts) for r in items_b]
+        # CPU work over every item: off the event loop.
+        interval = await asyncio.to_thread(bootstrap_difference, scores_a, scores_b)
         return s.RunComparison(
             a=side_a,
             b=side_b,
             reward_delta=_delta(side_a.reward_mean, side_b.reward_mean),
+            reward_delta_se=combined_error(side_a.reward_se, side_b.reward_se),
+            reward_delta_ci=interval,
+            bootstrap_resamples=resamples_for(len(scores_a), len(scores_b)) if interval is not None else 0,
             calls_per_rollout_delta=_delta(side_a.calls_per_rollout, side_b.calls_per_rollout),
             latency_p50_delta_ms=_delta(side_a.latency.p50_ms, side_b.latency.p50_ms),
             tool_mix=_tool_mix(tools_a, tools_b),

@@ -16,12 +16,13 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, PackageLoader, select_autoescape
 
 from app.db.models import CHANNELS
-from app.deps import app_state
+from app.deps import RegistryDep, app_state
 from app.errors import BadRequest, NotFound
 from app.grading.flags import FLAG_NAMES
 from app.review import charts
 from app.review import formatting as fmt
 from app.review import schemas as s
+from app.review.conversation import conversation_view, file_changes, starting_files
 from app.review.deps import (
     NEEDS_LOGIN,
     GraderAgreementDep,
@@ -56,6 +57,7 @@ SORT_LABELS = {"time": "last seen", "score": "score", "calls": "tool calls", "du
 ITEMS_IN_CHART = 200
 CURVE_WINDOWS = 20  # windows of the learning curve
 CURVE_FLAGS = 6  # flags drawn per window (the most frequent)
+SPARK_WINDOWS = 12  # points of each run's reward line on the runs page
 
 
 @cache
@@ -69,7 +71,7 @@ def templates() -> Environment:
     env.filters.update(pretty=fmt.pretty, when=fmt.when, score=fmt.score, ms=fmt.ms, pct=fmt.pct)
     env.filters.update(thousands=fmt.thousands, signed=fmt.signed, signed_pct=fmt.signed_pct)
     env.filters.update(json_text=fmt.json_text, content=fmt.content, tool_name=fmt.tool_name, size=fmt.size)
-    env.globals.update(duration=fmt.duration)
+    env.globals.update(duration=fmt.duration, score_bar=charts.score_bar, score_band=charts.score_band)
     env.globals.update(flag_names=FLAG_NAMES, quote=quote, flag_help=flag_help)
     return env
 
@@ -267,6 +269,7 @@ async def rollout_page(
     review: RolloutReviewDep,
     labels: RolloutLabelsDep,
     grader: ChosenGrader,
+    registry: RegistryDep,
     queue: str | None = None,
 ) -> Response:
     try:
@@ -281,11 +284,14 @@ async def rollout_page(
         if not batches or batches[-1][0].batch != call.batch:
             batches.append([])
         batches[-1].append(call)
+    starting = starting_files(registry, timeline.timeline, graded_on.item or {})
     return render(
         request,
         "rollout.html",
         timeline=timeline,
         batches=batches,
+        conversation=conversation_view(timeline.transcript, timeline.timeline),
+        files=file_changes(timeline.timeline, starting),
         graded_on=graded_on,
         item_fields=_item_fields(graded_on.item or {}),
         label=await labels.get(trace_id),
@@ -381,7 +387,13 @@ async def recompute_page(trace_id: str, review: RolloutReviewWritingDep) -> Resp
 
 @pages.get("/runs")
 async def runs_page(request: Request, review: RolloutReviewDep) -> Response:
-    return render(request, "runs.html", runs=await review.runs())
+    return render(
+        request,
+        "runs.html",
+        groups=await review.run_groups(windows=SPARK_WINDOWS),
+        sparkline=charts.sparkline,
+        windows=SPARK_WINDOWS,
+    )
 
 
 @pages.get("/run")

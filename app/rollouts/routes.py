@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends, Query, Request
 
 from app.db.text import storable
-from app.deps import AdminKey, DatabaseDep, RegistryDep, StoreDep, reject_control_characters
+from app.deps import AdminKey, DatabaseDep, GraderKey, RegistryDep, StoreDep, reject_control_characters
 from app.errors import NotFound
 from app.rollouts.timeline import read_timeline
+from app.rollouts.transcripts import TranscriptRepository, checked_conversation
 from app.sdk import RolloutState
+from sparring.wire import trace_key
 
 # Ids and filters with a control character are a 400 here as in the review API (app/deps.py).
 router = APIRouter(prefix="/rollouts", tags=["rollouts"], dependencies=[Depends(reject_control_characters)])
@@ -52,3 +54,25 @@ async def get_rollout_state(
         if not changed_only:
             state[name]["state"] = RolloutState(pack.base(), pack_changes, writable=False).snapshot()
     return {"trace_id": trace_id, "packs": state}
+
+
+@router.put(
+    "/{trace_id}/transcript",
+    openapi_extra={
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {"type": "object"}}}}
+    },
+)
+async def put_transcript(trace_id: str, request: Request, _: GraderKey, db: DatabaseDep) -> dict[str, Any]:
+    """Store the rollout's conversation (the shape of `sparring.conversation`), replacing an earlier one.
+
+    `{"model": ..., "source": ..., "messages": [{"role": "system" | "user" | "simulated_user" |
+    "assistant" | "tool", "content": ..., "reasoning": ..., "tool_calls": [{"call_id", "name",
+    "arguments"}], "call_id": ...}]}`; a grader or admin key; 400 naming the bad field, 413 past
+    SPARRING_MAX_BODY_BYTES. The rollout need not have logged a call yet.
+    """
+    body = await request.body()
+    conversation = checked_conversation(body)
+    key = trace_key(trace_id)
+    async with db.session(write=True) as session:
+        await TranscriptRepository(session).put(key, conversation, len(body))
+    return {"trace_id": key, "messages": len(conversation["messages"]), "size_bytes": len(body)}

@@ -98,9 +98,21 @@ class RolloutSummary(RolloutBase):
     label: str | None = None  # a person's judgment: pass | fail (None: not labelled)
 
 
+class TranscriptOut(BaseModel):
+    """A rollout's conversation as stored (the shape: sparring.conversation)."""
+
+    model: str | None
+    source: str | None
+    messages: list[dict[str, Any]]
+    size_bytes: int
+    stored_at: datetime
+
+
 class RolloutDetail(RolloutBase):
     """One rollout: its calls in start order with their parallel batches, and its grades (oldest first)."""
 
     parallel_batches: int
     timeline: list[RolloutCall]
     grades: list[GradeOut] = []
+    # The conversation, when sparring ran the loop or the trainer stored it (PUT .../transcript).
+    transcript: TranscriptOut | None = None

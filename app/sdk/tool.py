@@ -31,6 +31,8 @@ DatasetBuilder = Callable[[Any, str, Path], int]
 BaseLoader = Callable[[Any], Base]
 # `fn(resources, item) -> scenario`: what a simulated user plays for a dataset row (None: no scenario).
 ScenarioLoader = Callable[[Any, Mapping[str, Any]], Any]
+# `fn(resources, item) -> {path: text}`: the files a rollout of `item` finds in its workspace at the start.
+StartingFiles = Callable[[Any, Mapping[str, Any]], Mapping[str, str]]
 B = TypeVar("B", bound=DatasetBuilder)
 
 _MISSING = object()
@@ -238,6 +240,7 @@ class Pack:
         # offered to the agent (not in `tools`, job configs, datasets, MCP or the episode protocols).
         self._user_tools: dict[str, ToolSpec] = {}
         self.scenario_loader: ScenarioLoader | None = None
+        self.starting_files_of: StartingFiles | None = None
 
     def scenario(self, fn: ScenarioLoader) -> ScenarioLoader:
         """Register `fn(resources, item) -> scenario`: the user scenario of a dataset row, for a simulator."""
@@ -279,6 +282,18 @@ class Pack:
         """
         self.dataset_builder = fn
         return fn
+
+    def starting_files(self, fn: StartingFiles) -> StartingFiles:
+        """Register `fn(resources, item) -> {path: text}`: the files a rollout of the dataset row `item`
+        starts with (a workspace pack's). The review diffs the files a rollout writes against them."""
+        self.starting_files_of = fn
+        return fn
+
+    def files_at_start(self, item: Mapping[str, Any]) -> dict[str, str]:
+        """The files a rollout of `item` starts with ({} for a pack without files, or before start)."""
+        if self.starting_files_of is None:
+            return {}
+        return dict(self.starting_files_of(self.resources, item))
 
     @overload
     def tool(self, fn: F, /) -> F: ...

@@ -150,3 +150,16 @@ async def test_a_sandbox_that_cannot_start_is_an_outage_not_a_crash(
         retried = await code.http.post("/tools/run_python", json=body)
         assert retried.status_code == 200
         assert json.loads(retried.json()["output"])["exit_code"] == 0
+
+
+def test_the_review_diffs_writes_against_the_task_s_starting_files() -> None:
+    from types import SimpleNamespace
+
+    from tools.code.tools import files_at_start, pack
+
+    task = all_tasks()[TASK]
+    resources = SimpleNamespace(tasks=all_tasks())
+    started = files_at_start(resources, {"task_id": TASK})  # type: ignore[arg-type]
+    assert started == task.starting_files() and started["solution.py"] == task.prompt
+    assert files_at_start(resources, {}) == {}  # type: ignore[arg-type]  # no task: an empty workspace
+    assert pack.starting_files_of is files_at_start

@@ -68,6 +68,13 @@ async def test_a_rollout_runs_in_the_background_and_its_calls_are_in_the_log(
         calls = logged.json()["timeline"]
         assert [c["tool"] for c in calls] == ["increment", "increment", "read_counter"]
         assert [c["output"] for c in calls][:2] == ['{"value":102}', '{"value":105}']
+        # The server ran the loop, so it kept the conversation: each turn, its calls by call_id.
+        transcript = logged.json()["transcript"]
+        assert transcript["model"] == "adder" and transcript["source"] == "remote"
+        assistant = [m for m in transcript["messages"] if m["role"] == "assistant"]
+        assert [len(m["tool_calls"]) for m in assistant] == [1, 2, 0]
+        assert [c["call_id"] for m in assistant for c in m["tool_calls"]] == [c["call_id"] for c in calls]
+        assert assistant[-1]["content"] == "The counter is 105."
         recent = await client.get("/rollouts", params={"run": "exp-1:run-1"}, headers=ADMIN)
         assert status["trace_id"] in [r["trace_id"] for r in recent.json()["rollouts"]]
 

@@ -107,6 +107,14 @@ def test_sync_episodes_play_gold_to_reward_one_and_are_logged(
     ).json()
     assert len(logged["timeline"]) == len(episode.tool_calls)
     assert logged["run"] == "client-sync" and logged["graded_at"] is not None
+    # The episode's conversation is kept beside its calls (the grader key stores it).
+    transcript = logged["transcript"]
+    assert transcript["model"] == f"gold-{lines[-1]['task_id']}" and transcript["source"] == "client"
+    assert [m["role"] for m in transcript["messages"]] == [m["role"] for m in episode.messages]
+    asked = [
+        c["call_id"] for m in transcript["messages"] if m["role"] == "assistant" for c in m["tool_calls"]
+    ]
+    assert sorted(asked) == sorted(c["call_id"] for c in logged["timeline"])
 
 
 def pack_tools() -> list[dict[str, Any]]:

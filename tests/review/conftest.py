@@ -124,9 +124,9 @@ class ReviewApp:
 @pytest.fixture
 def review_factory(tmp_path: Path, backend_settings: dict[str, Any]) -> Any:
     @asynccontextmanager
-    async def factory(**overrides: Any) -> AsyncIterator[ReviewApp]:
+    async def factory(packs: Sequence[Any] = PACKS, **overrides: Any) -> AsyncIterator[ReviewApp]:
         settings = make_settings(tmp_path / "home", **{**backend_settings, **overrides})
-        app = create_app(settings, packs=PACKS)
+        app = create_app(settings, packs=list(packs))
         async with LifespanManager(app) as manager:
             transport = httpx.ASGITransport(app=manager.app)
             async with httpx.AsyncClient(transport=transport, base_url="http://sparring") as client:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from app.grading.flags import (
+    FLAG_NAMES,
     FlagPolicy,
     answer_hash,
     compute_flags,
@@ -10,6 +11,7 @@ from app.grading.flags import (
     normalize_answer,
     ungrounded_values,
 )
+from app.review.flag_help import FLAG_HELP, flag_help
 from tests.grading.records import rollout_call as call
 
 
@@ -97,3 +99,10 @@ def test_tool_errors_and_failed_grades() -> None:
     assert names(flags) == ["grade_failed", "tool_errors"]
     assert flags[0].reason == "the grader failed: judge timed out"
     assert flags[1].evidence == [1, 2] and "infra_error ×1, tool_crash ×1" in flags[1].reason
+
+
+def test_every_review_flag_has_its_own_legend_line_and_none_is_said_to_come_from_the_grader() -> None:
+    assert set(FLAG_HELP) == set(FLAG_NAMES)
+    generic = flag_help("a-grader-s-own-flag")
+    assert all(flag_help(name) != generic for name in FLAG_NAMES)
+    assert "server" in flag_help("call_id_reused") and "grader itself" not in flag_help("call_id_reused")

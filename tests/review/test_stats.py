@@ -221,14 +221,19 @@ async def test_compare_and_run_pages_and_the_openapi_schema(review: ReviewApp) -
     tuned = await seeded(review, replace(SPEC, max_calls=4, seed=11))
     await login(review)
     page = await review.client.get("/review/compare", params={"a": baseline.run, "b": tuned.run})
-    assert page.status_code == 200 and '<td class="num delta" id="reward-delta">0</td>' in page.text
+    assert (
+        page.status_code == 200
+        and '<td class="num delta" id="reward-delta">0 <span class="muted se">±' in page.text
+    )
     tools = {c["tool"] for c in generate(baseline)[1]} | {c["tool"] for c in generate(tuned)[1]}
     assert page.text.count('<tr class="tool-mix-row">') == len(tools)
     # Every row of the comparison has its change, signed.
     rows = re.findall(r'<tr class="compare-row">(.*?)</tr>', page.text)
     assert len(rows) == 11
     for row in rows:
-        change = re.search(r'<td class="num delta"[^>]*>([^<]*)</td>', row)
+        change = re.search(
+            r'<td class="num delta"[^>]*>([^<]*)(?: <span class="muted se">± [0-9.e+-]+</span>)?</td>', row
+        )
         assert change and re.fullmatch(r"0( pp)?|[+−][0-9.e+]+( pp)?", change.group(1)), row
     run_page = await review.client.get("/review/run", params={"name": baseline.run})
     assert run_page.text.count('class="item-row"') == 6 and 'id="stat-no-signal">66.7%' in run_page.text

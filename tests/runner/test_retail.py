@@ -98,7 +98,7 @@ async def test_a_model_playing_the_gold_calls_scores_1_and_its_calls_are_logged_
     raw = with_writes_and_facts(train, 3)
     model_server.script = GoldModel(raw)
     run = f"gold-{api}"
-    opts = options(run, tmp_path)
+    opts = options(run, tmp_path, model="scripted")
     async with app_factory(
         packs=[pack], key=ADMIN_KEY, pack_settings={"retail": {"data": retail_data}}
     ) as client:
@@ -113,6 +113,14 @@ async def test_a_model_playing_the_gold_calls_scores_1_and_its_calls_are_logged_
     assert report["review_url"] == f"http://sparring/review/run?name={run}"
     for line in raw:
         timeline = logged[f"task_id:{line['task_id']}"]["timeline"]
+        # The run stored each rollout's conversation: every call the model asked for is a logged call.
+        transcript = logged[f"task_id:{line['task_id']}"]["transcript"]
+        assert transcript["model"] == "scripted" and transcript["source"] == "eval"
+        asked = [
+            c["call_id"] for m in transcript["messages"] if m["role"] == "assistant" for c in m["tool_calls"]
+        ]
+        assert asked == [c["call_id"] for c in timeline]
+        assert transcript["messages"][-1]["content"].startswith("Done. ")
         assert [(c["tool"], json.loads(c["arguments"])) for c in timeline] == [
             (a["name"], a["arguments"]) for a in line["actions"]
         ]

@@ -32,6 +32,7 @@ TABLES = {
     "remote_rollouts",
     "kept_states",
     "rollout_labels",
+    "transcripts",
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any
 
 from pydantic import Field
@@ -234,3 +235,10 @@ def _answer(result: RunResult, not_kept: list[str]) -> dict[str, Any]:
     if not_kept:
         answer["files_not_kept"] = not_kept
     return answer
+
+
+@pack.starting_files
+def files_at_start(resources: CodeResources, item: Mapping[str, Any]) -> dict[str, str]:
+    """The workspace a rollout of `item` starts with: its task's starting files (none for no task)."""
+    task = task_of(item, resources.tasks)
+    return task.starting_files() if task is not None else {}

@@ -139,6 +139,10 @@ def conversation_of(
         for index, message in enumerate(transcript.messages)
         if isinstance(message, Mapping) and message.get("role") in (*ROLES, "developer")
     ]
+    # With a simulated user, the opening's user turn is the simulator's (the line's own were dropped).
+    played = transcript.user is not None
+    if played:
+        messages = [{**m, "role": "simulated_user"} if m["role"] == "user" else m for m in messages]
     for step in transcript.steps:
         turn = step.turn
         messages.append(
@@ -158,6 +162,8 @@ def conversation_of(
         for call in turn.calls:
             output = answered.get(call.call_id, UNSENT_OUTPUT)
             messages.append({"role": "tool", "call_id": call.call_id, "content": output})
+        if played and step.reply is not None:
+            messages.append({"role": "simulated_user", "content": step.reply})
     return {"model": model, "source": source, "messages": messages}
 
 

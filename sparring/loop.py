@@ -471,8 +471,7 @@ async def _user_reply(conversation: UserConversation, step: Step) -> tuple[EndRe
         reply: UserReply = await conversation.reply(step.turn.text)
     except ModelFailure as exc:
         return "discarded", f"user_model_error: {exc}"
-    if reply.ended is None:
-        step.reply = reply.text
+    step.reply = reply.text  # also the message that ended it (the transcript shows its stop token)
     return reply.ended, None
 
 

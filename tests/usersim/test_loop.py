@@ -11,6 +11,7 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 
+from sparring.conversation import conversation_of
 from sparring.http import as_transport
 from sparring.loop import DatasetLine, FunctionCall, ToolResult, run_rollout
 from sparring.policies import ChatPolicy
@@ -112,6 +113,16 @@ async def test_the_user_model_gets_tau2s_prompt_and_the_flipped_conversation(
     assert "<scenario>" not in json.dumps(agent.body)
     assert result.transcript.user is not None
     assert [m["role"] for m in result.transcript.user.messages] == ["assistant", USER_ROLE] * 2
+    # The stored conversation (the review's) says whose turn each was, the stop message included.
+    stored = conversation_of(result)["messages"]
+    assert [m["role"] for m in stored] == [
+        "system",
+        "assistant",
+        "simulated_user",
+        "assistant",
+        "simulated_user",
+    ]
+    assert [m["content"] for m in stored[1:]] == [GREETING, opening, ask, stop]
 
 
 def test_a_user_with_tools_gets_the_tools_guidelines_as_tau2_gives_them() -> None:

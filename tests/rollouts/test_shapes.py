@@ -31,5 +31,5 @@ def test_summary_and_detail_share_the_base_and_count_calls_as_call_count() -> No
     base = set(RolloutBase.model_fields)
     assert "call_count" in base and "calls" not in base
     assert base <= set(RolloutSummary.model_fields) and base <= set(RolloutDetail.model_fields)
-    assert set(RolloutDetail.model_fields) - base == {"parallel_batches", "timeline", "grades"}
+    assert set(RolloutDetail.model_fields) - base == {"parallel_batches", "timeline", "grades", "transcript"}
     assert "calls" not in RolloutSummary.model_fields and "calls" not in RolloutDetail.model_fields

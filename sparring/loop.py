@@ -72,6 +72,7 @@ EndReason = Literal[
     "user_transfer",
     "user_out_of_scope",
     "max_steps",
+    "too_many_errors",
 ]
 
 
@@ -517,7 +518,8 @@ async def _turns(
         if len(to_send) < len(turn.calls):
             return "max_tool_calls", text, last_calls, None
         if conversation is not None:
-            conversation.count(2)  # the agent's call and its results, as τ²'s orchestrator counts them
-            if conversation.exhausted:
-                return "max_steps", text, last_calls, None
+            conversation.count()  # the agent's call and its results, as τ²'s orchestrator counts them
+            ended = conversation.results_end(step.results)
+            if ended is not None:
+                return ended, text, last_calls, None
     return "max_turns", text, last_calls, None

@@ -16,7 +16,10 @@ the conversation role-flipped (the agent's texts as `user`, its own turns as `as
 turn is a message or a tool call: a tool call runs on the user's side (`UserTools`), its result goes
 back to the user and nothing of it is shown to the agent. The user ends the episode with `###STOP###`,
 `###TRANSFER###` or `###OUT-OF-SCOPE###`; the loop also stops at `max_steps`, counted as τ²'s
-orchestrator counts them (every message and every batch of tool results is a step).
+orchestrator counts them (every message and every batch of tool results is a step), and once the calls
+of both sides have given `max_errors` errors (τ²'s `TOO_MANY_ERRORS`: every call answered `Error: ...`
+counts, and the episode ends right after the batch of results that reaches the limit, before either
+side reads it).
 
 The user's turns are kept in `UserConversation.messages`, un-flipped, each with its role: `assistant`
 for the agent's texts, `simulated_user` for the user's turns, `tool` for the results of its calls.
@@ -49,9 +52,10 @@ USER_ROLE = "simulated_user"
 DEFAULT_MODEL = "gpt-4.1"
 DEFAULT_TEMPERATURE = 0.0
 DEFAULT_MAX_STEPS = 200
-"""τ²'s defaults: its user model, the user's temperature, and the orchestrator's step limit."""
+DEFAULT_MAX_ERRORS = 10
+"""τ²'s defaults: its user model, the user's temperature, the orchestrator's step and tool-error limits."""
 
-UserEnd = Literal["user_stop", "user_transfer", "user_out_of_scope", "max_steps"]
+UserEnd = Literal["user_stop", "user_transfer", "user_out_of_scope", "max_steps", "too_many_errors"]
 _TOKENS: tuple[tuple[str, UserEnd], ...] = (
     (STOP, "user_stop"),
     (TRANSFER, "user_transfer"),
@@ -208,8 +212,10 @@ class UserConversation:
     item: Mapping[str, Any]
     max_steps: int
     opening: list[dict[str, Any]] | None = None  # the agent's messages before the greeting, if given
+    max_errors: int = DEFAULT_MAX_ERRORS
     messages: list[dict[str, Any]] = field(default_factory=list)
     steps: int = 0
+    errors: int = 0  # the tool calls of both sides answered with an error
     usage: Usage = field(default_factory=Usage)
 
     def request(self) -> Transcript:
@@ -239,6 +245,15 @@ class UserConversation:
     def exhausted(self) -> bool:
         return self.steps >= self.max_steps
 
+    def results_end(self, results: Sequence[ToolResult]) -> UserEnd | None:
+        """Count a batch of tool results of either side (their errors, and the step) and say whether
+        the episode ends after it: τ²'s error limit first, then its step limit."""
+        self.errors += sum(1 for result in results if result.is_error)
+        self.steps += 1
+        if self.errors >= self.max_errors:
+            return "too_many_errors"
+        return "max_steps" if self.exhausted else None
+
     async def reply(self, agent_text: str) -> UserReply:
         """The user's answer to the agent's message: its tool calls run until it writes a message.
 
@@ -267,9 +282,9 @@ class UserConversation:
                 self.messages.append(
                     {"role": "tool", "tool_call_id": result.call.call_id, "content": result.output or ""}
                 )
-            self.steps += 1
-            if self.exhausted:
-                return UserReply(text="", ended="max_steps")
+            ended = self.results_end(results)
+            if ended is not None:
+                return UserReply(text="", ended=ended)
 
 
 def _chat_calls(calls: Sequence[FunctionCall]) -> list[dict[str, Any]]:
@@ -288,6 +303,7 @@ class SimulatedUser:
     name: str
     tools: UserTools = field(default_factory=NoUserTools)
     max_steps: int = DEFAULT_MAX_STEPS
+    max_errors: int = DEFAULT_MAX_ERRORS
 
     def start(self, scenario: Any, item: Mapping[str, Any], trace_id: str) -> UserConversation | None:
         """The user of one rollout of a line: `scenario` is its `user_simulator` (None: the line has no
@@ -307,6 +323,7 @@ class SimulatedUser:
             item=item,
             max_steps=self.max_steps,
             opening=agent_opening(spec),
+            max_errors=self.max_errors,
         )
 
 

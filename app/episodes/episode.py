@@ -206,6 +206,7 @@ async def message_user(
         return _user_error(call_id, "this task has no simulated customer (its row has no user scenario)")
     conversation.messages = list(session.user.get("messages", []))
     conversation.steps = int(session.user.get("steps", 0))
+    conversation.errors = int(session.user.get("errors", 0))
     conversation.count()  # the agent's message, as τ²'s orchestrator counts it
     if conversation.exhausted:
         reply = UserReply(text="", ended="max_steps")
@@ -214,7 +215,12 @@ async def message_user(
             reply = await conversation.reply(message)
         except ModelFailure as exc:
             return _user_error(call_id, f"the customer could not answer ({exc}); send your message again")
-    state = {"messages": conversation.messages, "steps": conversation.steps, "ended": reply.ended}
+    state = {
+        "messages": conversation.messages,
+        "steps": conversation.steps,
+        "errors": conversation.errors,
+        "ended": reply.ended,
+    }
     await session_store(services).save_user(session, state)
     await session_store(services).count_step(session)
     text = reply.text or f"(the conversation has ended: {reply.ended})"

@@ -45,8 +45,13 @@ def test_dataset_build_writes_the_base_split(env: Path, split: str, count: int, 
     assert policy.endswith((telecom_data / "tech_support_manual.md").read_text() + "\n</tech_support_policy>")
     # Only the agent's tools: the phone's are the simulated user's.
     assert [tool["function"]["name"] for tool in first["tools"]] == list(pack.tools)
-    assert {"actions", "reward_basis", "user_scenario"} <= first.keys()
-    assert first["user_scenario"]["instructions"]["reason_for_call"]
+    assert {"actions", "reward_basis", "user_simulator"} <= first.keys()
+    # The simulated user's: τ²'s scenario, both guidelines, and the phone's tools it calls.
+    user = first["user_simulator"]
+    assert user["scenario"]["instructions"]["reason_for_call"]
+    assert user["guidelines"] == (telecom_data / "simulation_guidelines.md").read_text()
+    assert user["guidelines_tools"] == (telecom_data / "simulation_guidelines_tools.md").read_text()
+    assert [tool["function"]["name"] for tool in user["tools"]] == list(pack.user_tools)
 
 
 def test_dataset_build_refuses_an_unknown_split(env: Path) -> None:

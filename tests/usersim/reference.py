@@ -73,3 +73,19 @@ def requests_of(
         finally:
             user_simulator.generate = original
     return sent
+
+
+def telecom_user(task_id: str) -> tuple[str, list[dict[str, Any]]]:
+    """The system prompt and the tools τ²'s `run` gives the user model of a telecom task: its
+    `UserSimulator` with the environment's user tools (the phone's), and their chat-completions schemas."""
+    use_reference()
+    _stand_in_litellm()
+    from tau2.domains.telecom.environment import get_environment, get_tasks
+    from tau2.user import user_simulator
+
+    (task,) = [task for task in get_tasks(None) if task.id == task_id]
+    tools = get_environment().get_user_tools()
+    user = user_simulator.UserSimulator(
+        tools=tools, instructions=str(task.user_scenario), llm="scripted", llm_args={"temperature": 0.0}
+    )
+    return user.system_prompt, [tool.openai_schema for tool in tools]

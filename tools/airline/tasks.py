@@ -6,12 +6,21 @@ from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field, ValidationError
+from pydantic import Field
 
 from app.sdk import Base
 from tools.airline import data
 from tools.airline.tools import pack
-from tools.retail.tasks import SPLITS, EvaluationCriteria, Replay, RetailTask, Split, ToolCall, gold_calls
+from tools.retail.tasks import (
+    SPLITS,
+    EvaluationCriteria,
+    Replay,
+    RetailTask,
+    Split,
+    ToolCall,
+    gold_calls,
+    parse_tasks,
+)
 from tools.retail.tasks import replay as replay_with
 
 __all__ = ["SPLITS", "AirlineTask", "Split", "ToolCall", "gold_calls", "replay", "replay_calls"]
@@ -34,12 +43,7 @@ class AirlineTask(RetailTask):
 @lru_cache(maxsize=2)
 def load_tasks(directory: Path) -> dict[str, AirlineTask]:
     """Every airline task (50) of the data `directory`, by task id, in file order. Cached: do not modify."""
-    raw = data.read_json(directory, "tasks.json")
-    try:
-        tasks = [AirlineTask.model_validate(entry) for entry in raw]
-    except ValidationError as exc:
-        raise data.AirlineDataError(f"tasks.json does not have the expected shape: {exc}") from exc
-    return {task.id: task for task in tasks}
+    return parse_tasks(data.read_json(directory, "tasks.json"), AirlineTask, data.AirlineDataError)
 
 
 def get_task(directory: Path, task_id: str) -> AirlineTask:

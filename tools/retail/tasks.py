@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -59,15 +59,23 @@ class RetailTask(_Lenient):
     evaluation_criteria: EvaluationCriteria
 
 
+T = TypeVar("T", bound="RetailTask")
+
+
+def parse_tasks(raw: Any, model: type[T], error: type[Exception]) -> dict[str, T]:
+    """A τ²-bench domain's parsed `tasks.json` as `model`s, by task id, in file order (every domain's
+    tasks have retail's shape); `error` when it has another."""
+    try:
+        tasks = [model.model_validate(entry) for entry in raw]
+    except ValidationError as exc:
+        raise error(f"tasks.json does not have the expected shape: {exc}") from exc
+    return {task.id: task for task in tasks}
+
+
 @lru_cache(maxsize=2)
 def load_tasks(directory: Path) -> dict[str, RetailTask]:
     """Every retail task (114) of the data `directory`, by task id, in file order. Cached: do not modify."""
-    raw = data.read_json(directory, "tasks.json")
-    try:
-        tasks = [RetailTask.model_validate(entry) for entry in raw]
-    except ValidationError as exc:
-        raise data.RetailDataError(f"tasks.json does not have the expected shape: {exc}") from exc
-    return {task.id: task for task in tasks}
+    return parse_tasks(data.read_json(directory, "tasks.json"), RetailTask, data.RetailDataError)
 
 
 def get_task(directory: Path, task_id: str) -> RetailTask:

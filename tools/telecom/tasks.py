@@ -6,9 +6,17 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, field_validator
 
-from tools.retail.tasks import SPLITS, EvaluationCriteria, GoldAction, RetailTask, Split, _Lenient
+from tools.retail.tasks import (
+    SPLITS,
+    EvaluationCriteria,
+    GoldAction,
+    RetailTask,
+    Split,
+    _Lenient,
+    parse_tasks,
+)
 from tools.telecom import data
 
 __all__ = ["SPLITS", "Split", "TelecomTask", "get_task", "load_tasks", "split_task_ids"]
@@ -60,12 +68,7 @@ class TelecomTask(RetailTask):
 @lru_cache(maxsize=2)
 def load_tasks(directory: Path) -> dict[str, TelecomTask]:
     """Every telecom task (2,285) of the data `directory`, by id, in file order. Cached: do not modify."""
-    raw = data.read_json(directory, "tasks.json")
-    try:
-        tasks = [TelecomTask.model_validate(entry) for entry in raw]
-    except ValidationError as exc:
-        raise data.TelecomDataError(f"tasks.json does not have the expected shape: {exc}") from exc
-    return {task.id: task for task in tasks}
+    return parse_tasks(data.read_json(directory, "tasks.json"), TelecomTask, data.TelecomDataError)
 
 
 def get_task(directory: Path, task_id: str) -> TelecomTask:

@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 # 200 with an `Error: ...` output, logged with its own arguments (never deduplicated), flagged for review.
 # How long shutdown waits for voids still under way (each tries its UPDATE three times, 5 s at most).
 _CORRECTIONS_GRACE_SECONDS = 20.0
+_VOID_RETRY_MAX_SECONDS = 10.0  # the longest wait between two background tries of a void
 USER_CHANNEL = "user"  # the call-log channel of a simulated user's tool calls
 
 
@@ -137,6 +138,7 @@ class ToolCallService:
     _tool_loggers: dict[str, logging.Logger] = field(default_factory=dict, init=False, repr=False)
     # Voids under way (see _finish).
     _voiding: set[asyncio.Future[None]] = field(default_factory=set, init=False, repr=False)
+    _closing: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
 
     async def call(
         self,
@@ -185,7 +187,14 @@ class ToolCallService:
             if call.record is None or call.logged is None:
                 call.record = self._answered(call, answer)
                 call.logged = self.log_writer.enqueue(call.record)
-            await call.logged
+            try:
+                await call.logged
+            except ServiceUnavailable:
+                # The commit failed with an unknown fate (the connection dropped during it): the row
+                # may be there, and the answer is not sent. Void it in the background (the 503 goes
+                # out now); the retry replays the stored answer and logs the replay as the answer.
+                self._track(self._void(call.logged, call.record, "call log commit failed", 503))
+                raise
             outcome = answer.outcome
         finally:
             self.metrics.in_flight.dec()
@@ -351,8 +360,9 @@ class ToolCallService:
         Both must be done before the answer is sent; the caller awaits the record (`call.logged`) after
         this. A log that failed leaves the answer stored: the retry replays it and logs the replay. A
         store that failed, after the record may have committed, voids the attempt's row before the 503
-        goes out, so the log does not show an answer that was not sent; the retry's attempt, replayed
-        or run again, is logged in its own row and reads as the call's answer (app/db/call_log.py).
+        goes out (a void the database refuses then goes on in the background until it goes in), so the
+        log does not show an answer that was not sent; the retry's attempt, replayed or run again, is
+        logged in its own row and reads as the call's answer (app/db/call_log.py).
         """
         record = call.record = self._answered(call, answer)
         call.logged = self.log_writer.enqueue(record)
@@ -364,14 +374,19 @@ class ToolCallService:
                 reason, status = exc.message, 503
             else:
                 reason, status = f"not answered: {type(exc).__name__}", 500
-            voiding = asyncio.ensure_future(self._void(logged, record, reason, status))
-            self._voiding.add(voiding)  # until it is done, even if nobody waits for it (see aclose)
-            voiding.add_done_callback(self._voiding.discard)
+            voiding = self._track(self._void(logged, record, reason, status))
             if not isinstance(exc, asyncio.CancelledError):
                 # Before the error goes out, so a retry's record never meets this one unvoided; a
                 # cancelled request leaves the void running.
                 await asyncio.shield(voiding)
             raise
+
+    def _track(self, void: Awaitable[None]) -> asyncio.Future[None]:
+        """Run a void, kept until it is done even if nobody waits for it (see aclose)."""
+        voiding = asyncio.ensure_future(void)
+        self._voiding.add(voiding)
+        voiding.add_done_callback(self._voiding.discard)
+        return voiding
 
     async def _void(self, logged: asyncio.Future[None], record: CallRecord, reason: str, status: int) -> None:
         try:
@@ -379,18 +394,42 @@ class ToolCallService:
                 await logged  # a commit that failed has an unknown fate: void what may be there
             await self.log_writer.void(record, reason=reason, status_code=status)
         except ServiceUnavailable:
-            log.error(
-                "call log: could not record that the answer to call %s of rollout %s was not sent (its "
-                "row, attempt %s, still shows it)",
+            # The caller's 503 goes out now; the void goes on in the background until the database
+            # takes it (or the server stops), so the row does not keep showing an answer never sent.
+            log.warning(
+                "call log: the answer to call %s of rollout %s was not sent and its row (attempt %s) "
+                "could not be voided yet; retrying in the background",
                 record.call_id,
                 record.trace_id,
                 record.attempt_id,
             )
+            self._track(self._void_later(record, reason, status))
         except Exception:  # a bug here must not turn the caller's 503 into a 500
             log.exception("call log: voiding the unsent answer to call %s failed", record.call_id)
 
+    async def _void_later(self, record: CallRecord, reason: str, status: int) -> None:
+        """Retry a void until it goes in: backing off up to `_VOID_RETRY_MAX_SECONDS`, at once when the
+        server starts closing (aclose waits for these for a while)."""
+        delay = 0.5
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._closing.wait(), timeout=delay)
+            try:
+                await self.log_writer.void(record, reason=reason, status_code=status)
+            except ServiceUnavailable:
+                delay = min(delay * 2, _VOID_RETRY_MAX_SECONDS)
+                continue
+            except Exception:
+                log.exception("call log: voiding the unsent answer to call %s failed", record.call_id)
+                return
+            log.info(
+                "call log: voided the unsent answer to call %s of rollout %s", record.call_id, record.trace_id
+            )
+            return
+
     async def aclose(self) -> None:
         """Let the voids still running finish (for a while), before the writer stops."""
+        self._closing.set()
         if not self._voiding:
             return
         _, late = await asyncio.wait(list(self._voiding), timeout=_CORRECTIONS_GRACE_SECONDS)

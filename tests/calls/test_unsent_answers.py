@@ -22,7 +22,7 @@ import pytest
 import redis
 from sqlalchemy import select
 
-from app.calls.log_writer import CallLogWriter, CallRecord
+from app.calls.log_writer import CallLogWriter, CallRecord, LogUnavailable
 from app.db.call_log import logged_calls
 from app.db.models import RolloutRow, ToolCall
 from app.deps import app_state
@@ -157,6 +157,79 @@ async def test_an_answer_sent_while_a_failed_attempt_voids_its_row_is_the_calls_
         assert replay.json()["output"] == sent
         assert [r.outcome for r in await _rows(client, trace)] == ["infra_error", "ok", "replayed"]
         assert [(r.outcome, r.output) for r in await _read(client, trace)][-1] == ("ok", sent)
+
+
+@pytest.mark.parametrize("backend", ["real"], indirect=True)
+async def test_a_void_the_database_refused_goes_in_later(
+    app_factory: AppFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The database refuses the void while the 503 goes out (it is still dropping connections): the
+    void goes on in the background, so the row of the unsent answer does not stay answered."""
+    trace = new_trace()
+    async with app_factory(packs=[lapsing_pack]) as client:
+        writer: CallLogWriter = app_state(client.app).log_writer  # type: ignore[attr-defined]
+        void, tries = writer.void, []
+
+        async def refused_twice(record: CallRecord, **kwargs: Any) -> None:
+            tries.append(record.attempt_id)
+            if len(tries) <= 2:
+                raise LogUnavailable("call log database unreachable", retry_after=1)
+            await void(record, **kwargs)
+
+        monkeypatch.setattr(writer, "void", refused_twice)
+        body = call_body({"key": "k"}, trace_id=trace, call_id="c1")
+        first = await client.post("/tools/look_up", json=body)
+        assert first.status_code == 503, first.text
+        assert len(tries) == 1
+        assert [(r.outcome, r.output is None) for r in await _rows(client, trace)] == [("ok", False)]
+        for _ in range(100):
+            rows = await _rows(client, trace)
+            if rows[0].outcome != "ok":
+                break
+            await asyncio.sleep(0.05)
+        assert [(r.outcome, r.status_code, r.output) for r in rows] == [("infra_error", 503, None)]
+        assert len(tries) == 3 and len(set(tries)) == 1
+        assert await _calls_counted(client, trace) == 1
+
+
+@pytest.mark.parametrize("backend", ["real"], indirect=True)
+async def test_a_commit_whose_reply_was_lost_is_voided_and_the_retry_replays(
+    app_factory: AppFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The call log's commit went in but its reply was lost (the connection dropped during COMMIT):
+    the caller gets a 503, so the row is voided; the retry replays the stored answer, and that replay
+    is the call's answer as read."""
+    trace = new_trace()
+    async with app_factory(packs=[lapsing_pack]) as client:
+        writer: CallLogWriter = app_state(client.app).log_writer  # type: ignore[attr-defined]
+        commit, lost = writer._commit, []
+
+        async def reply_lost(records: list[CallRecord]) -> None:
+            await commit(records)
+            if not lost:
+                lost.append(records)
+                raise OSError("connection was closed in the middle of operation")
+
+        monkeypatch.setattr(writer, "_commit", reply_lost)
+        body = call_body({"key": "k"}, trace_id=trace, call_id="c2")
+        _lost.add((trace, "c2"))  # the tool keeps its claim: storing the answer succeeds
+        first = await client.post("/tools/look_up", json=body)
+        assert first.status_code == 503, first.text
+        assert first.headers.get("Retry-After")
+        for _ in range(100):
+            rows = await _rows(client, trace)
+            if rows and rows[0].outcome != "ok":
+                break
+            await asyncio.sleep(0.05)
+        assert [(r.outcome, r.output) for r in rows] == [("infra_error", None)]
+        retry = await client.post("/tools/look_up", json=body)
+        assert retry.status_code == 200, retry.text
+        assert [r.outcome for r in await _rows(client, trace)] == ["infra_error", "replayed"]
+        read = await _read(client, trace)
+        sent = retry.json()["output"]
+        # The tool did not run again: the replay sends the answer stored by the first attempt.
+        assert [(r.outcome, r.output) for r in read] == [("infra_error", None), ("replayed", sent)]
+        assert read[0].started_at == read[1].started_at == rows[0].started_at
 
 
 async def test_the_answer_is_the_last_answered_attempt_at_the_calls_first_start(

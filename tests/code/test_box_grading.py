@@ -173,6 +173,10 @@ async def test_a_check_cannot_change_the_agents_files_or_state(
         await code.write(trace, "solution.py", RIGHT)
         await code.write(trace, "notes.txt", "the agent's notes")
         await cell(code, trace, "marker = 'the agent'\nimport os\nsorted(os.listdir('.'))")
+        # A directory of the agent's that nobody may enter: kept, contents and mode, through the checks.
+        await cell(
+            code, trace, "os.mkdir('private')\nopen('private/k', 'w').write('k')\nos.chmod('private', 0)"
+        )
         before = await files_of(code, trace)
         first = await score(code, trace, {"tests": tests, "check_in": place})
         second = await score(code, trace, {"tests": tests, "check_in": place})
@@ -181,13 +185,14 @@ async def test_a_check_cannot_change_the_agents_files_or_state(
         box = await peek(
             code,
             trace,
-            "import os\nmode = os.stat('.').st_mode & 0o200\n"
-            "(marker, sorted(os.listdir('.')), open('solution.py').read(), mode)",
+            "import os\nmode = os.stat('.').st_mode & 0o200\nprivate = os.stat('private').st_mode & 0o777\n"
+            "os.chmod('private', 0o700)\nk = open('private/k').read()\n"
+            "(marker, sorted(os.listdir('.')), open('solution.py').read(), mode, private, k)",
         )
     assert (first, second) == (1.0, 1.0)  # each check ran to its end
     assert after == before and before["solution.py"] == RIGHT and before["notes.txt"] == "the agent's notes"
     # The interpreter's own box: its variable, files and rights are the agent's, nothing the check left.
-    assert box == repr(("the agent", sorted(before), RIGHT, 0o200)), box
+    assert box == repr(("the agent", sorted([*before, "private"]), RIGHT, 0o200, 0, "k")), box
 
 
 async def test_a_grade_in_a_gone_interpreter_is_refused_not_scored(code_app: Any, backend: str) -> None:

@@ -147,24 +147,53 @@ Entry = tuple[str, bytes, int]  # kind ("f" file, "l" link, "d" directory), cont
 
 
 def snapshot(root: str) -> dict[str, Entry]:
-    """Every file, link and directory under `root` (special files are left out), with contents."""
+    """Every file, link and directory under `root` (special files are left out), with contents and
+    modes (`"."` is the root's mode). What the driver may not read or enter (mode 000, say) is opened
+    to it as the walk goes; `set_modes` gives the modes back."""
     entries: dict[str, Entry] = {}
-    for directory, dirnames, filenames in os.walk(root):
+    try:
+        mode = stat.S_IMODE(os.lstat(root).st_mode)
+        entries["."] = ("d", b"", mode)
+        if mode & 0o700 != 0o700:
+            os.chmod(root, mode | 0o700)
+    except OSError:
+        pass
+    for directory, dirnames, filenames in os.walk(root):  # top-down: a directory is opened before its turn
         for name in dirnames + filenames:
             path = os.path.join(directory, name)
             relative = os.path.relpath(path, root)
             try:
                 info = os.lstat(path)
+                mode = stat.S_IMODE(info.st_mode)
                 if stat.S_ISLNK(info.st_mode):
                     entries[relative] = ("l", os.fsencode(os.readlink(path)), 0)
                 elif stat.S_ISDIR(info.st_mode):
-                    entries[relative] = ("d", b"", stat.S_IMODE(info.st_mode))
+                    entries[relative] = ("d", b"", mode)
+                    if mode & 0o700 != 0o700:
+                        os.chmod(path, mode | 0o700)
                 elif stat.S_ISREG(info.st_mode):
+                    if not mode & 0o400:
+                        os.chmod(path, mode | 0o400)
                     with open(path, "rb") as handle:
-                        entries[relative] = ("f", handle.read(), stat.S_IMODE(info.st_mode))
+                        entries[relative] = ("f", handle.read(), mode)
             except OSError:
                 continue
     return entries
+
+
+def _depth(relative: str) -> int:
+    return -1 if relative == "." else relative.count(os.sep)
+
+
+def set_modes(root: str, entries: dict[str, Entry]) -> None:
+    """The modes of `entries`, deepest first (a parent's search right is needed to reach a child)."""
+    for relative in sorted(entries, key=_depth, reverse=True):
+        kind, _, mode = entries[relative]
+        if kind != "l":
+            try:
+                os.chmod(os.path.join(root, relative), mode)
+            except OSError:
+                pass
 
 
 def _remove(path: str) -> None:
@@ -177,25 +206,18 @@ def _remove(path: str) -> None:
 
 
 def restore(root: str, before: dict[str, Entry]) -> bool:
-    """Put `root` back as `before` had it; True when it holds exactly that again."""
-    for directory, dirnames, _ in os.walk(root):  # a check may have taken the driver's own rights away
-        for name in [".", *dirnames]:
-            try:
-                os.chmod(os.path.join(directory, name), 0o700)
-            except OSError:
-                pass
-    now = snapshot(root)
-    depth = lambda relative: relative.count(os.sep)  # noqa: E731
-    for relative in sorted(now, key=depth, reverse=True):
-        if now[relative] != before.get(relative) and not (
-            now[relative][0] == before.get(relative, ("",))[0] == "d"
-        ):
-            try:
-                _remove(os.path.join(root, relative))
-            except OSError:
-                pass
-    for relative in sorted(before, key=depth):
-        kind, content, mode = before[relative]
+    """Put `root` back as `before` had it (contents, entries, modes); True when it holds exactly that."""
+    now = snapshot(root)  # opens what a check closed to the driver, too
+    for relative in sorted(now, key=_depth, reverse=True):
+        was = before.get(relative)
+        if relative == "." or now[relative] == was or (was is not None and now[relative][0] == was[0] == "d"):
+            continue
+        try:
+            _remove(os.path.join(root, relative))
+        except OSError:
+            pass
+    for relative in sorted(before, key=_depth):
+        kind, content, _ = before[relative]
         path = os.path.join(root, relative)
         try:
             if kind == "d":
@@ -205,16 +227,12 @@ def restore(root: str, before: dict[str, Entry]) -> bool:
             elif kind == "f" and now.get(relative) != before[relative]:
                 with open(path, "wb") as handle:
                     handle.write(content)
-                os.chmod(path, mode)
         except OSError:
             pass
-    for relative in sorted(before, key=depth, reverse=True):  # directories' modes last
-        if before[relative][0] == "d":
-            try:
-                os.chmod(os.path.join(root, relative), before[relative][2])
-            except OSError:
-                pass
-    return snapshot(root) == before
+    set_modes(root, before)
+    after = snapshot(root)
+    set_modes(root, before)
+    return after == before
 
 
 def _children(parent: int) -> set[int]:
@@ -357,7 +375,7 @@ class Driver:
             os.close(verdict_r)
             self.stop_check(pid, existing)
             libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
-        answer["restored"] = restore(self.workspace, before)
+        answer["restored"] = restore(self.workspace, before)  # its modes, opened by the snapshot, too
         return answer
 
     def stop_check(self, pid: int, existing: set[int]) -> None:

@@ -2,7 +2,7 @@
 
 from app.sdk.checks import CallView, CheckResult, RolloutView, StateCheck
 from app.sdk.context import ToolContext
-from app.sdk.errors import GradingConfigError, ToolDefinitionError, ToolError, ToolUnavailable
+from app.sdk.errors import GradingConfigError, StateGone, ToolDefinitionError, ToolError, ToolUnavailable
 from app.sdk.lifecycle import PackSettings, PackStart, env_prefix, pack_settings_config
 from app.sdk.state import Base, RolloutState
 from app.sdk.tool import Pack, ToolSpec, build_spec
@@ -24,6 +24,7 @@ __all__ = [
     "RolloutState",
     "RolloutView",
     "StateCheck",
+    "StateGone",
     "ToolContext",
     "ToolDefinitionError",
     "ToolError",

@@ -36,3 +36,16 @@ class GradingConfigError(Exception):
 
 class ToolDefinitionError(TypeError):
     """A tool's signature cannot be served; raised when the tool is defined, not when it is called."""
+
+
+class StateGone(Exception):
+    """A state check needs part of the rollout's state that no longer exists (the rollout's live
+    interpreter stopped, was evicted or lives in another process), so it cannot score the rollout.
+
+    Raised from a state check, the grade is refused as one whose rollout state expired (409
+    `rollout_state_gone`, nothing stored): never a score of 0 for what the model did not do.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message

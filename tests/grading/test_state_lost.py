@@ -8,6 +8,7 @@ import pytest
 from redis.asyncio import Redis
 
 from app.deps import app_state
+from app.sdk import CheckResult, Pack, RolloutView, StateGone, ToolContext
 from tests.conftest import ADMIN_KEY, REDIS_KEY_PREFIX, REDIS_URL, AppFactory, new_trace
 from tests.grading.test_routes import GRADERS, ledger_pack, pay_call, sample, stored_grades, write_graders
 
@@ -95,3 +96,50 @@ async def test_the_grade_route_refuses_too(app_factory: AppFactory, tmp_path: Pa
         assert response.status_code == 409, response.text
         assert "state" in response.json()["error"]["message"]
         assert await stored_grades(client, trace) == []
+
+
+box_pack = Pack("box", base=lambda resources: {"accounts": {"alice": {"balance": 100}}})
+
+
+@box_pack.tool(mutates=True)
+def spend(ctx: ToolContext, amount: int) -> str:
+    """Take `amount` from alice's balance."""
+    account = ctx.state.get("accounts", "alice")
+    account["balance"] -= amount
+    ctx.state.put("accounts", "alice", account)
+    return "ok"
+
+
+@box_pack.state_check("live_box")
+def live_box(view: RolloutView) -> CheckResult:
+    """Reads something of the rollout that lives outside its state (a live process, say): gone here."""
+    if view.item.get("box_alive"):
+        return CheckResult(score=1.0)
+    raise StateGone("the rollout's box stopped")
+
+
+@pytest.mark.parametrize("backend", ["embedded"], indirect=True)
+async def test_a_check_raising_state_gone_is_refused_not_scored(app_factory: AppFactory) -> None:
+    """Any pack's check can refuse (StateGone): 409 with its reason, no grade stored; alive, it scores."""
+    trace = new_trace()
+    async with app_factory(packs=[box_pack], key=ADMIN_KEY) as client:
+        response = await client.post(
+            "/tools/spend",
+            json={
+                "type": "function_call",
+                "call_id": "c1",
+                "name": "spend",
+                "arguments": '{"amount": 5}',
+                "trace_id": trace,
+            },
+        )
+        assert response.status_code == 200, response.text
+        gone = await client.post("/grade/live_box", json={"sample": {}, "item": {}, "trace_id": trace})
+        assert await stored_grades(client, trace) == []
+        alive = await client.post(
+            "/grade/live_box", json={"sample": {}, "item": {"box_alive": True}, "trace_id": trace}
+        )
+    assert gone.status_code == 409, gone.text
+    assert gone.json()["error"]["code"] == "rollout_state_gone"
+    assert "the rollout's box stopped" in gone.json()["error"]["message"]
+    assert alive.json() == {"score": 1.0}

@@ -1,19 +1,30 @@
-"""The `code` grader: the task's hidden tests against the rollout's final solution.py, in a fresh sandbox.
+"""The `code` grader: the task's hidden tests against the rollout's final box.
 
-Score 1 when every hidden assert passes, else 0. The tests are looked up by the row's `task_id` (never
-taken from the request), run by the harness (`harness_main.py`) in a sandbox of their own, and a pass is
-the harness printing a token drawn for this run only; see `harness_main.py` for why exits, patched
-builtins and objects that claim equality cannot print it.
+Score 1 when every hidden assert passes, else 0. The tests are the HumanEval task's of the row's
+`task_id` (never taken from the request); a row without a HumanEval task may carry its own (`tests`).
+Where they run is the row's `check_in`:
+
+- `"workspace"` (the default): against the rollout's final workspace (its files as the rollout's state
+  keeps them), copied into a fresh sandbox of its own that is never read back. The harness
+  (`harness_main.py`) runs them, and a pass is the harness printing a token drawn for this run only; see
+  `harness_main.py` for why exits, patched builtins and objects that claim equality cannot print it.
+- `"interpreter"`: in the rollout's live `python` interpreter, in a fork of it (`Interpreter.check`):
+  the tests see the variables, functions and imports the agent's cells left; the interpreter's own
+  namespace is untouched and its workspace is put back afterwards. A rollout whose interpreter is gone
+  is refused (`StateGone`: 409), never scored 0.
 """
 
 from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
+from typing import Any
 
-from app.sdk import CheckResult, RolloutView, ToolUnavailable
+from app.sdk import CheckResult, GradingConfigError, RolloutView, StateGone, ToolUnavailable
+from tools.code.interpreter import MARKER, InterpreterGone, InterpreterStopped
 from tools.code.runtime import CodeResources
 from tools.code.sandbox import WORKSPACE_ARG, Limits, RunResult, Sandbox, SandboxUnavailable
 from tools.code.suspicious import TIMEOUT, code_flags
@@ -24,6 +35,10 @@ from tools.code.workspace import Workspace, collection
 # The hidden tests of one task get 20 seconds (wall clock and CPU) in a sandbox of their own.
 GRADE_LIMITS = Limits(wall_seconds=20.0, cpu_seconds=20, output_bytes=8 * 1024)
 NO_SOLUTION = "no_solution"
+NO_INTERPRETER = "no_interpreter"
+INTERPRETER_STOPPED = "interpreter_stopped"
+CHECK_IN = ("workspace", "interpreter")  # where a row's `check_in` asks the hidden tests to run
+MAX_TEST_CHARS = 256 * 1024
 
 
 class CodeItemError(ValueError):
@@ -35,7 +50,7 @@ def _source(name: str) -> str:
     return (Path(__file__).parent / name).read_text(encoding="utf-8")
 
 
-def final_files(view: RolloutView, task: CodeTask) -> dict[str, str]:
+def final_files(view: RolloutView, task: CodeTask | None) -> dict[str, str]:
     """The rollout's final workspace for `task` (its edits made without a task id in the row included)."""
     files = Workspace(view.state, task).files()
     for path, content in view.state.items(collection(None)):
@@ -76,18 +91,90 @@ async def run_hidden_tests(
     return passed, result
 
 
+def row_task(item: Mapping[str, Any]) -> CodeTask:
+    """The row's own tests (`tests`: `entry_point`, `test`, optional `prompt`) as a task; a malformed
+    one is a configuration error (422), never a score."""
+    tests = item.get("tests")
+    if not isinstance(tests, dict):
+        raise CodeItemError(
+            "the code grader needs the dataset row's `task_id` of a HumanEval task, or the row's own "
+            f"`tests`; got task_id {item.get('task_id')!r}"
+        )
+    entry_point, test, prompt = tests.get("entry_point", ""), tests.get("test"), tests.get("prompt", "")
+    if not isinstance(test, str) or not test.strip() or len(test) > MAX_TEST_CHARS:
+        raise GradingConfigError(
+            f"the row's tests.test must be Python source of 1 to {MAX_TEST_CHARS} characters"
+        )
+    if not isinstance(prompt, str) or len(prompt) > MAX_TEST_CHARS:
+        raise GradingConfigError("the row's tests.prompt must be Python source (the helpers the tests use)")
+    if not isinstance(entry_point, str) or (entry_point and not entry_point.isidentifier()):
+        raise GradingConfigError("the row's tests.entry_point must be the name of the function to test")
+    return CodeTask(
+        task_id=str(item.get("task_id") or "row"),
+        prompt=prompt,
+        entry_point=entry_point,
+        canonical_solution="",
+        test=test,
+    )
+
+
+def check_place(item: Mapping[str, Any]) -> str:
+    """The row's `check_in` ("workspace" when absent); another value is a configuration error."""
+    place = item.get("check_in", "workspace")
+    if place not in CHECK_IN:
+        raise GradingConfigError(f"the row's check_in must be one of {', '.join(CHECK_IN)}; got {place!r}")
+    return str(place)
+
+
+async def run_in_interpreter(view: RolloutView, task: CodeTask) -> tuple[bool | None, list[tuple[str, str]]]:
+    """The task's tests in a fork of the rollout's live interpreter: (passed, flags); passed is None
+    when the rollout never ran code in one (nothing to grade there). StateGone (a refused grade) when
+    its interpreter is gone; ToolUnavailable when no slot or interpreter support is here."""
+    resources = view.resource(CodeResources)
+    pool = resources.interpreters
+    marker = view.state.get(*MARKER)
+    if marker is None or not view.trace_id:
+        return None, [
+            (NO_INTERPRETER, "the row is graded in the interpreter, but the rollout never ran code in it")
+        ]
+    if pool is None:
+        raise StateGone("this server holds no interpreters, so the rollout's interpreter state is gone")
+    job = {"test": task.test, "entry_point": task.entry_point, "prompt": task.prompt}
+    try:
+        async with pool.held(view.trace_id, marker) as interpreter:
+            async with resources.sandbox.hold_slot(view.trace_id):
+                verdict = await interpreter.check(job, GRADE_LIMITS.wall_seconds)
+    except InterpreterGone as exc:
+        raise StateGone(f"the row is graded in the rollout's interpreter, but {exc}") from exc
+    except InterpreterStopped as exc:
+        # The rollout's code (or the check) stopped it while being checked: a failed check, and the state
+        # is lost for any later call or grade, which says so.
+        await pool.discard(view.trace_id, "it stopped while a grade's check ran in it")
+        return False, [(INTERPRETER_STOPPED, str(exc))]
+    flags = []
+    if verdict.timed_out:
+        flags.append(
+            (TIMEOUT, f"the hidden tests did not finish within {GRADE_LIMITS.wall_seconds:g} seconds")
+        )
+    return verdict.passed, flags
+
+
 @pack.state_check("code")
 async def check_rollout(view: RolloutView) -> CheckResult:
-    """hidden_tests: 1 when every hidden assert of the task passes against the final solution.py, else 0."""
+    """hidden_tests: 1 when every hidden assert of the task passes against the final box, else 0."""
     task_id = view.item.get("task_id")
     resources = view.resource(CodeResources)
-    task = resources.tasks.get(task_id) if isinstance(task_id, str) else None
-    if task is None:
-        raise CodeItemError(
-            f"the code grader needs the dataset row's `task_id` of a HumanEval task; got {task_id!r}"
-        )
-    files = final_files(view, task)
-    flags = code_flags(files, task.starting_files())
+    known = resources.tasks.get(task_id) if isinstance(task_id, str) else None
+    task = known if known is not None else row_task(view.item)
+    place = check_place(view.item)
+    files = final_files(view, known)
+    flags = code_flags(files, task.starting_files() if known is not None else None)
+    if place == "interpreter":
+        passed, more = await run_in_interpreter(view, task)
+        score = 1.0 if passed else 0.0
+        return CheckResult(score=score, sub_scores={"hidden_tests": score}, flags=[*flags, *more])
+    if not task.entry_point:
+        raise GradingConfigError("the row's tests.entry_point is needed to test the workspace's solution.py")
     if SOLUTION_FILE not in files:
         return CheckResult(
             score=0.0,

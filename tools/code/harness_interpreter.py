@@ -17,6 +17,15 @@ Request: `{"id", "code", "files": {path: text or null}, "output_bytes", "max_fil
 first bytes), `"stdout_total", "stderr_total", "value"` (repr of a last expression, or null),
 `"exception"` (a traceback, or null), `"files"` (base64 of the supervisor's report frames: the
 workspace after the cell)`}`.
+
+A grade's check (`{"id", "check": {"test", "entry_point", "prompt"}, "seconds"}`) runs in a fork of
+the driver: the fork sees the namespace the cells built (a copy-on-write copy, so nothing it changes
+reaches the interpreter), runs the test code in it and, when `entry_point` is given, calls the test's
+`check(<the namespace's entry point>)`. The driver keeps a copy of the workspace first; when the fork
+ends (or is killed at `seconds`) it stops every process the check left (orphans come back to the driver,
+a child subreaper, while the check runs) and puts the workspace back exactly as it was. It answers
+`{"id", "passed", "error"` (why not, or null), `"timed_out", "restored"}` (false if the workspace could
+not be put back: the server then stops this interpreter).
 """
 
 from __future__ import annotations
@@ -24,12 +33,15 @@ from __future__ import annotations
 import ast
 import base64
 import builtins
+import ctypes
 import importlib
 import io
 import json
 import linecache
 import os
+import select
 import signal
+import stat
 import struct
 import sys
 import tempfile
@@ -38,6 +50,9 @@ import types
 from typing import Any
 
 REPR_CHARS = 16 * 1024
+CHECK_ERROR_CHARS = 4000
+PR_SET_CHILD_SUBREAPER = 36
+STOP_ROUNDS = 64  # passes over the check's leftover processes (each may have started more)
 
 
 def load_supervisor(source: str) -> types.ModuleType:
@@ -128,6 +143,134 @@ def execute(code: str, namespace: dict[str, Any], filename: str) -> str | None:
     return text
 
 
+Entry = tuple[str, bytes, int]  # kind ("f" file, "l" link, "d" directory), content or target, mode
+
+
+def snapshot(root: str) -> dict[str, Entry]:
+    """Every file, link and directory under `root` (special files are left out), with contents and
+    modes (`"."` is the root's mode). What the driver may not read or enter (mode 000, say) is opened
+    to it as the walk goes; `set_modes` gives the modes back."""
+    entries: dict[str, Entry] = {}
+    try:
+        mode = stat.S_IMODE(os.lstat(root).st_mode)
+        entries["."] = ("d", b"", mode)
+        if mode & 0o700 != 0o700:
+            os.chmod(root, mode | 0o700)
+    except OSError:
+        pass
+    for directory, dirnames, filenames in os.walk(root):  # top-down: a directory is opened before its turn
+        for name in dirnames + filenames:
+            path = os.path.join(directory, name)
+            relative = os.path.relpath(path, root)
+            try:
+                info = os.lstat(path)
+                mode = stat.S_IMODE(info.st_mode)
+                if stat.S_ISLNK(info.st_mode):
+                    entries[relative] = ("l", os.fsencode(os.readlink(path)), 0)
+                elif stat.S_ISDIR(info.st_mode):
+                    entries[relative] = ("d", b"", mode)
+                    if mode & 0o700 != 0o700:
+                        os.chmod(path, mode | 0o700)
+                elif stat.S_ISREG(info.st_mode):
+                    if not mode & 0o400:
+                        os.chmod(path, mode | 0o400)
+                    with open(path, "rb") as handle:
+                        entries[relative] = ("f", handle.read(), mode)
+            except OSError:
+                continue
+    return entries
+
+
+def _depth(relative: str) -> int:
+    return -1 if relative == "." else relative.count(os.sep)
+
+
+def set_modes(root: str, entries: dict[str, Entry]) -> None:
+    """The modes of `entries`, deepest first (a parent's search right is needed to reach a child)."""
+    for relative in sorted(entries, key=_depth, reverse=True):
+        kind, _, mode = entries[relative]
+        if kind != "l":
+            try:
+                os.chmod(os.path.join(root, relative), mode)
+            except OSError:
+                pass
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        for inner in os.listdir(path):
+            _remove(os.path.join(path, inner))
+        os.rmdir(path)
+    else:
+        os.unlink(path)
+
+
+def restore(root: str, before: dict[str, Entry]) -> bool:
+    """Put `root` back as `before` had it (contents, entries, modes); True when it holds exactly that."""
+    now = snapshot(root)  # opens what a check closed to the driver, too
+    for relative in sorted(now, key=_depth, reverse=True):
+        was = before.get(relative)
+        if relative == "." or now[relative] == was or (was is not None and now[relative][0] == was[0] == "d"):
+            continue
+        try:
+            _remove(os.path.join(root, relative))
+        except OSError:
+            pass
+    for relative in sorted(before, key=_depth):
+        kind, content, _ = before[relative]
+        path = os.path.join(root, relative)
+        try:
+            if kind == "d":
+                os.makedirs(path, exist_ok=True)
+            elif kind == "l" and not os.path.lexists(path):
+                os.symlink(os.fsdecode(content), path)
+            elif kind == "f" and now.get(relative) != before[relative]:
+                with open(path, "wb") as handle:
+                    handle.write(content)
+        except OSError:
+            pass
+    set_modes(root, before)
+    after = snapshot(root)
+    set_modes(root, before)
+    return after == before
+
+
+def _children(parent: int) -> set[int]:
+    """The processes whose parent is `parent` (read from /proc)."""
+    found = set()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as handle:
+                fields = handle.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 1 and int(fields[1]) == parent:
+            found.add(int(name))
+    return found
+
+
+def run_check(job: dict[str, Any], namespace: dict[str, Any]) -> None:
+    """The check, in the fork: the test code in (a copy of) the cells' namespace, then `check(entry)`."""
+    entry_point = job.get("entry_point")
+    prompt = job.get("prompt") or ""
+    if prompt:  # the prompt's helpers the tests use, where the cells defined no such name
+        helpers: dict[str, Any] = {"__name__": "__prompt__"}
+        exec(compile(prompt, "<prompt>", "exec"), helpers)
+        for name, value in helpers.items():
+            if not name.startswith("__") and name != entry_point and name not in namespace:
+                namespace[name] = value
+    candidate = None
+    if entry_point:
+        if entry_point not in namespace:
+            raise LookupError(f"the interpreter defines no {entry_point!r}")
+        candidate = namespace[entry_point]
+    exec(compile(job["test"], "<hidden tests>", "exec"), namespace)
+    if entry_point:
+        namespace["check"](candidate)
+
+
 class Driver:
     def __init__(self, frames: int, requests: int, workspace: str, supervisor: types.ModuleType) -> None:
         self.frames = frames
@@ -182,6 +325,81 @@ class Driver:
         report.write(b"Z")
         return base64.b64encode(report.getvalue()).decode("ascii")
 
+    def check(self, request: dict[str, Any]) -> dict[str, Any]:
+        """A grade's check in a fork of this interpreter; the workspace is put back afterwards."""
+        before = snapshot(self.workspace)
+        existing = _children(os.getpid())
+        libc = ctypes.CDLL(None)
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # the check's orphans come back to the driver
+        verdict_r, verdict_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the fork: no way to the server but the verdict pipe
+            verdict: dict[str, Any] = {"passed": False, "error": None}
+            try:
+                os.close(verdict_r)
+                os.close(self.frames)
+                os.close(self.requests)
+                os.setpgid(0, 0)
+                run_check(request["check"], self.namespace)
+                verdict["passed"] = True
+            except BaseException as error:  # SystemExit too: the check did not finish
+                verdict["error"] = "".join(traceback.format_exception_only(type(error), error))[
+                    :CHECK_ERROR_CHARS
+                ]
+            try:
+                send(verdict_w, verdict)
+            finally:
+                os._exit(0)
+        os.close(verdict_w)
+        answer: dict[str, Any] = {"id": request["id"], "passed": False, "error": None, "timed_out": False}
+        try:
+            ready, _, _ = select.select([verdict_r], [], [], float(request["seconds"]))
+            if not ready:
+                answer["timed_out"] = True
+                answer["error"] = f"the check did not finish within {float(request['seconds']):g} seconds"
+            else:
+                header = read_exactly(verdict_r, 4)
+                body = read_exactly(verdict_r, struct.unpack(">I", header)[0]) if header else None
+                verdict = json.loads(body) if body else {}
+                if not isinstance(verdict, dict):
+                    verdict = {}
+                answer["passed"] = verdict.get("passed") is True
+                why = verdict.get("error")
+                answer["error"] = str(why)[:CHECK_ERROR_CHARS] if why else None
+                if body is None:
+                    answer["error"] = "the check's process ended without a verdict"
+        except (OSError, ValueError, struct.error):
+            answer["passed"] = False
+            answer["error"] = "the check's process answered garbage"
+        finally:
+            os.close(verdict_r)
+            self.stop_check(pid, existing)
+            libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+        answer["restored"] = restore(self.workspace, before)  # its modes, opened by the snapshot, too
+        return answer
+
+    def stop_check(self, pid: int, existing: set[int]) -> None:
+        """Kill the check's fork and every process it left, and reap them."""
+        for _ in range(STOP_ROUNDS):
+            for target in (pid,):
+                try:
+                    os.killpg(target, signal.SIGKILL)
+                except OSError:
+                    pass
+            left = _children(os.getpid()) - existing
+            for child in left:
+                try:
+                    os.kill(child, signal.SIGKILL)
+                except OSError:
+                    pass
+            for child in left | {pid}:
+                try:
+                    os.waitpid(child, 0)
+                except ChildProcessError:
+                    pass
+            if not left:
+                return
+
     def serve(self) -> None:
         send(self.frames, {"ready": True})
         while True:
@@ -191,7 +409,8 @@ class Driver:
             body = read_exactly(self.requests, struct.unpack(">I", header)[0])
             if body is None:
                 return
-            send(self.frames, self.cell(json.loads(body)))
+            request = json.loads(body)
+            send(self.frames, self.check(request) if "check" in request else self.cell(request))
 
 
 def main() -> int:

@@ -39,11 +39,25 @@ RESTARTED = "the interpreter was restarted; earlier state is lost"
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 READY_SECONDS = 15.0  # bwrap's setup and the driver's start
 LOST_REASONS_KEPT = 4096
+CHECK_GRACE_SECONDS = 10.0  # past a check's own limit: the driver's stopping and restoring
 ENDING_GRACE_SECONDS = 1.0  # for an interpreter whose pipe closed to exit, so its status is known
 
 
 class InterpreterStopped(Exception):
     """The interpreter ended while running a cell (or was stopped at the time limit): its state is lost."""
+
+
+class InterpreterGone(Exception):
+    """A grade asked for the rollout's interpreter state, and this worker holds no interpreter with it."""
+
+
+@dataclass(frozen=True)
+class CheckVerdict:
+    """What a grade's check in the interpreter answered (`Interpreter.check`)."""
+
+    passed: bool
+    error: str | None
+    timed_out: bool
 
 
 class InterpreterBusy(Exception):
@@ -131,6 +145,38 @@ class Interpreter:
             self.broken = True
             self.session.kill()
             raise
+
+    async def check(self, job: Mapping[str, Any], seconds: float) -> CheckVerdict:
+        """Run a grade's check in a fork of this interpreter (its namespace as the cells left it); the
+        workspace is put back afterwards. InterpreterStopped if the interpreter ends meanwhile, or its
+        workspace could not be put back (it is then stopped: the rollout's files stay as the state has
+        them, and no later call runs against a changed box)."""
+        request_id = uuid.uuid4().hex
+        body = json.dumps({"id": request_id, "check": dict(job), "seconds": seconds}).encode("utf-8")
+        try:
+            await self.session.send(struct.pack(">I", len(body)) + body)
+            answer = await asyncio.wait_for(self._answer_to(request_id), seconds + CHECK_GRACE_SECONDS)
+            passed, error, timed_out = answer["passed"], answer["error"], answer["timed_out"]
+            if not isinstance(passed, bool) or not isinstance(timed_out, bool):
+                raise TypeError("passed and timed_out must be booleans")
+            if not (error is None or isinstance(error, str)):
+                raise TypeError("error must be text")
+            restored = answer["restored"] is True
+        except TimeoutError as exc:
+            self.broken = True
+            self.session.kill()
+            raise InterpreterStopped("the interpreter did not answer a grade's check in time") from exc
+        except (ConnectionError, asyncio.IncompleteReadError, ValueError, KeyError, TypeError) as exc:
+            raise InterpreterStopped(await self._why_ended()) from exc
+        except BaseException:
+            self.broken = True
+            self.session.kill()
+            raise
+        if not restored:
+            self.broken = True
+            self.session.kill()
+            raise InterpreterStopped("a grade's check changed the interpreter's workspace beyond repair")
+        return CheckVerdict(passed=passed, error=error, timed_out=timed_out)
 
     async def _answer_to(self, request_id: str) -> dict[str, Any]:
         """The frame answering the request `request_id`: frames of another id (a cell writing to the frame
@@ -246,6 +292,34 @@ class InterpreterPool:
             interpreter.last_used = self.clock()
         finally:
             interpreter.lock.release()
+
+    @contextlib.asynccontextmanager
+    async def held(self, trace_id: str, marker: Mapping[str, Any] | None) -> AsyncIterator[Interpreter]:
+        """The rollout's own live interpreter, held, for a grade: never a new one. InterpreterGone says
+        plainly why there is none (never started, stopped, in another worker, or not in the state the
+        rollout recorded)."""
+        if marker is None:
+            raise InterpreterGone("the rollout never ran code in an interpreter (no `python` call)")
+        current = self.live.get(trace_id)
+        if current is None or current.session.process.returncode is not None:
+            if marker.get("worker") != self.worker:
+                raise InterpreterGone(
+                    "its interpreter lived in another server process, or this one restarted; a grade "
+                    "in the interpreter must reach the worker of the rollout's calls (docs/deploy.md)"
+                )
+            reason = self.lost.get(trace_id) or "it was stopped"
+            raise InterpreterGone(f"its interpreter is gone ({reason})")
+        async with current.lock:
+            if not current.matches(marker):
+                raise InterpreterGone(
+                    "its interpreter is not in the state the rollout recorded (a call's code ran in it but "
+                    "its answer was not stored)"
+                    if marker.get("session") == current.id
+                    else "its interpreter is not the one the rollout recorded"
+                )
+            self.live.move_to_end(trace_id)
+            yield current
+            current.last_used = self.clock()
 
     async def _open(self, trace_id: str) -> Interpreter:
         """A new interpreter for the rollout, started and ready, returned with its lock held."""

@@ -49,9 +49,10 @@ class RolloutStateLost(Exception):
     Grading the pack's base state instead would store a made-up score: the grade is refused.
     """
 
-    def __init__(self, trace_id: str) -> None:
+    def __init__(self, trace_id: str | None, detail: str | None = None) -> None:
         super().__init__(
-            f"the state of rollout {trace_id!r} is no longer held by the state store (expired after "
+            detail
+            or f"the state of rollout {trace_id!r} is no longer held by the state store (expired after "
             "SPARRING_STATE_TTL_SECONDS, or lost with the process that kept it in memory); a grader "
             "that reads it cannot score this rollout"
         )

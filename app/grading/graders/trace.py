@@ -38,6 +38,7 @@ from app.grading.graders.model import (
     GraderUnavailable,
     RolloutCall,
     RolloutRecord,
+    RolloutStateLost,
     final_answer,
 )
 from app.grading.graders.templates import Scope, Template
@@ -50,6 +51,7 @@ from app.sdk import (
     RolloutState,
     RolloutView,
     StateCheck,
+    StateGone,
     ToolUnavailable,
 )
 from sparring.wire import ANSWERS
@@ -262,6 +264,12 @@ class StateCheckGrader(_TraceGrader):
                     outcome = await outcome
         except (GraderUnavailable, GradingConfigError):
             raise
+        except StateGone as exc:
+            # What the check reads of the rollout is gone (its live interpreter): refused, never a 0.
+            raise RolloutStateLost(
+                inp.trace_id,
+                f"state check {self.check_name!r} cannot score rollout {inp.trace_id!r}: {exc.message}",
+            ) from exc
         except ToolUnavailable as exc:
             # The pack's infrastructure is down (its sandbox cannot run): no score, the grade is retried.
             raise GraderUnavailable(f"state check {self.check_name!r}: {exc.message}") from exc

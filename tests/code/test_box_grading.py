@@ -1,0 +1,325 @@
+"""The `code` grader on the agent's box: the final workspace and the live interpreter, over HTTP.
+
+A solution that lives only in the workspace is graded from it; a check cannot change the agent's files
+(in the workspace's copy, nor in the interpreter's box) or the interpreter's variables; a row graded in
+the interpreter sees what the agent's cells defined; a rollout whose interpreter or state is gone is
+refused (409), never scored 0; a hostile check stays in the sandbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import textwrap
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.code.conftest import CodeClient, all_tasks, served_resources
+from tests.conftest import new_trace
+from tests.grading.test_state_lost import forget_state
+from tools.code.interpreter import RESTARTED, InterpreterPool
+from tools.code.runtime import CodeResources
+
+# Redis: a rollout's state can expire under a live server, and two servers can share one store.
+pytestmark = pytest.mark.parametrize("backend", ["real"])
+
+FAST = {"interpreter_cell_seconds": 5.0}
+ADD_TESTS = {
+    "entry_point": "add",
+    "test": "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n",
+}
+RIGHT = "def add(a, b):\n    return a + b\n"
+WRONG = "def add(a, b):\n    return a - b\n"
+
+
+async def cell(code: CodeClient, trace: str, source: str, *, task_id: str | None = None) -> Any:
+    output = await code.call(trace, "python", {"code": source}, task_id=task_id)
+    return output if output.startswith("Error:") else json.loads(output)
+
+
+def pool_of(code: CodeClient) -> InterpreterPool:
+    resources = served_resources(code.http)["code"]
+    assert isinstance(resources, CodeResources) and resources.interpreters is not None
+    return resources.interpreters
+
+
+async def peek(code: CodeClient, trace: str, source: str) -> str | None:
+    """The value of `source` run in the rollout's live interpreter, as the server holds it (a graded
+    rollout's tools take no more calls, so the test looks through the pool)."""
+    pool = pool_of(code)
+    interpreter = pool.live[trace]
+    async with interpreter.lock:
+        result = await interpreter.cell(source, {}, pool.limits)
+    assert result.exception is None, result.exception
+    return result.value
+
+
+async def grade(code: CodeClient, trace: str, item: dict[str, Any]) -> httpx.Response:
+    return await code.http.post("/grade/code", json={"sample": {}, "item": item, "trace_id": trace})
+
+
+async def score(code: CodeClient, trace: str, item: dict[str, Any]) -> float:
+    response = await grade(code, trace, item)
+    assert response.status_code == 200, response.text
+    return float(response.json()["score"])
+
+
+async def files_of(code: CodeClient, trace: str, task_id: str | None = None) -> dict[str, str]:
+    """The rollout's workspace as its tools see it."""
+    listed = json.loads(await code.call(trace, "list_files", {}, task_id=task_id))
+    return {
+        entry["path"]: await code.call(trace, "read_file", {"path": entry["path"]}, task_id=task_id)
+        for entry in listed
+    }
+
+
+async def test_a_solution_only_in_the_workspace_is_graded_from_it(code_app: Any, backend: str) -> None:
+    """The row's own tests against solution.py, which the agent wrote from its interpreter only."""
+    async with code_app(code=FAST) as code:
+        right, wrong, missing = new_trace(), new_trace(), new_trace()
+        await cell(code, right, f"open('solution.py', 'w').write({RIGHT!r})")
+        await cell(code, wrong, f"open('solution.py', 'w').write({WRONG!r})")
+        await code.write(missing, "notes.txt", "no solution here")
+        scores = [await score(code, t, {"tests": ADD_TESTS}) for t in (right, wrong, missing)]
+        flags = await code.flags(missing)
+        # The same rollouts graded in the interpreter: the function was never defined there.
+        in_interpreter = await score(code, right, {"tests": ADD_TESTS, "check_in": "interpreter"})
+    assert scores == [1.0, 0.0, 0.0]
+    assert "no_solution" in flags
+    assert in_interpreter == 0.0
+
+
+async def test_a_grade_in_the_interpreter_sees_what_the_agents_cells_defined(
+    code_app: Any, backend: str
+) -> None:
+    task = all_tasks()["HumanEval/0"]
+    body = "\n".join(line for line in task.canonical_solution.splitlines())
+    async with code_app(code=FAST) as code:
+        trace, wrong = new_trace(), new_trace()
+        # The agent solves HumanEval/0 in its interpreter only: solution.py keeps the stub.
+        defined = await cell(
+            code, trace, task.prompt + body + "\nhas_close_elements([1.0, 2.0], 0.5)", task_id=task.task_id
+        )
+        assert defined["value"] == "False", defined
+        await cell(code, trace, "answer = 6 * 7", task_id=task.task_id)
+        await cell(
+            code,
+            wrong,
+            "def has_close_elements(numbers, threshold):\n    return True\n",
+            task_id=task.task_id,
+        )
+        interpreter = {"task_id": task.task_id, "check_in": "interpreter"}
+        in_interpreter = await score(code, trace, interpreter)
+        in_workspace = await score(code, trace, {"task_id": task.task_id})
+        wrong_score = await score(code, wrong, interpreter)
+        # A row's own tests may read the agent's variables.
+        variables = {"tests": {"test": "assert answer == 42\nassert callable(has_close_elements)\n"}}
+        seen = await score(code, trace, {**variables, "check_in": "interpreter"})
+        unseen = await score(
+            code, trace, {"tests": {"test": "assert answer == 41\n"}, "check_in": "interpreter"}
+        )
+        # Graded again: a grade changes nothing the next one (or the agent) sees.
+        again = await score(code, trace, interpreter)
+    assert (in_interpreter, in_workspace, wrong_score) == (1.0, 0.0, 0.0)
+    assert (seen, unseen, again) == (1.0, 0.0, 1.0)
+
+
+TAMPER = textwrap.dedent(
+    """\
+    import os, subprocess, sys
+    for path in ("solution.py", "/workspace/solution.py"):
+        try:
+            with open(path, "w") as handle:
+                handle.write("def add(a, b):\\n    return 0\\n")
+        except OSError:
+            pass
+    for path in ("/workspace/notes.txt", "notes.txt"):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    os.makedirs("/workspace/planted", exist_ok=True)
+    open("/workspace/planted/evil.py", "w").write("x = 1\\n")
+    try:
+        os.chmod("/workspace/planted", 0o500)  # the driver's rights to remove it taken away
+    except OSError:
+        pass
+    # A process that goes on writing after the check, in a session of its own.
+    LATER = "from time import sleep\\nwhile 1:\\n    open('/workspace/l', 'w').write('x')\\n    sleep(0.01)"
+    NULL = subprocess.DEVNULL
+    subprocess.Popen(
+        [sys.executable, "-c", LATER], start_new_session=True, stdin=NULL, stdout=NULL, stderr=NULL
+    )
+    """
+)
+
+
+@pytest.mark.parametrize("place", ["workspace", "interpreter"])
+async def test_a_check_cannot_change_the_agents_files_or_state(
+    code_app: Any, place: str, backend: str
+) -> None:
+    tests = {
+        # In the interpreter the agent defined no `add`: the test code alone is the check there.
+        "entry_point": "add" if place == "workspace" else "",
+        "test": TAMPER + "marker = 'changed by the check'\ndef check(candidate):\n    pass\n",
+    }
+    async with code_app(code=FAST) as code:
+        trace = new_trace()
+        await code.write(trace, "solution.py", RIGHT)
+        await code.write(trace, "notes.txt", "the agent's notes")
+        await cell(code, trace, "marker = 'the agent'\nimport os\nsorted(os.listdir('.'))")
+        # A directory of the agent's that nobody may enter: kept, contents and mode, through the checks.
+        await cell(
+            code, trace, "os.mkdir('private')\nopen('private/k', 'w').write('k')\nos.chmod('private', 0)"
+        )
+        before = await files_of(code, trace)
+        first = await score(code, trace, {"tests": tests, "check_in": place})
+        second = await score(code, trace, {"tests": tests, "check_in": place})
+        after = await files_of(code, trace)
+        await asyncio.sleep(0.3)  # time for a leftover writer to write, were it still running
+        box = await peek(
+            code,
+            trace,
+            "import os\nmode = os.stat('.').st_mode & 0o200\nprivate = os.stat('private').st_mode & 0o777\n"
+            "os.chmod('private', 0o700)\nk = open('private/k').read()\n"
+            "(marker, sorted(os.listdir('.')), open('solution.py').read(), mode, private, k)",
+        )
+    assert (first, second) == (1.0, 1.0)  # each check ran to its end
+    assert after == before and before["solution.py"] == RIGHT and before["notes.txt"] == "the agent's notes"
+    # The interpreter's own box: its variable, files and rights are the agent's, nothing the check left.
+    assert box == repr(("the agent", sorted([*before, "private"]), RIGHT, 0o200, 0, "k")), box
+
+
+async def test_a_grade_in_a_gone_interpreter_is_refused_not_scored(code_app: Any, backend: str) -> None:
+    async with code_app(code=FAST) as code:
+        stopped, never, expired = new_trace(), new_trace(), new_trace()
+        item = {"tests": {"test": "assert x == 1\n"}, "check_in": "interpreter"}
+        for trace in (stopped, expired):
+            await cell(code, trace, "x = 1")
+        await pool_of(code).discard(stopped, "it was idle for more than 600 seconds")
+        gone = await grade(code, stopped, item)
+        await code.write(never, "solution.py", RIGHT)
+        never_used = await grade(code, never, item)
+        never_flags = await code.flags(never)
+        await forget_state(backend, expired)
+        expired_grade = await grade(code, expired, item)
+        after = await cell(code, stopped, "x")
+    assert gone.status_code == 409, gone.text
+    assert gone.json()["error"]["code"] == "rollout_state_gone"
+    assert "interpreter is gone (it was idle for more than 600 seconds)" in gone.json()["error"]["message"]
+    # A rollout that never used the interpreter defined nothing there: that is a 0, said with a flag.
+    assert never_used.json() == {"score": 0.0} and "no_interpreter" in never_flags
+    assert expired_grade.status_code == 409 and expired_grade.json()["error"]["code"] == "rollout_state_gone"
+    assert isinstance(after, str) and after.startswith(f"Error: {RESTARTED}")
+
+
+async def test_a_grade_in_another_workers_interpreter_is_refused(code_app: Any, backend: str) -> None:
+    """Two servers over one state store: the grade reaches the one without the interpreter."""
+    trace = new_trace()
+    item = {"tests": {"test": "assert x == 1\n"}, "check_in": "interpreter"}
+    async with code_app(code=FAST) as first:
+        await cell(first, trace, "x = 1")
+        async with code_app(code=FAST) as second:
+            elsewhere = await grade(second, trace, item)
+        here = await score(first, trace, item)
+    assert elsewhere.status_code == 409, elsewhere.text
+    assert "another server process" in elsewhere.json()["error"]["message"]
+    assert here == 1.0
+
+
+def hostile_test(port: int, host_file: Path) -> str:
+    """Test code that tries to get out; it passes only when every attempt failed."""
+    return textwrap.dedent(
+        f"""\
+        import os, socket
+        escaped = []
+        for where in (("127.0.0.1", {port}), ("1.1.1.1", 53)):
+            try:
+                socket.create_connection(where, timeout=1).close()
+                escaped.append(f"connected to {{where}}")
+            except OSError:
+                pass
+        try:
+            open({str(host_file)!r}, "w").write("out")
+            escaped.append("wrote a host file")
+        except OSError:
+            pass
+        for secret in ("/etc/shadow", {str(host_file.parent / "secret.txt")!r}):
+            try:
+                open(secret).read()
+                escaped.append(f"read {{secret}}")
+            except OSError:
+                pass
+        if os.getuid() == 0:
+            escaped.append("root")
+        try:
+            os.kill(1, 9)
+        except OSError:
+            pass
+        assert not escaped, escaped
+        """
+    )
+
+
+@pytest.mark.parametrize("place", ["workspace", "interpreter"])
+async def test_a_hostile_check_stays_contained(
+    code_app: Any, place: str, tmp_path: Path, backend: str
+) -> None:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    listener.setblocking(False)
+    port = listener.getsockname()[1]
+    (tmp_path / "secret.txt").write_text("host secret")
+    host_file = tmp_path / f"escaped-{uuid.uuid4().hex}.txt"
+    try:
+        async with code_app(code=FAST) as code:
+            trace = new_trace()
+            await code.write(trace, "solution.py", RIGHT)
+            await cell(code, trace, "x = 1")
+            test = hostile_test(port, host_file) + "def check(candidate):\n    assert candidate(2, 3) == 5\n"
+            tests = {"test": test, "entry_point": "add" if place == "workspace" else ""}
+            result = await score(code, trace, {"tests": tests, "check_in": place})
+            still = await peek(code, trace, "x")
+        with pytest.raises(BlockingIOError):
+            listener.accept()
+    finally:
+        listener.close()
+    assert result == 1.0  # every attempt failed inside the sandbox
+    assert not host_file.exists()
+    assert still == "1"
+
+
+async def test_a_check_that_kills_the_interpreter_scores_0_and_the_state_is_said_lost(
+    code_app: Any, backend: str
+) -> None:
+    async with code_app(code=FAST) as code:
+        trace = new_trace()
+        await cell(
+            code, trace, "def add(a, b):\n    import os, signal\n    os.kill(os.getppid(), signal.SIGKILL)\n"
+        )
+        killed = await score(code, trace, {"tests": ADD_TESTS, "check_in": "interpreter"})
+        flags = await code.flags(trace)
+        again = await grade(code, trace, {"tests": ADD_TESTS, "check_in": "interpreter"})
+        pool = pool_of(code)
+    assert killed == 0.0 and "interpreter_stopped" in flags
+    assert again.status_code == 409
+    assert "it stopped while a grade's check ran in it" in again.json()["error"]["message"]
+    assert trace not in pool.live
+
+
+async def test_a_malformed_row_is_a_configuration_error(code_app: Any, backend: str) -> None:
+    async with code_app(code=FAST) as code:
+        trace = new_trace()
+        await code.write(trace, "solution.py", RIGHT)
+        place = await grade(code, trace, {"tests": ADD_TESTS, "check_in": "elsewhere"})
+        test = await grade(code, trace, {"tests": {"entry_point": "add", "test": 3}})
+        entry = await grade(code, trace, {"tests": {"test": "assert True\n"}})
+    for response in (place, test, entry):
+        assert response.status_code == 422, response.text
+        assert response.json()["error"]["code"] == "grader_config_error"

@@ -117,6 +117,16 @@ SEND_TO_USER = "send_message_to_user"  # the tool answered by `Conversations` (S
 CONVERSATIONS = "_user"  # where a rollout's state keeps its conversations with the user
 
 
+class ConversationUnavailable(ServiceUnavailable):
+    """The user could not answer (its model or its own calls failed): a 503. `progress` is the
+    conversation to keep all the same when the user's own calls ran before the failure (their effects
+    are in the rollout's state: the retry continues from them rather than asking for them again)."""
+
+    def __init__(self, message: str, progress: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.progress = progress
+
+
 class Conversations(Protocol):
     """The answers of `send_message_to_user` (app.users.service.UserToolConversations)."""
 
@@ -419,11 +429,26 @@ class ToolCallService:
                 if state is not None:
                     writes = {CONVERSATIONS: {spec.pack: {"conversation": state}}}
             await self._finish(call, began, writes, replace(answer, call=digest))
+        except ConversationUnavailable as exc:
+            if exc.progress is not None:  # kept before the claim is given up, so a retry reads it
+                with contextlib.suppress(ServiceUnavailable):
+                    await self._keep_conversation(call, spec.pack, exc.progress)
+            with contextlib.suppress(ServiceUnavailable):
+                await self.store.abort(began)
+            raise
         except BaseException:
             with contextlib.suppress(ServiceUnavailable):
                 await self.store.abort(began)
             raise
         return answer
+
+    async def _keep_conversation(self, call: _Call, pack: str, state: dict[str, Any]) -> None:
+        """Write a rollout's conversation without answering a call (no ledger entry, no lock)."""
+        meta = RolloutMeta(run=call.run, item_key=call.item_key, now=time.time())
+        ticket = await self.store.begin(CallStart(call.trace_id, None, meta=meta))
+        assert isinstance(ticket, Ticket)
+        writes: PackChanges = {CONVERSATIONS: {pack: {"conversation": state}}}
+        await self.store.finish(ticket, writes, StoredAnswer(output="", outcome="ok"))
 
     async def _finish(self, call: _Call, began: Ticket, writes: PackChanges, answer: StoredAnswer) -> None:
         """Store the answer (and the call's writes) while its log record commits, not one after the other.

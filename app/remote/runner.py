@@ -26,7 +26,7 @@ from typing import Any
 import orjson
 from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
-from app.calls.service import ToolCallService
+from app.calls.service import SEND_TO_USER, ToolCallService
 from app.errors import ServiceUnavailable, SparringError, ToolCrashed
 from app.grading.service import GradingService
 from app.packs import Registry
@@ -191,13 +191,14 @@ class RemoteRunner:
     transcripts: TranscriptStore | None = None  # where each rollout's conversation is kept
 
     def tools_for(self, rollout: RolloutPlan) -> list[dict[str, Any]]:
-        """The request's tool schemas, else every served tool (of the named pack)."""
+        """The request's tool schemas, else every served tool (of the named pack) but
+        `send_message_to_user`: in this loop the user answers the agent's messages themselves."""
         if rollout.tools:
             return rollout.tools
         return [
             spec.function_tool()
             for spec in self.registry.tools.values()
-            if rollout.pack is None or spec.pack == rollout.pack
+            if (rollout.pack is None or spec.pack == rollout.pack) and spec.name != SEND_TO_USER
         ]
 
     async def execute(self, rollout: RolloutPlan) -> RolloutOutcome:

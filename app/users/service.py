@@ -19,6 +19,7 @@ conversation kept in the rollout's state, the answer in the call ledger like any
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
@@ -28,7 +29,7 @@ from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 from pydantic import ConfigDict, Field, create_model
 
 from app.calls.envelope import ToolCallEnvelope
-from app.calls.service import SEND_TO_USER, USER_CHANNEL, ToolCallService
+from app.calls.service import SEND_TO_USER, USER_CHANNEL, ConversationUnavailable, ToolCallService
 from app.config import Settings
 from app.db.session import Database
 from app.errors import ServiceUnavailable, StartupError, ToolCrashed
@@ -40,7 +41,15 @@ from sparring.conversation import parse_conversation
 from sparring.http import Attempt, Retry, call_with_retries
 from sparring.loop import USER_KEY, FunctionCall, ModelFailure, ToolResult
 from sparring.policies import ChatPolicy, DeadlinePolicy
-from sparring.usersim import USER_ROLE, ScenarioError, SimulatedUser, UserReply, listed_tools
+from sparring.usersim import (
+    USER_ROLE,
+    ScenarioError,
+    SimulatedUser,
+    UserConversation,
+    UserReply,
+    listed_tools,
+    settled,
+)
 from sparring.wire import INFRA_ERROR, TOOL_CRASH
 
 log = logging.getLogger("sparring.users")
@@ -150,7 +159,7 @@ class ServiceUserTools:
             except ToolCrashed as exc:
                 return Attempt(failure=f"{TOOL_CRASH}: {exc.message}", kind=TOOL_CRASH)
 
-        return await call_with_retries(call, self.retry, attempt, started=0.0)
+        return await call_with_retries(call, self.retry, attempt, started=time.perf_counter())
 
 
 def with_service_tools(
@@ -266,18 +275,26 @@ class UserToolConversations:
             return _error(f"this task's user scenario is unusable: {exc}"), None
         if conversation is None:
             return _error("this task has no simulated customer (no user scenario for its row)"), None
-        conversation.messages = [dict(m) for m in state.get("messages", [])]
+        conversation.messages = settled(state.get("messages", []))
         conversation.steps = int(state.get("steps", 0))
         conversation.errors = int(state.get("errors", 0))
-        conversation.count()  # the agent's message, as τ²'s orchestrator counts it
-        if conversation.exhausted:
+        unanswered = state.get("unanswered") or {}
+        # The retry of an exchange whose user made calls of its own, then failed: it goes on from them.
+        resuming = call_id is not None and unanswered == {"call_id": call_id, "message": message}
+        if not resuming:
+            conversation.count()  # the agent's message, as τ²'s orchestrator counts it
+        if conversation.exhausted and not resuming:
             conversation.messages.append({"role": "assistant", "content": message})
             reply = UserReply(text="", ended="max_steps")
         else:
             try:
-                reply = await conversation.reply(message)
-            except ModelFailure as exc:
-                raise ServiceUnavailable(f"the simulated user could not answer: {exc}") from exc
+                reply = await (conversation.resume() if resuming else conversation.reply(message))
+            except (ModelFailure, ServiceUnavailable) as exc:
+                why = exc.message if isinstance(exc, ServiceUnavailable) else str(exc)
+                raise ConversationUnavailable(
+                    f"the simulated user could not answer: {why}",
+                    progress=_progress(conversation, call_id, message),
+                ) from exc
         # The agent's message is the call's: the transcript pairs it with its answer.
         asked = next(m for m in reversed(conversation.messages) if m.get("role") == "assistant")
         asked["call_id"] = call_id
@@ -339,6 +356,22 @@ def _with_outputs(state: Mapping[str, Any]) -> list[dict[str, Any]]:
             messages.append({"role": USER_ROLE, "content": message["content"]})
     close()
     return messages
+
+
+def _progress(conversation: UserConversation, call_id: str | None, message: str) -> dict[str, Any] | None:
+    """The conversation of an exchange that failed, when the user's own calls ran in it (their effects
+    are in the rollout's state); None when nothing happened that a retry should not do again."""
+    messages = settled(conversation.messages)
+    asked = max(i for i, m in enumerate(messages) if m.get("role") == "assistant")
+    if not any(m.get("role") == "tool" for m in messages[asked:]):
+        return None
+    return {
+        "messages": messages,
+        "steps": conversation.steps,
+        "errors": conversation.errors,
+        "ended": None,
+        "unanswered": {"call_id": call_id, "message": message} if call_id is not None else None,
+    }
 
 
 def _error(message: str) -> StoredAnswer:

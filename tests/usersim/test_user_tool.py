@@ -45,11 +45,13 @@ class User:
         ]
         self.turns = [Reply(text=OPENING), *phone, Reply(text=DONE), Reply(text=FAREWELL)]
         self.down = False
+        self.down_at: int | None = None  # a turn the model cannot answer
 
     def __call__(self, request: ModelRequest) -> Reply:
-        if self.down:
+        turn = sum(1 for m in request.body["messages"] if m["role"] == "assistant")
+        if self.down or turn == self.down_at:
             raise Unavailable
-        return self.turns[sum(1 for m in request.body["messages"] if m["role"] == "assistant")]
+        return self.turns[turn]
 
 
 @pytest.fixture
@@ -215,3 +217,32 @@ async def test_a_user_model_outage_is_a_503_and_the_retry_gets_the_reply(
     user.down = False  # the platform retries the same call: it runs again, nothing was kept
     assert await said(served, trace, GREETING, "m1") == OPENING
     assert await said(served, trace, ASK, "m2") == DONE
+
+
+async def test_a_retry_goes_on_from_the_users_own_calls_that_ran_before_an_outage(
+    served: httpx.AsyncClient, model_server: ModelServer
+) -> None:
+    user: Any = model_server.script
+    trace = new_trace()
+    assert await said(served, trace, GREETING, "m1") == OPENING
+    user.down_at = 2  # the user turns airplane mode off, then its model fails before the next call
+    failed = await send(served, trace, ASK, "m2")
+    assert failed.status_code == 503, failed.text
+    user.down_at = None
+    # The retry does not ask for the first call again (it would turn airplane mode back on): the user
+    # reads its result and goes on.
+    assert await said(served, trace, ASK, "m2") == DONE
+    detail = (await served.get(f"/review/api/rollouts/{trace}")).json()
+    phone = [n for side, n, _ in corpus.gold_calls(TASK) if side == "user"]
+    assert [c["tool"] for c in detail["timeline"] if c["channel"] == "user"] == phone
+    resumed = user_requests(model_server)[-2]
+    assert [m["role"] for m in resumed.body["messages"]][-4:] == ["assistant", "user", "assistant", "tool"]
+    assert await said(served, trace, SOLVED, "m3") == FAREWELL
+    (_, name, arguments) = next(c for c in corpus.gold_calls(TASK) if c[0] == "assistant")
+    body = {"call_id": "a1", "arguments": arguments, "trace_id": trace, "item": {"task_id": TASK}}
+    assert (await served.post(f"/tools/{name}", json=body)).status_code == 200
+    graded = await served.post(
+        "/grade/telecom",
+        json={"sample": {"output_text": FAREWELL}, "item": {"task_id": TASK}, "trace_id": trace},
+    )
+    assert graded.json()["score"] == 1.0, graded.text

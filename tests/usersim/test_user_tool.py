@@ -6,19 +6,22 @@ user's ###STOP### is in the reply and in the stored transcript; a user model out
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
 import orjson
 import pytest
 
+from app.calls.service import SEND_TO_USER
 from app.cli import job_config
 from app.deps import app_state
 from app.packs import Registry
-from app.users.service import SEND_TO_USER, USER_CALL_PREFIX, offer_user_tool
+from app.users.service import USER_CALL_PREFIX, offer_user_tool
 from sparring.usersim import GREETING, STOP
-from tests.conftest import ADMIN_KEY, AppFactory, new_trace
+from tests.conftest import ADMIN_KEY, REDIS_URL, AppFactory, new_trace
+from tests.faults import DroppingProxy
 from tests.mcp.conftest import in_process, mcp_client
 from tests.packs import counter_pack
 from tests.runner.model_server import Call, ModelRequest, ModelServer, Reply, Unavailable
@@ -46,11 +49,14 @@ class User:
         self.turns = [Reply(text=OPENING), *phone, Reply(text=DONE), Reply(text=FAREWELL)]
         self.down = False
         self.down_at: int | None = None  # a turn the model cannot answer
+        self.before_calls: Callable[[], None] | None = None  # run before it answers a turn of calls
 
     def __call__(self, request: ModelRequest) -> Reply:
         turn = sum(1 for m in request.body["messages"] if m["role"] == "assistant")
         if self.down or turn == self.down_at:
             raise Unavailable
+        if self.turns[turn].calls and self.before_calls is not None:
+            self.before_calls()
         return self.turns[turn]
 
 
@@ -246,3 +252,37 @@ async def test_a_retry_goes_on_from_the_users_own_calls_that_ran_before_an_outag
         json={"sample": {"output_text": FAREWELL}, "item": {"task_id": TASK}, "trace_id": trace},
     )
     assert graded.json()["score"] == 1.0, graded.text
+
+
+async def test_an_outage_of_the_state_during_the_users_own_calls_is_a_503(
+    app_factory: AppFactory, model_server: ModelServer
+) -> None:
+    user = model_server.script = User()
+    proxy = await DroppingProxy("127.0.0.1", int(REDIS_URL.rsplit(":", 1)[1].split("/")[0])).start()
+    loop = asyncio.get_running_loop()
+
+    def redis_goes_down() -> None:  # on the model server's thread, before its answer is sent
+        proxy.refusing = True
+        loop.call_soon_threadsafe(proxy.drop)
+
+    try:
+        async with app_factory(
+            packs=[pack],
+            key=ADMIN_KEY,
+            pack_settings={"telecom": {"data": corpus.fetch()}},
+            redis_url=f"redis://127.0.0.1:{proxy.port}/9",
+            user_model="user",
+            user_base_url=model_server.base_url,
+            user_tool=True,
+            remote_allowed_hosts=["127.0.0.1"],
+        ) as client:
+            trace = new_trace()
+            assert await said(client, trace, GREETING, "m1") == OPENING
+            user.before_calls = redis_goes_down
+            down = await send(client, trace, ASK, "m2")
+            assert down.status_code == 503 and int(down.headers["Retry-After"]) >= 1, down.text
+            message = down.json()["error"]["message"]
+            assert message == "the simulated user could not answer: rollout state store unreachable"
+            proxy.refusing = False
+    finally:
+        await proxy.aclose()

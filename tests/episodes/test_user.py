@@ -47,6 +47,21 @@ async def with_user(
         yield client
 
 
+async def test_with_the_user_tool_too_the_protocols_list_send_message_to_user_once(
+    app_factory: AppFactory, retail_data: Path, model_server: ModelServer
+) -> None:
+    async with app_factory(
+        packs=[retail_pack],
+        pack_settings={"retail": {"data": retail_data}},
+        user_model="user",
+        user_base_url=model_server.base_url,
+        user_tool=True,
+        remote_allowed_hosts=["127.0.0.1"],
+    ) as client:
+        listed = (await client.get("/retail/tools", headers={"X-API-Key": TOOLS_KEY})).json()
+    assert [tool["name"] for tool in listed["tools"]].count(SEND_TO_USER) == 1
+
+
 async def first_row(client: httpx.AsyncClient) -> dict[str, Any]:
     return (await load_task_rows(state_of(client).registry, "retail", "test"))[0]
 

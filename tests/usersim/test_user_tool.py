@@ -20,7 +20,7 @@ from app.deps import app_state
 from app.packs import Registry
 from app.users.service import USER_CALL_PREFIX, offer_user_tool
 from sparring.usersim import GREETING, STOP
-from tests.conftest import ADMIN_KEY, REDIS_URL, AppFactory, new_trace
+from tests.conftest import ADMIN_KEY, REDIS_URL, AppFactory, make_settings, new_trace
 from tests.faults import DroppingProxy
 from tests.mcp.conftest import in_process, mcp_client
 from tests.packs import counter_pack
@@ -286,3 +286,9 @@ async def test_an_outage_of_the_state_during_the_users_own_calls_is_a_503(
             proxy.refusing = False
     finally:
         await proxy.aclose()
+
+
+def test_the_setting_needs_a_user_model(tmp_path: Any) -> None:
+    with pytest.raises(ValueError, match="set SPARRING_USER_MODEL"):
+        make_settings(tmp_path, user_tool=True)
+    assert make_settings(tmp_path, user_tool=True, user_model="user").user_tool

@@ -36,11 +36,16 @@ KEY_PLACEHOLDER = "<SPARRING_{scope}_KEY>"
 
 
 def _registry(settings: Settings) -> Any:
+    from app.errors import StartupError
     from app.packs import PackLoadError, Registry
+    from app.users.service import offer_user_tool
 
     try:
-        return Registry.from_names(settings.packs)
-    except PackLoadError as exc:
+        registry = Registry.from_names(settings.packs)
+        if settings.user_tool:  # the tools the server would serve: send_message_to_user too
+            offer_user_tool(registry)
+        return registry
+    except (PackLoadError, StartupError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
 

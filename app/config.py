@@ -235,6 +235,11 @@ class Settings(BaseSettings):
     user_timeout_seconds: float = Field(
         300.0, gt=0, description="Deadline of one user model call, the client's retries included."
     )
+    user_tool: bool = Field(
+        False,
+        description="Offer the tool send_message_to_user (the simulated user's reply is its output) in "
+        "the packs with user scenarios, for tool-only hosted loops; needs SPARRING_USER_MODEL.",
+    )
 
     # Episode protocols (app/episodes): OpenEnv under /openenv/<pack>, ORS at the origin root
     env_protocols: Annotated[list[EnvProtocol], NoDecode] = Field(
@@ -311,6 +316,11 @@ class Settings(BaseSettings):
                 "SPARRING_REMOTE_OPEN serves rollouts without a key, so its prefix must be secret: set "
                 "SPARRING_REMOTE_PREFIX to a path with a random segment of at least 24 characters, "
                 "e.g. /remote/<random>"
+            )
+        if self.user_tool and self.user_model is None:
+            raise ValueError(
+                "SPARRING_USER_TOOL offers send_message_to_user, whose answer is the simulated user's: "
+                "set SPARRING_USER_MODEL (and SPARRING_USER_BASE_URL) too"
             )
         return self
 

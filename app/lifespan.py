@@ -35,7 +35,7 @@ from app.rollouts.build import build_store
 from app.rollouts.store import RolloutStore
 from app.sdk import Pack
 from app.telemetry import Tracing, build_tracing
-from app.users.service import build_user
+from app.users.service import UserToolConversations, build_user, offer_user_tool
 from sparring.usersim import SimulatedUser
 
 log = logging.getLogger("sparring")
@@ -131,6 +131,9 @@ async def _resources(
                 overrides=pack_settings,
             )
         )
+        if settings.user_tool:
+            offered = offer_user_tool(registry)
+            log.info("send_message_to_user is offered in the packs %s", ", ".join(offered) or "(none)")
         try:
             await check_schema(engine)
         except OUTAGES as exc:
@@ -158,6 +161,10 @@ async def _resources(
         remote, user = await _start_remote(
             stack, settings, registry, call_service, grading, database, tracing
         )
+        if settings.user_tool and user is not None:
+            call_service.conversations = UserToolConversations(
+                user, registry, database, wait_seconds=settings.user_timeout_seconds + 5
+            )
         await stack.enter_async_context(mcp.running())
         _freeze_startup_objects()
         yield AppState(

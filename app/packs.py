@@ -45,7 +45,6 @@ class Registry:
     @classmethod
     def from_packs(cls, packs: Iterable[Pack]) -> Registry:
         registry = cls()
-        owners: dict[str, list[str]] = {}
         for pack in packs:
             if pack.name in registry.packs:
                 raise PackLoadError(f"pack {pack.name!r} is enabled twice")
@@ -54,14 +53,21 @@ class Registry:
             registry.pack_tools[pack.name] = pack.tools
             if pack.user_tools:
                 registry.user_tools[pack.name] = pack.user_tools
-            for name in pack.tools:
-                owners.setdefault(name, []).append(pack.name)
+        registry.index()
+        return registry
+
+    def index(self) -> None:
+        """`tools` and `shared` from `pack_tools` (again, after a tool was added to a pack's)."""
+        owners: dict[str, list[str]] = {}
+        for pack, tools in self.pack_tools.items():
+            for name in tools:
+                owners.setdefault(name, []).append(pack)
+        self.tools, self.shared = {}, {}
         for name, names in owners.items():
             if len(names) == 1:
-                registry.tools[name] = registry.pack_tools[names[0]][name]
+                self.tools[name] = self.pack_tools[names[0]][name]
             else:
-                registry.shared[name] = tuple(names)
-        return registry
+                self.shared[name] = tuple(names)
 
     def qualified_routes(self, name: str) -> list[str]:
         """`POST /packs/<pack>/tools/<name>` of every enabled pack that has a tool `name`."""

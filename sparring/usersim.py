@@ -259,6 +259,13 @@ class UserConversation:
 
         Raises ModelFailure when the user model fails or answers nothing."""
         self.messages.append({"role": "assistant", "content": agent_text})
+        return await self.resume()
+
+    async def resume(self) -> UserReply:
+        """The user's answer to the last message of its history (the agent's, or the results of its
+        own calls): what `reply` does once it has added the agent's message. A `reply` that failed
+        after some of the user's calls ran continues here from `messages` as it left them (without
+        its last turn when that turn's calls have no results: see `settled`)."""
         while True:
             turn = await self.model.next_turn(self.request())
             self.usage.add(turn.usage)
@@ -285,6 +292,15 @@ class UserConversation:
             ended = self.results_end(results)
             if ended is not None:
                 return UserReply(text="", ended=ended)
+
+
+def settled(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """A user's history up to its last complete point: without a last turn of tool calls whose results
+    never came (its calls failed), which a model would refuse to read."""
+    kept = [dict(message) for message in messages]
+    if kept and kept[-1].get("role") == USER_ROLE and kept[-1].get("tool_calls"):
+        kept.pop()
+    return kept
 
 
 def _chat_calls(calls: Sequence[FunctionCall]) -> list[dict[str, Any]]:

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
 import anyio.to_thread
 import orjson
@@ -114,6 +114,39 @@ class _Call:
     replayed: bool = False
 
 
+SEND_TO_USER = "send_message_to_user"  # the tool answered by `Conversations` (SPARRING_USER_TOOL)
+CONVERSATIONS = "_user"  # where a rollout's state keeps its conversations with the user
+
+
+class ConversationUnavailable(ServiceUnavailable):
+    """The user could not answer (its model or its own calls failed): a 503. `progress` is the
+    conversation to keep all the same when the user's own calls ran before the failure (their effects
+    are in the rollout's state: the retry continues from them rather than asking for them again)."""
+
+    def __init__(self, message: str, progress: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.progress = progress
+
+
+class Conversations(Protocol):
+    """The answers of `send_message_to_user` (app.users.service.UserToolConversations)."""
+
+    wait_seconds: float
+
+    async def exchange(
+        self,
+        calls: ToolCallService,
+        pack: str,
+        message: str,
+        *,
+        trace_id: str,
+        call_id: str | None,
+        item: Mapping[str, Any],
+        run: str | None,
+        state: Mapping[str, Any] | None,
+    ) -> tuple[StoredAnswer, dict[str, Any] | None]: ...
+
+
 @dataclass(eq=False, kw_only=True)
 class ToolCallService:
     """The one entry of a tool call, whichever way it arrives (HTTP, MCP, the rollout runner): `call`
@@ -132,6 +165,8 @@ class ToolCallService:
     tool_timeout: float
     metrics: Metrics
     tracing: Tracing | None = None  # None: tracing is off (app/telemetry.py)
+    # Answers `send_message_to_user` when SPARRING_USER_TOOL offers it (set by the lifespan).
+    conversations: Conversations | None = None
     # The labelled metric children, looked up once per (tool, outcome) instead of on every call.
     _counters: dict[tuple[str, str], Any] = field(default_factory=dict, init=False, repr=False)
     _latencies: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
@@ -310,6 +345,8 @@ class ToolCallService:
         if isinstance(bound, StoredAnswer):
             return bound
         raw, kwargs = bound
+        if self.conversations is not None and spec.name == SEND_TO_USER and not user:
+            return await self._converse(self.conversations, spec, raw, kwargs, call)
 
         call_id = call.call_id
         stateful = spec.context_param is not None or spec.mutates
@@ -328,17 +365,7 @@ class ToolCallService:
         )
         digest = call_digest(spec.name, raw)
         if isinstance(began, StoredAnswer):
-            if began.call and began.call != digest:
-                # Not a retry: another call under a call_id already answered. Replaying the first answer
-                # would pair these arguments with an output they did not produce.
-                return StoredAnswer(
-                    output=f"Error: call_id {call_id!r} was already used for a different call "
-                    "(another tool or other arguments); give each new call a new call_id",
-                    outcome=CALL_ID_REUSED,
-                )
-            self.metrics.ledger_replays.inc()
-            call.replayed = True
-            return began  # a retry: the identical answer, without running the tool again
+            return self._replay(began, digest, call)
         try:
             writes: PackChanges = {}
             if spec.mutates and began.graded:
@@ -353,6 +380,84 @@ class ToolCallService:
                 await self.store.abort(began)
             raise
         return answer
+
+    def _replay(self, stored: StoredAnswer, digest: str, call: _Call) -> StoredAnswer:
+        """A call whose call_id the ledger already answered: that answer if it is a retry of the call."""
+        if stored.call and stored.call != digest:
+            # Not a retry: another call under a call_id already answered. Replaying the first answer
+            # would pair these arguments with an output they did not produce.
+            return StoredAnswer(
+                output=f"Error: call_id {call.call_id!r} was already used for a different call "
+                "(another tool or other arguments); give each new call a new call_id",
+                outcome=CALL_ID_REUSED,
+            )
+        self.metrics.ledger_replays.inc()
+        call.replayed = True
+        return stored  # a retry: the identical answer, without running the tool again
+
+    async def _converse(
+        self,
+        conversations: Conversations,
+        spec: ToolSpec,
+        raw: dict[str, Any],
+        kwargs: dict[str, Any],
+        call: _Call,
+    ) -> StoredAnswer:
+        """`send_message_to_user`: claimed in the ledger like any call (a retry replays the reply), the
+        conversation read from and written to the rollout's state, but without the rollout's lock
+        while the user answers (its own tool calls take it, call by call)."""
+        began = await self.store.begin(
+            CallStart(
+                call.trace_id,
+                call.call_id,
+                lock=False,
+                meta=RolloutMeta(run=call.run, item_key=call.item_key, now=time.time()),
+                load_changes=True,
+                wait=conversations.wait_seconds,
+            )
+        )
+        digest = call_digest(spec.name, raw)
+        if isinstance(began, StoredAnswer):
+            return self._replay(began, digest, call)
+        try:
+            writes: PackChanges = {}
+            if began.graded:
+                answer = _model_error("this rollout has already been graded; the conversation is over")
+            else:
+                kept = began.changes.get(CONVERSATIONS, {}).get(spec.pack, {}).get("conversation")
+                answer, state = await conversations.exchange(
+                    self,
+                    spec.pack,
+                    str(kwargs.get("message", "")),
+                    trace_id=call.trace_id,
+                    call_id=call.call_id,
+                    item=call.envelope.item,
+                    run=call.run,
+                    state=kept,
+                )
+                if state is not None:
+                    writes = {CONVERSATIONS: {spec.pack: {"conversation": state}}}
+            await self._finish(call, began, writes, replace(answer, call=digest))
+        except ConversationUnavailable as exc:
+            if exc.progress is not None:  # kept before the claim is given up, so a retry reads it
+                with contextlib.suppress(ServiceUnavailable):
+                    await self._keep_conversation(call, spec.pack, exc.progress)
+            with contextlib.suppress(ServiceUnavailable):
+                await self.store.abort(began)
+            raise
+        except BaseException:
+            with contextlib.suppress(ServiceUnavailable):
+                await self.store.abort(began)
+            raise
+        return answer
+
+    async def _keep_conversation(self, call: _Call, pack: str, state: dict[str, Any]) -> None:
+        """Write a rollout's conversation without answering a call (no ledger entry, no lock)."""
+        meta = RolloutMeta(run=call.run, item_key=call.item_key, now=time.time())
+        ticket = await self.store.begin(CallStart(call.trace_id, None, meta=meta))
+        assert isinstance(ticket, Ticket)
+        writes: PackChanges = {CONVERSATIONS: {pack: {"conversation": state}}}
+        await self.store.finish(ticket, writes, StoredAnswer(output="", outcome="ok"))
 
     async def _finish(self, call: _Call, began: Ticket, writes: PackChanges, answer: StoredAnswer) -> None:
         """Store the answer (and the call's writes) while its log record commits, not one after the other.

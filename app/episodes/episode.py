@@ -12,11 +12,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.calls.envelope import ToolCallEnvelope
+from app.calls.service import SEND_TO_USER
 from app.deps import AppState
 from app.episodes.sessions import EpisodeSession, SessionStore
 from app.errors import ServiceUnavailable, SparringError, StartupError, answer_to
 from app.packs import Registry
 from app.remote.runner import contained
+from app.users.service import (
+    SEND_TO_USER_ARG,
+    SEND_TO_USER_DESCRIPTION,
+    scenario_for,
+    with_service_tools,
+)
 from sparring.loop import USER_KEY, ModelFailure
 from sparring.usersim import UserReply
 
@@ -25,14 +32,6 @@ SUBMIT_ARG = "answer"
 SUBMIT_DESCRIPTION = (
     "End the episode with your final answer: your final message to the user, as text. It is graded "
     "and the episode ends; no call is accepted after it."
-)
-
-
-SEND_TO_USER = "send_message_to_user"  # the agent's message to the simulated user, when the server has one
-SEND_TO_USER_ARG = "message"
-SEND_TO_USER_DESCRIPTION = (
-    "Send a message to the customer and read their reply. The customer may end the conversation: "
-    "their reply then holds ###STOP###, ###TRANSFER### or ###OUT-OF-SCOPE###."
 )
 
 
@@ -87,7 +86,7 @@ def tool_specs(registry: Registry, pack: str, *, user: bool = False) -> list[dic
         {"name": spec.name, "description": spec.description, "input_schema": spec.parameters}
         for spec in registry.pack_tools.get(pack, {}).values()
     ]
-    if user:
+    if user and SEND_TO_USER not in registry.pack_tools.get(pack, {}):
         argument = {"type": "string", "description": "Your message to the customer."}
         schema = {
             "type": "object",
@@ -188,18 +187,26 @@ async def message_user(
     services: AppState, session: EpisodeSession, arguments: Any, call_id: str
 ) -> StepResult:
     """The agent's message to the simulated user, answered with the user's reply (its own tool calls
-    run in between, unseen). A message the user cannot take, or a user model that fails, is an
-    `Error: ...` the agent reads (a failed exchange is not kept: the same message may be sent again)."""
+    run in between, unseen, through the call service: logged on the channel `user`, ids `user_...`).
+    A message the user cannot take, or a user model that fails, is an `Error: ...` the agent reads (a
+    failed exchange is not kept: the same message may be sent again); an outage of the state or the
+    log during the user's own calls raises ServiceUnavailable (503), as any step's does."""
     message = arguments.get(SEND_TO_USER_ARG) if isinstance(arguments, dict) else None
     if not isinstance(message, str) or not message.strip():
         return _user_error(call_id, f"{SEND_TO_USER} takes one argument, {SEND_TO_USER_ARG!r}: your message")
     if session.user.get("ended"):
         return _user_error(call_id, f"the customer has ended the conversation ({session.user['ended']})")
-    user = contained(services.user, session.trace_id, what="the user model of episode")
+    user = with_service_tools(
+        contained(services.user, session.trace_id, what="the user model of episode"),
+        services.call_service,
+        pack=session.pack,
+        run=session.run or None,
+    )
     try:
         row = session.row or {}
         item = {key: value for key, value in row.items() if key != USER_KEY}
-        conversation = user.start(row.get(USER_KEY), item, session.trace_id) if user is not None else None
+        scenario = scenario_for(services.registry, session.pack, row)
+        conversation = user.start(scenario, item, session.trace_id) if user is not None else None
     except ValueError as exc:
         return _user_error(call_id, f"this task's user scenario is unusable: {exc}")
     if conversation is None:

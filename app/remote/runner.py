@@ -26,13 +26,14 @@ from typing import Any
 import orjson
 from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
-from app.calls.service import ToolCallService
+from app.calls.service import SEND_TO_USER, ToolCallService
 from app.errors import ServiceUnavailable, SparringError, ToolCrashed
 from app.grading.service import GradingService
 from app.packs import Registry
 from app.remote.schemas import CODE_INVALID_ARGUMENT, CODE_UNAVAILABLE, RolloutPlan
 from app.remote.service import RolloutOutcome
 from app.telemetry import Tracing
+from app.users.service import scenario_for, with_service_tools
 from sparring.conversation import TranscriptStore
 from sparring.http import Attempt, Retry, call_with_retries, grade_with_retries
 from sparring.loop import (
@@ -190,13 +191,14 @@ class RemoteRunner:
     transcripts: TranscriptStore | None = None  # where each rollout's conversation is kept
 
     def tools_for(self, rollout: RolloutPlan) -> list[dict[str, Any]]:
-        """The request's tool schemas, else every served tool (of the named pack)."""
+        """The request's tool schemas, else every served tool (of the named pack) but
+        `send_message_to_user`: in this loop the user answers the agent's messages themselves."""
         if rollout.tools:
             return rollout.tools
         return [
             spec.function_tool()
             for spec in self.registry.tools.values()
-            if rollout.pack is None or spec.pack == rollout.pack
+            if (rollout.pack is None or spec.pack == rollout.pack) and spec.name != SEND_TO_USER
         ]
 
     async def execute(self, rollout: RolloutPlan) -> RolloutOutcome:
@@ -213,8 +215,9 @@ class RemoteRunner:
         chat.params = dict(rollout.sampling)
         policy = ContainedPolicy(DeadlinePolicy(chat, self.model_timeout_s), rollout.rollout_id)
         item = {key: value for key, value in (rollout.item or {}).items() if key != USER_KEY}
-        user = (rollout.item or {}).get(USER_KEY)
-        line = DatasetLine(messages=rollout.messages, tools=self.tools_for(rollout), item=item, user=user)
+        # The row's user scenario, else its pack's (only looked up when the server has a user).
+        scenario = scenario_for(self.registry, rollout.pack, rollout.item or {}) if self.user else None
+        line = DatasetLine(messages=rollout.messages, tools=self.tools_for(rollout), item=item, user=scenario)
         grader = (
             ServiceGrader(
                 self.grading, self.grader, run=rollout.run, retry=self.retry, max_bytes=self.grade_max_bytes
@@ -230,7 +233,13 @@ class RemoteRunner:
             limits=self.limits,
             trace_id=rollout.trace_id,
             tracing=self._tracing(rollout),
-            user=contained(self.user, rollout.rollout_id, what="the user model of remote rollout"),
+            user=with_service_tools(
+                contained(self.user, rollout.rollout_id, what="the user model of remote rollout"),
+                self.calls,
+                pack=rollout.pack,
+                run=rollout.run,
+                retry=self.retry,
+            ),
         )
         if grader is None or result.grade is None:
             # Graded rollouts keep their state with the grade; an ungraded one keeps it at its end, so a

@@ -29,7 +29,8 @@ C = TypeVar("C", bound=StateCheck)
 DatasetBuilder = Callable[[Any, str, Path], int]
 # `fn(resources) -> base`: the records every rollout starts from, loaded once when the pack starts.
 BaseLoader = Callable[[Any], Base]
-# `fn(resources, item) -> scenario`: what a simulated user plays for a dataset row (None: no scenario).
+# `fn(resources, item) -> scenario`: what a simulated user plays for a dataset row that does not carry
+# it, in the row's `user_simulator` form (sparring.usersim: scenario, guidelines, tools); None: none.
 ScenarioLoader = Callable[[Any, Mapping[str, Any]], Any]
 # `fn(resources, item) -> {path: text}`: the files a rollout of `item` finds in its workspace at the start.
 StartingFiles = Callable[[Any, Mapping[str, Any]], Mapping[str, str]]
@@ -243,7 +244,9 @@ class Pack:
         self.starting_files_of: StartingFiles | None = None
 
     def scenario(self, fn: ScenarioLoader) -> ScenarioLoader:
-        """Register `fn(resources, item) -> scenario`: the user scenario of a dataset row, for a simulator."""
+        """Register `fn(resources, item) -> scenario`: the user scenario of a dataset row, for a simulator
+        (a `user_simulator` as a dataset line carries it); its pack offers `send_message_to_user` when
+        SPARRING_USER_TOOL is set."""
         self.scenario_loader = fn
         return fn
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -11,8 +12,9 @@ import pytest
 
 from app.episodes.episode import SEND_TO_USER, call_tool, session_store
 from app.episodes.tasks import load_task_rows
+from app.users.service import USER_CALL_PREFIX
 from sparring.usersim import GREETING, STOP, USER_ROLE
-from tests.conftest import TOOLS_KEY, AppFactory
+from tests.conftest import ADMIN_KEY, TOOLS_KEY, AppFactory
 from tests.episodes.test_episode import open_session, state_of
 from tests.runner.conftest import model_server, model_server_process
 from tests.runner.model_server import ModelRequest, ModelServer, Reply, Unavailable
@@ -43,6 +45,21 @@ async def with_user(
         remote_allowed_hosts=["127.0.0.1"],
     ) as client:
         yield client
+
+
+async def test_with_the_user_tool_too_the_protocols_list_send_message_to_user_once(
+    app_factory: AppFactory, retail_data: Path, model_server: ModelServer
+) -> None:
+    async with app_factory(
+        packs=[retail_pack],
+        pack_settings={"retail": {"data": retail_data}},
+        user_model="user",
+        user_base_url=model_server.base_url,
+        user_tool=True,
+        remote_allowed_hosts=["127.0.0.1"],
+    ) as client:
+        listed = (await client.get("/retail/tools", headers={"X-API-Key": TOOLS_KEY})).json()
+    assert [tool["name"] for tool in listed["tools"]].count(SEND_TO_USER) == 1
 
 
 async def first_row(client: httpx.AsyncClient) -> dict[str, Any]:
@@ -97,3 +114,43 @@ async def test_a_user_model_outage_is_an_error_the_agent_reads_and_may_retry(
     )
     kept = await session_store(services).get(session.sid)
     assert kept is not None and kept.user == {} and kept.step_count == 0
+
+
+async def test_a_telecom_customer_fixes_its_phone_in_process_between_two_steps(
+    app_factory: AppFactory, model_server: ModelServer
+) -> None:
+    from tests.telecom import corpus
+    from tests.usersim.test_user_tool import ASK, DONE, OPENING, TASK, User
+    from tools.telecom import pack as telecom_pack
+
+    model_server.script = User()
+    async with app_factory(
+        packs=[telecom_pack],
+        key=ADMIN_KEY,
+        pack_settings={"telecom": {"data": corpus.fetch()}},
+        user_model="user",
+        user_base_url=model_server.base_url,
+        remote_allowed_hosts=["127.0.0.1"],
+    ) as client:
+        services = state_of(client)
+        # The row carries no user_simulator: the pack's scenario loader gives it, by task_id.
+        session = await session_store(services).create(
+            pack="telecom",
+            trace_id=f"trace_ors_{uuid.uuid4()}",
+            row={"task_id": TASK},
+            channel="ors",
+            run="ep",
+        )
+        assert session is not None
+        first = await call_tool(services, session, SEND_TO_USER, {"message": GREETING}, "m1")
+        assert first.output == OPENING
+        again = await session_store(services).get(session.sid)
+        assert again is not None
+        second = await call_tool(services, again, SEND_TO_USER, {"message": ASK}, "m2")
+        assert (second.output, second.is_error) == (DONE, False)
+        detail = (await client.get(f"/review/api/rollouts/{session.trace_id}")).json()
+    phone = [name for side, name, _ in corpus.gold_calls(TASK) if side == "user"]
+    users = [c for c in detail["timeline"] if c["channel"] == "user"]
+    assert [c["tool"] for c in users] == phone and all(c["outcome"] == "ok" for c in users)
+    assert all(c["call_id"].startswith(USER_CALL_PREFIX) for c in users)
+    assert any("Airplane Mode is now OFF" in output for _, output in model_server.requests[-1].outputs)

@@ -161,6 +161,19 @@ def test_missing_facts_fail_the_communicate_check(base: Base) -> None:
     assert full.score == 1.0  # '180.1' is in '180.10', as in τ²-bench
 
 
+def test_facts_told_in_send_message_to_user_count_as_communicated(base: Base) -> None:
+    # A tool-only loop (SPARRING_USER_TOOL) tells the customer through send_message_to_user: each of its
+    # answered messages counts, as each of the agent's messages does in τ²-bench.
+    result = replay(gold_calls("29"))
+    told = [("send_message_to_user", {"message": f"The total is {total}."}) for total in ("180.10", "189.57")]
+    calls = [*((r.tool, r.arguments) for r in result.results), *told]
+    partial = grade(base, result, {"task_id": "29"}, "Anything else?", calls)
+    assert partial.sub_scores == {"db": 1.0, "communicate": 0.0}
+    last = ("send_message_to_user", {"message": "And the last one is 208.60."})
+    full = grade(base, result, {"task_id": "29"}, "Anything else?", [*calls, last])
+    assert full.sub_scores == {"db": 1.0, "communicate": 1.0} and full.score == 1.0
+
+
 def test_communicated_ignores_case_and_commas() -> None:
     assert communicated("1093.34", "You will be refunded $1,093.34.")
     assert communicated("Polyester", "one is made of POLYESTER")

@@ -161,9 +161,13 @@ async def test_the_simulators_entry_logs_the_users_calls_in_the_rollout(client: 
 async def test_the_scenario_of_a_row_is_the_tasks_user_scenario(client: httpx.AsyncClient) -> None:
     served = app_state(client.app).registry.packs["telecom"]  # type: ignore[attr-defined]
     assert served.scenario_loader is not None
-    scenario = served.scenario_loader(served.resources, {"task_id": TASK})
-    assert scenario == corpus.get_task(TASK).user_scenario.model_dump()
-    assert "John Smith" in scenario["instructions"]["known_info"]
+    spec = served.scenario_loader(served.resources, {"task_id": TASK})
+    # A row's `user_simulator`: the task's scenario, τ²'s guidelines (both variants), the phone's tools.
+    assert spec["scenario"] == corpus.get_task(TASK).user_scenario.model_dump(mode="json")
+    assert "John Smith" in spec["scenario"]["instructions"]["known_info"]
+    assert spec["guidelines"].startswith("# User Simulation Guidelines")
+    assert spec["guidelines_tools"] != spec["guidelines"]
+    assert [tool["function"]["name"] for tool in spec["tools"]] == list(served.user_tools)
     assert served.scenario_loader(served.resources, {"task_id": "nope"}) is None
 
 

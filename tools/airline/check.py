@@ -14,7 +14,7 @@ from tools.airline.data import AirlineData
 from tools.airline.records import COLLECTIONS, canonical_record
 from tools.airline.tasks import DEFAULT_REWARD_BASIS, AirlineTask, get_task, replay
 from tools.airline.tools import database, pack
-from tools.retail.check import RetailItemError, communicated, differing_records, row_expectations, row_task
+from tools.retail.check import RetailItemError, differing_records, row_expectations, row_task, told
 from tools.retail.tasks import ToolCall
 
 NO_TOOL_CALLS = "no_tool_calls"
@@ -81,7 +81,7 @@ def check_rollout(view: RolloutView) -> CheckResult:
     calls, communicate_info, basis = expectations(view.item, directory)
     gold = RolloutState(database(directory), gold_changes(calls, directory), writable=False)
     db = 0.0 if database_differences(view.state, gold) else 1.0
-    communicate = 1.0 if all(communicated(info, view.final_answer) for info in communicate_info) else 0.0
+    communicate = 1.0 if all(told(info, view) for info in communicate_info) else 0.0
     score = 1.0
     sub_scores: dict[str, float] = {}
     if ENV_BASES & set(basis):

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from sparring.usersim import SCENARIO_KEY
 from tools.airline import data
 from tools.airline.data import AirlineData
-from tools.airline.tasks import SPLITS, AirlineTask, Split, load_tasks, split_task_ids
+from tools.airline.tasks import SPLITS, AirlineTask, Split, get_task, load_tasks, split_task_ids
 from tools.airline.tools import pack
 from tools.retail import dataset as retail_dataset
 from tools.retail.data import read_user_guidelines
@@ -81,3 +82,18 @@ def build(resources: AirlineData, split: str, out: Path) -> int:
     if problems:
         raise ValueError(f"{out} would fail a job: " + "; ".join(problems[:5]))
     return count
+
+
+@pack.scenario
+def scenario(resources: AirlineData, item: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A row's `user_simulator` (the task's scenario and τ²'s guidelines), by its task_id, for a row
+    that does not carry it; None for a row without a known task."""
+    task_id = item.get("task_id")
+    if not isinstance(task_id, str):
+        return None
+    try:
+        task = get_task(resources.directory, task_id)
+    except KeyError:
+        return None
+    directory = resources.directory
+    return user_simulator(task, data.read_policy(directory), read_user_guidelines(directory))

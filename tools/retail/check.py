@@ -31,6 +31,27 @@ def communicated(info: str, answer: str) -> bool:
     return info.lower() in answer.lower().replace(",", "")
 
 
+SEND_TO_USER = "send_message_to_user"  # the tool of tool-only loops (SPARRING_USER_TOOL)
+
+
+def agent_texts(view: RolloutView) -> list[str]:
+    """What the agent told the customer: its final answer, and the messages of its answered
+    `send_message_to_user` calls (a tool-only loop holds its conversation through them)."""
+    sent = [
+        call.arguments.get("message")
+        for call in view.calls
+        if call.tool == SEND_TO_USER
+        and call.outcome in ("ok", "replayed")
+        and isinstance(call.arguments, dict)
+    ]
+    return [view.final_answer, *(text for text in sent if isinstance(text, str))]
+
+
+def told(info: str, view: RolloutView) -> bool:
+    """τ²-bench's test over every message of the agent: `info` is in one of them."""
+    return any(communicated(info, text) for text in agent_texts(view))
+
+
 @lru_cache(maxsize=512)
 def _gold_changes(calls_json: str, directory: Path) -> Changes:
     # Keyed by the calls themselves, so a task's gold database is computed once per data directory
@@ -132,7 +153,7 @@ def check_rollout(view: RolloutView) -> CheckResult:
     calls, communicate_info = expectations(view.item, directory)
     gold = RolloutState(database(directory), gold_changes(calls, directory), writable=False)
     db = 0.0 if database_differences(view.state, gold) else 1.0
-    communicate = 1.0 if all(communicated(info, view.final_answer) for info in communicate_info) else 0.0
+    communicate = 1.0 if all(told(info, view) for info in communicate_info) else 0.0
     sub_scores = {"db": db, "communicate": communicate}
     if not view.calls:
         # Even when nothing had to change, an agent that never looked the customer up did not do the job.

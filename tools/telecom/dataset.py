@@ -91,7 +91,8 @@ def build(resources: TelecomData, split: str, out: Path) -> int:
 
 @pack.scenario
 def scenario(resources: TelecomData, item: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The task's user scenario (persona and instructions) for a simulated user, by the row's task_id."""
+    """A row's `user_simulator` (the task's scenario, τ²'s guidelines, the phone's tools), by its
+    task_id, for a row that does not carry it; None for a row without a known task."""
     task_id = item.get("task_id")
     if not isinstance(task_id, str):
         return None
@@ -99,4 +100,5 @@ def scenario(resources: TelecomData, item: Mapping[str, Any]) -> dict[str, Any] 
         task = get_task(resources.directory, task_id)
     except KeyError:
         return None
-    return task.user_scenario.model_dump()
+    directory = resources.directory
+    return user_simulator(task, read_user_guidelines(directory), read_user_guidelines(directory, tools=True))

@@ -174,6 +174,8 @@ class ToolCallService:
     # Voids under way (see _finish).
     _voiding: set[asyncio.Future[None]] = field(default_factory=set, init=False, repr=False)
     _closing: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
+    # The messages to a rollout's simulated user waiting for their turn: [lock, holders and waiters].
+    _turns: dict[str, list[Any]] = field(default_factory=dict, init=False, repr=False)
 
     async def call(
         self,
@@ -405,7 +407,30 @@ class ToolCallService:
     ) -> StoredAnswer:
         """`send_message_to_user`: claimed in the ledger like any call (a retry replays the reply), the
         conversation read from and written to the rollout's state, but without the rollout's lock
-        while the user answers (its own tool calls take it, call by call)."""
+        while the user answers (its own tool calls take it, call by call). Messages of one rollout to
+        its user take turns in this worker (a conversation is one message at a time): the next one
+        reads the conversation the previous one left."""
+        key = f"{call.trace_id}\x00{spec.pack}"
+        turn = self._turns.get(key)
+        if turn is None:
+            turn = self._turns[key] = [asyncio.Lock(), 0]
+        turn[1] += 1
+        try:
+            async with turn[0]:
+                return await self._converse_turn(conversations, spec, raw, kwargs, call)
+        finally:
+            turn[1] -= 1
+            if not turn[1]:
+                del self._turns[key]
+
+    async def _converse_turn(
+        self,
+        conversations: Conversations,
+        spec: ToolSpec,
+        raw: dict[str, Any],
+        kwargs: dict[str, Any],
+        call: _Call,
+    ) -> StoredAnswer:
         began = await self.store.begin(
             CallStart(
                 call.trace_id,

@@ -64,8 +64,8 @@ class User:
 async def served(
     app_factory: AppFactory, model_server: ModelServer, request: pytest.FixtureRequest
 ) -> AsyncIterator[httpx.AsyncClient]:
+    telecom_data = corpus.fetch()  # before the script, which reads the task's gold calls
     model_server.script = User()
-    telecom_data = corpus.fetch()
     async with app_factory(
         packs=[pack],
         key=ADMIN_KEY,
@@ -208,6 +208,21 @@ async def test_a_tool_only_loop_holds_the_conversation_and_is_graded_on_the_fina
         ("m2", ASK),
         ("m3", SOLVED),
     ]
+
+
+async def test_two_messages_sent_at_once_take_turns(
+    served: httpx.AsyncClient, model_server: ModelServer
+) -> None:
+    """A policy's parallel calls of one turn: the second message reads the conversation the first
+    left, so the user answers each in turn (neither reply is lost, no turn is played twice)."""
+    trace = new_trace()
+    first, second = await asyncio.gather(send(served, trace, GREETING, "m1"), send(served, trace, ASK, "m2"))
+    assert first.status_code == second.status_code == 200, (first.text, second.text)
+    assert sorted([first.json()["output"], second.json()["output"]]) == sorted([OPENING, DONE])
+    assert len(user_requests(model_server)) == 4  # the opening, two phone calls, the answer
+    detail = (await served.get(f"/review/api/rollouts/{trace}")).json()
+    replies = [m["content"] for m in detail["transcript"]["messages"] if m["role"] == "simulated_user"]
+    assert replies == [OPENING, DONE]
 
 
 async def test_a_user_model_outage_is_a_503_and_the_retry_gets_the_reply(

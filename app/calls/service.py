@@ -9,7 +9,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -410,71 +410,66 @@ class ToolCallService:
         while the user answers (its own tool calls take it, call by call). Messages of one rollout to
         its user take turns in this worker (a conversation is one message at a time): the next one
         reads the conversation the previous one left."""
-        key = f"{call.trace_id}\x00{spec.pack}"
+        async with self._turn(f"{call.trace_id}\x00{spec.pack}"):
+            began = await self.store.begin(
+                CallStart(
+                    call.trace_id,
+                    call.call_id,
+                    lock=False,
+                    meta=RolloutMeta(run=call.run, item_key=call.item_key, now=time.time()),
+                    load_changes=True,
+                    wait=conversations.wait_seconds,
+                )
+            )
+            digest = call_digest(spec.name, raw)
+            if isinstance(began, StoredAnswer):
+                return self._replay(began, digest, call)
+            try:
+                writes: PackChanges = {}
+                if began.graded:
+                    answer = _model_error("this rollout has already been graded; the conversation is over")
+                else:
+                    kept = began.changes.get(CONVERSATIONS, {}).get(spec.pack, {}).get("conversation")
+                    answer, state = await conversations.exchange(
+                        self,
+                        spec.pack,
+                        str(kwargs.get("message", "")),
+                        trace_id=call.trace_id,
+                        call_id=call.call_id,
+                        item=call.envelope.item,
+                        run=call.run,
+                        state=kept,
+                    )
+                    if state is not None:
+                        writes = {CONVERSATIONS: {spec.pack: {"conversation": state}}}
+                await self._finish(call, began, writes, replace(answer, call=digest))
+            except ConversationUnavailable as exc:
+                if exc.progress is not None:  # kept before the claim is given up, so a retry reads it
+                    with contextlib.suppress(ServiceUnavailable):
+                        await self._keep_conversation(call, spec.pack, exc.progress)
+                with contextlib.suppress(ServiceUnavailable):
+                    await self.store.abort(began)
+                raise
+            except BaseException:
+                with contextlib.suppress(ServiceUnavailable):
+                    await self.store.abort(began)
+                raise
+            return answer
+
+    @contextlib.asynccontextmanager
+    async def _turn(self, key: str) -> AsyncIterator[None]:
+        """Hold `key`'s turn in this worker: one holder at a time, the others waiting in order."""
         turn = self._turns.get(key)
         if turn is None:
             turn = self._turns[key] = [asyncio.Lock(), 0]
         turn[1] += 1
         try:
             async with turn[0]:
-                return await self._converse_turn(conversations, spec, raw, kwargs, call)
+                yield
         finally:
             turn[1] -= 1
             if not turn[1]:
                 del self._turns[key]
-
-    async def _converse_turn(
-        self,
-        conversations: Conversations,
-        spec: ToolSpec,
-        raw: dict[str, Any],
-        kwargs: dict[str, Any],
-        call: _Call,
-    ) -> StoredAnswer:
-        began = await self.store.begin(
-            CallStart(
-                call.trace_id,
-                call.call_id,
-                lock=False,
-                meta=RolloutMeta(run=call.run, item_key=call.item_key, now=time.time()),
-                load_changes=True,
-                wait=conversations.wait_seconds,
-            )
-        )
-        digest = call_digest(spec.name, raw)
-        if isinstance(began, StoredAnswer):
-            return self._replay(began, digest, call)
-        try:
-            writes: PackChanges = {}
-            if began.graded:
-                answer = _model_error("this rollout has already been graded; the conversation is over")
-            else:
-                kept = began.changes.get(CONVERSATIONS, {}).get(spec.pack, {}).get("conversation")
-                answer, state = await conversations.exchange(
-                    self,
-                    spec.pack,
-                    str(kwargs.get("message", "")),
-                    trace_id=call.trace_id,
-                    call_id=call.call_id,
-                    item=call.envelope.item,
-                    run=call.run,
-                    state=kept,
-                )
-                if state is not None:
-                    writes = {CONVERSATIONS: {spec.pack: {"conversation": state}}}
-            await self._finish(call, began, writes, replace(answer, call=digest))
-        except ConversationUnavailable as exc:
-            if exc.progress is not None:  # kept before the claim is given up, so a retry reads it
-                with contextlib.suppress(ServiceUnavailable):
-                    await self._keep_conversation(call, spec.pack, exc.progress)
-            with contextlib.suppress(ServiceUnavailable):
-                await self.store.abort(began)
-            raise
-        except BaseException:
-            with contextlib.suppress(ServiceUnavailable):
-                await self.store.abort(began)
-            raise
-        return answer
 
     async def _keep_conversation(self, call: _Call, pack: str, state: dict[str, Any]) -> None:
         """Write a rollout's conversation without answering a call (no ledger entry, no lock)."""

@@ -14,6 +14,7 @@ from tools.airline.tools import pack
 from tools.retail import dataset as retail_dataset
 from tools.retail.data import read_user_guidelines
 from tools.retail.dataset import user_message, user_simulator, write_lines
+from tools.retail.tasks import named_task
 
 # A training rollout without a simulated user sees one customer message and acts on it: the preface
 # says so, as the retail one does, because the policy asks for explicit confirmation before every write.
@@ -88,12 +89,8 @@ def build(resources: AirlineData, split: str, out: Path) -> int:
 def scenario(resources: AirlineData, item: Mapping[str, Any]) -> dict[str, Any] | None:
     """A row's `user_simulator` (the task's scenario and τ²'s guidelines), by its task_id, for a row
     that does not carry it; None for a row without a known task."""
-    task_id = item.get("task_id")
-    if not isinstance(task_id, str):
-        return None
-    try:
-        task = get_task(resources.directory, task_id)
-    except KeyError:
-        return None
     directory = resources.directory
+    task = named_task(directory, item, get_task)
+    if task is None:
+        return None
     return user_simulator(task, data.read_policy(directory), read_user_guidelines(directory))

@@ -10,7 +10,7 @@ from typing import Any
 from sparring.usersim import SCENARIO_KEY
 from tools.retail import data
 from tools.retail.data import RetailData
-from tools.retail.tasks import SPLITS, RetailTask, Split, get_task, load_tasks, split_task_ids
+from tools.retail.tasks import SPLITS, RetailTask, Split, get_task, load_tasks, named_task, split_task_ids
 from tools.retail.tools import pack
 
 # A training rollout has no user simulator: the model sees one customer message and acts on it.
@@ -200,12 +200,8 @@ def build(resources: RetailData, split: str, out: Path) -> int:
 def scenario(resources: RetailData, item: Mapping[str, Any]) -> dict[str, Any] | None:
     """A row's `user_simulator` (the task's scenario and τ²'s guidelines), by its task_id, for a row
     that does not carry it; None for a row without a known task."""
-    task_id = item.get("task_id")
-    if not isinstance(task_id, str):
-        return None
-    try:
-        task = get_task(resources.directory, task_id)
-    except KeyError:
-        return None
     directory = resources.directory
+    task = named_task(directory, item, get_task)
+    if task is None:
+        return None
     return user_simulator(task, data.read_policy(directory), data.read_user_guidelines(directory))

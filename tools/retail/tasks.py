@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -70,6 +70,18 @@ def parse_tasks(raw: Any, model: type[T], error: type[Exception]) -> dict[str, T
     except ValidationError as exc:
         raise error(f"tasks.json does not have the expected shape: {exc}") from exc
     return {task.id: task for task in tasks}
+
+
+def named_task(directory: Path, item: Mapping[str, Any], get: Callable[[Path, str], T]) -> T | None:
+    """The task a dataset row names by its `task_id` (looked up with `get`), or None for a row without
+    a known task."""
+    task_id = item.get("task_id")
+    if not isinstance(task_id, str):
+        return None
+    try:
+        return get(directory, task_id)
+    except KeyError:
+        return None
 
 
 @lru_cache(maxsize=2)

@@ -10,6 +10,7 @@ from sparring.usersim import SCENARIO_KEY
 from tools.retail import dataset as retail_dataset
 from tools.retail.data import read_user_guidelines
 from tools.retail.dataset import write_lines
+from tools.retail.tasks import named_task
 from tools.telecom import data
 from tools.telecom.data import TelecomData
 from tools.telecom.tasks import SPLITS, Split, TelecomTask, get_task, load_tasks, split_task_ids
@@ -93,12 +94,8 @@ def build(resources: TelecomData, split: str, out: Path) -> int:
 def scenario(resources: TelecomData, item: Mapping[str, Any]) -> dict[str, Any] | None:
     """A row's `user_simulator` (the task's scenario, τ²'s guidelines, the phone's tools), by its
     task_id, for a row that does not carry it; None for a row without a known task."""
-    task_id = item.get("task_id")
-    if not isinstance(task_id, str):
-        return None
-    try:
-        task = get_task(resources.directory, task_id)
-    except KeyError:
-        return None
     directory = resources.directory
+    task = named_task(directory, item, get_task)
+    if task is None:
+        return None
     return user_simulator(task, read_user_guidelines(directory), read_user_guidelines(directory, tools=True))

@@ -1,7 +1,7 @@
 """10,000 concurrent rollouts against `sparring serve` (retail pack, Postgres + Redis), each calling a
 tool every 1–5 s as a model would, compared in the same run with 100 rollouts at the same total rate.
 
-    python -m bench.tenk                                  # 10,000 vs 100 rollouts, 60 s each, then the cluster
+    python -m bench.tenk                                  # 10,000 vs 100 rollouts, then on the cluster
     python -m bench.tenk --modes single --duration 30     # a quicker look, one Redis only
     python -m bench.tenk --rollouts 20 --baseline-rollouts 4 --duration 2 \
         --min-interval 0.2 --max-interval 0.5             # the smoke test's scale
@@ -21,8 +21,9 @@ Each mode runs two phases on the same server, one after the other:
 A rollout is what a model does: its first call comes at a random moment in the first interval (the
 ramp) and carries `item: {"task_id": ...}` (a retail task, as a trainer sends its dataset row); then it
 waits a random think time (uniform in the interval), calls again, and so on, one call at a time. The
-tools are the retail pack's: order, user and product lookups and an address change (a write, under the
-rollout lock), on random records of the data. Every call has a unique call id.
+tools are the retail pack's, on the rollout's own customer (a user of the data): lookups of the user,
+the user's orders and products, and changes of the user's address (a write, under the rollout lock).
+Every call has a unique call id.
 
 Latency is measured from the moment a call was due (its rollout's schedule), not from when it was sent,
 so a generator or server that falls behind is not hidden (no coordinated omission). Only calls due in
@@ -36,7 +37,9 @@ master and workers) and CPU; Postgres connections (`pg_stat_activity` on the ben
 every second, max); and for the many-rollouts phase: RSS growth per live rollout (RSS at the end of the
 many phase minus at the end of the baseline, ÷ the added rollouts), Redis `used_memory` growth per
 rollout (summed over shards), and the bytes of the rollouts' keys (`MEMORY USAGE`) per rollout. The
-worker count needed is the server's CPU (in cores) over 0.7 of a core per worker, rounded up.
+worker count needed is the server's CPU per call times the rate the rollouts asked for, over 0.7 of a
+core per worker, rounded up. The whole machine's busy share is reported too: on a shared machine the
+server may get less than a core, and then falls behind whatever its own cost.
 
 Checks (exit status 1 when one fails): 0 errors; p99 of the many phase ≤ 3 × p99 of the baseline; RSS
 growth ≤ 5 KiB per live rollout. Results: bench/results/tenk-<stamp>.json.
@@ -100,7 +103,8 @@ class Plan:
     ramp: float
     duration: float
     connections: int
-    ids: dict[str, list[str]]  # order, user, product and task ids of the retail data
+    ids: dict[str, list[str]]  # user, product and task ids of the retail data
+    user_orders: dict[str, list[str]]  # each user's order ids
     seed: int
 
 
@@ -111,24 +115,31 @@ class Outcome:
     non_2xx: int = 0
     failed: int = 0
     first_calls: int = 0
+    # Calls due before the end that were never sent: their rollout was still behind its schedule when
+    # the phase's hard stop came (the server, or the generator, could not keep the rate).
+    unsent: int = 0
     latencies_ms: list[float] = field(default_factory=list)  # calls due in the measured window
     late_ms: list[float] = field(default_factory=list)  # how late the generator sent each call
+    service_ms: list[float] = field(default_factory=list)  # from sending to the answer (window only)
     not_2xx: list[str] = field(default_factory=list)
     cpu_s: float = 0.0
     wall_s: float = 0.0
 
 
-def _arguments(rng: random.Random, ids: dict[str, list[str]], n: int) -> tuple[str, dict[str, Any]]:
-    """A retail call as a model makes them: mostly lookups, some address changes (writes)."""
+def _arguments(
+    rng: random.Random, ids: dict[str, list[str]], user: str, orders: list[str], n: int
+) -> tuple[str, dict[str, Any]]:
+    """A retail call as a model makes them for its customer: mostly lookups of the customer, their
+    orders and products, some changes of the customer's address (a write, under the rollout lock)."""
     draw = rng.random()
-    if draw < 0.45:
-        return "get_order_details", {"order_id": rng.choice(ids["order"])}
+    if draw < 0.45 and orders:
+        return "get_order_details", {"order_id": rng.choice(orders)}
     if draw < 0.70:
-        return "get_user_details", {"user_id": rng.choice(ids["user"])}
+        return "get_user_details", {"user_id": user}
     if draw < 0.85:
         return "get_product_details", {"product_id": rng.choice(ids["product"])}
     return "modify_user_address", {
-        "user_id": rng.choice(ids["user"]), "address1": f"{n} Elm Street", "address2": "Suite 1",
+        "user_id": user, "address1": f"{n} Elm Street", "address2": "Suite 1",
         "city": "Austin", "state": "TX", "country": "USA", "zip": "78701",
     }  # fmt: skip
 
@@ -145,21 +156,30 @@ async def _drive(plan: Plan) -> Outcome:
     # Wall clock -> this process's monotonic clock.
     start = time.perf_counter() + (plan.start_at - time.time())
     measure_from, end = start + plan.ramp, start + plan.ramp + plan.duration
+    hard_stop = end + max(5.0, plan.max_interval)
     url = plan.url + "/tools"
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as client:
 
         async def rollout(index: int) -> None:
             trace = f"{plan.prefix}{index}"
             task_id = plan.ids["task"][index % len(plan.ids["task"])]
+            # The rollout's customer (a model works on one customer's account).
+            user = plan.ids["user"][index % len(plan.ids["user"])]
+            orders = plan.user_orders.get(user, [])
             due = start + rng.uniform(0, plan.ramp)
             n = 0
             while due < end:
+                if time.perf_counter() > hard_stop:
+                    while due < end:
+                        out.unsent += 1
+                        due += rng.uniform(plan.min_interval, plan.max_interval)
+                    return
                 delay = due - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
                 sent = time.perf_counter()
                 out.late_ms.append(max(0.0, sent - due) * 1000)
-                name, arguments = _arguments(rng, plan.ids, n)
+                name, arguments = _arguments(rng, plan.ids, user, orders, n)
                 body: dict[str, Any] = {
                     "type": "function_call",
                     "call_id": f"call_{trace}_{n}",
@@ -186,7 +206,9 @@ async def _drive(plan: Plan) -> Outcome:
                         if len(out.not_2xx) < 20:
                             out.not_2xx.append(f"{response.status} {payload[:200].decode(errors='replace')}")
                     if due >= measure_from:
-                        out.latencies_ms.append((time.perf_counter() - due) * 1000)
+                        answered = time.perf_counter()
+                        out.latencies_ms.append((answered - due) * 1000)
+                        out.service_ms.append((answered - sent) * 1000)
                 n += 1
                 # The next call is due a think time after this one was due (a model answering slowly
                 # does not slow its schedule down: a late answer makes the next call late, and measured).
@@ -236,6 +258,13 @@ def tree_rss(pid: int) -> int:
         except OSError:
             pass
     return total
+
+
+def machine_cpu() -> tuple[float, float]:
+    """(busy, total) jiffies of all cores so far, from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return float(sum(fields) - idle), float(sum(fields))
 
 
 def tree_cpu(pid: int) -> float:
@@ -306,23 +335,21 @@ def keys_memory(nodes: list[Redis], match: str) -> tuple[int, int]:
     count = total = 0
     for node in nodes:
         batch: list[bytes] = []
-
-        def flush(node: Redis = node) -> int:
-            pipe = node.pipeline(transaction=False)
-            for key in batch:
-                pipe.memory_usage(key, samples=0)
-            used = sum(int(v or 0) for v in pipe.execute())
-            batch.clear()
-            return used
-
         for key in node.scan_iter(match=match, count=1000):
             batch.append(key)
             count += 1
             if len(batch) >= 1000:
-                total += flush()
-        if batch:
-            total += flush()
+                total += _memory_usage(node, batch)
+                batch = []
+        total += _memory_usage(node, batch)
     return count, total
+
+
+def _memory_usage(node: Redis, keys: list[bytes]) -> int:
+    pipe = node.pipeline(transaction=False)
+    for key in keys:
+        pipe.memory_usage(key, samples=0)
+    return sum(int(v or 0) for v in pipe.execute()) if keys else 0
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -339,7 +366,7 @@ def run_phase(
     args: argparse.Namespace,
     server: Server,
     key: str,
-    ids: dict[str, list[str]],
+    ids: dict[str, Any],
     prefix: str,
     rollouts: int,
     scale: float,
@@ -360,37 +387,48 @@ def run_phase(
             ramp=max_i,
             duration=args.duration,
             connections=args.connections,
-            ids=ids,
+            ids={k: v for k, v in ids.items() if k != "user_orders"},
+            user_orders=ids["user_orders"],
             seed=hash((prefix, p)) & 0xFFFFFFFF,
         )
         for p in range(procs)
     ]
+    phase_s = max_i + args.duration
+    machine0 = machine_cpu()
     cpu0 = tree_cpu(server.pid)
     t0 = time.monotonic()
     with multiprocessing.get_context("spawn").Pool(procs) as pool:
-        outcomes = pool.map(generate, plans)
+        # Bounded, and interruptible (Ctrl-C stops the generators; the servers and databases are removed).
+        outcomes = pool.map_async(generate, plans).get(timeout=phase_s + 120)
     wall = time.monotonic() - t0
     server_cpu = tree_cpu(server.pid) - cpu0
+    machine1 = machine_cpu()
+    service = [x for o in outcomes for x in o.service_ms]
     latencies = [x for o in outcomes for x in o.latencies_ms]
     late = [x for o in outcomes for x in o.late_ms]
     calls = sum(o.calls for o in outcomes)
-    phase_s = max_i + args.duration
     result = {
         "rollouts": rollouts,
         "interval_s": [min_i, max_i],
         "calls": calls,
         "calls_per_s": len(latencies) / args.duration,
+        "scheduled_calls_per_s": rollouts * 2 / (min_i + max_i),
         "ok": sum(o.ok for o in outcomes),
         "non_2xx": sum(o.non_2xx for o in outcomes),
         "failed": sum(o.failed for o in outcomes),
         "errors": sum(o.non_2xx + o.failed for o in outcomes),
         "first_calls": sum(o.first_calls for o in outcomes),
+        "unsent": sum(o.unsent for o in outcomes),
         "measured_calls": len(latencies),
         "p50_ms": percentile(latencies, 50),
         "p90_ms": percentile(latencies, 90),
         "p99_ms": percentile(latencies, 99),
         "max_ms": max(latencies, default=float("nan")),
+        "service_p50_ms": percentile(service, 50),
+        "service_p99_ms": percentile(service, 99),
         "generator_late_p99_ms": percentile(late, 99),
+        # The share of all the machine's cores that was busy (the neighbours' work included).
+        "machine_busy": (machine1[0] - machine0[0]) / max(machine1[1] - machine0[1], 1e-9),
         "generator_cpu_cores": sum(o.cpu_s for o in outcomes) / max(phase_s, 1e-9),
         "generator_max_process_busy": max(o.cpu_s / max(o.wall_s, 1e-9) for o in outcomes),
         "generator_processes": procs,
@@ -401,7 +439,7 @@ def run_phase(
     return result
 
 
-def run_mode(args: argparse.Namespace, mode: str, ids: dict[str, list[str]], data: Path) -> dict[str, Any]:
+def run_mode(args: argparse.Namespace, mode: str, ids: dict[str, Any], data: Path) -> dict[str, Any]:
     key = "tenk-" + secrets.token_urlsafe(18)
     env = Environment(
         workdir=Path(tempfile.mkdtemp(prefix=f"sparring-tenk-{mode}-")),
@@ -431,9 +469,7 @@ def run_mode(args: argparse.Namespace, mode: str, ids: dict[str, list[str]], dat
             print(f"[{mode}] sparring serve, {workers} worker(s), pid {server.pid}, {server.url}", flush=True)
             scale = args.rollouts / args.baseline_rollouts
             with Sampler(server.pid, args.pg_admin_url, env.pg_database) as base_sampler:
-                baseline = run_phase(
-                    args, server, key, ids, f"tenk_{nonce}_b", args.baseline_rollouts, scale
-                )
+                baseline = run_phase(args, server, key, ids, f"tenk_{nonce}_b", args.baseline_rollouts, scale)
             print(f"[{mode}] baseline: {line(baseline)}", flush=True)
             rss_before = tree_rss(server.pid)
             redis_before = used_memory(nodes)
@@ -457,7 +493,12 @@ def run_mode(args: argparse.Namespace, mode: str, ids: dict[str, list[str]], dat
             redis_key_bytes_per_rollout=key_bytes / added,
             pg_connections_max=max(many_sampler.pg, default=0),
         )
-        cores = max(baseline["server_cpu_cores"], many["server_cpu_cores"])
+        # The server's CPU per call times the rate the rollouts asked for (not the rate it managed).
+        cores = (
+            max(baseline["server_cpu_ms_per_call"], many["server_cpu_ms_per_call"])
+            * many["scheduled_calls_per_s"]
+            / 1000
+        )
         result = {
             "mode": mode,
             "workers": workers,
@@ -466,6 +507,7 @@ def run_mode(args: argparse.Namespace, mode: str, ids: dict[str, list[str]], dat
             "many": many,
             "p99_ratio": many["p99_ms"] / baseline["p99_ms"] if baseline["p99_ms"] else float("nan"),
             "p50_ratio": many["p50_ms"] / baseline["p50_ms"] if baseline["p50_ms"] else float("nan"),
+            "server_cores_needed": cores,
             "workers_needed": max(1, math.ceil(cores / BUSY_PER_WORKER)),
         }
         return result
@@ -506,28 +548,32 @@ def start_cluster() -> Any:
 
 def line(r: dict[str, Any]) -> str:
     return (
-        f"{r['rollouts']:>6} rollouts, {r['calls_per_s']:7.1f} calls/s, p50 {r['p50_ms']:6.1f} ms, "
-        f"p99 {r['p99_ms']:7.1f} ms, max {r['max_ms']:7.1f} ms, {r['errors']} errors; server "
+        f"{r['rollouts']:>6} rollouts, {r['calls_per_s']:7.1f} calls/s "
+        f"(due {r['scheduled_calls_per_s']:.0f}/s, {r['unsent']} unsent), p50 {r['p50_ms']:6.1f} ms, "
+        f"p99 {r['p99_ms']:7.1f} ms, max {r['max_ms']:7.1f} ms (answer after sending: p50 "
+        f"{r['service_p50_ms']:.1f}, p99 {r['service_p99_ms']:.1f} ms), {r['errors']} errors; server "
         f"{r['server_cpu_cores']:.2f} cores ({r['server_cpu_ms_per_call']:.2f} ms/call); generator "
         f"{r['generator_cpu_cores']:.2f} cores, busiest process {r['generator_max_process_busy']:.0%}, "
-        f"late p99 {r['generator_late_p99_ms']:.1f} ms"
+        f"late p99 {r['generator_late_p99_ms']:.1f} ms; machine {r['machine_busy']:.0%} busy"
     )
 
 
-def retail_ids(data: Path) -> dict[str, list[str]]:
+def retail_ids(data: Path) -> dict[str, Any]:
     from tools.retail.tasks import split_task_ids
 
     db = json.loads((data / "db.json").read_text())
     return {
-        "order": sorted(db["orders"]),
         "user": sorted(db["users"]),
+        "user_orders": {user: list(record.get("orders", [])) for user, record in db["users"].items()},
         "product": sorted(db["products"]),
         "task": split_task_ids(data, "train"),
     }
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.tenk", description=(__doc__ or "").split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.tenk", description=(__doc__ or "").split("\n\n")[0]
+    )
     parser.add_argument("--rollouts", type=int, default=10_000, help="rollouts of the many phase (10,000)")
     parser.add_argument("--baseline-rollouts", type=int, default=100, help="rollouts of the baseline (100)")
     parser.add_argument("--min-interval", type=float, default=1.0, help="shortest think time, s (1)")
@@ -577,7 +623,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         for s in m["not_2xx"] + b["not_2xx"]:
             print(f"  not 2xx: {s}")
-        checks[f"{r['mode']}: 0 errors"] = b["errors"] == 0 and m["errors"] == 0
+        checks[f"{r['mode']}: 0 errors, every due call sent"] = (
+            b["errors"] == 0 and m["errors"] == 0 and b["unsent"] == 0 and m["unsent"] == 0
+        )
         checks[f"{r['mode']}: every rollout started"] = m["first_calls"] == args.rollouts
         checks[f"{r['mode']}: p99 <= {TARGET_P99_RATIO:g}x the baseline's"] = (
             r["p99_ratio"] <= TARGET_P99_RATIO

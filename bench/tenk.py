@@ -41,6 +41,10 @@ worker count needed is the server's CPU per call times the rate the rollouts ask
 core per worker, rounded up. The whole machine's busy share is reported too: on a shared machine the
 server may get less than a core, and then falls behind whatever its own cost.
 
+After the many phase the baseline runs once more (`baseline_after`, its ratio `p99_ratio_to_after`):
+on a shared machine whose load drifts, a many phase worse than both baselines around it is the
+rollouts' doing, not the neighbours'.
+
 Checks (exit status 1 when one fails): 0 errors; p99 of the many phase ≤ 3 × p99 of the baseline; RSS
 growth ≤ 5 KiB per live rollout. Results: bench/results/tenk-<stamp>.json.
 """
@@ -479,6 +483,10 @@ def run_mode(args: argparse.Namespace, mode: str, ids: dict[str, Any], data: Pat
             redis_after = used_memory(nodes)
             n_keys, key_bytes = keys_memory(nodes, f"*tenk_{nonce}_m*")
             print(f"[{mode}] many:     {line(many)}", flush=True)
+            # The baseline again, after: on a shared machine whose load drifts, a many phase worse than
+            # both baselines around it is the rollouts' doing, not the neighbours'.
+            again = run_phase(args, server, key, ids, f"tenk_{nonce}_a", args.baseline_rollouts, scale)
+            print(f"[{mode}] again:    {line(again)}", flush=True)
         baseline["rss_mb_end"] = base_sampler.rss[-1] / 2**20 if base_sampler.rss else float("nan")
         baseline["pg_connections_max"] = max(base_sampler.pg, default=0)
         added = args.rollouts  # the baseline's rollouts were live already before the many phase
@@ -505,6 +513,8 @@ def run_mode(args: argparse.Namespace, mode: str, ids: dict[str, Any], data: Pat
             "redis": "cluster of 3 shards" if cluster is not None else "one instance",
             "baseline": baseline,
             "many": many,
+            "baseline_after": again,
+            "p99_ratio_to_after": many["p99_ms"] / again["p99_ms"] if again["p99_ms"] else float("nan"),
             "p99_ratio": many["p99_ms"] / baseline["p99_ms"] if baseline["p99_ms"] else float("nan"),
             "p50_ratio": many["p50_ms"] / baseline["p50_ms"] if baseline["p50_ms"] else float("nan"),
             "server_cores_needed": cores,
@@ -614,7 +624,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{r['mode']} ({r['workers']} worker(s), Redis {r['redis']}): "
             f"p99 {m['p99_ms']:.1f} ms at {m['rollouts']} rollouts vs {b['p99_ms']:.1f} ms at "
-            f"{b['rollouts']} = {r['p99_ratio']:.2f}x (p50 {m['p50_ms']:.1f} vs {b['p50_ms']:.1f} ms); "
+            f"{b['rollouts']} = {r['p99_ratio']:.2f}x (after: {r['baseline_after']['p99_ms']:.1f} ms, "
+            f"{r['p99_ratio_to_after']:.2f}x; p50 {m['p50_ms']:.1f} vs {b['p50_ms']:.1f} ms); "
             f"RSS {m['rss_mb_before']:.1f} -> {m['rss_mb_after']:.1f} MB = "
             f"{m['rss_bytes_per_rollout'] / 1024:+.2f} KiB per rollout; Redis used_memory "
             f"{m['redis_used_memory_per_rollout'] / 1024:.2f} KiB, keys {m['redis_keys_per_rollout']:.1f} "

@@ -32,7 +32,9 @@ phase. The generator is `--procs` processes of asyncio + aiohttp (pooled keep-al
 most `--connections` per process); its CPU and how late it woke for a due call are reported, so a
 generator that was the bottleneck shows.
 
-Reported per phase: calls/s, p50/p99/max, errors; the server's resident memory (the whole process tree:
+Reported per phase: calls/s, p50/p99/max, errors; the server's own time per call (p50/p99 of the
+call log's `ended_at - started_at`, which excludes the HTTP layer, the wait for the log commit and
+the generator); the server's resident memory (the whole process tree:
 master and workers) and CPU; Postgres connections (`pg_stat_activity` on the bench database, sampled
 every second, max); and for the many-rollouts phase: RSS growth per live rollout (RSS at the end of the
 many phase minus at the end of the baseline, ÷ the added rollouts), Redis `used_memory` growth per
@@ -79,6 +81,7 @@ from bench.run import (
     build_servers,
     finite,
     machine_info,
+    pg_url,
     retail_data_dir,
     running,
 )
@@ -324,6 +327,34 @@ class Sampler:
         self._thread.join(timeout=10)
 
 
+async def _server_times(admin_url: str, database: str, prefixes: list[str]) -> dict[str, list[float]]:
+    import asyncpg
+
+    conn = await asyncpg.connect(
+        pg_url(admin_url, database).replace("postgresql+asyncpg://", "postgresql://")
+    )
+    try:
+        times: dict[str, list[float]] = {}
+        for prefix in prefixes:
+            row = await conn.fetchrow(
+                "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY d), percentile_cont(0.99) WITHIN GROUP"
+                " (ORDER BY d) FROM (SELECT extract(epoch FROM ended_at - started_at) * 1000 AS d"
+                " FROM tool_calls WHERE starts_with(trace_id, $1)) t",
+                prefix,
+            )
+            times[prefix] = [float(row[0] or "nan"), float(row[1] or "nan")] if row else []
+        return times
+    finally:
+        await conn.close()
+
+
+def server_times(admin_url: str, database: str, prefixes: list[str]) -> dict[str, list[float]]:
+    """p50 and p99 (ms) of the server's own time per call (the call log's `ended_at - started_at`:
+    from the call's start in the service to its answer, before the log commit it then waits for),
+    for the calls of the rollouts whose trace ids start with each prefix."""
+    return asyncio.run(_server_times(admin_url, database, prefixes))
+
+
 def redis_nodes(url: str, cluster_ports: list[int] | None) -> list[Redis]:
     if cluster_ports:
         return [Redis(host="127.0.0.1", port=port) for port in cluster_ports]
@@ -487,6 +518,21 @@ def run_mode(args: argparse.Namespace, mode: str, ids: dict[str, Any], data: Pat
             # both baselines around it is the rollouts' doing, not the neighbours'.
             again = run_phase(args, server, key, ids, f"tenk_{nonce}_a", args.baseline_rollouts, scale)
             print(f"[{mode}] again:    {line(again)}", flush=True)
+            phases = {"b": baseline, "m": many, "a": again}
+            own = server_times(args.pg_admin_url, env.pg_database, [f"tenk_{nonce}_{k}" for k in phases])
+            for k, phase in phases.items():
+                phase["server_own_p50_ms"], phase["server_own_p99_ms"] = own.get(f"tenk_{nonce}_{k}") or [
+                    float("nan"),
+                    float("nan"),
+                ]
+            print(
+                f"[{mode}] the server's own time per call (call log), p50 / p99 ms: "
+                + ", ".join(
+                    f"{name} {p['server_own_p50_ms']:.1f} / {p['server_own_p99_ms']:.1f}"
+                    for name, p in (("baseline", baseline), ("many", many), ("again", again))
+                ),
+                flush=True,
+            )
         baseline["rss_mb_end"] = base_sampler.rss[-1] / 2**20 if base_sampler.rss else float("nan")
         baseline["pg_connections_max"] = max(base_sampler.pg, default=0)
         added = args.rollouts  # the baseline's rollouts were live already before the many phase

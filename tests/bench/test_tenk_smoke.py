@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,14 +18,15 @@ TINY = ["--rollouts", "12", "--baseline-rollouts", "3", "--duration", "2"]
 TINY += ["--min-interval", "0.2", "--max-interval", "0.5", "--procs", "2"]
 
 
-def _run(tmp_path: Path, modes: str) -> list[dict]:
+def _run(tmp_path: Path, modes: str) -> list[dict[str, Any]]:
     # The exit status also reflects the latency target, which a tiny run on a busy machine may miss.
     tenk.main([*TINY, "--modes", modes, "--results-dir", str(tmp_path)])
     (out,) = tmp_path.glob("tenk-*.json")
-    return json.loads(out.read_text())["modes"]
+    modes_run: list[dict[str, Any]] = json.loads(out.read_text())["modes"]
+    return modes_run
 
 
-def _check(result: dict, workers: int) -> None:
+def _check(result: dict[str, Any], workers: int) -> None:
     assert result["workers"] == workers
     base, many = result["baseline"], result["many"]
     for phase, rollouts in ((base, 3), (many, 12)):

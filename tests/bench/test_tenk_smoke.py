@@ -28,14 +28,16 @@ def _run(tmp_path: Path, modes: str) -> list[dict[str, Any]]:
 
 def _check(result: dict[str, Any], workers: int) -> None:
     assert result["workers"] == workers
-    base, many = result["baseline"], result["many"]
-    for phase, rollouts in ((base, 3), (many, 12)):
+    base, many, again = result["baseline"], result["many"], result["baseline_after"]
+    for phase, rollouts in ((base, 3), (many, 12), (again, 3)):
         assert phase["rollouts"] == rollouts
         assert phase["errors"] == 0, phase["not_2xx"]
         assert phase["first_calls"] == rollouts  # every rollout started with its task's item
         assert phase["ok"] == phase["calls"] > rollouts  # more than one call each
         assert phase["measured_calls"] > 0 and phase["p99_ms"] >= phase["p50_ms"] > 0
-        assert phase["pg_connections_max"] >= 1
+        # The server's own time per call, read back from the call log: every phase's calls are logged.
+        assert phase["server_own_p99_ms"] >= phase["server_own_p50_ms"] > 0
+    assert base["pg_connections_max"] >= 1 and many["pg_connections_max"] >= 1
     # Each rollout left its keys in Redis: meta and state at least, one ledger entry per call.
     assert many["redis_keys_per_rollout"] >= 2
     assert many["redis_key_bytes_per_rollout"] > 0

@@ -245,3 +245,23 @@ def test_settings_and_secrets_are_where_they_belong(objects: list[dict[str, Any]
             assert refs == {
                 ("configMapRef", config["metadata"]["name"]), ("secretRef", secret["metadata"]["name"]),
             }  # fmt: skip
+
+
+def test_probes_and_port_are_the_servers_own(objects: list[dict[str, Any]], tmp_path: Path) -> None:
+    """The probes ask routes the app serves, on the port `sparring serve` listens on."""
+    from app.main import create_app
+    from tests.conftest import make_settings
+
+    app = create_app(make_settings(tmp_path / "home"))
+    routes = {getattr(route, "path", None) for route in app.routes}
+    (container,) = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        get = container[probe]["httpGet"]
+        assert get["path"] in routes, f"{probe} asks {get['path']}, which the app does not serve"
+        assert ports[get["port"]] == int(one(objects, "ConfigMap")["data"]["SPARRING_PORT"])
+    # The port the server listens on when nothing is set is the one the image exposes and the pod names.
+    assert ports["http"] == Settings.model_fields["port"].default
+    service = one(objects, "Service")
+    (port,) = service["spec"]["ports"]
+    assert ports[port["targetPort"]] == ports["http"]

@@ -371,6 +371,7 @@ def program(job: dict[str, Any], base_path: list[str]) -> int:
         tb = error.__traceback__
         while tb is not None and tb.tb_frame.f_code is not code:  # the parent's frames are not the run's
             tb = tb.tb_next
+        error.__traceback__ = tb
         try:
             sys.excepthook(type(error), error, tb)
         except BaseException:

@@ -286,7 +286,9 @@ async def test_colliding_paths_from_two_collections_still_grade(code_app: Any, b
     assert score == 1.0
 
 
-async def test_a_sandbox_that_cannot_run_makes_the_grade_unavailable(code_app: Any, sandbox_path: str) -> None:
+async def test_a_sandbox_that_cannot_run_makes_the_grade_unavailable(
+    code_app: Any, sandbox_path: str
+) -> None:
     # A broken bwrap reaches the runs that start one: the cold path (the warm path's parent died: test_warm).
     task = all_tasks()[TASK]
     fake = fake_bwrap()

@@ -29,23 +29,21 @@ import builtins
 import ctypes
 import fcntl
 import gc
+import importlib  # noqa: F401  (imported once here, so a run does not pay for it)
 import io
 import json
 import os
 import random
+import resource
 import signal
 import socket
 import struct
+import subprocess  # noqa: F401  (the grading harness starts its runner with it)
 import sys
 import time
+import traceback
 import types
 from typing import Any
-
-# Imported here so a run does not pay for them: what the grading harness and common scripts use.
-import importlib  # noqa: F401
-import resource
-import subprocess  # noqa: F401
-import traceback
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
@@ -325,15 +323,17 @@ def serve(control: socket.socket, sizes: dict[str, int], supervisor: types.Modul
 
 
 def fresh_stdio() -> None:
-    sys.stdin = sys.__stdin__ = io.TextIOWrapper(
-        io.open(0, "rb", closefd=False), encoding="utf-8", errors="surrogateescape"
-    )
-    sys.stdout = sys.__stdout__ = io.TextIOWrapper(
-        io.open(1, "wb", closefd=False), encoding="utf-8", errors="surrogateescape"
-    )
-    sys.stderr = sys.__stderr__ = io.TextIOWrapper(
-        io.open(2, "wb", closefd=False), encoding="utf-8", errors="backslashreplace", line_buffering=True
-    )
+    """The standard streams on the run's fds 0, 1 and 2, as `python` opens them (UTF-8 mode)."""
+    streams: dict[str, Any] = {
+        "stdin": open(0, "rb", closefd=False),
+        "stdout": open(1, "wb", closefd=False),
+        "stderr": open(2, "wb", closefd=False),
+    }
+    for name, binary in streams.items():
+        errors = "backslashreplace" if name == "stderr" else "surrogateescape"
+        text = io.TextIOWrapper(binary, encoding="utf-8", errors=errors, line_buffering=name == "stderr")
+        setattr(sys, name, text)
+        setattr(sys, f"__{name}__", text)
 
 
 def program(job: dict[str, Any], base_path: list[str]) -> int:
@@ -387,7 +387,7 @@ def finish(status: int) -> int:
     try:
         threading = sys.modules.get("threading")
         if threading is not None:
-            threading._shutdown()  # type: ignore[attr-defined]
+            threading._shutdown()
         import atexit
 
         atexit._run_exitfuncs()

@@ -239,7 +239,7 @@ class WarmRunner:
         return info
 
     async def start(self) -> bool:
-        """Start the parent and run a probe through it; False (and the cold path, with why) if either fails."""
+        """Start the parent and run a probe through it; False (the cold path, and why) if either fails."""
         try:
             probe = Program(isolated=True, code="import sys; print(sys.version_info[0])", argv=[])
             result = await self.run({}, probe, Limits())
@@ -275,7 +275,9 @@ class WarmRunner:
         )
         try:
             if sandbox.memory.per_run:
-                run.group = await asyncio.to_thread(sandbox.memory.new_group, sandbox.containment.memory_bytes)
+                run.group = await asyncio.to_thread(
+                    sandbox.memory.new_group, sandbox.containment.memory_bytes
+                )
             run.report_fd = theirs.fileno()
             process = await asyncio.create_subprocess_exec(
                 *sandbox._command(run),
@@ -562,7 +564,12 @@ def _job(
 async def _readable(sock: socket.socket) -> None:
     loop = asyncio.get_running_loop()
     waiter = loop.create_future()
-    loop.add_reader(sock.fileno(), lambda: waiter.done() or waiter.set_result(None))
+
+    def wake() -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    loop.add_reader(sock.fileno(), wake)
     try:
         await waiter
     finally:
@@ -637,4 +644,3 @@ async def _write_pipe(fd: int, data: bytes, transports: list[asyncio.BaseTranspo
         pass
     finally:
         transport.close()
-

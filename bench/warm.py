@@ -33,7 +33,7 @@ from typing import Any
 from bench.code import HOME, percentile
 from bench.run import LOOPBACK, free_port
 from tools.code import check
-from tools.code.runtime import CodeSettings, build_sandbox, read_tasks
+from tools.code.runtime import RUN_LIMITS, CodeSettings, build_sandbox, read_tasks
 from tools.code.sandbox import Sandbox, probe
 from tools.code.tasks import CodeTask
 from tools.code.warm import WarmRunner
@@ -156,8 +156,15 @@ def measure_http(args: argparse.Namespace, python: str, workdir: Path) -> dict[s
             server.call(traces[name], "write_file", {"path": "main.py", "content": "print(1)\n"})
             for _ in range(5):  # the page cache, the connection
                 server.call(traces[name], "run_python", {"path": "main.py"})
-        times: dict[str, list[float]] = {"warm": [], "cold": [], "bare": []}
-        for index in range(args.calls):  # interleaved: all three see the same neighbours
+        times: dict[str, list[float]] = {
+            "warm": [],
+            "cold": [],
+            "bare": [],
+            "list_files": [],
+            "write_file": [],
+        }
+        warm_server = servers["warm"]
+        for index in range(args.calls):  # interleaved: all see the same neighbours
             for name, server in servers.items():
                 if name == "cold" and index % args.cold_every:
                     continue
@@ -167,6 +174,14 @@ def measure_http(args: argparse.Namespace, python: str, workdir: Path) -> dict[s
                 if not isinstance(answer, dict) or answer.get("stdout") != "1\n":
                     raise RuntimeError(f"run_python answered {answer!r}")
             times["bare"].append(bare_start(python))
+            # The floors under run_python on the same server: HTTP and a reading tool; HTTP and a writing
+            # tool (the rollout's lock, its state and the durable call log), no sandbox.
+            started = time.perf_counter()
+            warm_server.call(traces["warm"], "list_files", {})
+            times["list_files"].append(time.perf_counter() - started)
+            started = time.perf_counter()
+            warm_server.call(traces["warm"], "write_file", {"path": "note.txt", "content": str(index)})
+            times["write_file"].append(time.perf_counter() - started)
     finally:
         for server in servers.values():
             server.stop()
@@ -177,6 +192,7 @@ def measure_http(args: argparse.Namespace, python: str, workdir: Path) -> dict[s
         **summary,
         "warm_to_bare_p50": summary["warm"]["p50_ms"] / bare,
         "cold_to_bare_p50": summary["cold"]["p50_ms"] / bare,
+        "write_file_to_bare_p50": summary["write_file"]["p50_ms"] / bare,
     }
 
 
@@ -196,6 +212,24 @@ async def sandboxed_check(sandbox: Sandbox, task: CodeTask) -> None:
         raise RuntimeError(
             f"the canonical solution of {task.task_id} did not pass: {result.stderr.data[-300:]!r}"
         )
+
+
+async def sandboxed_trivial(sandbox: Sandbox) -> None:
+    """`run_python` of `print(1)` at the sandbox layer: the workspace in, the run, the files back."""
+    result = await sandbox.run(
+        {"main.py": "print(1)\n"},
+        ["-E", "-s", "-B", "-X", "utf8", "main.py"],
+        limits=RUN_LIMITS,
+        collect=True,
+    )
+    if result.stdout.data != b"1\n":
+        raise RuntimeError(f"the run answered {result!r}")
+
+
+async def bare_start_async(python: str) -> None:
+    process = await asyncio.create_subprocess_exec(python, "-S", "-c", "pass")
+    if await process.wait() != 0:
+        raise RuntimeError("python -S -c pass failed")
 
 
 async def rate(kind: str, work: Any, tasks: list[CodeTask], concurrency: int) -> float:
@@ -219,6 +253,17 @@ async def measure_grades(args: argparse.Namespace) -> dict[str, Any]:
     if not await runner.start():
         raise RuntimeError(f"the warm path cannot run here: {runner.why_cold}")
     python = str(sandbox.python)
+    for _ in range(3):
+        await sandboxed_trivial(sandbox)
+    sandbox.warm = runner
+    layer: dict[str, list[float]] = {"warm_run": [], "bare": []}
+    for _ in range(args.calls):  # the sandbox layer alone (no HTTP, no tool), interleaved with bare starts
+        started = time.perf_counter()
+        await sandboxed_trivial(sandbox)
+        layer["warm_run"].append(time.perf_counter() - started)
+        started = time.perf_counter()
+        await bare_start_async(python)
+        layer["bare"].append(time.perf_counter() - started)
     rounds: dict[str, list[float]] = {"warm": [], "cold": [], "plain": []}
     try:
         for _ in range(args.rounds):  # alternating: each sees the same neighbours
@@ -238,7 +283,12 @@ async def measure_grades(args: argparse.Namespace) -> dict[str, Any]:
         await runner.close()
         sandbox.close()
     medians = {name: statistics.median(values) for name, values in rounds.items()}
+    layer_summary = {name: ms(values) for name, values in layer.items()}
     return {
+        "sandbox_layer": {
+            **layer_summary,
+            "warm_run_to_bare_p50": layer_summary["warm_run"]["p50_ms"] / layer_summary["bare"]["p50_ms"],
+        },
         "tasks": len(tasks),
         "concurrency": args.concurrency,
         "rounds_per_s": rounds,
@@ -267,16 +317,22 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="bench-warm-") as workdir:
             http_results = measure_http(args, python, Path(workdir))
         results["run_python_http"] = http_results
-        for name in ("warm", "cold", "bare"):
+        for name in ("warm", "cold", "bare", "list_files", "write_file"):
             row = http_results[name]
-            print(f"{name:5} p50 {row['p50_ms']:6.2f} ms  p99 {row['p99_ms']:6.2f} ms  (n={row['n']})")
+            print(f"{name:10} p50 {row['p50_ms']:6.2f} ms  p99 {row['p99_ms']:6.2f} ms  (n={row['n']})")
         print(
             "run_python over HTTP / bare python3 -S start at p50: "
-            f"warm {http_results['warm_to_bare_p50']:.2f}, cold {http_results['cold_to_bare_p50']:.2f}"
+            f"warm {http_results['warm_to_bare_p50']:.2f}, cold {http_results['cold_to_bare_p50']:.2f} "
+            f"(write_file, no sandbox: {http_results['write_file_to_bare_p50']:.2f})"
         )
     if not args.skip_grades:
         grades = asyncio.run(measure_grades(args))
         results["grades"] = grades
+        layer = grades["sandbox_layer"]
+        print(
+            f"sandbox layer (no HTTP): warm run p50 {layer['warm_run']['p50_ms']:.2f} ms, bare "
+            f"{layer['bare']['p50_ms']:.2f} ms: {layer['warm_run_to_bare_p50']:.2f}"
+        )
         per_s = grades["per_s"]
         print(
             f"code grader, {grades['tasks']} canonical solutions, {grades['concurrency']} at once: "

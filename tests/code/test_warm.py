@@ -98,11 +98,14 @@ async def test_each_run_draws_its_own_random_state(warm_sandbox: Sandbox) -> Non
 
 
 async def test_concurrent_runs_see_nothing_of_each_other(warm_sandbox: Sandbox) -> None:
-    # Two runs at once (two slots of one parent): neither sees the other's processes, files, /tmp or IPC.
+    # Two runs at once (two slots of one parent): neither sees the other's processes, files, /tmp, IPC or
+    # loopback.
     script = (
         "import os, sys, time\n"
         "name = sys.argv[1]\n"
         "open(f'/tmp/{name}', 'w').write(name)\n"
+        "import socket\n"
+        "listener = socket.create_server(('127.0.0.1', 4000))\n"  # the same port in both: two loopbacks
         "time.sleep(0.5)\n"
         "print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n"
         "print(sorted(os.listdir('/tmp')), sorted(os.listdir('/workspace')))\n"

@@ -6,12 +6,14 @@ It runs as the sandbox user in bwrap's namespaces (no network, read-only system 
 interpreter's imports done) and talks to the server over unix sockets:
 
 - on CONTROL_FD, `L` with a socket starts a **slot**: a fork that the server moves into the slot's memory
-  cgroup once (so its runs are born in it: no per-run migration) and that runs one run at a time;
+  cgroup once (so its runs are born in it: no per-run migration), with a user and network namespace of
+  its own (a loopback, up), and that runs one run at a time;
 - on a slot's socket, `N` with a socket **prepares** the next run: a fork (the keeper, S) makes new user,
-  mount, pid, ipc, uts and network namespaces (the run sees none of another run's files, processes, IPC
-  objects or loopback), mounts fresh size-capped tmpfs at `/workspace`, `/tmp` and `/dev/shm`, and forks
-  the run's init (P1, pid 1 of the new pid namespace), which mounts its own `/proc`, forbids further
-  user namespaces, drops every capability and waits for its job;
+  mount, pid, ipc and uts namespaces (the run sees none of another run's files, processes or IPC
+  objects; the slot's network namespace is used by its runs in turn, never by two at once), mounts fresh
+  size-capped tmpfs at `/workspace`, `/tmp` and `/dev/shm`, and forks the run's init (P1, pid 1 of the
+  new pid namespace), which mounts its own `/proc`, forbids further user namespaces, drops every
+  capability and waits for its job;
 - on the run's socket, `J` with its stdin, stdout and stderr, then `u32 length` + JSON header + the
   files' bytes, **starts** it: P1 writes the files, answers `P` (the kernel attaches its pid as the
   server sees it) and `S`, and forks the program (P2): the run's rlimits, stdio, environment, working
@@ -60,6 +62,17 @@ WORKSPACE = "/workspace"
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
 
 libc = ctypes.CDLL(None, use_errno=True)
+_fork = ctypes.PyDLL(None, use_errno=True).fork  # the GIL held across it: this process has one thread
+
+
+def bare_fork() -> int:
+    """fork(2) without Python's fork hooks (a quarter of `os.fork`'s cost here), for the processes that
+    run only this file's code (keepers and inits); a run's program gets `os.fork` and all of them."""
+    pid = int(_fork())
+    if pid < 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"fork: {os.strerror(error)}")
+    return pid
 
 
 def check(result: int, what: str) -> None:
@@ -100,6 +113,20 @@ def drop_capabilities() -> None:
     check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
 
 
+def enter_namespaces(flags: int) -> None:
+    """New namespaces (`flags`, a user namespace among them) in which this process keeps its uid and gid.
+
+    Its own maps are writable only while it is dumpable; no run can see it meanwhile (runs live in pid
+    namespaces of their own, below this one)."""
+    uid, gid = os.getuid(), os.getgid()
+    check(libc.unshare(flags), "unshare")
+    libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
+    write("/proc/self/setgroups", "deny")
+    write("/proc/self/uid_map", f"{uid} {uid} 1")
+    write("/proc/self/gid_map", f"{gid} {gid} 1")
+    libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+
+
 class Run:
     """One run: its keeper (S) makes the namespaces and file systems, its init (P1) waits for the job, runs
     it and reports; the program (P2) leaves through `keep()`'s return value."""
@@ -113,29 +140,13 @@ class Run:
 
     def keep(self) -> dict[str, Any]:
         """S: the run's namespaces and file systems, made before the job arrives; returns only in P2."""
-        uid, gid = os.getuid(), os.getgid()
-        check(
-            libc.unshare(
-                CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWNET
-            ),
-            "unshare",
-        )
-        # Its own maps are writable only while it is dumpable; no run can see it meanwhile (runs live in
-        # pid namespaces of their own, below this one).
-        libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
-        write("/proc/self/setgroups", "deny")
-        write("/proc/self/uid_map", f"{uid} {uid} 1")
-        write("/proc/self/gid_map", f"{gid} {gid} 1")
-        libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+        enter_namespaces(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS)
         check(libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "private mounts")
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # a loopback of its own, up
-            flags = struct.pack("16sH22x", b"lo", IFF_UP | IFF_LOOPBACK | IFF_RUNNING)
-            fcntl.ioctl(probe.fileno(), SIOCSIFFLAGS, flags)
         for target, size in (("/dev/shm", "shm"), ("/tmp", "tmp"), (WORKSPACE, "workspace")):
             options = f"size={int(self.sizes[size])},mode=0755".encode()
             check(libc.mount(b"tmpfs", target.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options), target)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        init = os.fork()
+        init = bare_fork()
         if init == 0:
             return self.init()
         self.sock.close()
@@ -283,6 +294,13 @@ def receive(sock: socket.socket, fds: int) -> tuple[bytes, list[int]]:
 def serve_slot(sock: socket.socket, sizes: dict[str, int], supervisor: types.ModuleType) -> dict[str, Any]:
     """A slot: one run at a time (the server moved it into the slot's memory cgroup, which its runs
     inherit); `N` with a socket prepares the next run. Returns only in a run's program (P2)."""
+    # The slot's own network namespace (a loopback, up): its runs, one at a time, use it in turn; no two
+    # slots share one. A run leaves nothing in it (its sockets close with its processes; anything else
+    # needs a capability no run has), and making one per run costs more than the rest of a run's setup.
+    enter_namespaces(CLONE_NEWUSER | CLONE_NEWNET)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        flags = struct.pack("16sH22x", b"lo", IFF_UP | IFF_LOOPBACK | IFF_RUNNING)
+        fcntl.ioctl(probe.fileno(), SIOCSIFFLAGS, flags)
     sock.sendall(b"Y")  # the kernel attaches this process's pid: the server moves it into its cgroup
     while True:
         message, fds = receive(sock, 1)
@@ -292,7 +310,7 @@ def serve_slot(sock: socket.socket, sizes: dict[str, int], supervisor: types.Mod
             for fd in fds:
                 os.close(fd)
             continue
-        keeper = os.fork()
+        keeper = bare_fork()
         if keeper == 0:
             try:
                 sock.close()

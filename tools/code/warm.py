@@ -3,13 +3,14 @@
 The parent (`harness_zygote.py`) is started like a cold run (bwrap with the same namespaces, mounts,
 unprivileged uid and rlimits, in a memory cgroup of its own) with Python's imports done. It forks one
 **slot** per run slot of the worker, each moved once into a memory cgroup of its own (a run is born in
-its slot's cgroup: moving a process between cgroups costs a kernel-wide synchronization, ~10 ms); a slot
-runs one run at a time. Each run is a fork of its slot, prepared while the slot waits: new user, mount,
-pid, ipc, uts and network namespaces, fresh size-capped tmpfs at `/workspace`, `/tmp` and `/dev/shm`, its
-own `/proc`, no capability; when its job arrives it writes the files, sets the run's rlimits and runs the
-program in a fresh `__main__`. What a cold run gets, a warm run gets: only the cost of starting bwrap and
-Python is gone. The slot's cgroup caps each of its runs (one at a time); an out-of-memory kill is the
-run's when the cgroup's count of them moved during it.
+its slot's cgroup: moving a process between cgroups costs a kernel-wide synchronization, ~10 ms) and
+with a network namespace of its own (a loopback; its runs use it in turn); a slot runs one run at a
+time. Each run is a fork of its slot, prepared while the slot waits: new user, mount, pid, ipc and uts
+namespaces, fresh size-capped tmpfs at `/workspace`, `/tmp` and `/dev/shm`, its own `/proc`, no
+capability; when its job arrives it writes the files, sets the run's rlimits and runs the program in a
+fresh `__main__`. What a cold run gets, a warm run gets: only the cost of starting bwrap and Python is
+gone. The slot's cgroup caps each of its runs (one at a time); an out-of-memory kill is the run's when
+the cgroup's count of them moved during it.
 
 The parent is restarted after `max_runs` runs (a fork shares the parent's hash seed, so that bounds how
 many runs share one) and whenever it dies; the runs in flight when it dies are `SandboxUnavailable` (a
@@ -235,7 +236,8 @@ class WarmRunner:
             info["warm_runs"] = self.runs
             info["parents_started"] = self.started
             if self.current is not None:
-                info["parent_rss_bytes"] = self.current.rss_bytes
+                info["parent_rss_bytes"] = self.current.rss_bytes  # at its start, imports done
+                info["slots"] = len(self.current.slots)
         return info
 
     async def start(self) -> bool:

@@ -6,9 +6,13 @@ Measures, in the same run and interleaved (the machine is shared and noisy: the 
   (`sparring serve` with the code pack and its defaults: one worker, warm parent), one call at a time
   on a kept-alive connection, against a bare `python3 -S -c pass` start of the sandbox's interpreter;
   the same through a second server with `SPARRING_CODE_WARM=false` (the cold path) for comparison;
+- `run_python`'s sandbox layer alone (no HTTP, no tool: `Sandbox.run` on the warm path), against the
+  same bare start;
 - the `code` grader's hidden tests of HumanEval's canonical solutions, `--concurrency` at once, through
   the sandbox's warm path and its cold path, against the same checks (the prompt, the canonical
-  solution, the tests and `check(entry_point)`) run as plain unsandboxed `python3 -c` subprocesses.
+  solution, the tests and `check(entry_point)`) run as plain unsandboxed `python3 -c` subprocesses; the
+  three take turns on batches of `--batch` tasks, and each round's rate is its tasks over the time
+  spent on each.
 
 Results go to bench/results/warm-<timestamp>.json (gitignored).
 """
@@ -265,19 +269,25 @@ async def measure_grades(args: argparse.Namespace) -> dict[str, Any]:
         await bare_start_async(python)
         layer["bare"].append(time.perf_counter() - started)
     rounds: dict[str, list[float]] = {"warm": [], "cold": [], "plain": []}
+    kinds = {
+        "warm": lambda t: sandboxed_check(sandbox, t),
+        "cold": lambda t: sandboxed_check(sandbox, t),
+        "plain": lambda t: plain_check(python, t),
+    }
     try:
-        for _ in range(args.rounds):  # alternating: each sees the same neighbours
-            sandbox.warm = runner
-            rounds["warm"].append(
-                await rate("warm", lambda t: sandboxed_check(sandbox, t), tasks, args.concurrency)
-            )
-            sandbox.warm = None
-            rounds["cold"].append(
-                await rate("cold", lambda t: sandboxed_check(sandbox, t), tasks, args.concurrency)
-            )
-            rounds["plain"].append(
-                await rate("plain", lambda t: plain_check(python, t), tasks, args.concurrency)
-            )
+        for _ in range(args.rounds):
+            # The three take turns on small batches (`--batch` tasks each), so a neighbour's burst of load
+            # falls on all of them alike; a round's rate is its tasks over the time spent on each kind.
+            spent = dict.fromkeys(kinds, 0.0)
+            for start in range(0, len(tasks), args.batch):
+                batch = tasks[start : start + args.batch]
+                for kind, work in kinds.items():
+                    sandbox.warm = runner if kind == "warm" else None
+                    started = time.perf_counter()
+                    await rate(kind, work, batch, args.concurrency)
+                    spent[kind] += time.perf_counter() - started
+            for kind in kinds:
+                rounds[kind].append(len(tasks) / spent[kind])
     finally:
         sandbox.warm = None
         await runner.close()
@@ -307,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grades", type=int, default=164, help="canonical solutions per round (up to 164)")
     parser.add_argument("--rounds", type=int, default=3, help="grader rounds (warm, cold, plain each)")
     parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=12, help="grades of one kind before the next kind's")
     parser.add_argument("--skip-http", action="store_true")
     parser.add_argument("--skip-grades", action="store_true")
     parser.add_argument("--results-dir", type=Path, default=Path("bench/results"))

@@ -115,6 +115,8 @@ def start_runner(workspace: str) -> tuple[int, int, int]:
             os.dup2(2, 1)
             os.close(request_w)
             os.close(reply_r)
+            for fd in (request_r, reply_w):  # as a runner started with them passed would hold them
+                os.set_inheritable(fd, True)
             ctypes.CDLL(None).prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # as an exec'd runner would be
             os._exit(run_runner(request_r, reply_w, workspace))
         except BaseException:

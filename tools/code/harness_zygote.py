@@ -8,16 +8,18 @@ interpreter's imports done) and talks to the server over unix sockets:
 - on CONTROL_FD, `L` with a socket starts a **slot**: a fork that the server moves into the slot's memory
   cgroup once (so its runs are born in it: no per-run migration), with a user and network namespace of
   its own (a loopback, up), and that runs one run at a time;
-- on a slot's socket, `N` with a socket **prepares** the next run: a fork (the keeper, S) makes new user,
-  mount, pid, ipc and uts namespaces (the run sees none of another run's files, processes or IPC
-  objects; the slot's network namespace is used by its runs in turn, never by two at once), mounts fresh
-  size-capped tmpfs at `/workspace`, `/tmp` and `/dev/shm`, and forks the run's init (P1, pid 1 of the
-  new pid namespace), which mounts its own `/proc`, forbids further user namespaces, drops every
-  capability and waits for its job;
+- on a slot's socket, `N` with a socket **prepares** the next run: the slot clones the run's init (P1)
+  straight into new user, mount, pid, ipc and uts namespaces, pid 1 of its own pid namespace (where
+  clone(2)'s number is unknown, a keeper S unshares them and forks P1); the run sees none of another
+  run's files, processes or IPC objects, and the slot's network namespace is used by its runs in turn,
+  never by two at once. P1 mounts fresh size-capped tmpfs at `/workspace`, `/tmp` and `/dev/shm` and
+  its own `/proc`, forbids further user namespaces, drops every capability and forks the program's
+  process (P2), which waits for the job;
 - on the run's socket, `J` with its stdin, stdout and stderr, then `u32 length` + JSON header + the
-  files' bytes, **starts** it: P1 writes the files, answers `P` (the kernel attaches its pid as the
-  server sees it) and `S`, and forks the program (P2): the run's rlimits, stdio, environment, working
-  directory, a fresh `__main__`, a reseeded `random`, then the code (`-c CODE` or a script, as `python`).
+  files' bytes, **starts** it: P2 writes the files and tells P1 the run's terms, P1 answers `P` (the
+  kernel attaches its pid as the server sees it) and `S`, and P2 takes the run's rlimits, stdio,
+  environment, working directory, a fresh `__main__`, a reseeded `random`, then runs the code
+  (`-c CODE` or a script, as `python` would).
 
 P1 stops the program and everything it left at the wall-clock limit (it is pid 1: when it exits, the
 kernel kills the rest), then sends the supervisor's report (`harness_supervisor.py`'s frames: exit status
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import builtins
 import ctypes
+import errno
 import fcntl
 import gc
 import importlib  # noqa: F401  (imported once here, so a run does not pay for it)
@@ -113,18 +116,40 @@ def drop_capabilities() -> None:
     check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
 
 
-def enter_namespaces(flags: int) -> None:
-    """New namespaces (`flags`, a user namespace among them) in which this process keeps its uid and gid.
+RUN_NAMESPACES = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
+CLONE_SYSCALL = {"x86_64": 56, "aarch64": 220}.get(os.uname().machine)
+_syscall = ctypes.PyDLL(None, use_errno=True).syscall  # the GIL held across it, as for `bare_fork`
+
+
+def clone_into(flags: int) -> int:
+    """clone(2) like fork, but the child starts in new namespaces (`flags`): with a new pid namespace it is
+    its pid 1 at once, with no intermediate process. Raises OSError where the syscall is unknown."""
+    if CLONE_SYSCALL is None:
+        raise OSError(errno.ENOSYS, "clone: unknown on this architecture")
+    pid = int(_syscall(CLONE_SYSCALL, ctypes.c_ulong(flags | signal.SIGCHLD), None, None, None, None))
+    if pid < 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"clone: {os.strerror(error)}")
+    return pid
+
+
+def map_identity(uid: int, gid: int) -> None:
+    """In a new user namespace, keep `uid` and `gid` (this process's in the namespace above).
 
     Its own maps are writable only while it is dumpable; no run can see it meanwhile (runs live in pid
     namespaces of their own, below this one)."""
-    uid, gid = os.getuid(), os.getgid()
-    check(libc.unshare(flags), "unshare")
     libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
     write("/proc/self/setgroups", "deny")
     write("/proc/self/uid_map", f"{uid} {uid} 1")
     write("/proc/self/gid_map", f"{gid} {gid} 1")
     libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+
+
+def enter_namespaces(flags: int) -> None:
+    """New namespaces (`flags`, a user namespace among them) in which this process keeps its uid and gid."""
+    uid, gid = os.getuid(), os.getgid()
+    check(libc.unshare(flags), "unshare")
+    map_identity(uid, gid)
 
 
 class Run:
@@ -138,14 +163,25 @@ class Run:
         self.stdio: list[int] = []
         self.job: dict[str, Any] = {}
 
-    def keep(self) -> dict[str, Any]:
-        """S: the run's namespaces and file systems, made before the job arrives; returns only in P2."""
-        enter_namespaces(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS)
+    def file_systems(self) -> None:
+        """Fresh size-capped tmpfs at /dev/shm, /tmp and the workspace, in the run's mount namespace."""
         check(libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "private mounts")
         for target, size in (("/dev/shm", "shm"), ("/tmp", "tmp"), (WORKSPACE, "workspace")):
             options = f"size={int(self.sizes[size])},mode=0755".encode()
             check(libc.mount(b"tmpfs", target.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options), target)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+
+    def cloned(self, uid: int, gid: int) -> dict[str, Any]:
+        """P1 made by `clone_into`: already pid 1 of the run's namespaces; returns only in P2."""
+        map_identity(uid, gid)
+        self.file_systems()
+        return self.init()
+
+    def keep(self) -> dict[str, Any]:
+        """S, where `clone_into` cannot be used: the run's namespaces by unshare(2), then P1 by a fork (a
+        new pid namespace takes the children only); returns only in P2."""
+        enter_namespaces(RUN_NAMESPACES)
+        self.file_systems()
         init = bare_fork()
         if init == 0:
             return self.init()
@@ -302,6 +338,7 @@ def serve_slot(sock: socket.socket, sizes: dict[str, int], supervisor: types.Mod
         flags = struct.pack("16sH22x", b"lo", IFF_UP | IFF_LOOPBACK | IFF_RUNNING)
         fcntl.ioctl(probe.fileno(), SIOCSIFFLAGS, flags)
     sock.sendall(b"Y")  # the kernel attaches this process's pid: the server moves it into its cgroup
+    cloning = CLONE_SYSCALL is not None
     while True:
         message, fds = receive(sock, 1)
         if not message:
@@ -310,11 +347,17 @@ def serve_slot(sock: socket.socket, sizes: dict[str, int], supervisor: types.Mod
             for fd in fds:
                 os.close(fd)
             continue
-        keeper = bare_fork()
-        if keeper == 0:
+        uid, gid = os.getuid(), os.getgid()
+        try:
+            init = clone_into(RUN_NAMESPACES) if cloning else bare_fork()
+        except OSError:  # clone is unknown here, or refused: a keeper does it in two steps from now on
+            cloning = False
+            init = bare_fork()
+        if init == 0:
             try:
                 sock.close()
-                return Run(socket.socket(fileno=fds[0]), sizes, supervisor).keep()
+                run = Run(socket.socket(fileno=fds[0]), sizes, supervisor)
+                return run.cloned(uid, gid) if cloning else run.keep()
             except BaseException:  # the run could not be set up: the server sees its socket close
                 traceback.print_exc()
                 os._exit(70)

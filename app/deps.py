@@ -74,6 +74,12 @@ def app_state(app: Starlette) -> AppState:
     return state
 
 
+def started_state(app: Starlette) -> AppState | None:
+    """The state the lifespan built, or None before start-up (for routes that answer either way)."""
+    state: AppState | None = getattr(app.state, _STATE, None)
+    return state
+
+
 def retry_after(app: Starlette) -> int:
     """Retry-After of a 503; the default before start-up."""
     state: AppState | None = getattr(app.state, _STATE, None)

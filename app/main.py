@@ -16,7 +16,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from app.calls.routes import NOT_A_TOOL_CALL, TOOL_SCOPE_KEY, serve_tool_call, tool_call_target
 from app.calls.routes import router as tools_router
 from app.config import Settings, get_settings
-from app.deps import app_state, database, handle_outage, require, startup_failure
+from app.deps import app_state, database, handle_outage, require, started_state, startup_failure
 from app.episodes.openenv import openenv_router
 from app.episodes.ors import ors_router
 from app.errors import (
@@ -164,8 +164,19 @@ def _add_health_routes(app: FastAPI) -> None:
     """Liveness, and readiness: the rollout store and the database answer."""
 
     @app.get("/healthz", tags=["health"])
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
+    async def healthz(request: Request) -> dict[str, Any]:
+        """Liveness; packs whose resources report their health (`health()`) add it under `packs`
+        (the code pack: whether its runs fork from a warm sandbox parent or start cold)."""
+        answer: dict[str, Any] = {"status": "ok"}
+        state = started_state(request.app)
+        packs: dict[str, Any] = {}
+        for name, resources in (state.registry.resources if state is not None else {}).items():
+            report = getattr(resources, "health", None)
+            if callable(report):
+                packs[name] = report()
+        if packs:
+            answer["packs"] = packs
+        return answer
 
     @app.get("/readyz", tags=["health"])
     async def readyz(request: Request) -> dict[str, str]:

@@ -109,11 +109,20 @@ class CodeClient:
 
 
 @pytest.fixture
-def code_app(app_factory: AppFactory, code_data: Path) -> Any:
+def sandbox_path() -> str:
+    """Which path the code pack's runs take: "warm" (the default, forks of a warm parent) or "cold" (a
+    bwrap per run). Modules parametrize it (`pytest.mark.parametrize("sandbox_path", [...])`) to run their
+    tests on both."""
+    return "warm"
+
+
+@pytest.fixture
+def code_app(app_factory: AppFactory, code_data: Path, sandbox_path: str) -> Any:
     @asynccontextmanager
     async def start(code: dict[str, Any] | None = None, **overrides: Any) -> AsyncIterator[CodeClient]:
         """An app serving the code pack; `code` holds code-pack settings (SPARRING_CODE_*) to set."""
-        settings = {"data": code_data, **(code or {})}
+        path = {"warm": False} if sandbox_path == "cold" else {}
+        settings = {"data": code_data, **path, **(code or {})}
         async with app_factory(
             packs=[pack], key=ADMIN_KEY, pack_settings={"code": settings}, **overrides
         ) as client:

@@ -1,11 +1,11 @@
-"""bench.code and bench.interpreter still run end to end, in a tiny mode."""
+"""bench.code, bench.interpreter and bench.warm still run end to end, in a tiny mode."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from bench import code, interpreter
+from bench import code, interpreter, warm
 
 
 def test_the_code_bench_runs(tmp_path: Path) -> None:
@@ -25,3 +25,27 @@ def test_the_interpreter_bench_runs(tmp_path: Path) -> None:
     report = json.loads(result.read_text())
     assert report["sandbox"] == "bwrap" and report["cell"]["n"] == 3 and report["live"] == 2
     assert report["rss_per_interpreter_mib"] > 1  # the trees were found and measured
+
+
+def test_the_warm_bench_runs(tmp_path: Path) -> None:
+    args = [
+        "--calls",
+        "3",
+        "--grades",
+        "2",
+        "--rounds",
+        "1",
+        "--concurrency",
+        "2",
+        "--results-dir",
+        str(tmp_path),
+    ]
+    assert warm.main(args) == 0
+    (result,) = tmp_path.glob("warm-*.json")
+    report = json.loads(result.read_text())
+    served = report["run_python_http"]
+    assert served["health"]["warm"]["path"] == "warm" and served["health"]["cold"]["path"] == "cold"
+    assert served["warm"]["n"] == 3 and served["bare"]["n"] == 3 and served["write_file"]["n"] == 3
+    grades = report["grades"]
+    assert grades["tasks"] == 2 and all(grades["per_s"][kind] > 0 for kind in ("warm", "cold", "plain"))
+    assert grades["sandbox_layer"]["warm_run"]["n"] == 3

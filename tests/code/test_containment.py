@@ -26,6 +26,12 @@ MiB = 1024 * 1024
 one_backend = pytest.mark.parametrize("backend", ["embedded"])
 
 
+@pytest.fixture(params=["warm", "cold"])
+def sandbox_path(request: pytest.FixtureRequest) -> str:
+    """Every test here that serves the code pack holds on both paths: warm forks, and a bwrap per run."""
+    return str(request.param)
+
+
 def served_sandbox(code: CodeClient) -> sandbox.Sandbox:
     """The sandbox the app's code pack built at start-up."""
     resources = served_resources(code.http)["code"]
@@ -280,10 +286,13 @@ async def test_colliding_paths_from_two_collections_still_grade(code_app: Any, b
     assert score == 1.0
 
 
-async def test_a_sandbox_that_cannot_run_makes_the_grade_unavailable(code_app: Any) -> None:
+async def test_a_sandbox_that_cannot_run_makes_the_grade_unavailable(
+    code_app: Any, sandbox_path: str
+) -> None:
+    # A broken bwrap reaches the runs that start one: the cold path (the warm path's parent died: test_warm).
     task = all_tasks()[TASK]
     fake = fake_bwrap()
-    async with code_app() as code:
+    async with code_app({"warm": False}) as code:
         trace = new_trace()
         await code.write(trace, "solution.py", task.gold_solution, task_id=TASK)
         body = {"sample": {"output_text": "done"}, "item": {"task_id": TASK}, "trace_id": trace}
@@ -333,7 +342,9 @@ async def test_files_the_walk_did_not_list_are_not_taken_as_deleted(code_app: An
 
 
 @one_backend
-async def test_a_run_that_kills_every_process_it_can_is_still_an_answer(code_app: Any, backend: str) -> None:
+async def test_a_run_that_kills_every_process_it_can_is_still_an_answer(
+    code_app: Any, backend: str, sandbox_path: str
+) -> None:
     script = "import os, signal\nprint('bye', flush=True)\nos.kill(-1, signal.SIGKILL)\n"
     async with code_app() as code:
         trace = new_trace()
@@ -341,5 +352,10 @@ async def test_a_run_that_kills_every_process_it_can_is_still_an_answer(code_app
         ran = await code.run(trace, "killall.py", task_id=TASK)
         again = await code.run(trace, "solution.py", task_id=TASK)
     assert ran["stdout"] == "bye\n"
-    assert "supervisor" in ran["error"], ran
+    if sandbox_path == "cold":  # it killed its supervisor
+        assert "supervisor" in ran["error"], ran
+    else:  # the run's init is out of its reach (pid 1 of its namespace): nothing else to kill, as Linux says
+        assert ran["exit_code"] == 1, ran
+        assert ran["stderr"].startswith('Traceback (most recent call last):\n  File "/workspace/killall.py"')
+        assert ran["stderr"].endswith("ProcessLookupError: [Errno 3] No such process\n"), ran
     assert again["exit_code"] == 0

@@ -18,6 +18,12 @@ from tools.code.suspicious import code_flags
 TASK = "HumanEval/0"  # has_close_elements(numbers, threshold) -> bool
 
 
+@pytest.fixture(params=["warm", "cold"])
+def sandbox_path(request: pytest.FixtureRequest) -> str:
+    """Every grade here holds on both paths: warm forks, and a bwrap per run."""
+    return str(request.param)
+
+
 def solution(body: str, *, header: str = "") -> str:
     """solution.py for TASK: the prompt's stub with `header` before it and `body` as the function's body."""
     prompt = all_tasks()[TASK].prompt

@@ -1,7 +1,8 @@
 """The grading harness, run in the sandbox (never imported by the server): `python -I -c <this> WORKSPACE`.
 
-It reads the job (the task's prompt and hidden tests, the runner's source, a per-run token) from stdin,
-makes itself unreadable to other processes, and starts the solution in a separate process (the runner).
+It makes itself unreadable to other processes, forks the solution's process (the runner) before it reads
+anything, then reads the job from stdin (the task's prompt and hidden tests, the runner's source, a
+per-run token) and sends the runner only its source and the entry point.
 The hidden tests run here, against a proxy that sends each call's arguments to the runner and accepts
 only plain values back (None, bool, int, float, str and lists, tuples, sets and dicts of them), decoded
 by this process, never objects the solution built. Only when `check` returns does it print the token,
@@ -11,11 +12,16 @@ cannot print it.
 
 from __future__ import annotations
 
+import builtins
+import contextlib
 import ctypes
 import json
 import os
-import subprocess
+import signal
+import struct
 import sys
+import traceback
+import types
 from typing import Any
 
 MAX_REPLY_BYTES = 16 * 1024 * 1024
@@ -68,7 +74,7 @@ def decode(value: Any, depth: int = 0) -> Any:
 class Candidate:
     """Stands for the solution's entry point: each call runs in the runner process."""
 
-    def __init__(self, runner: subprocess.Popen[bytes], to_runner: Any, from_runner: Any) -> None:
+    def __init__(self, runner: int, to_runner: Any, from_runner: Any) -> None:
         self.runner = runner
         self.to_runner = to_runner
         self.from_runner = from_runner
@@ -94,29 +100,83 @@ class Candidate:
         return decode(reply.get("value"))
 
 
+def start_runner(workspace: str) -> tuple[int, int, int]:
+    """Fork the runner before the job is read, so its memory never held the tests or the token: it waits
+    for its source and entry point, then runs as `python -I -B -X utf8 -c <runner> REQ REPLY WORKSPACE
+    ENTRY` would (a fork of this interpreter, not a second start). Answers its pid and this side's pipes."""
+    request_r, request_w = os.pipe()
+    reply_r, reply_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)  # first: the job arrives on this process's stdin, never for the runner
+            os.close(null)
+            os.dup2(2, 1)
+            os.close(request_w)
+            os.close(reply_r)
+            for fd in (request_r, reply_w):  # as a runner started with them passed would hold them
+                os.set_inheritable(fd, True)
+            ctypes.CDLL(None).prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # as an exec'd runner would be
+            os._exit(run_runner(request_r, reply_w, workspace))
+        except BaseException:
+            os._exit(70)
+    os.close(request_r)
+    os.close(reply_w)
+    return pid, request_w, reply_r
+
+
+def _read_exactly(fd: int, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = os.read(fd, size - len(data))
+        if not chunk:
+            raise EOFError("the harness ended before sending the runner")
+        data += chunk
+    return data
+
+
+def run_runner(request_r: int, reply_w: int, workspace: str) -> int:
+    """In the forked runner: its source and entry point (a length-prefixed JSON frame), then its code in
+    a fresh `__main__`; its exit status."""
+    (size,) = struct.unpack(">I", _read_exactly(request_r, 4))
+    setup = json.loads(_read_exactly(request_r, size))
+    os.chdir(workspace)
+    sys.argv = ["-c", str(request_r), str(reply_w), workspace, setup["entry_point"]]
+    main_module = types.ModuleType("__main__")
+    main_module.__dict__["__builtins__"] = builtins
+    sys.modules["__main__"] = main_module
+    status = 0
+    try:
+        exec(compile(setup["runner"], "<string>", "exec"), main_module.__dict__)
+    except SystemExit as exc:
+        status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:
+            pass
+    return status
+
+
 def main() -> int:
     # Not dumpable: the runner (same uid) cannot read this process's memory, fds or environment.
     ctypes.CDLL(None).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    workspace = sys.argv[1]
+    runner, request_w, reply_r = start_runner(workspace)
     job = json.loads(sys.stdin.buffer.read())
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # stdin is spent; keep fd 0 taken
-    workspace = sys.argv[1]
-    request_r, request_w = os.pipe()
-    reply_r, reply_w = os.pipe()
-    runner = subprocess.Popen(
-        [
-            sys.executable,
-            *("-I", "-B", "-X", "utf8", "-c", job["runner"]),
-            *(str(request_r), str(reply_w), workspace, job["entry_point"]),
-        ],
-        stdin=subprocess.DEVNULL,
-        stdout=2,
-        stderr=2,
-        pass_fds=(request_r, reply_w),
-        cwd=workspace,
-    )
-    os.close(request_r)
-    os.close(reply_w)
-    candidate = Candidate(runner, os.fdopen(request_w, "wb"), os.fdopen(reply_r, "rb"))
+    to_runner = os.fdopen(request_w, "wb")
+    setup = json.dumps({"runner": job["runner"], "entry_point": job["entry_point"]}).encode()
+    try:
+        to_runner.write(struct.pack(">I", len(setup)) + setup)
+        to_runner.flush()
+    except OSError:
+        pass  # the runner is gone: every call fails, as it would
+    candidate = Candidate(runner, to_runner, os.fdopen(reply_r, "rb"))
     namespace: dict[str, Any] = {"__name__": "__hidden_tests__"}
     # The prompt's own code (helpers such as `poly` or `encode_cyclic`), then the hidden tests: both come
     # from the data, never from the workspace.
@@ -126,7 +186,8 @@ def main() -> int:
     namespace["check"](candidate)
     sys.stdout.write(job["token"] + "\n")
     sys.stdout.flush()
-    runner.kill()
+    with contextlib.suppress(OSError):
+        os.kill(runner, signal.SIGKILL)
     return 0
 
 

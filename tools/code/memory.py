@@ -84,6 +84,18 @@ class MemoryCap:
             raise
         return group
 
+    def oom_kills(self, group: Path) -> int:
+        """How many processes of `group` the kernel has killed for going over its limit, so far."""
+        name = "memory.events" if self.mechanism == "cgroup-v2" else "memory.oom_control"
+        try:
+            for line in (group / name).read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value.strip() or 0)
+        except (OSError, ValueError):
+            pass
+        return 0
+
     def out_of_memory(self, group: Path) -> bool:
         """True if the kernel killed a process of `group` for going over its limit."""
         name = "memory.events" if self.mechanism == "cgroup-v2" else "memory.oom_control"

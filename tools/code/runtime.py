@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import anyio
 from pydantic import Field
@@ -17,6 +17,7 @@ from tools.code import data
 from tools.code.interpreter import InterpreterLimits, InterpreterPool
 from tools.code.sandbox import Containment, Limits, Sandbox, SandboxUnavailable, create, probe
 from tools.code.tasks import CodeTask, load_tasks
+from tools.code.warm import WarmRunner
 from tools.code.workspace import LIMITS
 from tools.code.workspace import load_base as workspace_base
 
@@ -73,6 +74,16 @@ class CodeSettings(PackSettings):
         2, ge=1, description="Code runs one rollout holds at once, so a busy rollout cannot starve others."
     )
 
+    warm: bool = Field(
+        True,
+        description="Runs fork from a warm sandbox parent per worker where it works (false: every run cold).",
+    )
+    warm_runs: int = Field(
+        500,
+        ge=1,
+        description="Runs one warm sandbox parent serves before it is replaced by a fresh one.",
+    )
+
     interpreter_idle_seconds: float = Field(
         600.0, gt=0, description="A rollout's `python` interpreter is stopped after this long without a call."
     )
@@ -118,6 +129,15 @@ class CodeResources:
     sandbox: Sandbox
     tasks: Mapping[str, CodeTask]
     interpreters: InterpreterPool | None = None  # the `python` tool's, one per rollout
+    warm: WarmRunner | None = None  # the warm parent (None: the cold path was asked for)
+
+    def health(self) -> dict[str, Any]:
+        """What /healthz says of the code pack: which path its runs take (warm forks or cold starts)."""
+        if self.warm is None:
+            return {"sandbox": self.sandbox.mode, "path": "cold", "why_cold": "SPARRING_CODE_WARM=false"}
+        if not self.sandbox.isolated:
+            return {"sandbox": self.sandbox.mode, "path": "cold", "why_cold": "the unsafe-local sandbox"}
+        return {"sandbox": self.sandbox.mode, **self.warm.describe()}
 
 
 def build_sandbox(settings: CodeSettings, *, home: Path, binds_loopback: bool) -> Sandbox:
@@ -151,10 +171,16 @@ async def lifespan(start: PackStart[CodeSettings]) -> AsyncIterator[CodeResource
     tasks = await anyio.to_thread.run_sync(read_tasks, start.settings, start.home)
     sandbox = build_sandbox(start.settings, home=start.home, binds_loopback=start.binds_loopback)
     interpreters = InterpreterPool(sandbox, start.settings.interpreter_limits())
+    warm = WarmRunner(sandbox, start.settings.warm_runs) if start.settings.warm else None
     try:
         await probe(sandbox)
+        if warm is not None and sandbox.isolated and await warm.start():
+            sandbox.warm = warm
         interpreters.start()
-        yield CodeResources(sandbox=sandbox, tasks=tasks, interpreters=interpreters)
+        yield CodeResources(sandbox=sandbox, tasks=tasks, interpreters=interpreters, warm=warm)
     finally:
         await interpreters.close()
+        sandbox.warm = None
+        if warm is not None:
+            await warm.close()
         sandbox.close()

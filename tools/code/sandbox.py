@@ -31,11 +31,14 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from tools.code.memory import MemoryCap, owner_alive, process_identity
 from tools.code.memory import detect as detect_memory_cap
 from tools.code.memory import release as release_group
+
+if TYPE_CHECKING:
+    from tools.code.warm import WarmRunner
 
 log = logging.getLogger("sparring.packs.code.sandbox")
 
@@ -241,6 +244,8 @@ class Sandbox:
         # One set of slots for the sandbox's life: its owner (the code pack's lifespan) runs on one loop.
         self._slots = _Slots(self.max_parallel, max(1, containment.slots_per_rollout))
         self._mounts = self._system_mounts() if isolated else []
+        # The warm parent (tools/code/warm.py), set by the code pack's lifespan when it works here.
+        self.warm: WarmRunner | None = None
 
     def close(self) -> None:
         """Remove the directory the workspaces of runs are made in (runs still going keep theirs).
@@ -312,9 +317,7 @@ class Sandbox:
         inside = WORKSPACE_MOUNT if self.isolated else str(run.workspace)
         return [
             str(self.python),
-            "-I",
-            "-S",
-            "-B",
+            *run.interpreter_flags,
             "-c",
             run.driver,
             str(run.report_fd),
@@ -341,9 +344,10 @@ class Sandbox:
 
     def _under_bwrap(self, run: _Run, command: list[str]) -> list[str]:
         assert self.bwrap is not None
+        identity = [arg for arg in _BWRAP_IDENTITY if arg != "--disable-userns" or not run.user_namespaces]
         return [
             self.bwrap,
-            *_BWRAP_IDENTITY,
+            *identity,
             *self._mounts,
             *self._scratch_mounts(run),
             *run.file_args,
@@ -398,7 +402,13 @@ class Sandbox:
         SandboxUnavailable when the sandbox itself could not run: an outage, never the run's doing.
         """
         placed, conflicts = place_files(files)
+        program = self.warm.program(python_args, limits) if self.warm is not None else None
         async with self._slots.hold(owner):
+            if program is not None and self.warm is not None:
+                result = await self.warm.run(placed, program, limits, stdin=stdin, collect=collect, cwd=cwd)
+                if conflicts and collect:
+                    result = replace(result, skipped=[*conflicts, *result.skipped])
+                return result
             run = _Run(python_args=python_args, limits=limits, collect=collect, cwd=cwd)
             try:
                 if self.memory.per_run:
@@ -483,6 +493,12 @@ class Sandbox:
             files_complete=not report.truncated,
         )
 
+    def _spawn_user(self) -> dict[str, Any]:
+        """How the sandbox's process is started as the unprivileged uid when setpriv is missing."""
+        if self.switch_user and self.setpriv is None:
+            return {"user": UNPRIVILEGED_ID, "group": UNPRIVILEGED_ID, "extra_groups": []}
+        return {}
+
     async def _spawn(self, run: _Run) -> tuple[asyncio.subprocess.Process, int, float]:
         """Start the run's process; returns it, the read end of its report pipe and when it started."""
         report_r, report_w = os.pipe()
@@ -494,9 +510,7 @@ class Sandbox:
                 "HOME": str(run.workspace or "/"),
                 "LANG": "C.UTF-8",
             }
-            user: dict[str, Any] = {}
-            if self.switch_user and self.setpriv is None:
-                user = {"user": UNPRIVILEGED_ID, "group": UNPRIVILEGED_ID, "extra_groups": []}
+            user = self._spawn_user()
             started = time.perf_counter()
             process = await asyncio.create_subprocess_exec(
                 *command,
@@ -572,6 +586,8 @@ class _Run:
     input_fds: list[int] = field(default_factory=list)  # the files' contents, for bwrap to copy
     report_fd: int = -1
     driver: str | None = None  # a session's driver source (the supervisor when None)
+    interpreter_flags: tuple[str, ...] = ("-I", "-S", "-B")  # the driver's
+    user_namespaces: bool = False  # may create user namespaces (the warm parent: each run makes its own)
 
     def close_inputs(self) -> None:
         for fd in self.input_fds:

@@ -1,0 +1,240 @@
+"""The warm path: runs forked from a parent per worker keep nothing of each other, the parent is replaced
+when it dies (the calls in flight are 503s) and after its runs, and /healthz says which path is active."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.code.conftest import served_resources
+from tests.conftest import new_trace
+from tools.code import warm
+from tools.code.runtime import RUN_LIMITS, CodeResources, CodeSettings, build_sandbox
+from tools.code.sandbox import Limits, RunResult, Sandbox
+from tools.code.warm import WarmRunner
+
+TASK = "HumanEval/0"
+ARGS = ["-E", "-s", "-B", "-X", "utf8"]
+
+
+@pytest.fixture
+async def warm_sandbox(tmp_path: Path) -> AsyncIterator[Sandbox]:
+    """The real bwrap sandbox with its warm parent started (as the code pack's lifespan does)."""
+    sandbox = build_sandbox(CodeSettings(), home=tmp_path, binds_loopback=True)
+    runner = WarmRunner(sandbox, max_runs=500)
+    assert await runner.start(), runner.why_cold
+    sandbox.warm = runner
+    try:
+        yield sandbox
+    finally:
+        sandbox.warm = None
+        await runner.close()
+        sandbox.close()
+
+
+async def run(sandbox: Sandbox, source: str, files: dict[str, str] | None = None) -> RunResult:
+    result = await sandbox.run(
+        {"main.py": source, **(files or {})}, [*ARGS, "main.py"], limits=RUN_LIMITS, collect=True
+    )
+    assert result.exit_code == 0, result.stderr.data.decode()
+    return result
+
+
+def lines(result: RunResult) -> list[str]:
+    return result.stdout.data.decode().splitlines()
+
+
+async def test_no_file_environment_or_module_state_crosses_runs(warm_sandbox: Sandbox) -> None:
+    assert warm_sandbox.warm is not None
+    first = await run(
+        warm_sandbox,
+        "import builtins, json, os, sys, collections\n"
+        "open('/tmp/left', 'w').write('x')\n"
+        "open('/dev/shm/left', 'w').write('x')\n"
+        "open('/workspace/left.txt', 'w').write('x')\n"
+        "os.environ['LEFT'] = '1'\n"
+        "json.dumps = lambda *a, **k: 'patched'\n"
+        "collections.LEFT = 1\n"
+        "builtins.LEFT = 1\n"
+        "sys.modules['left'] = sys\n"
+        "sys.path.append('/left')\n"
+        "LEFT = 1\n"
+        "print(json.dumps([1]), sorted(os.listdir('/tmp')))\n",
+    )
+    assert lines(first) == ["patched ['left']"]
+    assert "left.txt" in (first.files or {})
+    second = await run(
+        warm_sandbox,
+        "import builtins, json, os, sys, collections\n"
+        "print(*(sorted(os.listdir(d)) for d in ('/tmp', '/dev/shm', '/workspace')))\n"
+        "print(os.environ.get('LEFT'), json.dumps([1]), hasattr(collections, 'LEFT'))\n"
+        "print(hasattr(builtins, 'LEFT'), 'left' in sys.modules, '/left' in sys.path)\n"
+        "print(sorted(k for k in globals() if not k.startswith('__')))\n"
+        "print(sorted(os.environ))\n",
+    )
+    assert lines(second) == [
+        "[] [] ['main.py']",
+        "None [1] False",
+        "False False False",
+        "['builtins', 'collections', 'json', 'os', 'sys']",
+        "['HOME', 'LANG', 'PATH', 'TMPDIR']",
+    ]
+    assert warm_sandbox.warm.runs == 3  # the probe and both runs forked from the warm parent
+
+
+async def test_each_run_draws_its_own_random_state(warm_sandbox: Sandbox) -> None:
+    script = "import random, os\nprint(random.random(), random.getrandbits(64), os.urandom(8).hex())\n"
+    draws = [lines(await run(warm_sandbox, script))[0] for _ in range(3)]
+    firsts = {draw.split()[0] for draw in draws}
+    bits = {draw.split()[1] for draw in draws}
+    urandoms = {draw.split()[2] for draw in draws}
+    assert len(firsts) == len(bits) == len(urandoms) == 3, draws
+
+
+async def test_concurrent_runs_see_nothing_of_each_other(warm_sandbox: Sandbox) -> None:
+    # Two runs at once (two slots of one parent): neither sees the other's processes, files, /tmp, IPC or
+    # loopback.
+    script = (
+        "import os, sys, time\n"
+        "name = sys.argv[1]\n"
+        "open(f'/tmp/{name}', 'w').write(name)\n"
+        "import socket\n"
+        "listener = socket.create_server(('127.0.0.1', 4000))\n"  # the same port in both: two loopbacks
+        "time.sleep(0.5)\n"
+        "print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n"
+        "print(sorted(os.listdir('/tmp')), sorted(os.listdir('/workspace')))\n"
+        "print(open('/proc/sysvipc/msg').read().count('\\n'))\n"
+    )
+
+    async def one(name: str) -> list[str]:
+        result = await warm_sandbox.run(
+            {"main.py": script, f"{name}.txt": name}, [*ARGS, "main.py", name], limits=RUN_LIMITS
+        )
+        assert result.exit_code == 0, result.stderr.data.decode()
+        return lines(result)
+
+    first, second = await asyncio.gather(one("a"), one("b"))
+    assert first == ["[1, 2]", "['a'] ['a.txt', 'main.py']", "1"]
+    assert second == ["[1, 2]", "['b'] ['b.txt', 'main.py']", "1"]
+
+
+async def test_a_run_cannot_make_user_namespaces_or_keep_capabilities(warm_sandbox: Sandbox) -> None:
+    script = (
+        "import ctypes, os\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "print(libc.unshare(0x10000000), ctypes.get_errno())\n"  # CLONE_NEWUSER
+        "status = open('/proc/self/status').read().splitlines()\n"
+        "print([line.split()[1] for line in status if line.startswith(('CapEff', 'CapPrm', 'CapBnd'))])\n"
+        "print(os.getuid())\n"
+    )
+    result = await run(warm_sandbox, script)
+    unshare, capabilities, identity = lines(result)
+    assert unshare.split()[0] == "-1"
+    assert capabilities == str(["0000000000000000"] * 3)
+    assert identity == "65534"
+
+
+async def test_the_traceback_and_exit_status_are_the_programs(warm_sandbox: Sandbox) -> None:
+    failed = await warm_sandbox.run(
+        {"main.py": "def f():\n    raise ValueError('boom')\nf()\n"}, [*ARGS, "main.py"], limits=RUN_LIMITS
+    )
+    assert failed.exit_code == 1
+    assert failed.stderr.data.decode() == (
+        "Traceback (most recent call last):\n"
+        '  File "/workspace/main.py", line 3, in <module>\n    f()\n'
+        "  File \"/workspace/main.py\", line 2, in f\n    raise ValueError('boom')\n"
+        "ValueError: boom\n"
+    )
+    exited = await warm_sandbox.run(
+        {
+            "main.py": "import sys, atexit\natexit.register(print, 'bye')\nf = open('kept.txt', 'w')\n"
+            "f.write('unflushed')\nsys.exit(3)\n"
+        },
+        [*ARGS, "main.py"],
+        limits=RUN_LIMITS,
+        collect=True,
+    )
+    assert exited.exit_code == 3
+    assert exited.stdout.data == b"bye\n"
+    assert (exited.files or {})[
+        "kept.txt"
+    ] == b"unflushed"  # a file left open is flushed at exit, as by python
+    code = await warm_sandbox.run({}, ["-I", "-c", "import sys; print(sys.argv)", "x"], limits=Limits())
+    assert code.stdout.data == b"['-c', 'x']\n"
+
+
+async def test_a_killed_parent_is_a_503_with_retry_after_and_the_next_call_works(code_app: Any) -> None:
+    async with code_app() as code:
+        resources = served_resources(code.http)["code"]
+        assert isinstance(resources, CodeResources) and resources.warm is not None
+        runner = resources.warm
+        trace = new_trace()
+        await code.write(trace, "slow.py", "import time\ntime.sleep(5)\n", task_id=TASK)
+        call = asyncio.ensure_future(
+            code.http.post(
+                "/tools/run_python",
+                json={
+                    "call_id": "slow",
+                    "trace_id": trace,
+                    "item": {"task_id": TASK},
+                    "arguments": {"path": "slow.py", "args": None},
+                },
+            )
+        )
+        for _ in range(500):  # until the run is in flight (bounded)
+            if runner.current is not None and runner.current.inflight:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)
+        assert runner.current is not None
+        os.killpg(runner.current.process.pid, signal.SIGKILL)  # bwrap and the parent inside it
+        answer = await asyncio.wait_for(call, 30)
+        assert answer.status_code == 503, answer.text
+        assert answer.headers["Retry-After"]
+        assert "parent stopped" in answer.text
+        again = await code.run(trace, "solution.py", task_id=TASK)
+        health = (await code.http.get("/healthz")).json()["packs"]["code"]
+    assert again["exit_code"] == 0
+    assert health["path"] == "warm" and health["parents_started"] == 2
+
+
+async def test_the_parent_is_replaced_after_its_runs(code_app: Any) -> None:
+    async with code_app({"warm_runs": 2}) as code:
+        runner = served_resources(code.http)["code"].warm  # type: ignore[attr-defined]
+        trace = new_trace()
+        for _ in range(5):
+            assert (await code.run(trace, "solution.py", task_id=TASK))["exit_code"] == 0
+        health = (await code.http.get("/healthz")).json()["packs"]["code"]
+    # The probe and runs 1-5, two per parent: (probe, 1), (2, 3), (4, 5).
+    assert runner.started == 3
+    assert health["parents_started"] == 3 and health["warm_runs"] == 6 and health["warm_runs_per_parent"] == 2
+
+
+async def test_healthz_says_which_path_is_active(code_app: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with code_app() as code:
+        warm_health = (await code.http.get("/healthz")).json()
+    async with code_app({"warm": False}) as code:
+        forced = (await code.http.get("/healthz")).json()
+        assert (await code.run(new_trace(), "solution.py", task_id=TASK))["exit_code"] == 0
+    # A parent that cannot start (as where bwrap's sandbox may not make user namespaces): the cold path.
+    monkeypatch.setattr(warm, "WARM_FLAGS", ("-I", "--no-such-flag"))
+    async with code_app() as code:
+        fallen = (await code.http.get("/healthz")).json()
+        ran = await code.run(new_trace(), "solution.py", task_id=TASK)
+    assert warm_health["status"] == "ok"
+    assert warm_health["packs"]["code"]["path"] == "warm"
+    assert warm_health["packs"]["code"]["parent_rss_bytes"] > 0
+    assert forced["packs"]["code"] == {
+        "sandbox": "bwrap",
+        "path": "cold",
+        "why_cold": "SPARRING_CODE_WARM=false",
+    }
+    assert fallen["packs"]["code"]["path"] == "cold"
+    assert "the warm parent cannot run here" in fallen["packs"]["code"]["why_cold"]
+    assert ran["exit_code"] == 0

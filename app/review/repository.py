@@ -358,7 +358,8 @@ class ReviewRepository(Queries):
             if not rollouts:
                 return
             ids = [r.trace_id for r in rollouts]
-            calls = (await self.session.execute(logged_calls(ToolCall.trace_id.in_(ids)))).all()
+            since = min(r.first_seen for r in rollouts)
+            calls = (await self.session.execute(logged_calls(ToolCall.trace_id.in_(ids), since=since))).all()
             grades = (
                 await self.session.scalars(
                     select(Grade).where(Grade.trace_id.in_(ids)).order_by(Grade.created_at, Grade.id)

@@ -21,10 +21,11 @@ class RolloutRepository:
     async def get(self, trace_id: str) -> RolloutRow | None:
         return await self.session.get(RolloutRow, trace_id)
 
-    async def calls(self, trace_id: str) -> Sequence[Row[Any]]:
-        """The rollout's calls as read (app/db/call_log.py): each answer at its call's first start."""
+    async def calls(self, trace_id: str, *, since: datetime | None = None) -> Sequence[Row[Any]]:
+        """The rollout's calls as read (app/db/call_log.py): each answer at its call's first start.
+        `since`: the rollout's first_seen, when it has a row (the days to read)."""
         rows: Sequence[Row[Any]] = (
-            await self.session.execute(logged_calls(ToolCall.trace_id == trace_id))
+            await self.session.execute(logged_calls(ToolCall.trace_id == trace_id, since=since))
         ).all()
         return rows
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -111,6 +112,17 @@ async def vacuum(engine: AsyncEngine) -> None:
         await conn.execute(text("VACUUM (ANALYZE)"))
 
 
+def _backend_cpu(pid: int) -> float | None:
+    """CPU seconds a local Postgres backend used so far (the machine's load moves it less than wall
+    time); None when Postgres is not on this machine."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _ms(values: list[float]) -> dict[str, float]:
     values = sorted(values)
     return {
@@ -145,15 +157,21 @@ async def measure(engine: AsyncEngine, calls: int, args: argparse.Namespace) -> 
                 stats = await RunStatistics(session, sessions=sessions).run_stats(run)
                 totals.append(time.perf_counter() - t0)
         assert stats.rollouts == ROLLOUTS_PER_DAY, stats.rollouts
-        alone = []
+        alone, cpu = [], []
         for _ in range(args.repeats):
             async with sessions() as session:
+                pid = int(await session.scalar(text("SELECT pg_backend_pid()")) or 0)
+                c0 = _backend_cpu(pid)
                 t0 = time.perf_counter()
                 await StatsRepository(session).call_stats(run)
                 alone.append(time.perf_counter() - t0)
+                c1 = _backend_cpu(pid)
+                if c0 is not None and c1 is not None:
+                    cpu.append(c1 - c0)
         result[label] = {
             "run_stats_ms": round(statistics.median(totals) * 1000, 1),
             "call_stats_ms": round(statistics.median(alone) * 1000, 1),
+            "call_stats_cpu_ms": round(statistics.median(cpu) * 1000) if cpu else None,
         }
     return result
 

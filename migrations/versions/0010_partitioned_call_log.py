@@ -8,7 +8,9 @@ On Postgres, `tool_calls` becomes a partitioned table (app/db/partitions.py): a 
 day the log holds calls of and for the days ahead, and a DEFAULT partition for a call of a day without
 one. The rows move over with their ids (the id sequence stays, so ids go on from where they were).
 A primary key of a partitioned table must hold the partition key: it is (id, started_at); ids still
-come from one sequence, so they stay unique. The indexes are the same, built once the rows are in.
+come from one sequence, so they stay unique. The indexes are the same, built once the rows are in,
+except that the run index also holds started_at (the span of a run's calls, read from the index:
+the run statistics read the partitions of that span only).
 The downgrade moves the rows back into one plain table. SQLite keeps its one table: nothing changes.
 """
 
@@ -30,17 +32,16 @@ _OLD = "tool_calls_unpartitioned"
 # The indexes of 0009, rebuilt on whichever table is `tool_calls` after the move.
 _INDEXES = (
     "CREATE INDEX ix_tool_calls_outcome ON tool_calls (outcome)",
-    "CREATE INDEX ix_tool_calls_run_tool_latency ON tool_calls (run, tool, latency_ms) "
-    "INCLUDE (outcome, output_bytes)",
+    "CREATE INDEX ix_tool_calls_run_tool_latency ON tool_calls (run, tool, latency_ms) INCLUDE ({include})",
     "CREATE INDEX ix_tool_calls_tool_started ON tool_calls (tool, started_at)",
     "CREATE INDEX ix_tool_calls_trace_call ON tool_calls (trace_id, call_id)",
     "CREATE INDEX ix_tool_calls_trace_started ON tool_calls (trace_id, started_at)",
 )
 
 
-def _indexes() -> None:
+def _indexes(include: str) -> None:
     for statement in _INDEXES:
-        op.execute(statement)
+        op.execute(statement.format(include=include))
 
 
 def upgrade() -> None:
@@ -66,7 +67,8 @@ def upgrade() -> None:
     op.execute("ALTER SEQUENCE tool_calls_id_seq OWNED BY tool_calls.id")
     op.execute(f"DROP TABLE {_OLD}")
     op.execute("ALTER TABLE tool_calls ADD CONSTRAINT pk_tool_calls PRIMARY KEY (id, started_at)")
-    _indexes()
+    # The run index holds started_at too: the span of a run's calls, read without the rows.
+    _indexes("outcome, output_bytes, started_at")
     op.execute("ANALYZE tool_calls")
 
 
@@ -79,5 +81,5 @@ def downgrade() -> None:
     op.execute("DROP TABLE tool_calls")  # with its partitions
     op.execute(f"ALTER TABLE {_OLD} RENAME TO tool_calls")
     op.execute("ALTER TABLE tool_calls ADD CONSTRAINT pk_tool_calls PRIMARY KEY (id)")
-    _indexes()
+    _indexes("outcome, output_bytes")
     op.execute("ANALYZE tool_calls")

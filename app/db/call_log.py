@@ -59,28 +59,35 @@ def stands(
     return or_(~answers_its_call(attempt), ~superseded)
 
 
-def placed_start(attempt: Any = ToolCall, *, since: datetime | None = None) -> ColumnElement[Any]:
+def placed_start(
+    attempt: Any = ToolCall, *, since: datetime | None = None, until: datetime | None = None
+) -> ColumnElement[Any]:
     """Where an attempt is placed in its rollout: a call's answer at the call's first start."""
     first = aliased(ToolCall)
     first_start = (
         select(func.min(first.started_at))
-        .where(first.trace_id == attempt.trace_id, first.call_id == attempt.call_id, *_since(first, since))
+        .where(
+            first.trace_id == attempt.trace_id, first.call_id == attempt.call_id, *_since(first, since, until)
+        )
         .scalar_subquery()
     )
     return case((answers_its_call(attempt), first_start), else_=attempt.started_at)
 
 
-def logged_calls(*conditions: ColumnElement[bool], since: datetime | None = None) -> Select[Any]:
+def logged_calls(
+    *conditions: ColumnElement[bool], since: datetime | None = None, until: datetime | None = None
+) -> Select[Any]:
     """The log as read (the rows `conditions` select, e.g. some trace ids): every column of
     `tool_calls`, `started_at` as placed, ordered by rollout, placed start and attempt.
 
-    `since`: the earliest `first_seen` of the rollouts read. Every call a rollout's row counts started
-    then or later (the log writer keeps `first_seen` the least start), so the result is the same, read
-    from the partitions of those days only."""
-    placed = placed_start(since=since).label("started_at")
+    `since`, `until`: the span of the rollouts read, their rows' earliest `first_seen` and latest
+    `last_seen`. Every attempt a rollout's row counts started within it (the log writer keeps
+    `first_seen` the least start and `last_seen` the latest end), so the result is the rollouts' log
+    as of their rows, read from the partitions of those days only."""
+    placed = placed_start(since=since, until=until).label("started_at")
     columns = [placed if c.name == "started_at" else c for c in ToolCall.__table__.c]
     return (
         select(*columns)
-        .where(stands(since=since), *conditions, *_since(ToolCall, since))
+        .where(stands(since=since, until=until), *conditions, *_since(ToolCall, since, until))
         .order_by(ToolCall.trace_id, placed, ToolCall.id)
     )

@@ -42,6 +42,7 @@ class AuditRepository(ReviewRepository):
                 Grade.flags,
                 func.length(func.coalesce(self._answer_text(), "")),
                 RolloutRow.first_seen,
+                RolloutRow.last_seen,
             )
             .select_from(RolloutRow)
             .join(Grade, Grade.id == self._latest_grade_id(grader))
@@ -62,16 +63,18 @@ class AuditRepository(ReviewRepository):
             )
             for r in found
         ]
-        since = min((r[7] for r in found), default=None)
-        tools = await self._tool_counts([r.trace_id for r in rows], since)
+        span = (min(r[7] for r in found), max(r[8] for r in found)) if found else None
+        tools = await self._tool_counts([r.trace_id for r in rows], span)
         return [
             replace(r, tools=tools[r.trace_id][0], errors=tools[r.trace_id][1]) if r.trace_id in tools else r
             for r in rows
         ]
 
-    async def _tool_counts(self, trace_ids: list[str], since: datetime | None) -> dict[str, tuple[int, int]]:
-        """Per rollout: distinct tools called, attempts that were errors. `since`: the rollouts' first
-        first_seen (a partitioned log is then read from that day on, not every day)."""
+    async def _tool_counts(
+        self, trace_ids: list[str], span: tuple[datetime, datetime] | None
+    ) -> dict[str, tuple[int, int]]:
+        """Per rollout: distinct tools called, attempts that were errors. `span`: the rollouts' (their
+        rows' first first_seen, last last_seen): a partitioned log is read on those days only."""
         counts: dict[str, tuple[int, int]] = {}
         errors = func.sum(case((ToolCall.outcome.in_(ERROR_OUTCOMES), 1), else_=0)).cast(Integer)
         for start in range(0, len(trace_ids), 1000):
@@ -79,7 +82,7 @@ class AuditRepository(ReviewRepository):
                 select(ToolCall.trace_id, func.count(func.distinct(ToolCall.tool)), errors)
                 .where(
                     ToolCall.trace_id.in_(trace_ids[start : start + 1000]),
-                    *([ToolCall.started_at >= since] if since is not None else []),
+                    *([ToolCall.started_at.between(*span)] if span is not None else []),
                 )
                 .group_by(ToolCall.trace_id)
             )

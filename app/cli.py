@@ -488,6 +488,38 @@ def db_downgrade(revision: Annotated[str, typer.Argument(help="Target revision, 
     typer.echo(f"database at {revision}")
 
 
+@db_cli.command("partitions")
+def db_partitions() -> None:
+    """Postgres: make the call log's day partitions ahead (as the server does hourly), and list them."""
+    import asyncio
+
+    from sqlalchemy import text
+
+    from app.cli_support import migrated_database
+    from app.db.partitions import AHEAD_DAYS, DEFAULT_PARTITION, partitions
+    from app.retention.service import make_partitions
+
+    settings = load_settings()
+
+    async def work() -> tuple[list[str], list[str], int]:
+        async with migrated_database(settings, pool_size=1) as engine:
+            if engine.dialect.name != "postgresql":
+                return [], [], 0
+            made = await make_partitions(engine)
+            async with engine.connect() as conn:
+                days = [part.name for part in await conn.run_sync(partitions)]
+                stray = await conn.scalar(text(f"SELECT count(*) FROM {DEFAULT_PARTITION}"))
+            return made, days, int(stray or 0)
+
+    made, days, stray = asyncio.run(work())
+    if not days:
+        typer.echo("the call log is one table here (SQLite): it has no partitions")
+        return
+    listed = f": {', '.join(made)}" if made else f" (the next {AHEAD_DAYS} days had theirs)"
+    typer.echo(f"made {len(made)} partitions{listed}")
+    typer.echo(f"{len(days)} day partitions, {days[0]} to {days[-1]}; {stray:,} calls in {DEFAULT_PARTITION}")
+
+
 def _with_started_pack(settings: Settings, name: str, work: Callable[[Any, object], int]) -> int:
     """Load pack `name`, start it (its lifespan finds or fetches its data), run `work(pack, resources)`."""
     import anyio

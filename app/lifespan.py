@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import gc
 import logging
 import os
@@ -31,6 +33,7 @@ from app.metrics import Metrics
 from app.packs import PackLoadError, PackOverrides, Registry, start_packs
 from app.remote.build import build_model_http, build_remote
 from app.remote.service import RemoteRolloutService
+from app.retention.service import keep_partitions, upkeep_round
 from app.rollouts.build import build_store
 from app.rollouts.store import RolloutStore
 from app.sdk import Pack
@@ -138,6 +141,7 @@ async def _resources(
             await check_schema(engine)
         except OUTAGES as exc:
             raise StartupError(unreachable_database(settings.effective_database_url, exc)) from exc
+        await _start_partition_upkeep(stack, engine)
         store = _open_store(stack, settings)
         metrics = Metrics(settings.metrics_dir)
         tracing = _start_tracing(stack, settings, metrics)
@@ -212,6 +216,21 @@ def _start_tracing(stack: AsyncExitStack, settings: Settings, metrics: Metrics) 
         stack.push_async_callback(anyio.to_thread.run_sync, tracing.shutdown)
         log.info("tracing: spans go to the OTLP/HTTP collector (OTEL_EXPORTER_OTLP_*)")
     return tracing
+
+
+async def _start_partition_upkeep(stack: AsyncExitStack, engine: AsyncEngine) -> None:
+    """Postgres: the call log's partitions made ahead now, then hourly (app/db/partitions.py)."""
+    if engine.dialect.name != "postgresql":
+        return
+    await upkeep_round(engine)
+    task = asyncio.create_task(keep_partitions(engine), name="call-log-partitions")
+
+    async def stop() -> None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    stack.push_async_callback(stop)
 
 
 def _start_log_writer(

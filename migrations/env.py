@@ -10,6 +10,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
 from app.db.models import Base
+from app.db.partitions import include_name
 
 config = context.config
 target_metadata = Base.metadata
@@ -29,6 +30,7 @@ def _run(connection: Connection) -> None:
             target_metadata=target_metadata,
             render_as_batch=is_sqlite,
             compare_type=True,
+            include_name=include_name,
         )
         with context.begin_transaction():
             context.run_migrations()

@@ -91,8 +91,11 @@ def _postgres_batch_sql() -> str:
     batch is committed atomically in one round trip; its subqueries read the log as it was before
     it (the batch's own rows are `logged`, in the order of their ids). The earlier answer is looked
     up by a scalar subquery, an index probe per row: as `EXISTS`, Postgres may run it as a hashed
-    scan of every answered row while the table has no statistics yet. The rollouts are upserted in
-    trace_id order, so two workers' batches lock shared rollouts in the same order.
+    scan of every answered row while the table has no statistics yet. The probe is bounded by the
+    span of the rollout's row as it was (first_seen to last_seen, around every attempt logged for it):
+    on a partitioned log (Postgres, app/db/partitions.py) it reads that span's partitions only, not
+    every day's; a rollout without a row has no attempt yet. The rollouts are upserted in trace_id
+    order, so two workers' batches lock shared rollouts in the same order.
     """
     names = ", ".join(name for name, _ in _CALL_COLUMNS)
     answers = f"b_.call_id IS NOT NULL AND b_.outcome IN ({_ANSWERS_SQL})"
@@ -103,9 +106,11 @@ def _postgres_batch_sql() -> str:
             RETURNING id, trace_id, call_id, outcome
         ), counted AS (
             SELECT b_.trace_id, count(*) AS n FROM logged b_
+            LEFT JOIN rollouts s_ ON s_.trace_id = b_.trace_id
             WHERE NOT ({answers} AND (
                 (SELECT 1 FROM tool_calls t_ WHERE t_.trace_id = b_.trace_id
-                 AND t_.call_id = b_.call_id AND t_.outcome IN ({_ANSWERS_SQL}) LIMIT 1) IS NOT NULL
+                 AND t_.call_id = b_.call_id AND t_.outcome IN ({_ANSWERS_SQL})
+                 AND t_.started_at >= s_.first_seen AND t_.started_at <= s_.last_seen LIMIT 1) IS NOT NULL
                 OR EXISTS (SELECT 1 FROM logged e_ WHERE e_.trace_id = b_.trace_id
                            AND e_.call_id = b_.call_id AND e_.outcome IN ({_ANSWERS_SQL})
                            AND e_.id < b_.id)))

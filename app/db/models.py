@@ -51,13 +51,14 @@ class ToolCall(Base):
         # The attempts of one call: which answer stands (app/db/call_log.py), and the writer's count.
         Index("ix_tool_calls_trace_call", "trace_id", "call_id"),
         Index("ix_tool_calls_tool_started", "tool", "started_at"),
-        # Run statistics (per tool: count, latency percentiles, outcomes, output sizes) read only this.
+        # Run statistics (per tool: count, latency percentiles, outcomes, output sizes) read only this;
+        # on Postgres it holds started_at too: the span of a run's calls (the partitions to read).
         Index(
             "ix_tool_calls_run_tool_latency",
             "run",
             "tool",
             "latency_ms",
-            postgresql_include=["outcome", "output_bytes"],
+            postgresql_include=["outcome", "output_bytes", "started_at"],
         ),
     )
 

@@ -50,6 +50,9 @@ def prune_command(
     def report(removed: Removed) -> None:
         typer.echo(f"  removed {_describe(removed)}", err=True)
 
+    def report_partition(name: str, calls: int) -> None:
+        typer.echo(f"  dropped partition {name} ({calls:,} calls)", err=True)
+
     async def work() -> Removed:
         async with migrated_database(settings, pool_size=1) as engine:
             return await prune(
@@ -60,6 +63,7 @@ def prune_command(
                 dry_run=dry_run,
                 now=now,
                 on_batch=report,
+                on_partition=report_partition,
             )
 
     total = asyncio.run(work())

@@ -6,10 +6,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import ColumnElement, and_, delete, func, or_, select
+from sqlalchemy import ColumnElement, and_, column, delete, func, or_, select, table
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.db.models import Grade, KeptState, RolloutLabel, RolloutRow, ToolCall
+from app.db.partitions import DEFAULT_PARTITION
+
+# The call log's default partition (Postgres, app/db/partitions.py): calls of days without a partition.
+_default_partition = table(DEFAULT_PARTITION, column("trace_id"), column("started_at"))
 
 
 @dataclass(frozen=True)
@@ -50,13 +54,19 @@ class RetentionRepository:
         )
         return (await self.session.scalars(query)).all()
 
-    async def delete_rollouts(self, trace_ids: Sequence[str], cutoff: datetime) -> Removed:
+    async def delete_rollouts(
+        self, trace_ids: Sequence[str], cutoff: datetime, *, partitions_before: datetime | None = None
+    ) -> Removed:
         """Delete these rollouts if they are still old, then their calls and grades.
 
         The rollout rows go first, with the age rechecked: a rollout that got a call since it was
         selected stays whole, and a call being logged for a rollout deleted here waits on its row
         and then starts a new one. Calls and grades are deleted by trace (their index) and date,
         so nothing logged after the cutoff goes.
+
+        With `partitions_before` (Postgres, a partitioned log), the calls before it lie in day
+        partitions the prune drops whole afterwards (app/db/partitions.py): only the calls from it to
+        the cutoff are deleted here, and those before it in the default partition.
         """
         deleted = (
             await self.session.scalars(
@@ -68,11 +78,21 @@ class RetentionRepository:
         ).all()
         if not deleted:
             return Removed()
+        since = [ToolCall.started_at >= partitions_before] if partitions_before is not None else []
         calls = await self.session.execute(
             delete(ToolCall)
-            .where(ToolCall.trace_id.in_(deleted), ToolCall.started_at < cutoff)
+            .where(ToolCall.trace_id.in_(deleted), ToolCall.started_at < cutoff, *since)
             .execution_options(synchronize_session=False)
         )
+        calls_removed = _rowcount(calls)
+        if partitions_before is not None:
+            stray = await self.session.execute(
+                delete(_default_partition).where(
+                    _default_partition.c.trace_id.in_(deleted),
+                    _default_partition.c.started_at < partitions_before,
+                )
+            )
+            calls_removed += _rowcount(stray)
         grades = await self.session.execute(
             delete(Grade)
             .where(Grade.trace_id.in_(deleted), Grade.created_at < cutoff)
@@ -82,7 +102,7 @@ class RetentionRepository:
             await self.session.execute(
                 delete(kept).where(kept.trace_id.in_(deleted)).execution_options(synchronize_session=False)
             )
-        return Removed(len(deleted), _rowcount(calls), _rowcount(grades))
+        return Removed(len(deleted), calls_removed, _rowcount(grades))
 
     async def delete_traceless_grades(self, cutoff: datetime, run: str | None, limit: int) -> int:
         ids = select(Grade.id).where(_old_traceless_grade(cutoff, run)).order_by(Grade.id).limit(limit)

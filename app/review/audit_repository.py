@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Integer, case, func, select
@@ -40,6 +41,8 @@ class AuditRepository(ReviewRepository):
                 Grade.sub_scores,
                 Grade.flags,
                 func.length(func.coalesce(self._answer_text(), "")),
+                RolloutRow.first_seen,
+                RolloutRow.last_seen,
             )
             .select_from(RolloutRow)
             .join(Grade, Grade.id == self._latest_grade_id(grader))
@@ -47,6 +50,7 @@ class AuditRepository(ReviewRepository):
             .order_by(RolloutRow.first_seen, RolloutRow.trace_id)
             .limit(cap)
         )
+        found = (await self.session.execute(query)).all()
         rows = [
             AuditRow(
                 trace_id=r[0],
@@ -57,22 +61,29 @@ class AuditRepository(ReviewRepository):
                 flagged=bool(r[5]),
                 answer_chars=int(r[6] or 0),
             )
-            for r in (await self.session.execute(query)).all()
+            for r in found
         ]
-        tools = await self._tool_counts([r.trace_id for r in rows])
+        span = (min(r[7] for r in found), max(r[8] for r in found)) if found else None
+        tools = await self._tool_counts([r.trace_id for r in rows], span)
         return [
             replace(r, tools=tools[r.trace_id][0], errors=tools[r.trace_id][1]) if r.trace_id in tools else r
             for r in rows
         ]
 
-    async def _tool_counts(self, trace_ids: list[str]) -> dict[str, tuple[int, int]]:
-        """Per rollout: distinct tools called, attempts that were errors."""
+    async def _tool_counts(
+        self, trace_ids: list[str], span: tuple[datetime, datetime] | None
+    ) -> dict[str, tuple[int, int]]:
+        """Per rollout: distinct tools called, attempts that were errors. `span`: the rollouts' (their
+        rows' first first_seen, last last_seen): a partitioned log is read on those days only."""
         counts: dict[str, tuple[int, int]] = {}
         errors = func.sum(case((ToolCall.outcome.in_(ERROR_OUTCOMES), 1), else_=0)).cast(Integer)
         for start in range(0, len(trace_ids), 1000):
             query = (
                 select(ToolCall.trace_id, func.count(func.distinct(ToolCall.tool)), errors)
-                .where(ToolCall.trace_id.in_(trace_ids[start : start + 1000]))
+                .where(
+                    ToolCall.trace_id.in_(trace_ids[start : start + 1000]),
+                    *([ToolCall.started_at.between(*span)] if span is not None else []),
+                )
                 .group_by(ToolCall.trace_id)
             )
             for trace_id, distinct, failed in (await self.session.execute(query)).all():

@@ -358,7 +358,10 @@ class ReviewRepository(Queries):
             if not rollouts:
                 return
             ids = [r.trace_id for r in rollouts]
-            calls = (await self.session.execute(logged_calls(ToolCall.trace_id.in_(ids)))).all()
+            since, until = min(r.first_seen for r in rollouts), max(r.last_seen for r in rollouts)
+            calls = (
+                await self.session.execute(logged_calls(ToolCall.trace_id.in_(ids), since=since, until=until))
+            ).all()
             grades = (
                 await self.session.scalars(
                     select(Grade).where(Grade.trace_id.in_(ids)).order_by(Grade.created_at, Grade.id)

@@ -245,8 +245,33 @@ class StatsRepository(Queries):
             output_bytes=int(r[3 + len(OUTCOMES)] or 0),
         )
 
+    async def _read(self, run: str) -> ColumnElement[bool]:
+        """The run's calls as read (app/db/call_log.py), bounded by their own span of starts: on a
+        partitioned log (Postgres) the scan and each call's look-up of a better answer then read the
+        partitions of the run's days only, not every day's. The span comes from the index on run
+        (its INCLUDE holds started_at on Postgres). A call's retries carry its run label (they are
+        the same request again), so its better answer lies within the span too.
+        """
+        # count() beside min/max keeps the planner from answering them by walking another index.
+        first, last, _ = (
+            await self.session.execute(
+                select(func.min(ToolCall.started_at), func.max(ToolCall.started_at), func.count()).where(
+                    ToolCall.run == run
+                )
+            )
+        ).one()
+        if first is None:
+            return and_(ToolCall.run == run, stands())
+        return and_(
+            ToolCall.run == run,
+            ToolCall.started_at >= first,
+            ToolCall.started_at <= last,
+            stands(since=first, until=last),
+        )
+
     async def call_stats(self, run: str) -> tuple[list[ToolRow], ToolRow]:
         """Per tool and over the whole run: counts, latency mean/max/percentiles, outcomes, output bytes."""
+        read = await self._read(run)
         if self.dialect == "postgresql":
             # One pass: per tool and overall (GROUPING SETS), percentiles as ordered-set aggregates.
             percentiles = func.percentile_disc(
@@ -254,9 +279,7 @@ class StatsRepository(Queries):
             ).within_group(ToolCall.latency_ms)
             columns = [ToolCall.tool, func.grouping(ToolCall.tool), *self._call_columns(), percentiles]
             result = await self.session.execute(
-                select(*columns)
-                .where(ToolCall.run == run, stands())
-                .group_by(func.grouping_sets(ToolCall.tool, text("()")))
+                select(*columns).where(read).group_by(func.grouping_sets(ToolCall.tool, text("()")))
             )
             at_percentiles = 2 + 4 + len(OUTCOMES)  # after tool, grouping, count, avg, max, outcomes, bytes
             tools: list[ToolRow] = []
@@ -272,13 +295,11 @@ class StatsRepository(Queries):
         # SQLite (the embedded default, small data): plain aggregates, then ranked percentiles.
         per_tool = await self.session.execute(
             select(ToolCall.tool, *self._call_columns())
-            .where(ToolCall.run == run, stands())
+            .where(read)
             .group_by(ToolCall.tool)
             .order_by(func.count().desc(), ToolCall.tool)
         )
-        totals = (
-            await self.session.execute(select(*self._call_columns()).where(ToolCall.run == run, stands()))
-        ).one()
+        totals = (await self.session.execute(select(*self._call_columns()).where(read))).one()
         ranks = await self._ranked_percentiles(run, per_tool=True)
         overall_ranks = (await self._ranked_percentiles(run, per_tool=False)).get(None)
         tools = [self._call_row(r[0], r[1:], ranks.get(r[0])) for r in per_tool.all()]
@@ -288,6 +309,7 @@ class StatsRepository(Queries):
     async def _ranked_percentiles(self, run: str, *, per_tool: bool) -> dict[str | None, list[float]]:
         """Nearest-rank percentiles without a percentile aggregate: rank, then pick rank ceil(q * n)."""
         partition = [ToolCall.tool] if per_tool else []
+        read = await self._read(run)
         ranked = (
             select(
                 ToolCall.tool.label("tool"),
@@ -295,7 +317,7 @@ class StatsRepository(Queries):
                 func.row_number().over(partition_by=partition, order_by=ToolCall.latency_ms).label("rank"),
                 func.count().over(partition_by=partition).label("n"),
             )
-            .where(ToolCall.run == run, stands())
+            .where(read)
             .subquery()
         )
         picks = [

@@ -21,10 +21,12 @@ class RolloutRepository:
     async def get(self, trace_id: str) -> RolloutRow | None:
         return await self.session.get(RolloutRow, trace_id)
 
-    async def calls(self, trace_id: str) -> Sequence[Row[Any]]:
-        """The rollout's calls as read (app/db/call_log.py): each answer at its call's first start."""
+    async def calls(self, trace_id: str, rollout: RolloutRow | None = None) -> Sequence[Row[Any]]:
+        """The rollout's calls as read (app/db/call_log.py): each answer at its call's first start.
+        `rollout`: its row, when it has one: its span (first_seen to last_seen) is the days to read."""
+        span = {"since": rollout.first_seen, "until": rollout.last_seen} if rollout is not None else {}
         rows: Sequence[Row[Any]] = (
-            await self.session.execute(logged_calls(ToolCall.trace_id == trace_id))
+            await self.session.execute(logged_calls(ToolCall.trace_id == trace_id, **span))
         ).all()
         return rows
 

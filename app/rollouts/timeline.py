@@ -70,7 +70,7 @@ async def read_timeline(session: AsyncSession, trace_id: str) -> RolloutDetail |
     """The rollout's row and logged calls; None when the server has neither."""
     repo = RolloutRepository(session)
     rollout = await repo.get(trace_id)
-    calls = await repo.calls(trace_id)
+    calls = await repo.calls(trace_id, rollout)
     if rollout is None and not calls:
         return None
     return build_timeline(trace_id, rollout, calls)

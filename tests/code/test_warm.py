@@ -270,3 +270,33 @@ async def test_the_precompiled_harness_is_the_parents_and_a_run_cannot_change_it
     assert not failed
     second = await run(warm_sandbox, script)  # a later run finds the parent's, not the earlier run's
     assert lines(second) == lines(first)
+
+
+async def test_a_runs_threads_and_forks_work_as_in_a_fresh_interpreter(warm_sandbox: Sandbox) -> None:
+    """The run's process is forked without Python's fork hooks: threads, locks, a pool, a fork of its
+    own, and a non-daemon thread still running when the script ends all behave as under `python`."""
+    result = await run(
+        warm_sandbox,
+        "import os, sys, threading, time\n"
+        "from concurrent.futures import ThreadPoolExecutor\n"
+        "print(threading.current_thread() is threading.main_thread(), threading.active_count())\n"
+        "lock = threading.Lock(); counts = []\n"
+        "def work(i):\n"
+        "    with lock:\n"
+        "        counts.append(i)\n"
+        "    return i * i\n"
+        "with ThreadPoolExecutor(4) as pool:\n"
+        "    print(sum(pool.map(work, range(10))), len(counts))\n"
+        "sys.stdout.flush()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    t = threading.Thread(target=lambda: print('child thread', flush=True)); t.start(); t.join()\n"
+        "    os._exit(0)\n"
+        "os.waitpid(pid, 0)\n"
+        "def late():\n"
+        "    time.sleep(0.2)\n"
+        "    print('late thread done', flush=True)\n"
+        "threading.Thread(target=late).start()\n"
+        "print('main done', flush=True)\n",
+    )
+    assert lines(result) == ["True 1", "285 10", "child thread", "main done", "late thread done"]

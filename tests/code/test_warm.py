@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from tests.code.conftest import served_resources
+from tests.code.conftest import all_tasks, served_resources
 from tests.conftest import new_trace
-from tools.code import warm
+from tools.code import check, warm
 from tools.code.runtime import RUN_LIMITS, CodeResources, CodeSettings, build_sandbox
 from tools.code.sandbox import Limits, RunResult, Sandbox
 from tools.code.warm import WarmRunner
@@ -238,3 +238,65 @@ async def test_healthz_says_which_path_is_active(code_app: Any, monkeypatch: pyt
     assert fallen["packs"]["code"]["path"] == "cold"
     assert "the warm parent cannot run here" in fallen["packs"]["code"]["why_cold"]
     assert ran["exit_code"] == 0
+
+
+async def test_the_precompiled_harness_is_the_parents_and_a_run_cannot_change_it(
+    warm_sandbox: Sandbox,
+) -> None:
+    """The grading harness and its runner run from code objects the parent compiled once; a run that
+    replaces or empties them changes only its own copy, and the next grade still passes (and still fails
+    a wrong solution)."""
+    sources = [check._source(name) for name in warm.PRECOMPILED]
+    script = (
+        "import sys, types\n"
+        "code = sys.modules['sparring_precompiled'].code\n"
+        "print(sorted(len(s) for s in code), all(isinstance(c, types.CodeType) for c in code.values()))\n"
+        "evil = compile('print(\"tampered\")', '<string>', 'exec')\n"
+        "for source in list(code): code[source] = evil\n"
+    )
+    first = await run(warm_sandbox, script)
+    assert lines(first) == [f"{sorted(len(s) for s in sources)} True"]
+    task = all_tasks()[TASK]
+    passed, result = await check.run_hidden_tests(
+        warm_sandbox, task, {**task.starting_files(), "solution.py": task.gold_solution}
+    )
+    assert passed, result.stderr.data.decode()
+    assert b"tampered" not in result.stdout.data
+    failed, _ = await check.run_hidden_tests(
+        warm_sandbox,
+        task,
+        {**task.starting_files(), "solution.py": "def has_close_elements(n, t):\n    return True\n"},
+    )
+    assert not failed
+    second = await run(warm_sandbox, script)  # a later run finds the parent's, not the earlier run's
+    assert lines(second) == lines(first)
+
+
+async def test_a_runs_threads_and_forks_work_as_in_a_fresh_interpreter(warm_sandbox: Sandbox) -> None:
+    """The run's process is forked without Python's fork hooks: threads, locks, a pool, a fork of its
+    own, and a non-daemon thread still running when the script ends all behave as under `python`."""
+    result = await run(
+        warm_sandbox,
+        "import os, sys, threading, time\n"
+        "from concurrent.futures import ThreadPoolExecutor\n"
+        "print(threading.current_thread() is threading.main_thread(), threading.active_count())\n"
+        "lock = threading.Lock(); counts = []\n"
+        "def work(i):\n"
+        "    with lock:\n"
+        "        counts.append(i)\n"
+        "    return i * i\n"
+        "with ThreadPoolExecutor(4) as pool:\n"
+        "    print(sum(pool.map(work, range(10))), len(counts))\n"
+        "sys.stdout.flush()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    t = threading.Thread(target=lambda: print('child thread', flush=True)); t.start(); t.join()\n"
+        "    os._exit(0)\n"
+        "os.waitpid(pid, 0)\n"
+        "def late():\n"
+        "    time.sleep(0.2)\n"
+        "    print('late thread done', flush=True)\n"
+        "threading.Thread(target=late).start()\n"
+        "print('main done', flush=True)\n",
+    )
+    assert lines(result) == ["True 1", "285 10", "child thread", "main done", "late thread done"]

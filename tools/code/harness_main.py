@@ -136,6 +136,14 @@ def _read_exactly(fd: int, size: int) -> bytes:
     return data
 
 
+def _compiled(source: str) -> types.CodeType:
+    """The runner's code: the warm parent's copy compiled in advance when it has one (see
+    `harness_zygote.py`), else compiled here as `python -c` would."""
+    precompiled = getattr(sys.modules.get("sparring_precompiled"), "code", None)
+    code = precompiled.get(source) if isinstance(precompiled, dict) else None
+    return code if isinstance(code, types.CodeType) else compile(source, "<string>", "exec")
+
+
 def run_runner(request_r: int, reply_w: int, workspace: str) -> int:
     """In the forked runner: its source and entry point (a length-prefixed JSON frame), then its code in
     a fresh `__main__`; its exit status."""
@@ -148,7 +156,7 @@ def run_runner(request_r: int, reply_w: int, workspace: str) -> int:
     sys.modules["__main__"] = main_module
     status = 0
     try:
-        exec(compile(setup["runner"], "<string>", "exec"), main_module.__dict__)
+        exec(_compiled(setup["runner"]), main_module.__dict__)
     except SystemExit as exc:
         status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:

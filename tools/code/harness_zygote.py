@@ -1,6 +1,6 @@
 """The warm sandbox's parent, inside bwrap (never imported by the server): imports once, forks per run.
 
-`python -I -B -X utf8 -c <this> CONTROL_FD WORKSPACE SUPERVISOR_SOURCE SIZES_JSON`
+`python -I -B -X utf8 -c <this> CONTROL_FD WORKSPACE SUPERVISOR_SOURCE SIZES_JSON [PRECOMPILE_JSON]`
 
 It runs as the sandbox user in bwrap's namespaces (no network, read-only system directories, the
 interpreter's imports done) and talks to the server over unix sockets:
@@ -20,6 +20,11 @@ interpreter's imports done) and talks to the server over unix sockets:
   kernel attaches its pid as the server sees it) and `S`, and P2 takes the run's rlimits, stdio,
   environment, working directory, a fresh `__main__`, a reseeded `random`, then runs the code
   (`-c CODE` or a script, as `python` would).
+
+PRECOMPILE_JSON lists sources the server runs often (the grading harness and its runner): the parent
+compiles them once, and a run whose `-c CODE` is one of them execs the parent's code object instead of
+compiling it again (a fork's copy: what a run does to it stays in the run). The grading harness finds
+the runner's in `sys.modules["sparring_precompiled"].code` (a dict from source to code object).
 
 P1 stops the program and everything it left at the wall-clock limit (it is pid 1: when it exits, the
 kernel kills the rest), then sends the supervisor's report (`harness_supervisor.py`'s frames: exit status
@@ -397,6 +402,18 @@ def fresh_stdio() -> None:
         setattr(sys, f"__{name}__", text)
 
 
+PRECOMPILED: dict[str, types.CodeType] = {}  # source -> its code object, compiled as `-c` compiles it
+
+
+def precompile(sources: list[str]) -> None:
+    """Compile `sources` once, and publish them as `sys.modules["sparring_precompiled"].code`."""
+    for source in sources:
+        PRECOMPILED[source] = compile(source, "<string>", "exec", dont_inherit=True)
+    module = types.ModuleType("sparring_precompiled")
+    module.__dict__["code"] = PRECOMPILED
+    sys.modules[module.__name__] = module
+
+
 def program(job: dict[str, Any], base_path: list[str]) -> int:
     """P2: runs `-c CODE args` or `PATH args` as `python` would, in a fresh `__main__`; its exit status."""
     fresh_stdio()
@@ -424,7 +441,9 @@ def program(job: dict[str, Any], base_path: list[str]) -> int:
                 source: str | bytes = handle.read()
         else:
             source = job["code"]
-        code = compile(source, filename, "exec", dont_inherit=True)
+            code = PRECOMPILED.get(job["code"])
+        if code is None:
+            code = compile(source, filename, "exec", dont_inherit=True)
         exec(code, main.__dict__)
     except SystemExit as exit:
         return exit_status(exit)
@@ -484,6 +503,7 @@ def exit_status(exit: SystemExit) -> int:
 
 def main() -> None:
     control_fd, _, supervisor_source, sizes_json = sys.argv[1:5]
+    precompile(json.loads(sys.argv[5]) if len(sys.argv) > 5 else [])
     libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # no run can read or trace the parent, its keepers or inits
     base_path = list(sys.path)
     control = socket.socket(fileno=int(control_fd))

@@ -43,6 +43,7 @@ class User:
     request), its phone's gold calls between the agent's request and its answer; `down` answers 503."""
 
     def __init__(self) -> None:
+        corpus.fetch()  # the task's gold calls are read from the data (fetched once per machine)
         phone = [
             Reply(calls=(Call(name, args),)) for side, name, args in corpus.gold_calls(TASK) if side == "user"
         ]

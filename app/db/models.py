@@ -47,9 +47,11 @@ class ToolCall(Base):
 
     __tablename__ = "tool_calls"
     __table_args__ = (
-        Index("ix_tool_calls_trace_started", "trace_id", "started_at"),
-        # The attempts of one call: which answer stands (app/db/call_log.py), and the writer's count.
-        Index("ix_tool_calls_trace_call", "trace_id", "call_id"),
+        # A rollout's attempts (by its prefix), and one call's attempts within its rollout's span: which
+        # answer stands (app/db/call_log.py), and the writer's count. The only index led by trace_id:
+        # beside a (trace_id, started_at) one the planner took that for a call's look-up and read the
+        # rollout's every attempt (migration 0010).
+        Index("ix_tool_calls_trace_call", "trace_id", "call_id", "started_at"),
         Index("ix_tool_calls_tool_started", "tool", "started_at"),
         # Run statistics (per tool: count, latency percentiles, outcomes, output sizes) read only this;
         # on Postgres it holds started_at too: the span of a run's calls (the partitions to read).

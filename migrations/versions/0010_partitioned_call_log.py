@@ -11,7 +11,9 @@ A primary key of a partitioned table must hold the partition key: it is (id, sta
 come from one sequence, so they stay unique. The indexes are the same, built once the rows are in,
 except that the run index also holds started_at (the span of a run's calls, read from the index:
 the run statistics read the partitions of that span only).
-The downgrade moves the rows back into one plain table. SQLite keeps its one table: nothing changes.
+On both backends the call index (trace_id, call_id) gains started_at (one call's attempts within a
+span) and (trace_id, started_at) goes: the call index serves a rollout's reads by its prefix. The
+downgrade moves the rows back into one plain table. SQLite keeps its one table.
 """
 
 from __future__ import annotations
@@ -34,19 +36,24 @@ _INDEXES = (
     "CREATE INDEX ix_tool_calls_outcome ON tool_calls (outcome)",
     "CREATE INDEX ix_tool_calls_run_tool_latency ON tool_calls (run, tool, latency_ms) INCLUDE ({include})",
     "CREATE INDEX ix_tool_calls_tool_started ON tool_calls (tool, started_at)",
-    "CREATE INDEX ix_tool_calls_trace_call ON tool_calls (trace_id, call_id)",
-    "CREATE INDEX ix_tool_calls_trace_started ON tool_calls (trace_id, started_at)",
+    "CREATE INDEX ix_tool_calls_trace_call ON tool_calls (trace_id, call_id{call_started})",
 )
+# 0009's index of a rollout's attempts by start, which 0010 drops (the call index serves its reads).
+_TRACE_STARTED = "CREATE INDEX ix_tool_calls_trace_started ON tool_calls (trace_id, started_at)"
 
 
-def _indexes(include: str) -> None:
+def _indexes(include: str, call_started: str) -> None:
     for statement in _INDEXES:
-        op.execute(statement.format(include=include))
+        op.execute(statement.format(include=include, call_started=call_started))
 
 
 def upgrade() -> None:
     bind = op.get_bind()
     if bind.dialect.name != "postgresql":
+        # The same indexes on both backends (see the Postgres branch's note).
+        op.drop_index("ix_tool_calls_trace_started", table_name="tool_calls")
+        op.drop_index("ix_tool_calls_trace_call", table_name="tool_calls")
+        op.create_index("ix_tool_calls_trace_call", "tool_calls", ["trace_id", "call_id", "started_at"])
         return
     from datetime import UTC, datetime, timedelta
 
@@ -67,13 +74,22 @@ def upgrade() -> None:
     op.execute("ALTER SEQUENCE tool_calls_id_seq OWNED BY tool_calls.id")
     op.execute(f"DROP TABLE {_OLD}")
     op.execute("ALTER TABLE tool_calls ADD CONSTRAINT pk_tool_calls PRIMARY KEY (id, started_at)")
-    # The run index holds started_at too: the span of a run's calls, read without the rows.
-    _indexes("outcome, output_bytes, started_at")
+    # The run index holds started_at too: the span of a run's calls, read without the rows. The call
+    # index ends with started_at and is the only one led by trace_id: the writer's probe for an
+    # earlier answer and the log's rule look up one call's attempts within its rollout's span, an
+    # index range of that call only. With (trace_id, started_at) beside it the planner took that one
+    # for the probe (equal estimates) and read every attempt of the rollout in the span: a cost per
+    # call that grows with the rollout (the log wrote at half the rate with 100-call batches). A
+    # rollout's timeline reads the call index by its trace_id prefix.
+    _indexes("outcome, output_bytes, started_at", ", started_at")
     op.execute("ANALYZE tool_calls")
 
 
 def downgrade() -> None:
     if op.get_bind().dialect.name != "postgresql":
+        op.drop_index("ix_tool_calls_trace_call", table_name="tool_calls")
+        op.create_index("ix_tool_calls_trace_call", "tool_calls", ["trace_id", "call_id"])
+        op.create_index("ix_tool_calls_trace_started", "tool_calls", ["trace_id", "started_at"])
         return
     op.execute(f"CREATE TABLE {_OLD} (LIKE tool_calls INCLUDING DEFAULTS)")
     op.execute(f"INSERT INTO {_OLD} SELECT * FROM tool_calls")
@@ -81,5 +97,6 @@ def downgrade() -> None:
     op.execute("DROP TABLE tool_calls")  # with its partitions
     op.execute(f"ALTER TABLE {_OLD} RENAME TO tool_calls")
     op.execute("ALTER TABLE tool_calls ADD CONSTRAINT pk_tool_calls PRIMARY KEY (id)")
-    _indexes("outcome, output_bytes")
+    _indexes("outcome, output_bytes", "")
+    op.execute(_TRACE_STARTED)
     op.execute("ANALYZE tool_calls")

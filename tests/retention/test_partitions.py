@@ -320,7 +320,16 @@ async def test_sqlite_keeps_one_table(tmp_path: Path) -> None:
     await asyncio.to_thread(upgrade, url, "0009_transcripts")
     at_0009 = await on(url, _sqlite_schema)
     await asyncio.to_thread(upgrade, url)
-    assert await on(url, _sqlite_schema) == at_0009
+    at_head = await on(url, _sqlite_schema)
+    # One table as before; only the indexes led by trace_id change, as on Postgres: the call index
+    # gains started_at and (trace_id, started_at) goes.
+    tables = [row for row in at_head if row[0] == "table"]
+    assert tables == [row for row in at_0009 if row[0] == "table"] and len(tables) == 1
+    changed = {"ix_tool_calls_trace_call", "ix_tool_calls_trace_started"}
+    assert [r for r in at_head if r[1] not in changed] == [r for r in at_0009 if r[1] not in changed]
+    indexes = {r[1]: r[2] for r in at_head if r[0] == "index"}
+    assert "ix_tool_calls_trace_started" not in indexes
+    assert indexes["ix_tool_calls_trace_call"].endswith("(trace_id, call_id, started_at)")
     engine: AsyncEngine = create_async_engine(url, poolclass=NullPool)
     try:
         assert await make_partitions(engine) == []

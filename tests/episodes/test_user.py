@@ -120,7 +120,8 @@ async def test_a_telecom_customer_fixes_its_phone_in_process_between_two_steps(
     app_factory: AppFactory, model_server: ModelServer
 ) -> None:
     from tests.telecom import corpus
-    from tests.usersim.test_user_tool import ASK, DONE, OPENING, TASK, User
+    from tests.usersim.telecom_script import ASK, DONE, OPENING, TASK
+    from tests.usersim.test_user_tool import User
     from tools.telecom import pack as telecom_pack
 
     model_server.script = User()

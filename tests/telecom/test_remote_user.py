@@ -12,22 +12,13 @@ import httpx
 import pytest
 
 from app.users.service import USER_CALL_PREFIX
-from sparring.usersim import STOP
 from tests.conftest import ADMIN_KEY, AppFactory
 from tests.remote.model_server import ModelServer, Turn
 from tests.remote.processor import Row, init_request, post_init, wait_terminated
 from tests.telecom import corpus
+from tests.usersim.telecom_script import ASK, DONE, FAREWELL, OPENING, SOLVED, TASK
 from tools.telecom import pack
 from tools.telecom.dataset import build_dataset
-
-# The phone has airplane mode and data saver on while abroad, and the line's roaming is off: the user
-# fixes the first two on its phone, the agent enables roaming at the carrier.
-TASK = "[mobile_data_issue]airplane_mode_on|data_saver_mode_on|user_abroad_roaming_disabled_on[PERSONA:None]"
-OPENING = "My mobile data doesn't work while I'm abroad."
-ASK = "Please turn airplane mode off and turn data saver off, then tell me when it's done."
-DONE = "Done, both are off now."
-SOLVED = "I've checked your line and roaming is set. Is your data working now?"
-FAREWELL = f"Yes, it works. Thank you! {STOP}"
 
 
 def scripts(omitted: str | None) -> tuple[list[Turn], list[Turn]]:

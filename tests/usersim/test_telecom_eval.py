@@ -9,25 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from sparring.usersim import STOP
 from tests.conftest import REDIS_URL
 from tests.runner.model_server import Call, ModelRequest, ModelServer, Reply
 from tests.runner.test_cli import run_cli, servers, write_lines
 from tests.system.helpers import Server, Servers, server_settings
 from tests.telecom import corpus
 from tests.telecom.corpus import Call as GoldCall
+from tests.usersim.telecom_script import ASK, DONE, FAREWELL, OPENING, SOLVED, TASK
 from tools.telecom.dataset import build_dataset
 
 __all__ = ["servers"]
-
-# The user's phone has airplane mode and data saver on while abroad, and the line's roaming is off: the
-# user fixes the first two on the phone, the agent enables roaming at the carrier.
-TASK = "[mobile_data_issue]airplane_mode_on|data_saver_mode_on|user_abroad_roaming_disabled_on[PERSONA:None]"
-OPENING = "My mobile data doesn't work while I'm abroad."
-ASK = "Please turn airplane mode off and turn data saver off, then tell me when it's done."
-DONE = "Done, both are off now."
-SOLVED = "I've checked your line and roaming is set. Is your data working now?"
-FAREWELL = f"Yes, it works. Thank you! {STOP}"
 
 
 @pytest.fixture

@@ -26,16 +26,9 @@ from tests.mcp.conftest import in_process, mcp_client
 from tests.packs import counter_pack
 from tests.runner.model_server import Call, ModelRequest, ModelServer, Reply, Unavailable
 from tests.telecom import corpus
+from tests.usersim.telecom_script import ASK, DONE, FAREWELL, OPENING, SOLVED, TASK
 from tools.retail import pack as retail_pack
 from tools.telecom import pack
-
-# The phone has airplane mode and data saver on while abroad, and the line's roaming is off.
-TASK = "[mobile_data_issue]airplane_mode_on|data_saver_mode_on|user_abroad_roaming_disabled_on[PERSONA:None]"
-OPENING = "My mobile data doesn't work while I'm abroad."
-ASK = "Please turn airplane mode off and turn data saver off, then tell me when it's done."
-DONE = "Done, both are off now."
-SOLVED = "I've checked your line and roaming is set. Is your data working now?"
-FAREWELL = f"Yes, it works. Thank you! {STOP}"
 
 
 class User:

@@ -120,6 +120,35 @@ class RunResult:
     # False when the walk stopped at a limit: a file missing from `files` may still be there.
     files_complete: bool = True
 
+    @classmethod
+    def reported(
+        cls,
+        report: Report,
+        *,
+        stdout: Output,
+        stderr: Output,
+        wall_seconds: float,
+        deadline_hit: bool,
+        overflowed: bool,
+        memory_exceeded: bool,
+        collect: bool,
+    ) -> RunResult:
+        """A run's result from its supervisor's report and what the server saw of it (its deadline,
+        its output, the memory cap): no exit code for a run that was killed."""
+        timed_out = report.timed_out or deadline_hit
+        return cls(
+            exit_code=None if timed_out or overflowed else report.exit_code,
+            stdout=stdout,
+            stderr=stderr,
+            wall_seconds=wall_seconds,
+            timed_out=timed_out,
+            output_overflow=overflowed,
+            memory_exceeded=memory_exceeded,
+            files=report.files if collect else None,
+            skipped=report.skipped,
+            files_complete=not report.truncated,
+        )
+
 
 def _reachable_by_others(path: Path) -> bool:
     """True if a process of another uid can execute `path` (every directory above it searchable)."""
@@ -477,20 +506,15 @@ class Sandbox:
             raise SandboxUnavailable(
                 f"the {self.mode} sandbox did not start (exit {process.returncode}: {detail or 'no output'})"
             )
-        memory_exceeded = run.group is not None and self.memory.out_of_memory(run.group)
-        timed_out = report.timed_out or deadline_hit
-        killed = timed_out or overflow.is_set()
-        return RunResult(
-            exit_code=None if killed else report.exit_code,
+        return RunResult.reported(
+            report,
             stdout=stdout,
             stderr=stderr,
             wall_seconds=wall,
-            timed_out=timed_out,
-            output_overflow=overflow.is_set(),
-            memory_exceeded=memory_exceeded,
-            files=report.files if run.collect else None,
-            skipped=report.skipped,
-            files_complete=not report.truncated,
+            deadline_hit=deadline_hit,
+            overflowed=overflow.is_set(),
+            memory_exceeded=run.group is not None and self.memory.out_of_memory(run.group),
+            collect=run.collect,
         )
 
     def _spawn_user(self) -> dict[str, Any]:

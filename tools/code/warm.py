@@ -482,20 +482,15 @@ class WarmRunner:
             if report.exit_code is None and not (deadline_hit or overflow.is_set()):
                 if await parent.died(PARENT_GONE_SECONDS):
                     raise SandboxUnavailable("the warm sandbox's parent stopped during the run; retry it")
-            memory_exceeded = slot.group is not None and sandbox.memory.oom_kills(slot.group) > ooms
-            timed_out = report.timed_out or deadline_hit
-            killed = timed_out or overflow.is_set()
-            return RunResult(
-                exit_code=None if killed else report.exit_code,
+            return RunResult.reported(
+                report,
                 stdout=stdout,
                 stderr=stderr,
                 wall_seconds=wall,
-                timed_out=timed_out,
-                output_overflow=overflow.is_set(),
-                memory_exceeded=memory_exceeded,
-                files=report.files if collect else None,
-                skipped=report.skipped,
-                files_complete=not report.truncated,
+                deadline_hit=deadline_hit,
+                overflowed=overflow.is_set(),
+                memory_exceeded=slot.group is not None and sandbox.memory.oom_kills(slot.group) > ooms,
+                collect=collect,
             )
         finally:
             if pidfd >= 0:

@@ -79,8 +79,23 @@ async def _calls_under_drops(rounds: int) -> tuple[int, list[BaseException]]:
             dropping.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await dropping
-        # Redis is reachable again: the store recovers by itself.
-        after = await asyncio.gather(*(call(trace, "after") for trace in traces), return_exceptions=True)
+
+        # Redis is reachable again: the store recovers by itself. A rollout lock whose release a drop
+        # lost is freed by its lease (lock_timeout), so a rollout's next call may wait that long, and
+        # on a loaded machine a first try may still meet the lock: each rollout's call is retried,
+        # as a trainer would, within a few leases.
+        async def answered_after(trace: str) -> BaseException | None:
+            failure: BaseException | None = None
+            for attempt in range(5):
+                try:
+                    await call(trace, f"after{attempt}")
+                    return None
+                except StoreUnavailable as exc:
+                    failure = exc
+                    await asyncio.sleep(1)
+            return failure
+
+        after = await asyncio.gather(*(answered_after(trace) for trace in traces), return_exceptions=True)
     finally:
         await store.aclose()
         await proxy.aclose()

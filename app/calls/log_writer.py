@@ -80,22 +80,22 @@ def _recordset(param: str, alias: str, columns: tuple[tuple[str, str], ...]) -> 
 
 
 def _postgres_batch_sql() -> str:
-    """A whole batch in one statement: log the attempts, then upsert their rollouts adding the number
-    of calls the log as read gained (app/db/call_log.py): every attempt, but an answer of a call that
-    already had an answering attempt (in the log, or earlier in the batch) only replaces it.
+    """A whole batch in one statement: log the attempts, then upsert their rollouts adding the number of
+    calls the log as read gained (app/db/call_log.py): every attempt, but an answer of a call that already
+    had an answering attempt (in the log, or earlier in the batch) only replaces it.
 
     The rows travel as two JSON documents ($1 the attempts, $2 their rollouts; one orjson call each)
-    rather than an array per column, which the driver would encode value by value, and the statement
-    goes to asyncpg directly (prepared once per connection). Together that is a third of the client
-    CPU that SQLAlchemy with column arrays took per batch. One statement is one transaction, so the
-    batch is committed atomically in one round trip; its subqueries read the log as it was before
-    it (the batch's own rows are `logged`, in the order of their ids). The earlier answer is looked
-    up by a scalar subquery, an index probe per row: as `EXISTS`, Postgres may run it as a hashed
-    scan of every answered row while the table has no statistics yet. The probe is bounded by the
-    span of the rollout's row as it was (first_seen to last_seen, around every attempt logged for it):
-    on a partitioned log (Postgres, app/db/partitions.py) it reads that span's partitions only, not
-    every day's; a rollout without a row has no attempt yet. The rollouts are upserted in trace_id
-    order, so two workers' batches lock shared rollouts in the same order.
+    rather than an array per column, which the driver would encode value by value, and the statement goes
+    to asyncpg directly (prepared once per connection). Together that is a third of the client CPU that
+    SQLAlchemy with column arrays took per batch. One statement does the work, in a transaction of its own
+    (with `_BATCH_BEGIN`'s plan setting), so the batch is committed atomically; its subqueries read the
+    log as it was before it (the batch's own rows are `logged`, in the order of their ids). The earlier
+    answer is looked up by a scalar subquery, an index probe per row: as `EXISTS`, Postgres may run it as
+    a hashed scan of every answered row while the table has no statistics yet. The probe is bounded by the
+    span of the rollout's row as it was (first_seen to last_seen, around every attempt logged for it): on
+    a partitioned log (Postgres, app/db/partitions.py) it reads that span's partitions only, not every
+    day's; a rollout without a row has no attempt yet. The rollouts are upserted in trace_id order, so two
+    workers' batches lock shared rollouts in the same order.
     """
     names = ", ".join(name for name, _ in _CALL_COLUMNS)
     answers = f"b_.call_id IS NOT NULL AND b_.outcome IN ({_ANSWERS_SQL})"
@@ -130,6 +130,16 @@ def _postgres_batch_sql() -> str:
             channel = coalesce(rollouts.channel, excluded.channel),
             calls = rollouts.calls + excluded.calls
         """
+
+
+# The batch's transaction, with the one plan setting it needs. Postgres keeps a generic plan for the
+# batch statement (prepared once per connection) made from its first executions; made while the day's
+# partition was empty or had no statistics (a new install, a new day, autovacuum behind or off), that
+# plan probed a call's earlier answer by scanning the whole partition, a cost that grew with the log:
+# 400 calls/s instead of thousands. Without sequential scans the probe reads the call index, whatever
+# the statistics. SET LOCAL ends with the transaction, so a pooled connection (or PgBouncer in
+# transaction mode) carries nothing of it to another statement.
+_BATCH_BEGIN = "BEGIN; SET LOCAL enable_seqscan = off"
 
 
 def _calls_gained(rows: list[dict[str, Any]], answered_before: set[tuple[str, str | None]]) -> dict[str, int]:
@@ -356,7 +366,9 @@ class CallLogWriter:
             try:
                 raw = await conn.get_raw_connection()
                 driver: Any = raw.driver_connection  # the asyncpg connection under SQLAlchemy's
+                await driver.execute(_BATCH_BEGIN)
                 await driver.execute(self._batch_sql, calls, touched)
+                await driver.execute("COMMIT")
             except BaseException:
                 # Whatever went wrong, the next batch starts on a new connection.
                 self._conn = None

@@ -342,3 +342,63 @@ async def test_sqlite_keeps_one_table(tmp_path: Path) -> None:
 
 def _sqlite_schema(conn: Connection) -> list[Any]:
     return list(conn.execute(text("SELECT type, name, sql FROM sqlite_master WHERE tbl_name = 'tool_calls'")))
+
+
+# --- the writer's plan -------------------------------------------------------------------------------
+
+
+async def test_the_writers_probe_reads_its_index_after_the_log_grew_from_empty(pg_url: str) -> None:
+    """The writer's statement is prepared once per connection, and Postgres keeps a generic plan for it
+    made from the first batches. Planned while the day's partition was empty (no statistics yet, and none
+    ever where autovacuum is off), that plan read the earlier answer of every call with a scan of the
+    whole partition: a cost growing with the log (bench.tenk: 33,063 scans read 599M rows; 400 calls/s).
+    Each batch must probe the call index however the plan was made."""
+    await asyncio.to_thread(upgrade, pg_url)
+    engine = create_async_engine(pg_url)
+    writer = CallLogWriter(engine, queue_size=10, batch_size=10, retry_after=1, metrics=Metrics())
+    writer.start()
+    trace = f"probe-{uuid.uuid4().hex[:6]}"
+    grown = 20_000
+    try:
+        for n in range(10):  # while the log is empty: Postgres settles on a plan for the statement
+            await writer.write(record(trace, f"c{n}", datetime.now(UTC)))
+        async with engine.begin() as conn:  # other rollouts' calls of the same day
+            await conn.execute(
+                text(
+                    "INSERT INTO tool_calls (attempt_id, trace_id, call_id, tool, arguments, output,"
+                    " output_bytes, outcome, status_code, started_at, ended_at, latency_ms, worker, run,"
+                    " channel) SELECT 'a' || g, 'other-' || (g % 500), 'call-' || g, 'echo', '{}', 'x', 1,"
+                    " 'ok', 200, now(), now(), 1.0, 'w', 'r', 'model' FROM generate_series(1, :n) AS g"
+                ),
+                {"n": grown},
+            )
+        for n in range(20):  # each probes for an earlier answer of its call
+            await writer.write(record(trace, f"d{n}", datetime.now(UTC)))
+            await writer.write(record(trace, f"d{n}", datetime.now(UTC)))  # a retry: answered before
+    finally:
+        await writer.aclose()
+        await engine.dispose()  # the writer's backend ends, and reports its table statistics
+    engine = create_async_engine(pg_url, poolclass=NullPool)
+    try:
+        async with engine.connect() as conn:
+            for _ in range(100):
+                others = await conn.scalar(
+                    text("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                         " AND pid <> pg_backend_pid()")
+                )  # fmt: skip
+                if others == 0:
+                    break
+                await asyncio.sleep(0.05)
+                await conn.execute(text("SELECT pg_stat_clear_snapshot()"))
+            await conn.execute(text("SELECT pg_stat_clear_snapshot()"))
+            read = await conn.scalar(
+                text(
+                    "SELECT coalesce(sum(seq_tup_read), 0) FROM pg_stat_user_tables"
+                    " WHERE relname LIKE 'tool_calls_p%' OR relname = 'tool_calls_default'"
+                )
+            )
+            counted = await conn.scalar(select(RolloutRow.calls).where(RolloutRow.trace_id == trace))
+    finally:
+        await engine.dispose()
+    assert counted == 30  # the retries were found as answered before: not counted again
+    assert read < grown, f"the writer scanned {read} rows of the log to probe 40 calls"

@@ -94,8 +94,10 @@ def _postgres_batch_sql() -> str:
     a hashed scan of every answered row while the table has no statistics yet. The probe is bounded by the
     span of the rollout's row as it was (first_seen to last_seen, around every attempt logged for it): on
     a partitioned log (Postgres, app/db/partitions.py) it reads that span's partitions only, not every
-    day's; a rollout without a row has no attempt yet. The rollouts are upserted in trace_id order, so two
-    workers' batches lock shared rollouts in the same order.
+    day's; a rollout without a row has no attempt yet. Its row is read by its key for each of the batch's
+    rows (a lateral subquery, kept apart from the join by `OFFSET 0`): joined, the planner hashed the
+    whole rollouts table for every batch while its statistics said it was small. The rollouts are
+    upserted in trace_id order, so two workers' batches lock shared rollouts in the same order.
     """
     names = ", ".join(name for name, _ in _CALL_COLUMNS)
     answers = f"b_.call_id IS NOT NULL AND b_.outcome IN ({_ANSWERS_SQL})"
@@ -106,7 +108,9 @@ def _postgres_batch_sql() -> str:
             RETURNING id, trace_id, call_id, outcome
         ), counted AS (
             SELECT b_.trace_id, count(*) AS n FROM logged b_
-            LEFT JOIN rollouts s_ ON s_.trace_id = b_.trace_id
+            LEFT JOIN LATERAL (
+                SELECT first_seen, last_seen FROM rollouts WHERE trace_id = b_.trace_id OFFSET 0
+            ) s_ ON true
             WHERE NOT ({answers} AND (
                 (SELECT 1 FROM tool_calls t_ WHERE t_.trace_id = b_.trace_id
                  AND t_.call_id = b_.call_id AND t_.outcome IN ({_ANSWERS_SQL})

@@ -352,7 +352,7 @@ async def test_the_writers_probe_reads_its_index_after_the_log_grew_from_empty(p
     made from the first batches. Planned while the day's partition was empty (no statistics yet, and none
     ever where autovacuum is off), that plan read the earlier answer of every call with a scan of the
     whole partition: a cost growing with the log (bench.tenk: 33,063 scans read 599M rows; 400 calls/s).
-    Each batch must probe the call index however the plan was made."""
+    Each batch must probe the call index, and read its own rollouts' rows, however the plan was made."""
     await asyncio.to_thread(upgrade, pg_url)
     engine = create_async_engine(pg_url)
     writer = CallLogWriter(engine, queue_size=10, batch_size=10, retry_after=1, metrics=Metrics())
@@ -371,6 +371,13 @@ async def test_the_writers_probe_reads_its_index_after_the_log_grew_from_empty(p
                     " 'ok', 200, now(), now(), 1.0, 'w', 'r', 'model' FROM generate_series(1, :n) AS g"
                 ),
                 {"n": grown},
+            )
+            await conn.execute(
+                text(
+                    "INSERT INTO rollouts (trace_id, run, first_seen, last_seen, calls) SELECT 'other-' || g,"
+                    " 'r', now(), now(), 1 FROM generate_series(1, :n) AS g"
+                ),
+                {"n": grown // 4},
             )
         for n in range(20):  # each probes for an earlier answer of its call
             await writer.write(record(trace, f"d{n}", datetime.now(UTC)))
@@ -397,8 +404,16 @@ async def test_the_writers_probe_reads_its_index_after_the_log_grew_from_empty(p
                     " WHERE relname LIKE 'tool_calls_p%' OR relname = 'tool_calls_default'"
                 )
             )
+            rollouts_read = await conn.scalar(
+                text(
+                    "SELECT coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0) FROM pg_stat_user_tables"
+                    " WHERE relname = 'rollouts'"
+                )
+            )
             counted = await conn.scalar(select(RolloutRow.calls).where(RolloutRow.trace_id == trace))
     finally:
         await engine.dispose()
     assert counted == 30  # the retries were found as answered before: not counted again
     assert read < grown, f"the writer scanned {read} rows of the log to probe 40 calls"
+    # Each batch reads its own rollouts' rows by their key, not every rollout's (50 batches here).
+    assert rollouts_read < grown // 4, f"the writer read {rollouts_read} rows of rollouts for 50 batches"

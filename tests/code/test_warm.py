@@ -300,3 +300,45 @@ async def test_a_runs_threads_and_forks_work_as_in_a_fresh_interpreter(warm_sand
         "print('main done', flush=True)\n",
     )
     assert lines(result) == ["True 1", "285 10", "child thread", "main done", "late thread done"]
+
+
+def _private_kib(result: RunResult) -> int:
+    """The run's own Private_Dirty (smaps_rollup), in KiB: the parent's pages it copied, and its own."""
+    for line in lines(result):
+        if line.startswith("Private_Dirty:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no Private_Dirty in {lines(result)}")
+
+
+async def test_an_idle_workers_next_run_copies_its_pages_before_its_job(
+    warm_sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run prepared while no other run of the worker is in flight copies the parent's pages while it
+    waits (no page faults after its job arrives); under concurrent runs the next ones are prepared without
+    (the copy would take CPU from the runs in flight)."""
+    asked: list[bool] = []
+    copying = {"allowed": False}
+    prepare = warm.Slot.prepare
+
+    def recorded(self: warm.Slot, prefault: bool = False) -> None:
+        asked.append(prefault)
+        prepare(self, prefault and copying["allowed"])
+
+    monkeypatch.setattr(warm.Slot, "prepare", recorded)
+    script = "print(open('/proc/self/smaps_rollup').read())\n"
+
+    async def idle_run() -> int:
+        await asyncio.sleep(1.0)  # the copy, if any, is done before the job
+        return _private_kib(await run(warm_sandbox, script))
+
+    await run(warm_sandbox, "pass\n")
+    without = await idle_run()
+    copying["allowed"] = True
+    await run(warm_sandbox, "pass\n")
+    copied = await idle_run()
+    assert asked == [True] * 4  # each given back to an idle worker
+    assert copied >= without + 4096, (without, copied)
+    # Several at once: the slots given back while others still run are prepared without the copy.
+    asked.clear()
+    await asyncio.gather(*(run(warm_sandbox, "import time\ntime.sleep(0.3)\n") for _ in range(3)))
+    assert False in asked and asked[-1] is True, asked

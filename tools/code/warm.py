@@ -121,11 +121,14 @@ class Slot:
         self.group = group
         self.ready: socket.socket | None = None
 
-    def prepare(self) -> None:
-        """Have the slot fork the next run's namespaces now, so a run finds them made."""
+    def prepare(self, prefault: bool = False) -> None:
+        """Have the slot fork the next run's namespaces now, so a run finds them made; with `prefault`,
+        its program's process also copies the parent's pages while it waits (CPU spent ahead, and ~15 MiB
+        of the slot's memory cgroup, to take ~1.5 ms of page faults off the run; it stops when the job
+        arrives)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            socket.send_fds(self.sock, [b"N"], [theirs.fileno()])
+            socket.send_fds(self.sock, [b"F" if prefault else b"N"], [theirs.fileno()])
         except OSError:
             ours.close()
             raise
@@ -379,7 +382,9 @@ class WarmRunner:
         parent.inflight -= 1
         if healthy and parent.alive and not parent.retiring:
             try:
-                slot.prepare()
+                # Prefault only on an idle worker: under concurrent runs (a grading batch) the copy would
+                # take CPU from the runs in flight, for pages most runs never write.
+                slot.prepare(prefault=parent.inflight == 0)
                 parent.free.append(slot)
             except OSError:
                 healthy = False

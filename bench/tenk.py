@@ -61,6 +61,7 @@ import multiprocessing
 import os
 import random
 import secrets
+import signal
 import sys
 import tempfile
 import threading
@@ -655,8 +656,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _stop_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # the `finally` blocks stop the servers and the cluster's processes
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     started = datetime.now(UTC)
     info = machine_info()
     data = retail_data_dir()

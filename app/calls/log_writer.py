@@ -6,19 +6,21 @@ import asyncio
 import contextlib
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
 import asyncpg
 import orjson
-from sqlalchemy import bindparam, exists, func, select, update
+from sqlalchemy import Engine, bindparam, create_engine, event, exists, func, select, update
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.db.call_log import answers_its_call
 from app.db.models import LOGGED_CALL_COLUMNS, LOGGED_ROLLOUT_COLUMNS, RolloutRow, ToolCall
+from app.db.session import sqlite_pragmas
 from app.db.text import storable
 from app.errors import ServiceUnavailable
 from app.metrics import Metrics
@@ -197,6 +199,16 @@ class CallLogWriter:
             },
         )
         self._calls_insert = insert(ToolCall.__table__)
+        # SQLite: the batch in one hop to a thread of its own, on a connection of its own (through the
+        # async engine, each statement of it was a hop to aiosqlite's thread and back: 3.3 ms a batch of
+        # one call here, against 0.3 ms for the same commit made in one go).
+        self._sqlite: Engine | None = None
+        self._sqlite_thread: ThreadPoolExecutor | None = None
+        if not self._postgres:
+            url = engine.url.set(drivername="sqlite")
+            self._sqlite = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
+            event.listen(self._sqlite, "connect", sqlite_pragmas)
+            self._sqlite_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="call-log")
         self._answered_calls = (
             select(ToolCall.trace_id, ToolCall.call_id)
             .distinct()
@@ -350,17 +362,26 @@ class CallLogWriter:
             return
         rows = [_without_nul(record) for record in records]
         rollout_rows = [storable(rollouts[key]) for key in traces]
-        async with self._engine.begin() as conn:
+        answers = any(record.answers_its_call for record in records)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._sqlite_thread, self._commit_sqlite, rows, rollout_rows, answers)
+
+    def _commit_sqlite(
+        self, rows: list[dict[str, Any]], rollout_rows: list[dict[str, Any]], answers: bool
+    ) -> None:
+        """The SQLite batch, in the writer's thread: one transaction, committed before it returns."""
+        assert self._sqlite is not None
+        with self._sqlite.begin() as conn:
             answered: set[tuple[str, str | None]] = set()
-            if any(record.answers_its_call for record in records):
+            if answers:
                 stored_traces = [row["trace_id"] for row in rollout_rows]
-                found = await conn.execute(self._answered_calls, {"traces": stored_traces})
+                found = conn.execute(self._answered_calls, {"traces": stored_traces})
                 answered = {(trace, call) for trace, call in found}
             gained = _calls_gained(rows, answered)
             for row in rollout_rows:
                 row["calls"] = gained.get(row["trace_id"], 0)
-            await conn.execute(self._rollout_upsert, rollout_rows)
-            await conn.execute(self._calls_insert, rows)
+            conn.execute(self._rollout_upsert, rollout_rows)
+            conn.execute(self._calls_insert, rows)
 
     async def _commit_postgres(self, records: list[CallRecord], rollouts: list[dict[str, Any]]) -> None:
         calls = _json_rows(records)
@@ -413,6 +434,11 @@ class CallLogWriter:
                 conn, self._conn = self._conn, None
                 with contextlib.suppress(Exception):
                     await conn.close()
+        if self._sqlite_thread is not None:
+            thread, self._sqlite_thread = self._sqlite_thread, None
+            await asyncio.to_thread(thread.shutdown, wait=True)  # a batch still committing ends first
+        if self._sqlite is not None:
+            self._sqlite.dispose()
 
 
 _IDLE_CHECK_SECONDS = 5.0

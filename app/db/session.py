@@ -21,17 +21,18 @@ def build_engine(url: str, *, pool_size: int = 10) -> AsyncEngine:
         kwargs.update(pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True, pool_timeout=10)
     engine = create_async_engine(url, **kwargs)
     if url.startswith("sqlite"):
-
-        @event.listens_for(engine.sync_engine, "connect")
-        def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
-            # WAL lets readers run beside the log writer; FULL syncs each (group) commit to disk.
-            cursor = dbapi_connection.cursor()
-            cursor.execute("PRAGMA journal_mode=WAL")
-            cursor.execute("PRAGMA synchronous=FULL")
-            cursor.execute("PRAGMA busy_timeout=30000")
-            cursor.close()
-
+        event.listen(engine.sync_engine, "connect", sqlite_pragmas)
     return engine
+
+
+def sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    """Every SQLite connection's settings: WAL lets readers run beside the log writer; FULL syncs each
+    (group) commit to disk."""
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=FULL")
+    cursor.execute("PRAGMA busy_timeout=30000")
+    cursor.close()
 
 
 def build_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[Any]:

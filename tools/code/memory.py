@@ -86,15 +86,31 @@ class MemoryCap:
 
     def oom_kills(self, group: Path) -> int:
         """How many processes of `group` the kernel has killed for going over its limit, so far."""
-        name = "memory.events" if self.mechanism == "cgroup-v2" else "memory.oom_control"
         try:
-            for line in (group / name).read_text().splitlines():
-                key, _, value = line.partition(" ")
-                if key == "oom_kill":
-                    return int(value.strip() or 0)
-        except (OSError, ValueError):
-            pass
-        return 0
+            return _oom_kill_count((group / self.events_file).read_text())
+        except OSError:
+            return 0
+
+    @property
+    def events_file(self) -> str:
+        """The group's file that counts its out-of-memory kills (`oom_kill`)."""
+        return "memory.events" if self.mechanism == "cgroup-v2" else "memory.oom_control"
+
+    def open_events(self, group: Path) -> int:
+        """A descriptor of `group`'s events file, for `oom_kills_at` (-1 where it cannot be opened)."""
+        try:
+            return os.open(group / self.events_file, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return -1
+
+    @staticmethod
+    def oom_kills_at(fd: int) -> int:
+        """`oom_kills` through a descriptor kept open (a read from offset 0 regenerates the file): what
+        a warm run reads twice, without opening a cgroup file on the event loop each time."""
+        try:
+            return _oom_kill_count(os.pread(fd, 4096, 0).decode())
+        except (OSError, UnicodeDecodeError):
+            return 0
 
     def out_of_memory(self, group: Path) -> bool:
         """True if the kernel killed a process of `group` for going over its limit."""
@@ -212,3 +228,14 @@ def _checked(cap: MemoryCap, memory_bytes: int) -> Path:
     if not (group / "cgroup.procs").is_file():
         raise OSError(f"{group} has no cgroup.procs")
     return group
+
+
+def _oom_kill_count(events: str) -> int:
+    for line in events.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill":
+            try:
+                return int(value.strip() or 0)
+            except ValueError:
+                return 0
+    return 0

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from tools.code.memory import MemoryCap
 from tools.code.memory import release as release_group
 from tools.code.sandbox import (
     HARD_OUTPUT_BYTES,
@@ -119,7 +120,14 @@ class Slot:
     def __init__(self, sock: socket.socket, group: Path | None) -> None:
         self.sock = sock
         self.group = group
+        self.events = -1  # the group's events file, kept open (MemoryCap.oom_kills_at)
         self.ready: socket.socket | None = None
+
+    def oom_kills(self, memory: MemoryCap) -> int:
+        """The kernel's out-of-memory kills in the slot's group so far (0 without a group)."""
+        if self.group is None:
+            return 0
+        return memory.oom_kills_at(self.events) if self.events >= 0 else memory.oom_kills(self.group)
 
     def prepare(self, prefault: bool = False) -> None:
         """Have the slot fork the next run's namespaces now, so a run finds them made; with `prefault`,
@@ -139,6 +147,10 @@ class Slot:
         self.ready = ours
 
     def close(self) -> None:
+        if self.events >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.events)
+            self.events = -1
         for sock in (self.ready, self.sock):
             if sock is not None:
                 with contextlib.suppress(OSError):
@@ -345,6 +357,7 @@ class WarmRunner:
                 raise ConnectionError("the slot answered garbage")
             if sandbox.memory.per_run:
                 slot.group = await asyncio.to_thread(_group_with, sandbox, pid)
+                slot.events = sandbox.memory.open_events(slot.group)
             slot.prepare()
         except (TimeoutError, ConnectionError, OSError) as exc:
             await asyncio.to_thread(parent.drop, slot)
@@ -439,7 +452,7 @@ class WarmRunner:
         pipes = [os.pipe() for _ in range(3)]  # stdin, stdout, stderr
         pidfd = -1
         transports: list[asyncio.BaseTransport] = []
-        ooms = sandbox.memory.oom_kills(slot.group) if slot.group is not None else 0
+        ooms = slot.oom_kills(sandbox.memory)
         try:
             started = time.perf_counter()
             try:
@@ -494,7 +507,7 @@ class WarmRunner:
                 wall_seconds=wall,
                 deadline_hit=deadline_hit,
                 overflowed=overflow.is_set(),
-                memory_exceeded=slot.group is not None and sandbox.memory.oom_kills(slot.group) > ooms,
+                memory_exceeded=slot.oom_kills(sandbox.memory) > ooms,
                 collect=collect,
             )
         finally:

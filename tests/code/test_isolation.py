@@ -183,6 +183,29 @@ async def test_a_timed_out_run_leaves_no_process_behind(
 
 
 @pytest.mark.parametrize("backend", ["real"])
+async def test_a_run_stopped_at_its_cpu_limit_is_timed_out(
+    code_app: Any, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The kernel kills a busy loop at 1 CPU-second, long before the wall clock's 20: that is a timeout
+    # too (a grader's `timeout` flag must not depend on which of the two limits came first).
+    monkeypatch.setattr(tools, "RUN_LIMITS", Limits(wall_seconds=20.0, cpu_seconds=1))
+    async with code_app() as code:
+        trace = new_trace()
+        await code.write(
+            trace, "spin.py", "print('spinning', flush=True)\nwhile True:\n    pass\n", task_id=TASK
+        )
+        await code.write(
+            trace, "killed.py", "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n", task_id=TASK
+        )
+        spun = await code.run(trace, "spin.py", task_id=TASK)
+        killed = await code.run(trace, "killed.py", task_id=TASK)
+    assert spun["exit_code"] is None and "1 seconds of CPU time" in spun["error"], spun
+    assert spun["stdout"] == "spinning\n" and spun["wall_seconds"] < 20
+    # A run killed by a signal without using its CPU time is not a timeout.
+    assert killed["exit_code"] == 137 and "error" not in killed, killed
+
+
+@pytest.mark.parametrize("backend", ["real"])
 async def test_parallel_runs_of_one_rollout_keep_every_file(code_app: Any, backend: str) -> None:
     script = "import sys\nopen(f'out_{sys.argv[1]}.txt', 'w').write(sys.argv[1] * 3)\nprint(sys.argv[1])\n"
     async with code_app() as code:

@@ -4,11 +4,12 @@
 
 It writes `S` to the report pipe (the sandbox started: anything after is the run's own doing), runs
 `python ARGS...` with the run's stdin, stdout and stderr, stops it (and every process it left) at the
-wall-clock limit, then sends the exit status and, with COLLECT, the workspace's regular files within the
-limits: the workspace is a tmpfs that vanishes with the sandbox, so this is the only way files come back.
-The walk is iterative and bounded (depth by the path length a workspace path may have, entries by a
-count), so no tree a run builds can exhaust it. The server trusts nothing in the report: it is framed,
-capped and checked again there.
+wall-clock limit (one the kernel stopped at its CPU-time limit counts as timed out too), then sends the
+exit status and, with COLLECT, the workspace's regular files within the limits: the workspace is a
+tmpfs that vanishes with the sandbox, so this is the only way files come back. The walk is iterative
+and bounded (depth by the path length a workspace path may have, entries by a count), so no tree a run
+builds can exhaust it. The server trusts nothing in the report: it is framed, capped and checked again
+there.
 
 Frames, a kind byte then parts each with a u32 length: `S`; `E` (exit code int32, timed-out byte); `F`
 name, content; `K` name, reason (an entry not kept); `T` the walk stopped at a limit (entries not seen
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import resource
 import signal
 import stat
 import struct
@@ -30,6 +32,15 @@ MAX_PATH_BYTES = 200  # a longer relative path is no workspace path: its subtree
 MAX_ENTRIES = 5000  # directory entries looked at, at most
 MAX_SKIPPED = 50  # entries reported as not kept, at most
 PR_SET_DUMPABLE = 4
+
+
+def over_cpu(code: int, usage: resource.struct_rusage, limit: float) -> bool:
+    """Whether a program that ended with status `code` (negative: the signal) was stopped by its CPU-time
+    limit: the kernel sends SIGXCPU at the soft limit and SIGKILL at the hard one (they are equal here).
+    Such a run is as timed out as one stopped by the wall clock, whichever of the two came first."""
+    if code not in (-signal.SIGKILL, -signal.SIGXCPU) or limit <= 0:
+        return False
+    return usage.ru_utime + usage.ru_stime >= limit - 0.1
 
 
 def send(report: BinaryIO, kind: bytes, *parts: bytes) -> None:
@@ -155,6 +166,11 @@ def main() -> int:
     except subprocess.TimeoutExpired:
         timed_out = True
         code = -signal.SIGKILL
+    else:
+        # The run's CPU-time limit is this process's own (set on the sandbox's first process).
+        limit = resource.getrlimit(resource.RLIMIT_CPU)[0]
+        if limit != resource.RLIM_INFINITY:
+            timed_out = over_cpu(code, resource.getrusage(resource.RUSAGE_CHILDREN), limit)
     stop_everything(child, isolated == "1")
     if code < 0:
         code = 128 - code  # killed by a signal: the shell's convention

@@ -29,8 +29,9 @@ compiling it again (a fork's copy: what a run does to it stays in the run). The 
 the runner's in `sys.modules["sparring_precompiled"].code` (a dict from source to code object).
 
 P1 stops the program and everything it left at the wall-clock limit (it is pid 1: when it exits, the
-kernel kills the rest), then sends the supervisor's report (`harness_supervisor.py`'s frames: exit status
-and, when asked, the workspace's files) and exits. Nothing of a run outlives it: its namespaces and tmpfs
+kernel kills the rest; a program the kernel stopped at its CPU-time limit is timed out too), then sends
+the supervisor's report (`harness_supervisor.py`'s frames: exit status and, when asked, the workspace's
+files) and exits. Nothing of a run outlives it: its namespaces and tmpfs
 die with its processes, and the parent's own memory is never written by a child (fork copies it).
 """
 
@@ -268,6 +269,7 @@ class Run:
                 prefault(self.sock)
             self.receive_job()
             terms = {key: self.job[key] for key in ("wall", "collect", "max_files", "max_bytes")}
+            terms["cpu"] = self.job["limits"].get("RLIMIT_CPU", 0)
             os.write(terms_w, json.dumps(terms).encode())
             os.close(terms_w)
             return self.program_setup()
@@ -285,7 +287,7 @@ class Run:
         report.write(b"P")  # the kernel attaches this process's pid as the server sees it
         self.supervisor.send(report, b"S")
         self.sock.sendall(report.getvalue())
-        code, timed_out = self.wait(program, started + float(terms["wall"]))
+        code, timed_out = self.wait(program, started + float(terms["wall"]), float(terms["cpu"]))
         self.stop_everything()
         report = io.BytesIO()
         self.supervisor.send(report, b"E", struct.pack(">iB", code, timed_out))
@@ -299,20 +301,21 @@ class Run:
         self.sock.close()
         os._exit(0)
 
-    def wait(self, program: int, deadline: float) -> tuple[int, bool]:
-        """The program's status (the shell's convention for a signal) and whether the clock stopped it;
-        orphans (pid 1 inherits them) are reaped meanwhile, so they do not count as processes."""
+    def wait(self, program: int, deadline: float, cpu: float) -> tuple[int, bool]:
+        """The program's status (the shell's convention for a signal) and whether the clock stopped it
+        (the wall clock, or the kernel at its CPU-time limit `cpu`); orphans (pid 1 inherits them) are
+        reaped meanwhile, so they do not count as processes."""
         while True:
             while True:
                 try:
-                    pid, status = os.waitpid(-1, os.WNOHANG)
+                    pid, status, usage = os.wait4(-1, os.WNOHANG)
                 except ChildProcessError:
                     return 128 + signal.SIGKILL, False
                 if pid == 0:
                     break
                 if pid == program:
                     code = os.waitstatus_to_exitcode(status)
-                    return (128 - code if code < 0 else code), False
+                    return (128 - code if code < 0 else code), self.supervisor.over_cpu(code, usage, cpu)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 os.kill(program, signal.SIGKILL)

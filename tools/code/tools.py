@@ -225,7 +225,10 @@ def _answer(result: RunResult, not_kept: list[str]) -> dict[str, Any]:
         "wall_seconds": round(result.wall_seconds, 3),
     }
     if result.timed_out:
-        answer["error"] = f"stopped after {RUN_LIMITS.wall_seconds:g} seconds (wall-clock limit)"
+        answer["error"] = (
+            f"stopped at its time limit: {RUN_LIMITS.wall_seconds:g} seconds (wall-clock limit) "
+            f"or {RUN_LIMITS.cpu_seconds} seconds of CPU time"
+        )
     elif result.output_overflow:
         answer["error"] = "stopped: it wrote more output than the limit"
     elif result.memory_exceeded:

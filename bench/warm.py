@@ -4,8 +4,12 @@ Measures, in the same run and interleaved (the machine is shared and noisy: the 
 
 - `run_python` of a one-line script (`print(1)`) end to end over HTTP on the shipped server
   (`sparring serve` with the code pack and its defaults: one worker, warm parent), one call at a time
-  on a kept-alive connection, against a bare `python3 -S -c pass` start of the sandbox's interpreter;
-  the same through a second server with `SPARRING_CODE_WARM=false` (the cold path) for comparison;
+  on a kept-alive connection, against a bare `python3 -S -c pass` start of the sandbox's interpreter,
+  with `--pause` (20 ms, a model's turn) between any two measurements, so what one leaves running (a
+  warm slot preparing its next run, a cold sandbox's teardown) is not measured in the next; the same
+  through a second server with `SPARRING_CODE_WARM=false` (the cold path) for comparison;
+- the `python` tool: a trivial cell (`x += 1; x`) in a rollout's live interpreter, over HTTP on the same
+  server, against the same bare start;
 - `run_python`'s sandbox layer alone (no HTTP, no tool: `Sandbox.run` on the warm path), against the
   same bare start;
 - the `code` grader's hidden tests of HumanEval's canonical solutions, `--concurrency` at once, through
@@ -160,32 +164,46 @@ def measure_http(args: argparse.Namespace, python: str, workdir: Path) -> dict[s
             server.call(traces[name], "write_file", {"path": "main.py", "content": "print(1)\n"})
             for _ in range(5):  # the page cache, the connection
                 server.call(traces[name], "run_python", {"path": "main.py"})
+        cells = f"bench-cells-{uuid.uuid4().hex[:8]}"  # a rollout of the `python` tool, its interpreter live
+        servers["warm"].call(cells, "python", {"code": "x = 0"})
         times: dict[str, list[float]] = {
             "warm": [],
             "cold": [],
             "bare": [],
             "list_files": [],
             "write_file": [],
+            "python_cell": [],
         }
         warm_server = servers["warm"]
         for index in range(args.calls):  # interleaved: all see the same neighbours
             for name, server in servers.items():
                 if name == "cold" and index % args.cold_every:
                     continue
+                time.sleep(args.pause)
                 started = time.perf_counter()
                 answer = server.call(traces[name], "run_python", {"path": "main.py"})
                 times[name].append(time.perf_counter() - started)
                 if not isinstance(answer, dict) or answer.get("stdout") != "1\n":
                     raise RuntimeError(f"run_python answered {answer!r}")
+            time.sleep(args.pause)
             times["bare"].append(bare_start(python))
             # The floors under run_python on the same server: HTTP and a reading tool; HTTP and a writing
             # tool (the rollout's lock, its state and the durable call log), no sandbox.
+            time.sleep(args.pause)
             started = time.perf_counter()
             warm_server.call(traces["warm"], "list_files", {})
             times["list_files"].append(time.perf_counter() - started)
+            time.sleep(args.pause)
             started = time.perf_counter()
             warm_server.call(traces["warm"], "write_file", {"path": "note.txt", "content": str(index)})
             times["write_file"].append(time.perf_counter() - started)
+            # The `python` tool: a trivial cell in the rollout's live interpreter.
+            time.sleep(args.pause)
+            started = time.perf_counter()
+            cell = warm_server.call(cells, "python", {"code": "x += 1\nx"})
+            times["python_cell"].append(time.perf_counter() - started)
+            if not isinstance(cell, dict) or cell.get("value") != str(index + 1):
+                raise RuntimeError(f"python answered {cell!r}")
     finally:
         for server in servers.values():
             server.stop()
@@ -197,6 +215,7 @@ def measure_http(args: argparse.Namespace, python: str, workdir: Path) -> dict[s
         "warm_to_bare_p50": summary["warm"]["p50_ms"] / bare,
         "cold_to_bare_p50": summary["cold"]["p50_ms"] / bare,
         "write_file_to_bare_p50": summary["write_file"]["p50_ms"] / bare,
+        "python_cell_to_bare_p50": summary["python_cell"]["p50_ms"] / bare,
     }
 
 
@@ -262,9 +281,11 @@ async def measure_grades(args: argparse.Namespace) -> dict[str, Any]:
     sandbox.warm = runner
     layer: dict[str, list[float]] = {"warm_run": [], "bare": []}
     for _ in range(args.calls):  # the sandbox layer alone (no HTTP, no tool), interleaved with bare starts
+        await asyncio.sleep(args.pause)
         started = time.perf_counter()
         await sandboxed_trivial(sandbox)
         layer["warm_run"].append(time.perf_counter() - started)
+        await asyncio.sleep(args.pause)
         started = time.perf_counter()
         await bare_start_async(python)
         layer["bare"].append(time.perf_counter() - started)
@@ -314,6 +335,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--calls", type=int, default=200, help="run_python calls on the warm server")
     parser.add_argument("--cold-every", type=int, default=2, help="a cold server call every N warm ones")
+    parser.add_argument(
+        "--pause",
+        type=float,
+        default=0.02,
+        help="seconds between two measurements (a model's turn), so one's aftermath is not in the next",
+    )
     parser.add_argument("--grades", type=int, default=164, help="canonical solutions per round (up to 164)")
     parser.add_argument("--rounds", type=int, default=3, help="grader rounds (warm, cold, plain each)")
     parser.add_argument("--concurrency", type=int, default=4)
@@ -328,13 +355,14 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="bench-warm-") as workdir:
             http_results = measure_http(args, python, Path(workdir))
         results["run_python_http"] = http_results
-        for name in ("warm", "cold", "bare", "list_files", "write_file"):
+        for name in ("warm", "cold", "bare", "list_files", "write_file", "python_cell"):
             row = http_results[name]
-            print(f"{name:10} p50 {row['p50_ms']:6.2f} ms  p99 {row['p99_ms']:6.2f} ms  (n={row['n']})")
+            print(f"{name:11} p50 {row['p50_ms']:6.2f} ms  p99 {row['p99_ms']:6.2f} ms  (n={row['n']})")
         print(
             "run_python over HTTP / bare python3 -S start at p50: "
             f"warm {http_results['warm_to_bare_p50']:.2f}, cold {http_results['cold_to_bare_p50']:.2f} "
-            f"(write_file, no sandbox: {http_results['write_file_to_bare_p50']:.2f})"
+            f"(write_file, no sandbox: {http_results['write_file_to_bare_p50']:.2f}); the python tool's "
+            f"trivial cell: {http_results['python_cell_to_bare_p50']:.2f}"
         )
     if not args.skip_grades:
         grades = asyncio.run(measure_grades(args))

@@ -46,6 +46,7 @@ def test_the_warm_bench_runs(tmp_path: Path) -> None:
     served = report["run_python_http"]
     assert served["health"]["warm"]["path"] == "warm" and served["health"]["cold"]["path"] == "cold"
     assert served["warm"]["n"] == 3 and served["bare"]["n"] == 3 and served["write_file"]["n"] == 3
+    assert served["python_cell"]["n"] == 3
     grades = report["grades"]
     assert grades["tasks"] == 2 and all(grades["per_s"][kind] > 0 for kind in ("warm", "cold", "plain"))
     assert grades["sandbox_layer"]["warm_run"]["n"] == 3

@@ -314,8 +314,9 @@ async def test_an_idle_workers_next_run_copies_its_pages_before_its_job(
     warm_sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A run prepared while no other run of the worker is in flight copies the parent's pages while it
-    waits (no page faults after its job arrives); under concurrent runs the next ones are prepared without
-    (the copy would take CPU from the runs in flight)."""
+    waits (no page faults after its job arrives), prepared a moment after the last run was given back;
+    a run that comes before then prepares its slot itself, and under concurrent runs the next ones are
+    prepared at once, both without the copy (it would take CPU from the runs in flight)."""
     asked: list[bool] = []
     copying = {"allowed": False}
     prepare = warm.Slot.prepare
@@ -331,14 +332,23 @@ async def test_an_idle_workers_next_run_copies_its_pages_before_its_job(
         await asyncio.sleep(1.0)  # the copy, if any, is done before the job
         return _private_kib(await run(warm_sandbox, script))
 
-    await run(warm_sandbox, "pass\n")
+    await run(warm_sandbox, "pass\n")  # its slot is made (and its first run prepared) for it
     without = await idle_run()
     copying["allowed"] = True
-    await run(warm_sandbox, "pass\n")
     copied = await idle_run()
-    assert asked == [True] * 4  # each given back to an idle worker
+    assert asked == [False, True, True], asked  # the new slot's, then one per give-back to an idle worker
     assert copied >= without + 4096, (without, copied)
+    # A run right after another (a slot whose preparation is still to come) prepares it, without the copy.
+    monkeypatch.setattr(warm, "PREPARE_AFTER_SECONDS", 0.5)
+    await asyncio.sleep(0.1)
+    asked.clear()
+    await run(warm_sandbox, "pass\n")
+    await run(warm_sandbox, "pass\n")
+    await asyncio.sleep(1.0)
+    assert asked == [False, True], asked
     # Several at once: the slots given back while others still run are prepared without the copy.
+    monkeypatch.setattr(warm, "PREPARE_AFTER_SECONDS", 0.005)
     asked.clear()
     await asyncio.gather(*(run(warm_sandbox, "import time\ntime.sleep(0.3)\n") for _ in range(3)))
+    await asyncio.sleep(0.2)
     assert False in asked and asked[-1] is True, asked

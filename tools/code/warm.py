@@ -59,6 +59,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("sparring.packs.code.sandbox")
 
 READY_SECONDS = 15.0  # bwrap's setup and the parent's imports
+# A slot given back to an idle worker prepares its next run this much later, so the preparation (the
+# clone, the mounts, the page copy: CPU on the worker's cores) does not compete with the answer of the
+# run just made (its files kept, its call logged, its response sent). A run that comes sooner prepares
+# its slot itself, as a run under concurrency does.
+PREPARE_AFTER_SECONDS = 0.005
 PARENT_GONE_SECONDS = 0.5  # how long a run whose socket closed early waits to learn that the parent died
 # The parent's own limits: a run lowers them to its own (it can never raise a hard limit).
 PARENT_LIMITS = Limits(
@@ -170,6 +175,7 @@ class Parent:
         self.runs = 0  # runs handed to it
         self.inflight = 0
         self.retiring = False
+        self.deferred: asyncio.TimerHandle | None = None  # the free slots' preparation, when pending
         self.rss_bytes = 0
         self.stderr = bytearray()
         self._watch = asyncio.ensure_future(self._drain())
@@ -208,6 +214,9 @@ class Parent:
             slot.group = None
 
     async def close(self) -> None:
+        if self.deferred is not None:
+            self.deferred.cancel()
+            self.deferred = None
         with contextlib.suppress(OSError):
             self.control.close()
         for slot in list(self.slots):
@@ -376,6 +385,12 @@ class WarmRunner:
             if parent is None:
                 parent = self.current = await self._spawn()
             slot = parent.free.pop() if parent.free else await self._new_slot(parent)
+            if slot.ready is None:
+                try:
+                    slot.prepare()  # given back moments ago: its preparation was not made yet
+                except OSError as exc:
+                    await asyncio.to_thread(parent.drop, slot)
+                    raise await self._lost(parent, "the warm parent could not prepare a run", exc) from exc
             parent.runs += 1
             parent.inflight += 1
             self.runs += 1
@@ -394,10 +409,18 @@ class WarmRunner:
     def _give_back(self, parent: Parent, slot: Slot, healthy: bool) -> None:
         parent.inflight -= 1
         if healthy and parent.alive and not parent.retiring:
+            if parent.inflight == 0:
+                # An idle worker: the next run is prepared a moment later, with the page copy.
+                parent.free.append(slot)
+                if parent.deferred is None:
+                    parent.deferred = asyncio.get_running_loop().call_later(
+                        PREPARE_AFTER_SECONDS, self._prepare_free, parent
+                    )
+                return
             try:
-                # Prefault only on an idle worker: under concurrent runs (a grading batch) the copy would
-                # take CPU from the runs in flight, for pages most runs never write.
-                slot.prepare(prefault=parent.inflight == 0)
+                # Under concurrent runs (a grading batch) the next run is prepared now, without the copy:
+                # it would take CPU from the runs in flight, for pages most runs never write.
+                slot.prepare()
                 parent.free.append(slot)
             except OSError:
                 healthy = False
@@ -405,6 +428,19 @@ class WarmRunner:
             self._background(asyncio.to_thread(parent.drop, slot))
         if parent.retiring and parent.inflight == 0:
             self._retire(parent)
+
+    def _prepare_free(self, parent: Parent) -> None:
+        """Prepare the free slots given back to an idle worker that no run has taken since."""
+        parent.deferred = None
+        if not parent.alive or parent.retiring:
+            return
+        for slot in list(parent.free):
+            if slot.ready is None:
+                try:
+                    slot.prepare(prefault=parent.inflight == 0)
+                except OSError:
+                    parent.free.remove(slot)
+                    self._background(asyncio.to_thread(parent.drop, slot))
 
     async def close(self) -> None:
         parent, self.current = self.current, None

@@ -175,33 +175,36 @@ def measure_http(args: argparse.Namespace, python: str, workdir: Path) -> dict[s
             "python_cell": [],
         }
         warm_server = servers["warm"]
+
+        def timed(name: str, server: Served, trace: str, tool: str, arguments: dict[str, Any]) -> Any:
+            """One call, after a pause (a model's turn), its time kept under `name`; answers its output."""
+            time.sleep(args.pause)
+            started = time.perf_counter()
+            answer = server.call(trace, tool, arguments)
+            times[name].append(time.perf_counter() - started)
+            return answer
+
         for index in range(args.calls):  # interleaved: all see the same neighbours
             for name, server in servers.items():
                 if name == "cold" and index % args.cold_every:
                     continue
-                time.sleep(args.pause)
-                started = time.perf_counter()
-                answer = server.call(traces[name], "run_python", {"path": "main.py"})
-                times[name].append(time.perf_counter() - started)
+                answer = timed(name, server, traces[name], "run_python", {"path": "main.py"})
                 if not isinstance(answer, dict) or answer.get("stdout") != "1\n":
                     raise RuntimeError(f"run_python answered {answer!r}")
             time.sleep(args.pause)
             times["bare"].append(bare_start(python))
             # The floors under run_python on the same server: HTTP and a reading tool; HTTP and a writing
             # tool (the rollout's lock, its state and the durable call log), no sandbox.
-            time.sleep(args.pause)
-            started = time.perf_counter()
-            warm_server.call(traces["warm"], "list_files", {})
-            times["list_files"].append(time.perf_counter() - started)
-            time.sleep(args.pause)
-            started = time.perf_counter()
-            warm_server.call(traces["warm"], "write_file", {"path": "note.txt", "content": str(index)})
-            times["write_file"].append(time.perf_counter() - started)
+            timed("list_files", warm_server, traces["warm"], "list_files", {})
+            timed(
+                "write_file",
+                warm_server,
+                traces["warm"],
+                "write_file",
+                {"path": "note.txt", "content": str(index)},
+            )
             # The `python` tool: a trivial cell in the rollout's live interpreter.
-            time.sleep(args.pause)
-            started = time.perf_counter()
-            cell = warm_server.call(cells, "python", {"code": "x += 1\nx"})
-            times["python_cell"].append(time.perf_counter() - started)
+            cell = timed("python_cell", warm_server, cells, "python", {"code": "x += 1\nx"})
             if not isinstance(cell, dict) or cell.get("value") != str(index + 1):
                 raise RuntimeError(f"python answered {cell!r}")
     finally:

@@ -31,8 +31,8 @@ the runner's in `sys.modules["sparring_precompiled"].code` (a dict from source t
 P1 stops the program and everything it left at the wall-clock limit (it is pid 1: when it exits, the
 kernel kills the rest; a program the kernel stopped at its CPU-time limit is timed out too), then sends
 the supervisor's report (`harness_supervisor.py`'s frames: exit status and, when asked, the workspace's
-files) and exits. Nothing of a run outlives it: its namespaces and tmpfs
-die with its processes, and the parent's own memory is never written by a child (fork copies it).
+files) and exits. Nothing of a run outlives it: its namespaces and tmpfs die with its processes, and the
+parent's own memory is never written by a child (fork copies it).
 """
 
 from __future__ import annotations

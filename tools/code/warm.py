@@ -408,26 +408,30 @@ class WarmRunner:
 
     def _give_back(self, parent: Parent, slot: Slot, healthy: bool) -> None:
         parent.inflight -= 1
-        if healthy and parent.alive and not parent.retiring:
-            if parent.inflight == 0:
-                # An idle worker: the next run is prepared a moment later, with the page copy.
-                parent.free.append(slot)
-                if parent.deferred is None:
-                    parent.deferred = asyncio.get_running_loop().call_later(
-                        PREPARE_AFTER_SECONDS, self._prepare_free, parent
-                    )
-                return
-            try:
-                # Under concurrent runs (a grading batch) the next run is prepared now, without the copy:
-                # it would take CPU from the runs in flight, for pages most runs never write.
-                slot.prepare()
-                parent.free.append(slot)
-            except OSError:
-                healthy = False
-        if not healthy:
+        if not (healthy and parent.alive and not parent.retiring):
             self._background(asyncio.to_thread(parent.drop, slot))
+        elif parent.inflight == 0:
+            # An idle worker: the next run is prepared a moment later, with the page copy.
+            parent.free.append(slot)
+            if parent.deferred is None:
+                parent.deferred = asyncio.get_running_loop().call_later(
+                    PREPARE_AFTER_SECONDS, self._prepare_free, parent
+                )
+        elif self._prepare(parent, slot, prefault=False):
+            # Under concurrent runs (a grading batch) the next run is prepared now, without the copy: it
+            # would take CPU from the runs in flight, for pages most runs never write.
+            parent.free.append(slot)
         if parent.retiring and parent.inflight == 0:
             self._retire(parent)
+
+    def _prepare(self, parent: Parent, slot: Slot, prefault: bool) -> bool:
+        """Ask the slot to prepare its next run; False, and the slot dropped, when it cannot be asked."""
+        try:
+            slot.prepare(prefault=prefault)
+        except OSError:
+            self._background(asyncio.to_thread(parent.drop, slot))
+            return False
+        return True
 
     def _prepare_free(self, parent: Parent) -> None:
         """Prepare the free slots given back to an idle worker that no run has taken since."""
@@ -435,12 +439,8 @@ class WarmRunner:
         if not parent.alive or parent.retiring:
             return
         for slot in list(parent.free):
-            if slot.ready is None:
-                try:
-                    slot.prepare(prefault=parent.inflight == 0)
-                except OSError:
-                    parent.free.remove(slot)
-                    self._background(asyncio.to_thread(parent.drop, slot))
+            if slot.ready is None and not self._prepare(parent, slot, prefault=parent.inflight == 0):
+                parent.free.remove(slot)  # no run takes it before it is dropped
 
     async def close(self) -> None:
         parent, self.current = self.current, None

@@ -176,6 +176,7 @@ class ToolCallService:
     _closing: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
     # The messages to a rollout's simulated user waiting for their turn: [lock, holders and waiters].
     _turns: dict[str, list[Any]] = field(default_factory=dict, init=False, repr=False)
+    _active: int = field(default=0, init=False, repr=False)  # calls in flight in this worker
 
     async def call(
         self,
@@ -205,6 +206,7 @@ class ToolCallService:
         )
         outcome = "infra_error"
         self.metrics.in_flight.inc()
+        self._active += 1
         try:
             try:
                 answer = await self._answer(call, path_name, pack, user)
@@ -223,7 +225,7 @@ class ToolCallService:
                 raise
             if call.record is None or call.logged is None:
                 call.record = self._answered(call, answer)
-                call.logged = self.log_writer.enqueue(call.record)
+                call.logged = self.log_writer.enqueue(call.record, alone=self._active == 1)
             try:
                 await call.logged
             except ServiceUnavailable:
@@ -234,6 +236,7 @@ class ToolCallService:
                 raise
             outcome = answer.outcome
         finally:
+            self._active -= 1
             self.metrics.in_flight.dec()
             # Names the model made up are counted together: a label per invented name would grow forever.
             tool = call.tool if self.registry.served(call.tool) else "(unknown)"
@@ -490,7 +493,7 @@ class ToolCallService:
         logged in its own row and reads as the call's answer (app/db/call_log.py).
         """
         record = call.record = self._answered(call, answer)
-        call.logged = self.log_writer.enqueue(record)
+        call.logged = self.log_writer.enqueue(record, alone=self._active == 1)
         try:
             await self.store.finish(began, writes, answer)
         except BaseException as exc:

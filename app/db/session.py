@@ -12,11 +12,13 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from app.errors import OUTAGES, outage
 
+BUSY_TIMEOUT_MS = 30_000  # how long a SQLite statement waits for another connection's write lock
+
 
 def build_engine(url: str, *, pool_size: int = 10) -> AsyncEngine:
     kwargs: dict[str, Any] = {}
     if url.startswith("sqlite"):
-        kwargs["connect_args"] = {"timeout": 30}
+        kwargs["connect_args"] = {"timeout": BUSY_TIMEOUT_MS / 1000}
     else:
         kwargs.update(pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True, pool_timeout=10)
     engine = create_async_engine(url, **kwargs)
@@ -31,7 +33,7 @@ def sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor = dbapi_connection.cursor()
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA synchronous=FULL")
-    cursor.execute("PRAGMA busy_timeout=30000")
+    cursor.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
     cursor.close()
 
 

@@ -75,7 +75,9 @@ class MemoryRolloutStore:
             if held is None:
                 held = self._locks[trace_id] = asyncio.Lock()
             try:
-                await asyncio.wait_for(held.acquire(), self._lock_wait)
+                # Not wait_for: that starts a task for the acquire, a turn of the loop even when free.
+                async with asyncio.timeout(self._lock_wait):
+                    await held.acquire()
             except TimeoutError:
                 self._settle(ticket, None)
                 raise StoreUnavailable("timed out waiting for the rollout's lock") from None

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
+import threading
 import uuid
 from datetime import UTC, datetime
+from typing import Any
 
 import httpx
 import pytest
@@ -258,3 +261,75 @@ async def test_a_nul_character_is_answered_and_logged(client: httpx.AsyncClient)
         logged = {call_id: output for call_id, output in rows}
     assert len(logged) == 6
     assert logged["nul"] == "Error: bad\ufffdbyte"
+
+
+def _commit_threads(writer: CallLogWriter, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the threads the SQLite batches of `writer` commit in, as they commit."""
+    batch = writer._sqlite
+    assert batch is not None
+    commit, threads = batch.commit, []
+
+    def recorded(*args: Any, **options: Any) -> bool:
+        threads.append(threading.current_thread().name)
+        return commit(*args, **options)
+
+    monkeypatch.setattr(batch, "commit", recorded)
+    return threads
+
+
+@pytest.mark.parametrize("backend", ["embedded"], indirect=True)
+async def test_a_lone_call_commits_on_the_loop_and_concurrent_calls_in_the_writers_thread(
+    client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writer: CallLogWriter = app_state(client.app).log_writer  # type: ignore[attr-defined]
+    threads = _commit_threads(writer, monkeypatch)
+    trace = new_trace()
+    for i in range(3):  # one at a time: each call is the only one in flight
+        response = await client.post(
+            "/tools/increment", json=call_body({"by": 1}, trace_id=trace, call_id=f"a{i}")
+        )
+        assert response.status_code == 200
+    assert threads == [threading.current_thread().name] * 3
+    threads.clear()
+    results = await asyncio.gather(
+        *(
+            client.post("/tools/increment", json=call_body({"by": 1}, trace_id=trace, call_id=f"b{i}"))
+            for i in range(8)
+        )
+    )
+    assert all(r.status_code == 200 for r in results)
+    # While others are in flight a batch commits in the writer's thread; the last call may be alone.
+    on_loop = [name for name in threads if not name.startswith("call-log")]
+    assert threads[0].startswith("call-log") and len(on_loop) <= 1, threads
+    assert (await _counts(client, [trace]))[trace] == (11, 11)
+
+
+@pytest.mark.parametrize("backend", ["embedded"], indirect=True)
+async def test_a_lone_commit_never_waits_on_the_loop_for_another_connections_write_lock(
+    client: httpx.AsyncClient, backend_settings: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another connection (a retention sweep, a CLI) holds the database's write lock: the lone call's
+    commit goes to the writer's thread and waits there, the event loop goes on, and the call is answered
+    once the lock is released."""
+    writer: CallLogWriter = app_state(client.app).log_writer  # type: ignore[attr-defined]
+    threads = _commit_threads(writer, monkeypatch)
+    holder = sqlite3.connect(backend_settings["database_url"].split("///", 1)[1], isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    trace = new_trace()
+    try:
+        call = asyncio.ensure_future(
+            client.post("/tools/increment", json=call_body({"by": 1}, trace_id=trace, call_id="c1"))
+        )
+        ticks = 0
+        for _ in range(20):  # the loop runs while the call waits for the lock
+            await asyncio.sleep(0.01)
+            ticks += 1
+        assert ticks == 20 and not call.done()
+        assert threads[0] == threading.current_thread().name  # tried on the loop, without waiting
+        assert len(threads) == 2 and threads[1].startswith("call-log"), threads  # then waited in the thread
+    finally:
+        holder.execute("COMMIT")
+        holder.close()
+    response = await call
+    assert response.status_code == 200 and response.json()["output"] == '{"value":101}'
+    assert (await _counts(client, [trace]))[trace] == (1, 1)

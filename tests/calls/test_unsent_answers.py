@@ -204,8 +204,8 @@ async def test_a_commit_whose_reply_was_lost_is_voided_and_the_retry_replays(
         writer: CallLogWriter = app_state(client.app).log_writer  # type: ignore[attr-defined]
         commit, lost = writer._commit, []
 
-        async def reply_lost(records: list[CallRecord]) -> None:
-            await commit(records)
+        async def reply_lost(records: list[CallRecord], **options: Any) -> None:
+            await commit(records, **options)
             if not lost:
                 lost.append(records)
                 raise OSError("connection was closed in the middle of operation")

@@ -39,14 +39,14 @@ def _workspace(ctx: ToolContext) -> Workspace:
     return Workspace(ctx.state, task_of(ctx.item, ctx.resource(CodeResources).tasks))
 
 
-@pack.tool
+@pack.tool(inline=True)
 def list_files(ctx: ToolContext) -> list[dict[str, Any]]:
     """List the files of your workspace with their sizes in bytes."""
     files = _workspace(ctx).files()
     return [{"path": path, "bytes": len(content.encode("utf-8"))} for path, content in sorted(files.items())]
 
 
-@pack.tool
+@pack.tool(inline=True)
 def read_file(ctx: ToolContext, path: Path_) -> str:
     """Read a file of your workspace; answers its whole content."""
     content = _workspace(ctx).read(check_path(path))
@@ -55,7 +55,7 @@ def read_file(ctx: ToolContext, path: Path_) -> str:
     return content
 
 
-@pack.tool(mutates=True)
+@pack.tool(mutates=True, inline=True)
 def write_file(
     ctx: ToolContext,
     path: Path_,

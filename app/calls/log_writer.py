@@ -522,9 +522,13 @@ class _SqliteBatch:
                     if not wait:
                         conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
                 answered: set[tuple[str, str | None]] = set()
-                if answers:
-                    for row in rollout_rows:
-                        trace = row["trace_id"]
+                if answers:  # the rollouts this batch answers calls of: their calls answered before
+                    traces = {
+                        row["trace_id"]
+                        for row in rows
+                        if row["call_id"] is not None and row["outcome"] in ANSWERS
+                    }
+                    for trace in sorted(traces):
                         params = {**self._answered_params, "trace_": trace}
                         answered.update((trace, call) for (call,) in conn.execute(self._answered, params))
                 gained = _calls_gained(rows, answered)

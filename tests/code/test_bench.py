@@ -20,11 +20,14 @@ def test_the_code_bench_runs(tmp_path: Path) -> None:
 
 
 def test_the_interpreter_bench_runs(tmp_path: Path) -> None:
-    assert interpreter.main(["--cells", "3", "--live", "2", "--results-dir", str(tmp_path)]) == 0
+    argv = ["--cells", "3", "--live", "2", "--first", "2", "--arrival", "0.3", "--results-dir", str(tmp_path)]
+    assert interpreter.main(argv) == 0
     (result,) = tmp_path.glob("interpreter-*.json")
     report = json.loads(result.read_text())
     assert report["sandbox"] == "bwrap" and report["cell"]["n"] == 3 and report["live"] == 2
     assert report["rss_per_interpreter_mib"] > 1  # the trees were found and measured
+    first = report["first_call"]
+    assert first["spares"] >= 1 and first["with_spares"]["n"] == first["without_spares"]["n"] == 2
 
 
 def test_the_warm_bench_runs(tmp_path: Path) -> None:

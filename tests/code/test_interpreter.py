@@ -337,3 +337,94 @@ async def test_the_interpreter_works_without_isolation_too(code_app: Any, backen
         read = await code.call(trace, "read_file", {"path": "made.txt"}, task_id=TASK)
     assert eval(answer["value"]) == (3, ["examples.py", "made.txt", "solution.py"])
     assert read == "here"
+
+
+async def spares_ready(pool: InterpreterPool, count: int) -> list[int]:
+    """The pids of the pool's spares once `count` are started and ready (within 30 s)."""
+    for _ in range(600):
+        if len(pool.spares) >= count:
+            return [spare.session.process.pid for spare in pool.spares]
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{len(pool.spares)} of {count} spare interpreters started")
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+async def test_a_rollouts_first_call_takes_a_spare_and_another_is_started(
+    code_app: Any, backend: str
+) -> None:
+    async with code_app(code={**FAST, "interpreter_spares": 1}) as code:
+        pool = pool_of(code)
+        [spare] = await spares_ready(pool, 1)
+        trace = new_trace()
+        first = await cell(code, trace, "x = 41\nx + 1")
+        taken = pool.live[trace].session.process.pid
+        [next_spare] = await spares_ready(pool, 1)
+        again = await cell(code, trace, "x")
+        still = pool.live[trace].session.process.pid
+        health = (await code.http.get("/healthz")).json()["packs"]["code"]["interpreters"]
+    assert first["value"] == "42" and again["value"] == "41"
+    assert taken == spare  # the first call ran in the interpreter started ahead
+    assert next_spare != spare and still == spare
+    assert health == {"live": 1, "spares": 1}
+
+
+async def test_a_spare_carries_nothing_and_an_interpreter_never_becomes_a_spare(
+    code_app: Any, backend: str
+) -> None:
+    async with code_app(code={**FAST, "interpreter_spares": 2}) as code:
+        pool = pool_of(code)
+        await spares_ready(pool, 2)
+        first, second = new_trace(), new_trace()
+        await cell(
+            code,
+            first,
+            "import os\nsecret = 7\nopen('mine.txt', 'w').write('first')\nos.environ['MINE'] = '1'",
+        )
+        used = pool.live[first].session.process.pid
+        await cell(code, first, "raise SystemExit(0)")  # ends the first rollout's interpreter
+        spares = await spares_ready(pool, 2)
+        seen = await cell(
+            code,
+            second,
+            "import os\n('secret' in globals(), os.path.exists('mine.txt'), 'MINE' in os.environ)",
+        )
+    assert used not in spares  # an interpreter a rollout used is stopped, never handed to another
+    assert seen["value"] == "(False, False, False)"
+
+
+async def test_a_spare_that_ended_while_waiting_is_passed_over(code_app: Any, backend: str) -> None:
+    async with code_app(code={**FAST, "interpreter_spares": 1}) as code:
+        pool = pool_of(code)
+        await spares_ready(pool, 1)
+        dead = pool.spares[0].session.process
+        dead.kill()  # from outside, as the kernel's OOM killer might
+        await dead.wait()
+        trace = new_trace()
+        answer = await cell(code, trace, "1 + 1")
+        used = pool.live[trace].session.process.pid
+    assert answer == {"stdout": "", "stderr": "", "value": "2"}  # no word of a lost state: there was none
+    assert used != dead.pid
+
+
+async def test_without_spares_the_first_call_starts_its_interpreter(code_app: Any, backend: str) -> None:
+    async with code_app(code={**FAST, "interpreter_spares": 0}) as code:
+        pool = pool_of(code)
+        trace = new_trace()
+        answer = await cell(code, trace, "2 * 21")
+        await asyncio.sleep(0.3)
+        assert not pool.spares and trace in pool.live
+    assert answer["value"] == "42"
+
+
+async def test_closing_the_server_stops_its_spares(code_app: Any, backend: str) -> None:
+    async with code_app(code={**FAST, "interpreter_spares": 2}) as code:
+        pids = await spares_ready(pool_of(code), 2)
+        assert all(alive(pid) for pid in pids)
+    assert not any(alive(pid) for pid in pids)

@@ -24,13 +24,22 @@ import socket
 import struct
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tools.code.memory import process_identity
-from tools.code.sandbox import Limits, Output, RunResult, Sandbox, Session, harness_source, parse_report
+from tools.code.sandbox import (
+    Limits,
+    Output,
+    RunResult,
+    Sandbox,
+    SandboxUnavailable,
+    Session,
+    harness_source,
+    parse_report,
+)
 
 log = logging.getLogger("sparring.packs.code.interpreter")
 
@@ -71,6 +80,7 @@ class InterpreterLimits:
     cell_seconds: float = 30.0
     cpu_seconds: int = 600  # CPU time of an interpreter's whole life
     run: Limits = field(default_factory=Limits)
+    spares: int = 0  # interpreters started ahead of any rollout: a rollout's first call takes one
 
 
 @dataclass(frozen=True)
@@ -256,8 +266,12 @@ class InterpreterPool:
         self.worker = worker_name()
         self.live: OrderedDict[str, Interpreter] = OrderedDict()  # least recently used first
         self.lost: OrderedDict[str, str] = OrderedDict()  # why a rollout's interpreter was stopped
+        # Started and ready, never any rollout's yet (no cell ever ran in them): `limits.spares` of them.
+        self.spares: deque[Interpreter] = deque()
         self._opening = asyncio.Lock()
         self._reaper: asyncio.Task[None] | None = None
+        self._refilling: asyncio.Task[None] | None = None
+        self._closed = False
 
     @contextlib.asynccontextmanager
     async def use(
@@ -322,7 +336,8 @@ class InterpreterPool:
             current.last_used = self.clock()
 
     async def _open(self, trace_id: str) -> Interpreter:
-        """A new interpreter for the rollout, started and ready, returned with its lock held."""
+        """A new interpreter for the rollout, started and ready, returned with its lock held: a spare when
+        one is ready (never used by anyone: no cell ran in it), else one started now."""
         async with self._opening:
             while len(self.live) >= self.limits.max_live:
                 victim = next((t for t, i in self.live.items() if not i.lock.locked()), None)
@@ -333,22 +348,76 @@ class InterpreterPool:
                     f"it was the least recently used when this worker reached its {self.limits.max_live} "
                     "interpreters",
                 )
-            session = await self.sandbox.open_session(
-                harness_source("harness_interpreter.py"),
-                [harness_source("harness_supervisor.py")],
-                limits=replace(self.limits.run, cpu_seconds=self.limits.cpu_seconds),
-            )
+            interpreter = await self._take_spare()
+            self._refill()
+            if interpreter is not None:
+                await interpreter.lock.acquire()
+                self.live[trace_id] = interpreter
+                return interpreter
+            session = await self._start_session()
             interpreter = Interpreter(session, self.worker, self.clock())
             await interpreter.lock.acquire()
             self.live[trace_id] = interpreter
         try:
+            await self._ready(interpreter)
+        except OSError:
+            self.live.pop(trace_id, None)
+            interpreter.lock.release()
+            raise
+        return interpreter
+
+    async def _start_session(self) -> Session:
+        return await self.sandbox.open_session(
+            harness_source("harness_interpreter.py"),
+            [harness_source("harness_supervisor.py")],
+            limits=replace(self.limits.run, cpu_seconds=self.limits.cpu_seconds),
+        )
+
+    async def _ready(self, interpreter: Interpreter) -> None:
+        """Wait for a new interpreter's driver; OSError (and the interpreter stopped) if it never came."""
+        try:
             await interpreter.ready()
         except (TimeoutError, ConnectionError, asyncio.IncompleteReadError, ValueError) as exc:
-            await self.discard(trace_id, "")
-            interpreter.lock.release()
-            stderr = (await session.stderr()).decode("utf-8", "replace").strip()[:500]
+            await interpreter.session.close()
+            stderr = (await interpreter.session.stderr()).decode("utf-8", "replace").strip()[:500]
             raise OSError(f"the interpreter did not start ({stderr or type(exc).__name__})") from exc
-        return interpreter
+
+    async def _take_spare(self) -> Interpreter | None:
+        """A spare still running (one that ended while it waited is stopped and passed over)."""
+        while self.spares:
+            interpreter = self.spares.popleft()
+            if interpreter.session.process.returncode is None and not interpreter.broken:
+                interpreter.last_used = self.clock()
+                return interpreter
+            await interpreter.session.close()
+        return None
+
+    def _refill(self) -> None:
+        """Start the spares missing, in the background (one at a time, after the call that took one)."""
+        if self._closed or len(self.spares) >= self.limits.spares:
+            return
+        if self._refilling is None or self._refilling.done():
+            self._refilling = asyncio.ensure_future(self._refill_spares())
+
+    async def _refill_spares(self) -> None:
+        while not self._closed and len(self.spares) < self.limits.spares:
+            try:
+                interpreter = Interpreter(await self._start_session(), self.worker, self.clock())
+            except (OSError, SandboxUnavailable) as exc:
+                log.warning("code interpreter: a spare interpreter could not start: %s", exc)
+                return  # the next rollout's first call starts its own (and says why if it cannot)
+            try:
+                if not self._closed:
+                    await self._ready(interpreter)
+            except OSError as exc:
+                log.warning("code interpreter: a spare %s", exc)
+                return
+            finally:
+                if self._closed:  # the pool closed meanwhile (close waits for this task)
+                    await interpreter.session.close()
+            if self._closed:
+                return
+            self.spares.append(interpreter)
 
     async def discard(self, trace_id: str, reason: str) -> None:
         """Stop the rollout's interpreter (if live here), remembering why for its next call."""
@@ -381,11 +450,19 @@ class InterpreterPool:
 
     def start(self) -> None:
         self._reaper = asyncio.ensure_future(self._reap_forever())
+        self._refill()
 
     async def close(self) -> None:
+        self._closed = True
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
+        if self._refilling is not None:
+            # Not cancelled: it stops at its next step and stops what it started (`_closed`).
+            with contextlib.suppress(Exception):
+                await self._refilling
         for trace_id in list(self.live):
             await self.discard(trace_id, "")
+        while self.spares:
+            await self.spares.popleft().session.close()

@@ -100,6 +100,14 @@ class CodeSettings(PackSettings):
     interpreter_cpu_seconds: int = Field(
         600, ge=1, description="CPU seconds one `python` interpreter may use over its whole life."
     )
+    interpreter_spares: int = Field(
+        2,
+        ge=0,
+        description=(
+            "`python` interpreters each worker keeps started ahead of any rollout: a rollout's first call "
+            "takes one instead of starting its own (0: each first call starts one)."
+        ),
+    )
 
     def interpreter_limits(self) -> InterpreterLimits:
         return InterpreterLimits(
@@ -108,6 +116,7 @@ class CodeSettings(PackSettings):
             cell_seconds=self.interpreter_cell_seconds,
             cpu_seconds=self.interpreter_cpu_seconds,
             run=RUN_LIMITS,
+            spares=self.interpreter_spares,
         )
 
     def containment(self) -> Containment:
@@ -132,12 +141,21 @@ class CodeResources:
     warm: WarmRunner | None = None  # the warm parent (None: the cold path was asked for)
 
     def health(self) -> dict[str, Any]:
-        """What /healthz says of the code pack: which path its runs take (warm forks or cold starts)."""
+        """What /healthz says of the code pack: which path its runs take (warm forks or cold starts), and
+        its `python` interpreters (live ones, spares started ahead)."""
         if self.warm is None:
-            return {"sandbox": self.sandbox.mode, "path": "cold", "why_cold": "SPARRING_CODE_WARM=false"}
-        if not self.sandbox.isolated:
-            return {"sandbox": self.sandbox.mode, "path": "cold", "why_cold": "the unsafe-local sandbox"}
-        return {"sandbox": self.sandbox.mode, **self.warm.describe()}
+            runs = {"path": "cold", "why_cold": "SPARRING_CODE_WARM=false"}
+        elif not self.sandbox.isolated:
+            runs = {"path": "cold", "why_cold": "the unsafe-local sandbox"}
+        else:
+            runs = self.warm.describe()
+        health: dict[str, Any] = {"sandbox": self.sandbox.mode, **runs}
+        if self.interpreters is not None:
+            health["interpreters"] = {
+                "live": len(self.interpreters.live),
+                "spares": len(self.interpreters.spares),
+            }
+        return health
 
 
 def build_sandbox(settings: CodeSettings, *, home: Path, binds_loopback: bool) -> Sandbox:

@@ -289,9 +289,8 @@ class CallLogWriter:
             self.last_batch_size = len(batch)
             self._metrics.log_batch_size.observe(len(batch))
             self._metrics.log_queue_depth.set(self._queue.qsize())
-
+            lone = len(batch) == 1 and batch[0][2] and self._queue.empty()
             try:
-                lone = len(batch) == 1 and batch[0][2] and self._queue.empty()
                 await self._commit([record for record, _, _ in batch], on_loop=lone)
             except asyncio.CancelledError:
                 for _, future, _ in batch:
@@ -454,7 +453,7 @@ _Rows = list[dict[str, Any]]
 class _SqliteBatch:
     """The SQLite batch as the driver runs it: the statements SQLAlchemy builds, compiled once to SQL,
     sent to `sqlite3` directly on a connection of the writer's own (through SQLAlchemy's engine, a batch
-    of one call spent 0.9 ms in the statements' execution before its commit; 0.1 ms this way).
+    of one call after an idle moment spent 0.9 ms in its statements before the commit; 0.3 ms this way).
 
     Values go through the columns' own bind processors (SQLite's DATETIME text), so the rows are the
     ones SQLAlchemy wrote. The connection is opened on first use and opened again after a failure.

@@ -197,12 +197,26 @@ async def test_a_run_stopped_at_its_cpu_limit_is_timed_out(
         await code.write(
             trace, "killed.py", "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n", task_id=TASK
         )
+        # A child that spins to its own limit, waited for; then the program kills itself.
+        await code.write(
+            trace,
+            "waited.py",
+            "import os, signal, subprocess, sys\n"
+            "subprocess.run([sys.executable, '-c', 'while True: pass'])\n"
+            "print('child ended', flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n",
+            task_id=TASK,
+        )
         spun = await code.run(trace, "spin.py", task_id=TASK)
         killed = await code.run(trace, "killed.py", task_id=TASK)
+        waited = await code.run(trace, "waited.py", task_id=TASK)
     assert spun["exit_code"] is None and "1 seconds of CPU time" in spun["error"], spun
     assert spun["stdout"] == "spinning\n" and spun["wall_seconds"] < 20
     # A run killed by a signal without using its CPU time is not a timeout.
     assert killed["exit_code"] == 137 and "error" not in killed, killed
+    # Nor is one whose child used that much: the limit is each process's own.
+    assert waited["stdout"] == "child ended\n", waited
+    assert waited["exit_code"] == 137 and "error" not in waited, waited
 
 
 @pytest.mark.parametrize("backend", ["real"])

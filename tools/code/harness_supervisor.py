@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import os
 import resource
+import select
 import signal
 import stat
 import struct
@@ -34,13 +35,26 @@ MAX_SKIPPED = 50  # entries reported as not kept, at most
 PR_SET_DUMPABLE = 4
 
 
-def over_cpu(code: int, usage: resource.struct_rusage, limit: float) -> bool:
-    """Whether a program that ended with status `code` (negative: the signal) was stopped by its CPU-time
-    limit: the kernel sends SIGXCPU at the soft limit and SIGKILL at the hard one (they are equal here).
-    Such a run is as timed out as one stopped by the wall clock, whichever of the two came first."""
+def over_cpu(code: int, seconds: float, limit: float) -> bool:
+    """Whether a program that ended with status `code` (negative: the signal) after `seconds` of CPU time
+    of its own was stopped by its CPU-time limit: the kernel sends SIGXCPU at the soft limit and SIGKILL
+    at the hard one (they are equal here). Such a run is as timed out as one stopped by the wall clock,
+    whichever of the two came first."""
     if code not in (-signal.SIGKILL, -signal.SIGXCPU) or limit <= 0:
         return False
-    return usage.ru_utime + usage.ru_stime >= limit - 0.1
+    return seconds >= limit - 0.1
+
+
+def own_cpu_seconds(pid: int) -> float | None:
+    """The CPU time of the ended, not yet reaped process `pid` itself, all its threads: the limit is its
+    own (the children it waited for had limits of their own, and their time is not its). None where
+    /proc cannot tell (the caller then takes the rusage of the reaping, which counts those children)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat_file:
+            fields = stat_file.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def send(report: BinaryIO, kind: bytes, *parts: bytes) -> None:
@@ -149,6 +163,25 @@ def stop_everything(child: subprocess.Popen[bytes], isolated: bool) -> None:
         pass
 
 
+def ended_within(child: subprocess.Popen[bytes], seconds: float) -> tuple[bool, float | None]:
+    """Whether the program ended within `seconds`, and then its own CPU time, read before it is reaped
+    (None where the kernel has no pidfd: the caller counts its waited-for children too)."""
+    try:
+        pidfd = os.pidfd_open(child.pid)
+    except (AttributeError, OSError):
+        try:
+            child.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            return False, None
+        return True, None
+    try:
+        if not select.select([pidfd], [], [], seconds)[0]:
+            return False, None
+        return True, own_cpu_seconds(child.pid)
+    finally:
+        os.close(pidfd)
+
+
 def main() -> int:
     ctypes.CDLL(None).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # the run cannot read or trace this process
     separator = sys.argv.index("--")
@@ -161,16 +194,17 @@ def main() -> int:
         [sys.executable, *args], preexec_fn=_doomed, start_new_session=isolated != "1", close_fds=True
     )
     timed_out = False
-    try:
-        code = child.wait(timeout=float(wall))
-    except subprocess.TimeoutExpired:
+    ended, own = ended_within(child, float(wall))
+    if not ended:
         timed_out = True
         code = -signal.SIGKILL
     else:
+        code = child.wait()
         # The run's CPU-time limit is this process's own (set on the sandbox's first process).
         limit = resource.getrlimit(resource.RLIMIT_CPU)[0]
         if limit != resource.RLIM_INFINITY:
-            timed_out = over_cpu(code, resource.getrusage(resource.RUSAGE_CHILDREN), limit)
+            usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+            timed_out = over_cpu(code, usage.ru_utime + usage.ru_stime if own is None else own, limit)
     stop_everything(child, isolated == "1")
     if code < 0:
         code = 128 - code  # killed by a signal: the shell's convention

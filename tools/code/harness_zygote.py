@@ -307,15 +307,21 @@ class Run:
         reaped meanwhile, so they do not count as processes."""
         while True:
             while True:
-                try:
-                    pid, status, usage = os.wait4(-1, os.WNOHANG)
+                try:  # who ended, left unreaped: the program's own CPU time is read before it is reaped
+                    ended = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
                 except ChildProcessError:
                     return 128 + signal.SIGKILL, False
-                if pid == 0:
+                if ended is None:
                     break
-                if pid == program:
-                    code = os.waitstatus_to_exitcode(status)
-                    return (128 - code if code < 0 else code), self.supervisor.over_cpu(code, usage, cpu)
+                if ended.si_pid != program:
+                    os.waitpid(ended.si_pid, 0)  # an orphan the run left
+                    continue
+                seconds = self.supervisor.own_cpu_seconds(program)
+                _, status, usage = os.wait4(program, 0)
+                if seconds is None:
+                    seconds = usage.ru_utime + usage.ru_stime
+                code = os.waitstatus_to_exitcode(status)
+                return (128 - code if code < 0 else code), self.supervisor.over_cpu(code, seconds, cpu)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 os.kill(program, signal.SIGKILL)

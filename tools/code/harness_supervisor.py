@@ -175,7 +175,9 @@ def ended_within(child: subprocess.Popen[bytes], seconds: float) -> tuple[bool, 
             return False, None
         return True, None
     try:
-        if not select.select([pidfd], [], [], seconds)[0]:
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)  # readable once the program has ended
+        if not poller.poll(seconds * 1000):
             return False, None
         return True, own_cpu_seconds(child.pid)
     finally:

@@ -45,6 +45,15 @@ def over_cpu(code: int, seconds: float, limit: float) -> bool:
     return seconds >= limit - 0.1
 
 
+def killed_by_signal_of_a_limit(ended: os.waitid_result) -> bool:
+    """Whether a process's end (seen by waitid) is one its CPU-time limit may have caused: only then
+    does its CPU time matter (`over_cpu`)."""
+    return ended.si_code in (os.CLD_KILLED, os.CLD_DUMPED) and ended.si_status in (
+        signal.SIGKILL,
+        signal.SIGXCPU,
+    )
+
+
 def own_cpu_seconds(pid: int) -> float | None:
     """The CPU time of the ended, not yet reaped process `pid` itself, all its threads: the limit is its
     own (the children it waited for had limits of their own, and their time is not its). None where
@@ -179,6 +188,9 @@ def ended_within(child: subprocess.Popen[bytes], seconds: float) -> tuple[bool, 
         poller.register(pidfd, select.POLLIN)  # readable once the program has ended
         if not poller.poll(seconds * 1000):
             return False, None
+        ended = os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # not reaped yet
+        if ended is None or not killed_by_signal_of_a_limit(ended):
+            return True, None
         return True, own_cpu_seconds(child.pid)
     finally:
         os.close(pidfd)

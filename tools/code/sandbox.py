@@ -582,8 +582,7 @@ async def _supervise(
     finally:
         _kill_group(process.pid)  # whatever the run left in its group (the pid namespace is gone already)
         if not waiter.done():
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
+            kill_process(process)
             await waiter
         stopper.cancel()
         writer.cancel()
@@ -676,8 +675,7 @@ class Session:
         """Kill the session's processes now (without waiting); `close()` still gives back the rest."""
         if not self.closed:
             _kill_group(self.process.pid)
-            with contextlib.suppress(ProcessLookupError):
-                self.process.kill()
+            kill_process(self.process)
 
     async def close(self, grace: float = 0.0) -> int | None:
         """Kill the session and everything in it (after `grace` seconds to end by itself), give back what
@@ -689,8 +687,7 @@ class Session:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self.process.wait()), grace)
         _kill_group(self.process.pid)
-        with contextlib.suppress(ProcessLookupError):
-            self.process.kill()
+        kill_process(self.process)
         code = await self.process.wait()
         if self._transport is not None:
             self._transport.close()
@@ -872,6 +869,15 @@ async def _read_capped(stream: asyncio.StreamReader, cap: int, overflow: asyncio
         else:
             overflow.set()  # the run is stopped; what it still wrote is drained until the pipe closes
     return Output(bytes(kept), min(total, HARD_OUTPUT_BYTES))
+
+
+def kill_process(process: asyncio.subprocess.Process) -> None:
+    """SIGKILL to a process asyncio started, not yet known to have ended. Not `process.kill()`: it polls
+    the process first (`Popen.send_signal`), and a poll that finds it ended reaps it, under the feet of
+    the child watcher, whose own wait then fails and reports the exit status as 255."""
+    if process.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGKILL)
 
 
 def _kill_group(pid: int) -> None:

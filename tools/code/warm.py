@@ -50,6 +50,7 @@ from tools.code.sandbox import (
     _report_cap,
     _Run,
     harness_source,
+    kill_process,
     parse_report,
 )
 
@@ -224,8 +225,7 @@ class Parent:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(self.process.wait()), 1.0)
         _kill_group(self.process.pid)
-        with contextlib.suppress(ProcessLookupError):
-            self.process.kill()
+        kill_process(self.process)
         await self.process.wait()
         with contextlib.suppress(TimeoutError, asyncio.CancelledError):
             await asyncio.wait_for(self._watch, REPORT_GRACE_SECONDS)

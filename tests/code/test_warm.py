@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
+import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -353,3 +356,29 @@ async def test_an_idle_workers_next_run_copies_its_pages_before_its_job(
     await asyncio.gather(*(run(warm_sandbox, "import time\ntime.sleep(0.3)\n") for _ in range(3)))
     await asyncio.sleep(0.2)
     assert False in asked and asked[-1] is True, asked
+
+
+def test_a_slot_closed_from_two_threads_at_once_closes_its_descriptor_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A failed run's slot is dropped in a worker thread while its retiring parent closes every slot on
+    the event loop: a descriptor closed twice would close whatever took its number in between."""
+    ours, theirs = socket.socketpair()
+    slot = warm.Slot(ours, None)
+    slot.events = os.open(os.devnull, os.O_RDONLY)
+    events, closed, real_close = slot.events, [], os.close
+
+    def slow_close(fd: int) -> None:
+        closed.append(fd)
+        real_close(fd)
+        time.sleep(0.05)  # the other thread runs meanwhile
+
+    monkeypatch.setattr(os, "close", slow_close)  # the module the slot closes it with
+    threads = [threading.Thread(target=slot.close) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    monkeypatch.undo()
+    theirs.close()
+    assert closed.count(events) == 1 and ours.fileno() == -1

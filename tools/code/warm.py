@@ -28,6 +28,7 @@ import os
 import signal
 import socket
 import struct
+import threading
 import time
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
@@ -128,6 +129,10 @@ class Slot:
         self.group = group
         self.events = -1  # the group's events file, kept open (MemoryCap.oom_kills_at)
         self.ready: socket.socket | None = None
+        # A slot is closed on the event loop (its parent retiring) and dropped in a worker thread (a run
+        # that failed) at once: each descriptor and the group are given back exactly once. A descriptor
+        # closed twice would close whatever took its number meanwhile (a new parent's socket).
+        self._closing = threading.Lock()
 
     def oom_kills(self, memory: MemoryCap) -> int:
         """The kernel's out-of-memory kills in the slot's group so far (0 without a group)."""
@@ -153,15 +158,22 @@ class Slot:
         self.ready = ours
 
     def close(self) -> None:
-        if self.events >= 0:
-            with contextlib.suppress(OSError):
-                os.close(self.events)
-            self.events = -1
-        for sock in (self.ready, self.sock):
-            if sock is not None:
+        with self._closing:
+            events, self.events = self.events, -1
+            ready, self.ready = self.ready, None
+            if events >= 0:
                 with contextlib.suppress(OSError):
-                    sock.close()
-        self.ready = None
+                    os.close(events)
+            for sock in (ready, self.sock):
+                if sock is not None:
+                    with contextlib.suppress(OSError):
+                        sock.close()
+
+    def take_group(self) -> Path | None:
+        """The slot's memory cgroup, to remove: once (None afterwards)."""
+        with self._closing:
+            group, self.group = self.group, None
+            return group
 
 
 class Parent:
@@ -204,15 +216,16 @@ class Parent:
         return lines[-1] if lines else ""
 
     def drop(self, slot: Slot) -> None:
-        """Forget a slot that failed; its socket closes (the slot exits) and its cgroup is removed."""
+        """Forget a slot that failed; its socket closes (the slot exits) and its cgroup is removed. Safe
+        to run twice at once (a failed run's drop in a thread, the parent's close)."""
         slot.close()
-        if slot in self.slots:
+        with contextlib.suppress(ValueError):
             self.slots.remove(slot)
-        if slot in self.free:
+        with contextlib.suppress(ValueError):
             self.free.remove(slot)
-        if slot.group is not None:
-            release_group(slot.group)  # kills what is left in it (the slot itself)
-            slot.group = None
+        group = slot.take_group()
+        if group is not None:
+            release_group(group)  # kills what is left in it (the slot itself)
 
     async def close(self) -> None:
         if self.deferred is not None:

@@ -35,31 +35,29 @@ MAX_SKIPPED = 50  # entries reported as not kept, at most
 PR_SET_DUMPABLE = 4
 
 
+LIMIT_SIGNALS = (signal.SIGKILL, signal.SIGXCPU)  # what the kernel sends at the CPU-time limit
+
+
 def over_cpu(code: int, seconds: float, limit: float) -> bool:
     """Whether a program that ended with status `code` (negative: the signal) after `seconds` of CPU time
     of its own was stopped by its CPU-time limit: the kernel sends SIGXCPU at the soft limit and SIGKILL
     at the hard one (they are equal here). Such a run is as timed out as one stopped by the wall clock,
     whichever of the two came first."""
-    if code not in (-signal.SIGKILL, -signal.SIGXCPU) or limit <= 0:
+    if -code not in LIMIT_SIGNALS or limit <= 0:
         return False
     return seconds >= limit - 0.1
 
 
-def killed_by_signal_of_a_limit(ended: os.waitid_result) -> bool:
-    """Whether a process's end (seen by waitid) is one its CPU-time limit may have caused: only then
-    does its CPU time matter (`over_cpu`)."""
-    return ended.si_code in (os.CLD_KILLED, os.CLD_DUMPED) and ended.si_status in (
-        signal.SIGKILL,
-        signal.SIGXCPU,
-    )
-
-
-def own_cpu_seconds(pid: int) -> float | None:
-    """The CPU time of the ended, not yet reaped process `pid` itself, all its threads: the limit is its
-    own (the children it waited for had limits of their own, and their time is not its). None where
-    /proc cannot tell (the caller then takes the rusage of the reaping, which counts those children)."""
+def own_cpu_seconds(ended: os.waitid_result) -> float | None:
+    """The CPU time of the ended, not yet reaped process `ended` names (seen by waitid with WNOWAIT),
+    itself, all its threads: the limit is its own (the children it waited for had limits of their own,
+    and their time is not its). Read only when a signal of its CPU-time limit ended it (otherwise
+    `over_cpu` says no whatever the time). None then too where /proc cannot tell: the caller takes the
+    rusage of the reaping, which counts those children."""
+    if ended.si_code not in (os.CLD_KILLED, os.CLD_DUMPED) or ended.si_status not in LIMIT_SIGNALS:
+        return None
     try:
-        with open(f"/proc/{pid}/stat", "rb") as stat_file:
+        with open(f"/proc/{ended.si_pid}/stat", "rb") as stat_file:
             fields = stat_file.read().rsplit(b")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
     except (OSError, IndexError, ValueError):
@@ -189,9 +187,7 @@ def ended_within(child: subprocess.Popen[bytes], seconds: float) -> tuple[bool, 
         if not poller.poll(seconds * 1000):
             return False, None
         ended = os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # not reaped yet
-        if ended is None or not killed_by_signal_of_a_limit(ended):
-            return True, None
-        return True, own_cpu_seconds(child.pid)
+        return True, None if ended is None else own_cpu_seconds(ended)
     finally:
         os.close(pidfd)
 

@@ -316,9 +316,7 @@ class Run:
                 if ended.si_pid != program:
                     os.waitpid(ended.si_pid, 0)  # an orphan the run left
                     continue
-                seconds = None
-                if self.supervisor.killed_by_signal_of_a_limit(ended):
-                    seconds = self.supervisor.own_cpu_seconds(program)
+                seconds = self.supervisor.own_cpu_seconds(ended)
                 _, status, usage = os.wait4(program, 0)
                 if seconds is None:
                     seconds = usage.ru_utime + usage.ru_stime

@@ -40,8 +40,10 @@ def redis_client(cluster: LocalCluster | None = None) -> Redis | RedisCluster:
 
 def redis_store(
     *,
-    claim_timeout: float = 1.5,
-    lock_timeout: float = 2.0,
+    # Long enough that a stall of a loaded CI machine never lapses a claim or lock the keep-alive
+    # holds; the tests of expiry pass their own short ones.
+    claim_timeout: float = 15.0,
+    lock_timeout: float = 15.0,
     lock_wait: float = 5.0,
     cluster: LocalCluster | None = None,
 ) -> RedisRolloutStore:

@@ -9,7 +9,7 @@ import sqlite3
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import Any
 
@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.db.call_log import answers_its_call
 from app.db.models import LOGGED_CALL_COLUMNS, LOGGED_ROLLOUT_COLUMNS, RolloutRow, ToolCall
-from app.db.session import BUSY_TIMEOUT_MS, sqlite_pragmas
+from app.db.session import sqlite_pragmas
 from app.db.text import storable
 from app.errors import ServiceUnavailable
 from app.metrics import Metrics
@@ -443,8 +443,14 @@ def _json_rows(rows: list[CallRecord] | list[dict[str, Any]]) -> str:
     return orjson.dumps([_without_nul(row) for row in rows]).decode()
 
 
+# A record's fields are text, numbers and datetimes: read as they are, not deep-copied (as `asdict` does).
+_RECORD_FIELDS = tuple(f.name for f in fields(CallRecord))
+
+
 def _without_nul(row: CallRecord | dict[str, Any]) -> dict[str, Any]:
-    return storable(asdict(row) if isinstance(row, CallRecord) else dict(row))
+    if isinstance(row, CallRecord):
+        return storable({name: getattr(row, name) for name in _RECORD_FIELDS})
+    return storable(dict(row))
 
 
 _Rows = list[dict[str, Any]]
@@ -461,7 +467,7 @@ class _SqliteBatch:
 
     def __init__(self, path: str) -> None:
         self._path = path
-        self._conn: sqlite3.Connection | None = None
+        self._conns: dict[bool, sqlite3.Connection] = {}  # by whether it waits for the write lock
         self._lock = threading.Lock()  # one batch at a time, whichever thread runs it
         dialect = sqlite.dialect(paramstyle="named")
         calls, rollouts = ToolCall.__table__, RolloutRow.__table__
@@ -482,10 +488,16 @@ class _SqliteBatch:
         )
         self._upsert = upsert.compile(dialect=dialect, column_keys=rollout_names).string
         self._insert = insert(calls).compile(dialect=dialect, column_keys=call_names).string
+        # Whether one call of the batch had an answering attempt already: an index probe
+        # (ix_tool_calls_trace_call), whatever the number of calls its rollout has logged.
         answered = (
             select(ToolCall.call_id)
-            .distinct()
-            .where(ToolCall.trace_id == bindparam("trace_", value=""), answers_its_call())
+            .where(
+                ToolCall.trace_id == bindparam("trace_", value=""),
+                ToolCall.call_id == bindparam("call_", value=""),
+                answers_its_call(),
+            )
+            .limit(1)
             .compile(dialect=dialect, compile_kwargs={"render_postcompile": True})
         )
         self._answered, self._answered_params = answered.string, dict(answered.params)
@@ -507,29 +519,25 @@ class _SqliteBatch:
         holder itself when it needs the loop to finish. Nothing was written then.
         """
         with self._lock:
-            conn = self._connect()
+            conn = self._connect(wait)
             try:
-                if not wait:
-                    conn.execute("PRAGMA busy_timeout=0")
                 try:
                     conn.execute("BEGIN IMMEDIATE")  # the reads below see what no other writer changes
                 except sqlite3.OperationalError as exc:
                     if not wait and exc.sqlite_errorcode == sqlite3.SQLITE_BUSY:
                         return False
                     raise
-                finally:
-                    if not wait:
-                        conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
                 answered: set[tuple[str, str | None]] = set()
-                if answers:  # the rollouts this batch answers calls of: their calls answered before
-                    traces = {
-                        row["trace_id"]
+                if answers:  # the calls this batch answers: which of them had an answer before
+                    calls = {
+                        (row["trace_id"], row["call_id"])
                         for row in rows
                         if row["call_id"] is not None and row["outcome"] in ANSWERS
                     }
-                    for trace in sorted(traces):
-                        params = {**self._answered_params, "trace_": trace}
-                        answered.update((trace, call) for (call,) in conn.execute(self._answered, params))
+                    for trace, call in sorted(calls):
+                        params = {**self._answered_params, "trace_": trace, "call_": call}
+                        if conn.execute(self._answered, params).fetchone() is not None:
+                            answered.add((trace, call))
                 gained = _calls_gained(rows, answered)
                 for row in rollout_rows:
                     row["calls"] = gained.get(row["trace_id"], 0)
@@ -539,26 +547,29 @@ class _SqliteBatch:
                 conn.executemany(self._insert, [_processed(row, self._call_processors) for row in rows])
                 conn.execute("COMMIT")
             except BaseException:
-                self.close_locked()  # the next batch starts on a new connection (a rollback with it)
+                self.close_locked()  # the next batch starts on new connections (a rollback with them)
                 raise
         return True
 
-    def _connect(self) -> sqlite3.Connection:
-        if self._conn is None:
-            conn = sqlite3.connect(
-                self._path, timeout=BUSY_TIMEOUT_MS / 1000, check_same_thread=False, isolation_level=None
-            )
+    def _connect(self, wait: bool) -> sqlite3.Connection:
+        """The connection that waits for another's write lock (its busy timeout), or the one that does not
+        (busy timeout 0): two connections rather than a PRAGMA each way around every batch."""
+        conn = self._conns.get(wait)
+        if conn is None:
+            conn = sqlite3.connect(self._path, check_same_thread=False, isolation_level=None)
             try:
                 sqlite_pragmas(conn, None)
+                if not wait:
+                    conn.execute("PRAGMA busy_timeout=0")
             except BaseException:
                 conn.close()
                 raise
-            self._conn = conn
-        return self._conn
+            self._conns[wait] = conn
+        return conn
 
     def close_locked(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
+        conns, self._conns = self._conns, {}
+        for conn in conns.values():
             with contextlib.suppress(sqlite3.Error):
                 conn.close()
 

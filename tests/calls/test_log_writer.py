@@ -333,3 +333,20 @@ async def test_a_lone_commit_never_waits_on_the_loop_for_another_connections_wri
     response = await call
     assert response.status_code == 200 and response.json()["output"] == '{"value":101}'
     assert (await _counts(client, [trace]))[trace] == (1, 1)
+
+
+def test_a_sqlite_batch_looks_up_each_answered_call_by_the_index(sqlite_template: Any, tmp_path: Any) -> None:
+    """Whether a call of the batch was answered before is one probe of ix_tool_calls_trace_call: a batch
+    costs the same in a rollout's thousandth call as in its first (not a read of every call it logged)."""
+    from app.calls.log_writer import _SqliteBatch
+
+    path = tmp_path / "log.db"
+    path.write_bytes(sqlite_template.read_bytes())
+    batch = _SqliteBatch(str(path))
+    conn = sqlite3.connect(path)
+    try:
+        params = {**batch._answered_params, "trace_": "t", "call_": "c"}
+        plan = " ".join(row[-1] for row in conn.execute("EXPLAIN QUERY PLAN " + batch._answered, params))
+    finally:
+        conn.close()
+    assert "USING INDEX ix_tool_calls_trace_call (trace_id=? AND call_id=?)" in plan, plan

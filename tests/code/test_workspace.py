@@ -163,3 +163,22 @@ def test_the_review_diffs_writes_against_the_task_s_starting_files() -> None:
     assert started == task.starting_files() and started["solution.py"] == task.prompt
     assert files_at_start(resources, {}) == {}  # type: ignore[arg-type]  # no task: an empty workspace
     assert pack.starting_files_of is files_at_start
+
+
+def test_the_workspace_walk_reads_a_file_whole_up_to_its_limit(tmp_path: Any) -> None:
+    """The run's report reads each file within the bytes the workspace has left, plus one (how a file
+    over the limit is seen), whatever size it had when it was looked at."""
+    from tools.code.harness_supervisor import read_upto
+
+    small, big, empty = tmp_path / "small", tmp_path / "big", tmp_path / "empty"
+    small.write_bytes(b"print(1)\n")
+    big.write_bytes(bytes(range(256)) * 1024)  # 256 KiB
+    empty.write_bytes(b"")
+    assert read_upto(bytes(small), 9, 100) == b"print(1)\n"
+    assert read_upto(bytes(empty), 0, 100) == b""
+    # Grown since it was looked at (its size then: 10 bytes): read on to the end, or to the limit.
+    assert read_upto(bytes(big), 10, 1 << 20) == big.read_bytes()
+    assert read_upto(bytes(big), 10, 70_001) == big.read_bytes()[:70_001]
+    # Shrunk since: what is there.
+    assert read_upto(bytes(small), 4096, 100) == b"print(1)\n"
+    assert read_upto(bytes(small), 9, 5) == b"print"

@@ -131,15 +131,33 @@ class Walk:
         if self.total + info.st_size > self.max_bytes:
             self.skip(relative, f"over the workspace limit of {self.max_bytes} bytes")
             return
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        with os.fdopen(fd, "rb") as handle:
-            content = handle.read(self.max_bytes - self.total + 1)
+        content = read_upto(path, info.st_size, self.max_bytes - self.total + 1)
         if self.total + len(content) > self.max_bytes:
             self.skip(relative, f"over the workspace limit of {self.max_bytes} bytes")
             return
         self.files += 1
         self.total += len(content)
         send(self.report, b"F", relative, content)
+
+
+def read_upto(path: bytes, size: int, limit: int) -> bytes:
+    """At most `limit` bytes of the file at `path`, whose size was `size`: the first read asks for one
+    byte more than that (a file that grew meanwhile is read on), never for the whole limit (a 1 MiB
+    buffer allocated, and given back, for every small file)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        chunks: list[bytes] = []
+        got, want = 0, min(size + 1, limit)
+        while got < limit:
+            chunk = os.read(fd, want)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            got += len(chunk)
+            want = min(max(want, 1 << 16), limit - got)
+    finally:
+        os.close(fd)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def _name(entry: os.DirEntry[bytes]) -> bytes:

@@ -326,19 +326,19 @@ class ToolCallService:
             )
         name = path_name or (body_name or "").removeprefix("functions.")
         tools = self._tools(pack, user)
+        spec = tools.get(name) if name else None
+        if spec is not None:
+            return spec
         available = ", ".join(sorted(tools)) or "none"
         if not name:
             return _model_error(f"the call does not name a tool. Available tools: {available}")
-        spec = tools.get(name)
-        if spec is None and pack is None and not user and name in self.registry.shared:
+        if pack is None and not user and name in self.registry.shared:
             routes = " or ".join(self.registry.qualified_routes(name))
             return _model_error(
                 f"the tool {name!r} is served by several packs ({', '.join(self.registry.shared[name])}); "
                 f"call it at its pack's route: {routes}"
             )
-        if spec is None:
-            return _model_error(f"unknown tool {name!r}. Available tools: {available}")
-        return spec
+        return _model_error(f"unknown tool {name!r}. Available tools: {available}")
 
     async def _answer(self, call: _Call, path_name: str | None, pack: str | None, user: bool) -> StoredAnswer:
         spec = self._resolve(call, path_name, pack, user)

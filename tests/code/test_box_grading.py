@@ -323,3 +323,28 @@ async def test_a_malformed_row_is_a_configuration_error(code_app: Any, backend: 
     for response in (place, test, entry):
         assert response.status_code == 422, response.text
         assert response.json()["error"]["code"] == "grader_config_error"
+
+
+WRITE_EVERYWHERE = (
+    "import os\n"
+    "for name in os.listdir('/proc/self/fd'):\n"
+    "    try:\n"
+    "        os.write(int(name), b'LEAK')\n"
+    "    except OSError:\n"
+    "        pass\n"
+)
+
+
+async def test_what_a_check_writes_never_reaches_a_later_cells_output(code_app: Any, backend: str) -> None:
+    """A check runs in a fork of the interpreter: whatever descriptor it finds and writes to, the next
+    cell's output holds only what that cell printed."""
+    tests = {"entry_point": "", "test": WRITE_EVERYWHERE + "def check(candidate):\n    pass\n"}
+    async with code_app(code=FAST) as code:
+        trace = new_trace()
+        await cell(code, trace, "x = 1")
+        await score(code, trace, {"tests": tests, "check_in": "interpreter"})
+        pool = pool_of(code)
+        interpreter = pool.live[trace]
+        async with interpreter.lock:
+            after = await interpreter.cell("print('clean')\nx", {}, pool.limits)
+    assert (after.stdout, after.stderr, after.value) == (b"clean\n", b"", "1")

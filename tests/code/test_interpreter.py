@@ -72,6 +72,35 @@ async def test_two_rollouts_never_see_each_others_state(code_app: Any, backend: 
     assert mine["value"] == repr(secret)
 
 
+async def test_a_process_a_cell_left_running_never_writes_into_a_later_cells_output(
+    code_app: Any, backend: str
+) -> None:
+    """A cell's output is its own: a process an earlier cell started, writing later to every descriptor
+    it holds, reaches none of the next cells' output."""
+    late = (
+        "import os, time\n"
+        "time.sleep(0.4)\n"
+        "for name in os.listdir('/proc/self/fd'):\n"
+        "    try:\n"
+        "        os.write(int(name), b'LATE')\n"
+        "    except OSError:\n"
+        "        pass\n"
+    )
+    async with code_app(code=FAST) as code:
+        trace = new_trace()
+        started = await cell(
+            code, trace, f"import subprocess, sys\nchild = subprocess.Popen([sys.executable, '-c', {late!r}])"
+        )
+        answers = []
+        for _ in range(4):  # before, while and after it writes
+            answers.append(await cell(code, trace, "print('mine')"))
+            await asyncio.sleep(0.2)
+        ended = await cell(code, trace, "child.wait(5)")
+    assert started == {"stdout": "", "stderr": ""}, started
+    assert answers == [{"stdout": "mine\n", "stderr": ""}] * 4, answers
+    assert ended["value"] == "0", ended
+
+
 async def test_a_cell_answers_the_value_of_its_last_expression_only(code_app: Any, backend: str) -> None:
     async with code_app(code=FAST) as code:
         trace = new_trace()

@@ -95,12 +95,27 @@ def apply_files(workspace: str, files: dict[str, str | None]) -> None:
 
 
 def memory_file(name: str) -> int:
+    """A file in memory, not inherited (only the descriptor dup'ed onto 1 or 2 is)."""
     if hasattr(os, "memfd_create"):
-        return os.memfd_create(name, 0)
+        return os.memfd_create(name)
     handle = tempfile.TemporaryFile()
     fd = os.dup(handle.fileno())
     handle.close()
     return fd
+
+
+Streams = tuple[int, int, io.TextIOWrapper, io.TextIOWrapper]
+
+
+def new_streams() -> Streams:
+    """A cell's stdout and stderr: a memory file each, and `sys.stdout`/`sys.stderr` writing to fds 1, 2."""
+    out, err = memory_file("stdout"), memory_file("stderr")
+    return (
+        out,
+        err,
+        io.TextIOWrapper(open(1, "wb", closefd=False), encoding="utf-8", line_buffering=True),
+        io.TextIOWrapper(open(2, "wb", closefd=False), encoding="utf-8", line_buffering=True),
+    )
 
 
 def captured(fd: int, limit: int) -> tuple[str, int]:
@@ -282,17 +297,20 @@ class Driver:
         main.__dict__["__builtins__"] = builtins
         sys.modules["__main__"] = main
         self.namespace = main.__dict__
+        self.null = os.open(os.devnull, os.O_RDWR)  # not inherited
+        self.streams: Streams | None = None  # the next cell's, made while nobody waits
+        self.spent: tuple[int, ...] = ()  # the last cell's memory files, let go after its answer
 
     def cell(self, request: dict[str, Any]) -> dict[str, Any]:
         apply_files(self.workspace, request["files"])
         self.cells += 1
         filename = f"<cell {self.cells}>"
-        out, err = memory_file("stdout"), memory_file("stderr")
+        out, err, stdout, stderr = self.streams or new_streams()
+        self.streams = None
         answer: dict[str, Any] = {"id": request["id"], "value": None, "exception": None}
         os.dup2(out, 1)
         os.dup2(err, 2)
-        sys.stdout = io.TextIOWrapper(open(1, "wb", closefd=False), encoding="utf-8", line_buffering=True)
-        sys.stderr = io.TextIOWrapper(open(2, "wb", closefd=False), encoding="utf-8", line_buffering=True)
+        sys.stdout, sys.stderr = stdout, stderr
         try:
             answer["value"] = execute(request["code"], self.namespace, filename)
         except BaseException as error:  # SystemExit too: a cell ends, the interpreter stays
@@ -303,17 +321,30 @@ class Driver:
                     stream.flush()
                 except (OSError, ValueError):
                     pass
-            null = os.open(os.devnull, os.O_RDWR)
-            os.dup2(null, 1)
-            os.dup2(null, 2)
-            os.close(null)
         limit = int(request["output_bytes"])
         answer["stdout"], answer["stdout_total"] = captured(out, limit)
         answer["stderr"], answer["stderr_total"] = captured(err, limit)
-        os.close(out)
-        os.close(err)
+        self.spent = (out, err)
         answer["files"] = self.walk(int(request["max_files"]), int(request["max_bytes"]))
         return answer
+
+    def between_cells(self) -> None:
+        """Once a cell's answer is sent (nobody waits on this): fds 1 and 2 back on /dev/null, the cell's
+        memory files let go, the next cell's streams made."""
+        os.dup2(self.null, 1)
+        os.dup2(self.null, 2)
+        for fd in self.spent:
+            os.close(fd)
+        self.spent = ()
+        if self.streams is None:
+            self.streams = new_streams()
+
+    def drop_streams(self) -> None:
+        """No cell's memory file open in a fork that runs other code (a grade's check)."""
+        if self.streams is not None:
+            os.close(self.streams[0])
+            os.close(self.streams[1])
+            self.streams = None
 
     def walk(self, max_files: int, max_bytes: int) -> str:
         report = io.BytesIO()
@@ -327,6 +358,7 @@ class Driver:
 
     def check(self, request: dict[str, Any]) -> dict[str, Any]:
         """A grade's check in a fork of this interpreter; the workspace is put back afterwards."""
+        self.drop_streams()
         before = snapshot(self.workspace)
         existing = _children(os.getpid())
         libc = ctypes.CDLL(None)
@@ -401,6 +433,7 @@ class Driver:
                 return
 
     def serve(self) -> None:
+        self.between_cells()
         send(self.frames, {"ready": True})
         while True:
             header = read_exactly(self.requests, 4)
@@ -411,6 +444,7 @@ class Driver:
                 return
             request = json.loads(body)
             send(self.frames, self.check(request) if "check" in request else self.cell(request))
+            self.between_cells()
 
 
 def main() -> int:

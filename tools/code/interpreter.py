@@ -140,7 +140,8 @@ class Interpreter:
         body = json.dumps(request).encode("utf-8")
         try:
             await self.session.send(struct.pack(">I", len(body)) + body)
-            answer = await asyncio.wait_for(self._answer_to(request_id), limits.cell_seconds)
+            async with asyncio.timeout(limits.cell_seconds):  # no task of its own, as wait_for starts
+                answer = await self._answer_to(request_id)
             return _cell_result(answer)
         except TimeoutError as exc:
             raise InterpreterStopped(

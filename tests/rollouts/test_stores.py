@@ -532,3 +532,19 @@ async def test_an_id_cannot_read_another_rollouts_answer(store: RolloutStore) ->
     other = await begin(store, f"{trace}}}:call:k", "c1")
     assert isinstance(other, Ticket), "a call of another rollout must run, not replay rA's answer"
     await store.abort(other)
+
+
+async def test_what_a_store_hands_out_or_takes_in_is_a_copy(store: RolloutStore) -> None:
+    """A tool may change the records it read, or the writes it handed over, without changing the store."""
+    trace = new_trace()
+    writes: PackChanges = {"p": {"t": {"k": {"items": [1, 2], "meta": {"n": 1}}}}}
+    held = await ticket(store, trace, "c1", lock=True)
+    await store.finish(held, writes, ANSWER)
+    writes["p"]["t"]["k"]["items"].append(3)  # after it was handed over
+    began = await ticket(store, trace, "c2", lock=True)
+    began.changes["p"]["t"]["k"]["meta"]["n"] = 99  # what the call read
+    began.changes["p"]["t"]["k"]["items"].clear()
+    read = await store.changes(trace)
+    read["p"]["t"]["k"]["items"].append(4)  # what a reader got
+    await store.abort(began)
+    assert await store.changes(trace) == {"p": {"t": {"k": {"items": [1, 2], "meta": {"n": 1}}}}}

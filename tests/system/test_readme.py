@@ -24,7 +24,11 @@ import httpx
 import pytest
 
 from tests.runner.model_server import ModelServer
-from tests.runner.test_retail import GoldModel, with_writes_and_facts
+from tests.runner.test_retail import (
+    GoldModel,
+    retail_data,  # noqa: F401  (a fixture: the tests' retail data)
+    with_writes_and_facts,
+)
 from tests.system.helpers import ROOT, clean_env, free_port, terminate
 
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -165,6 +169,7 @@ def test_the_job_config_example_works_as_written(checkout: Checkout) -> None:
     assert {t["function"]["name"] for t in json.loads(results[1].stdout)} == {t["name"] for t in tools}
 
 
+@pytest.mark.usefixtures("retail_data")  # the gold calls below replay on the tests' retail data
 def test_before_you_train_works_as_written(checkout: Checkout) -> None:
     text = block("sh", "sparring canary --dataset retail-train.jsonl")
     steps = commands(text)

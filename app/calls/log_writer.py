@@ -23,7 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from app.db.call_log import answers_its_call
 from app.db.models import LOGGED_CALL_COLUMNS, LOGGED_ROLLOUT_COLUMNS, RolloutRow, ToolCall
 from app.db.session import sqlite_pragmas
-from app.db.text import NUL, REPLACEMENT, storable
+from app.db.text import storable
 from app.errors import ServiceUnavailable
 from app.metrics import Metrics
 from sparring.wire import ANSWERS
@@ -450,11 +450,7 @@ _RECORD_FIELDS = tuple(f.name for f in fields(CallRecord))
 def _without_nul(row: CallRecord | dict[str, Any]) -> dict[str, Any]:
     if not isinstance(row, CallRecord):
         return storable(dict(row))
-    values = {name: getattr(row, name) for name in _RECORD_FIELDS}
-    for name, value in values.items():  # flat: only its text fields can hold a NUL
-        if type(value) is str and NUL in value:
-            values[name] = value.replace(NUL, REPLACEMENT)
-    return values
+    return {name: storable(getattr(row, name)) for name in _RECORD_FIELDS}  # flat: no walk below a field
 
 
 _Rows = list[dict[str, Any]]

@@ -306,6 +306,123 @@ async def test_a_runs_threads_and_forks_work_as_in_a_fresh_interpreter(warm_sand
     assert lines(result) == ["True 1", "285 10", "child thread", "main done", "late thread done"]
 
 
+async def test_a_program_that_takes_its_status_descriptor_keeps_its_files_and_status(
+    warm_sandbox: Sandbox,
+) -> None:
+    """A run's last act tells its init its exit status on a descriptor of its own, so the report need not
+    wait for the kernel to take the process apart. A program that closed that descriptor and opened its
+    own files in its place gets them back as it wrote them, and its exit status is its own."""
+    result = await warm_sandbox.run(
+        {
+            "main.py": "import os\n"
+            "os.closerange(3, 1 << 16)\n"
+            "fds = [os.open(f'f{i}.txt', os.O_CREAT | os.O_WRONLY, 0o644) for i in range(30)]\n"
+            "for fd in fds:\n"
+            "    os.write(fd, b'x')\n"
+            "print('wrote', len(fds))\n"
+            "raise SystemExit(3)\n"
+        },
+        [*ARGS, "main.py"],
+        limits=RUN_LIMITS,
+        collect=True,
+    )
+    assert (result.exit_code, lines(result)) == (3, ["wrote 30"]), result
+    files = result.files or {}
+    assert {name: files[name] for name in files if name != "main.py"} == {
+        f"f{i}.txt": b"x" for i in range(30)
+    }, files
+
+
+async def test_a_forked_child_that_ends_like_the_program_does_not_end_the_run(warm_sandbox: Sandbox) -> None:
+    """A process the program forks runs the rest of the script as `python` would, and may leave by
+    `sys.exit` as the program does: only the program's own end is told to its init, so the run ends with
+    the program, not with its child."""
+    result = await run(
+        warm_sandbox,
+        "import os, sys, time\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    sys.exit(5)\n"
+        "time.sleep(0.3)\n"
+        "print('child ended', os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n"
+        "open('after.txt', 'w').write('parent')\n",
+    )
+    assert lines(result) == ["child ended 5"], result
+    assert (result.files or {}).get("after.txt") == b"parent", result
+
+
+async def test_a_program_that_says_a_status_early_ends_with_it_and_leaves_nothing(
+    warm_sandbox: Sandbox,
+) -> None:
+    """A program may write an exit status on every pipe it holds (the init's among them) and carry on:
+    that ends its run with that status, as `os._exit` would; the run's processes are killed, and the next
+    run of the slot starts only once they are gone."""
+    assert warm_sandbox.warm is not None
+    result = await warm_sandbox.run(
+        {
+            "main.py": "import os, stat, struct, subprocess, sys, time\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+            "print('started', flush=True)\n"
+            "for fd in range(3, 1024):\n"
+            "    try:\n"
+            "        if stat.S_ISFIFO(os.fstat(fd).st_mode):\n"
+            "            os.write(fd, struct.pack('>i', 7))\n"
+            "    except OSError:\n"
+            "        pass\n"
+            "for i in range(600):\n"
+            "    open(f'later{i}.txt', 'w').write('x')\n"
+            "    time.sleep(0.1)\n"
+        },
+        [*ARGS, "main.py"],
+        limits=RUN_LIMITS,
+        collect=True,
+    )
+    assert (result.exit_code, result.timed_out, lines(result)) == (7, False, ["started"]), result
+    assert result.wall_seconds < RUN_LIMITS.wall_seconds, result
+    assert warm_sandbox.warm.current is not None and len(warm_sandbox.warm.current.slots) == 1
+    after = await run(
+        warm_sandbox, "import os\nprint(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n"
+    )
+    assert lines(after) == ["[1, 2]"], after
+
+
+async def test_a_slots_next_run_has_the_whole_memory_cap(tmp_path: Path) -> None:
+    """Runs of one slot one right after another, each holding most of the memory cap in processes it
+    leaves running and files it leaves behind: none of it outlives the run (its report is sent while its
+    processes are still being killed; the slot starts its next run only once they are gone), so no run is
+    charged for the memory of the one before it."""
+    sandbox = build_sandbox(CodeSettings(run_memory_bytes=256 << 20), home=tmp_path, binds_loopback=True)
+    if not sandbox.memory.per_run:
+        sandbox.close()
+        pytest.skip("this machine gives a run no memory cgroup of its own")
+    runner = WarmRunner(sandbox, max_runs=500)
+    assert await runner.start(), runner.why_cold
+    sandbox.warm = runner
+    try:
+        # Each run holds 48 MiB in files of its workspace (not kept: over the limit), 4 x 40 MiB in
+        # children it leaves running, and 10 MiB itself: 218 MiB of the 256 MiB cap.
+        hold = (
+            "import subprocess, sys\n"
+            "for i in range(48):\n"
+            "    open(f'/workspace/big{i}.bin', 'wb').write(b'\\x01' * (1 << 20))\n"
+            "child = 'import time; block = bytearray(b\"\\\\x01\") * (40 << 20); print(1, flush=True); '\n"
+            "child += 'time.sleep(600)'\n"
+            "children = [subprocess.Popen([sys.executable, '-c', child], stdin=subprocess.PIPE, "
+            "stdout=subprocess.PIPE) for _ in range(4)]\n"
+            "held = sum(len(c.stdout.readline()) for c in children)\n"
+            "block = bytearray(b'\\x01') * (10 << 20)\n"
+            "print(held)\n"
+        )
+        for _ in range(8):
+            result = await sandbox.run({"main.py": hold}, [*ARGS, "main.py"], limits=RUN_LIMITS, collect=True)
+            assert (result.exit_code, lines(result), result.memory_exceeded) == (0, ["8"], False), result
+        assert runner.current is not None and len(runner.current.slots) == 1
+    finally:
+        sandbox.warm = None
+        await runner.close()
+        sandbox.close()
+
+
 def _private_kib(result: RunResult) -> int:
     """The run's own Private_Dirty (smaps_rollup), in KiB: the parent's pages it copied, and its own."""
     for line in lines(result):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
+import os
+import shutil
 from typing import Any
 
 import pytest
@@ -182,3 +184,59 @@ def test_the_workspace_walk_reads_a_file_whole_up_to_its_limit(tmp_path: Any) ->
     # Shrunk since: what is there.
     assert read_upto(bytes(small), 4096, 100) == b"print(1)\n"
     assert read_upto(bytes(small), 9, 5) == b"print"
+
+
+def test_the_workspace_walk_never_follows_a_link_put_in_place_while_it_reads(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process of the run that is still dying (or one a cell left running) may swap a directory the walk
+    has listed for a link to elsewhere: the walk reaches each directory and file from its parent's
+    descriptor without following links, so it reads nothing outside the workspace."""
+    import io
+
+    from tools.code import harness_supervisor
+    from tools.code.sandbox import parse_report
+
+    workspace, outside = tmp_path / "workspace", tmp_path / "outside"
+    (workspace / "d").mkdir(parents=True)
+    (workspace / "d" / "mine.py").write_text("mine")
+    (workspace / "main.py").write_text("print(1)")
+    outside.mkdir()
+    (outside / "secret.txt").write_text("not the run's")
+    real_scandir = os.scandir
+    listed: list[object] = []
+
+    class Listing:
+        """What os.scandir gives, usable as the walk uses it (iterated, or as a context manager)."""
+
+        def __init__(self, entries: list[os.DirEntry[Any]]) -> None:
+            self.entries = entries
+
+        def __iter__(self) -> Any:
+            return iter(self.entries)
+
+        def __enter__(self) -> Listing:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+    def scandir(path: Any) -> Listing:
+        with real_scandir(path) as entries:
+            listing = Listing(list(entries))
+        listed.append(path)
+        if len(listed) == 1:  # the root is listed: `d` becomes a link before the walk goes in
+            shutil.rmtree(workspace / "d")
+            (workspace / "d").symlink_to(outside, target_is_directory=True)
+        return listing
+
+    monkeypatch.setattr(harness_supervisor.os, "scandir", scandir)
+    report = io.BytesIO()
+    report.write(b"S")
+    walk = harness_supervisor.Walk(report, str(workspace), 50, 1 << 20)
+    walk.run()
+    harness_supervisor.send(report, b"Z")
+    monkeypatch.undo()
+    parsed = parse_report(report.getvalue())
+    assert parsed.files == {"main.py": b"print(1)"}, parsed
+    assert "d" in " ".join(parsed.skipped), parsed  # the directory it could not enter is reported

@@ -72,7 +72,12 @@ def send(report: BinaryIO, kind: bytes, *parts: bytes) -> None:
 
 
 class Walk:
-    """The workspace's regular files, breadth first, within the limits; what is left out, with why."""
+    """The workspace's regular files, breadth first, within the limits; what is left out, with why.
+
+    It never follows a link: each directory is opened from its parent's descriptor and each file from
+    its directory's, both with O_NOFOLLOW, so a tree that changes while it is read (a process of the run
+    that is still dying, or one an interpreter's cell left running) can change what is read, never where:
+    nothing outside the workspace is ever listed or read."""
 
     def __init__(self, report: BinaryIO, root: str, max_files: int, max_bytes: int) -> None:
         self.report = report
@@ -91,37 +96,61 @@ class Walk:
         else:
             self.truncated = True  # what is not reported must not look deleted to the server
 
+    def open_directory(self, relative: bytes) -> int:
+        """A descriptor of the directory `relative` (b"" the root), reached one name at a time."""
+        fd = os.open(self.root, DIRECTORY_FLAGS)
+        for name in relative.split(b"/") if relative else ():
+            try:
+                inner = os.open(name, DIRECTORY_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
+            finally:
+                os.close(fd)
+            fd = inner
+        return fd
+
+    def listing(self, directory: int) -> list[tuple[bytes, os.DirEntry[str]]]:
+        """The entries of the open `directory`, by name's bytes."""
+        with os.scandir(directory) as entries:
+            return sorted(((os.fsencode(entry.name), entry) for entry in entries), key=_name)
+
     def run(self) -> None:
         pending: list[bytes] = [b""]
         entries = 0
         while pending:
             directory = pending.pop(0)
             try:
-                listing = sorted(os.scandir(os.path.join(os.fsencode(self.root), directory)), key=_name)
+                fd = self.open_directory(directory)
             except OSError:
                 self.skip(directory, "unreadable")
                 continue
-            for entry in listing:
-                entries += 1
-                relative = directory + b"/" + entry.name if directory else entry.name
-                if entries > MAX_ENTRIES:
-                    self.truncated = True
-                    return
-                if entry.name == b"__pycache__":
-                    continue
-                if len(relative) > MAX_PATH_BYTES:
-                    self.skip(relative, "path too long")
-                    continue
+            try:
                 try:
-                    if entry.is_dir(follow_symlinks=False):
-                        pending.append(relative)
-                    else:
-                        self.file(relative, entry.path)
+                    listing = self.listing(fd)
                 except OSError:
-                    self.skip(relative, "unreadable")
+                    self.skip(directory, "unreadable")
+                    continue
+                for name, entry in listing:
+                    entries += 1
+                    relative = directory + b"/" + name if directory else name
+                    if entries > MAX_ENTRIES:
+                        self.truncated = True
+                        return
+                    if name == b"__pycache__":
+                        continue
+                    if len(relative) > MAX_PATH_BYTES:
+                        self.skip(relative, "path too long")
+                        continue
+                    try:
+                        if entry.is_dir(follow_symlinks=False):
+                            pending.append(relative)
+                        else:
+                            self.file(relative, fd, name)
+                    except OSError:
+                        self.skip(relative, "unreadable")
+            finally:
+                os.close(fd)
 
-    def file(self, relative: bytes, path: bytes) -> None:
-        info = os.lstat(path)
+    def file(self, relative: bytes, directory: int, name: bytes) -> None:
+        info = os.stat(name, dir_fd=directory, follow_symlinks=False)
         if not stat.S_ISREG(info.st_mode):
             self.skip(relative, "not a regular file")
             return
@@ -131,7 +160,7 @@ class Walk:
         if self.total + info.st_size > self.max_bytes:
             self.skip(relative, f"over the workspace limit of {self.max_bytes} bytes")
             return
-        content = read_upto(path, info.st_size, self.max_bytes - self.total + 1)
+        content = read_upto(name, info.st_size, self.max_bytes - self.total + 1, directory)
         if self.total + len(content) > self.max_bytes:
             self.skip(relative, f"over the workspace limit of {self.max_bytes} bytes")
             return
@@ -140,12 +169,19 @@ class Walk:
         send(self.report, b"F", relative, content)
 
 
-def read_upto(path: bytes, size: int, limit: int) -> bytes:
-    """At most `limit` bytes of the file at `path`, whose size was `size`: the first read asks for one
-    byte more than that (a file that grew meanwhile is read on), never for the whole limit (a 1 MiB
-    buffer allocated, and given back, for every small file)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def read_upto(path: bytes, size: int, limit: int, directory: int | None = None) -> bytes:
+    """At most `limit` bytes of the regular file at `path` (relative to the open `directory`, if given),
+    whose size was `size`: the first read asks for one byte more than that (a file that grew meanwhile is
+    read on), never for the whole limit (a 1 MiB buffer allocated, and given back, for every small file).
+    OSError if it is no longer a regular file (a link or a pipe put in its place)."""
+    fd = os.open(path, FILE_FLAGS, dir_fd=directory)
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path!r} is no longer a regular file")
         chunks: list[bytes] = []
         got, want = 0, min(size + 1, limit)
         while got < limit:
@@ -160,8 +196,8 @@ def read_upto(path: bytes, size: int, limit: int) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def _name(entry: os.DirEntry[bytes]) -> bytes:
-    return entry.name
+def _name(item: tuple[bytes, os.DirEntry[str]]) -> bytes:
+    return item[0]
 
 
 def _doomed() -> None:

@@ -31,13 +31,17 @@ the runner's in `sys.modules["sparring_precompiled"].code` (a dict from source t
 P1 stops the program and everything it left at the wall-clock limit (it is pid 1: when it exits, the
 kernel kills the rest; a program the kernel stopped at its CPU-time limit is timed out too), then sends
 the supervisor's report (`harness_supervisor.py`'s frames: exit status and, when asked, the workspace's
-files) and exits. Nothing of a run outlives it: its namespaces and tmpfs die with its processes, and the
-parent's own memory is never written by a child (fork copies it).
+files) and exits. P2's last act closes its descriptors and writes its exit status on a pipe to P1
+(`say_done`): P1 then kills the run's processes and reports without waiting for the kernel to take P2
+apart. A slot prepares its next run only once the last run's P1 (or S) has ended. Nothing of a run
+outlives it: its namespaces and tmpfs die with its processes, and the parent's own memory is never
+written by a child (fork copies it).
 """
 
 from __future__ import annotations
 
 import builtins
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -120,6 +124,42 @@ def prefault(sock: socket.socket) -> None:
                 if ctypes.get_errno() == errno.EINVAL:
                     return  # not known to this kernel
                 break  # this mapping could not be populated (EFAULT, ENOMEM): the next one may
+
+
+SFD_NONBLOCK, SFD_CLOEXEC = os.O_NONBLOCK, os.O_CLOEXEC
+# The program's end of the pipe on which it tells its init its exit status (fd, st_dev, st_ino), and the
+# program's pid: a process the program forked that ends the same way says nothing.
+DONE: tuple[int, int, int, int] = (-1, 0, 0, 0)
+
+
+def child_signals() -> int:
+    """A signalfd for SIGCHLD (which the caller blocks): non-blocking, closed on exec."""
+    mask = (ctypes.c_ulong * 16)()  # sigset_t: 1024 bits
+    mask[0] = 1 << (signal.SIGCHLD - 1)
+    fd = int(libc.signalfd(-1, ctypes.byref(mask), SFD_NONBLOCK | SFD_CLOEXEC))
+    if fd < 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"signalfd: {os.strerror(error)}")
+    return fd
+
+
+def say_done(status: int) -> None:
+    """The program's last act before `_exit`: every descriptor closed but the pipe to its init (its
+    output ends here), then its exit status on that pipe, so the init reports while the kernel takes the
+    process apart (a fork's exit costs 0.5-2 ms here). Not said when the program closed or replaced that
+    descriptor: the init then learns of the exit as it would anyway."""
+    fd, device, inode, pid = DONE
+    if fd < 0 or os.getpid() != pid:
+        return
+    try:
+        info = os.fstat(fd)
+        if (info.st_dev, info.st_ino) != (device, inode):
+            return
+        os.closerange(0, fd)
+        os.closerange(fd + 1, 1 << 16)
+        os.write(fd, struct.pack(">i", status))
+    except OSError:
+        pass
 
 
 def check(result: int, what: str) -> None:
@@ -262,9 +302,14 @@ class Run:
         drop_capabilities()
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
         terms_r, terms_w = os.pipe()
+        done_r, done_w = os.pipe2(os.O_CLOEXEC)
         program = os.fork()
         if program == 0:
+            global DONE
             os.close(terms_r)
+            os.close(done_r)
+            info = os.fstat(done_w)
+            DONE = (done_w, info.st_dev, info.st_ino, os.getpid())
             if self.prefault:
                 prefault(self.sock)
             self.receive_job()
@@ -274,6 +319,7 @@ class Run:
             os.close(terms_w)
             return self.program_setup()
         os.close(terms_w)
+        os.close(done_w)
         chunks = []
         while chunk := os.read(terms_r, 65536):
             chunks.append(chunk)
@@ -281,14 +327,24 @@ class Run:
         if not chunks:
             self.stop_everything()
             os._exit(0)  # no job came (the server closed the run unused)
+        os.set_blocking(done_r, False)
         started = time.monotonic()
         terms = json.loads(b"".join(chunks))
         report = io.BytesIO()
         report.write(b"P")  # the kernel attaches this process's pid as the server sees it
         self.supervisor.send(report, b"S")
         self.sock.sendall(report.getvalue())
-        code, timed_out = self.wait(program, started + float(terms["wall"]), float(terms["cpu"]))
-        self.stop_everything()
+        deadline = started + float(terms["wall"])
+        code, timed_out, said = self.wait(program, deadline, float(terms["cpu"]), done_r)
+        if said:
+            # The program said its status and is exiting: the run's processes are killed and the files
+            # read now (the walk never follows a link, whatever a dying process does meanwhile), and they
+            # are reaped once the report is sent; the slot prepares its next run only after this init
+            # has ended, so nothing of this run is left by then.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(-1, signal.SIGKILL)
+        else:
+            self.stop_everything()
         report = io.BytesIO()
         self.supervisor.send(report, b"E", struct.pack(">iB", code, timed_out))
         if terms["collect"]:
@@ -299,35 +355,60 @@ class Run:
         self.supervisor.send(report, b"Z")
         self.sock.sendall(report.getvalue())
         self.sock.close()
+        if said:
+            self.stop_everything()
         os._exit(0)
 
-    def wait(self, program: int, deadline: float, cpu: float) -> tuple[int, bool]:
-        """The program's status (the shell's convention for a signal) and whether the clock stopped it
-        (the wall clock, or the kernel at its CPU-time limit `cpu`); orphans (pid 1 inherits them) are
-        reaped meanwhile, so they do not count as processes."""
-        while True:
+    def wait(self, program: int, deadline: float, cpu: float, done: int) -> tuple[int, bool, bool]:
+        """The program's status (the shell's convention for a signal), whether the clock stopped it (the
+        wall clock, or the kernel at its CPU-time limit `cpu`), and whether the program said that status
+        on `done` as its last act (it may still be exiting). Orphans (pid 1 inherits them) are reaped
+        meanwhile, so they do not count as processes."""
+        children = child_signals()
+        waiting = select.poll()
+        waiting.register(children, select.POLLIN)
+        waiting.register(done, select.POLLIN)
+        said = b""
+        try:
             while True:
-                try:  # who ended, left unreaped: the program's own CPU time is read before it is reaped
-                    ended = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-                except ChildProcessError:
-                    return 128 + signal.SIGKILL, False
-                if ended is None:
-                    break
-                if ended.si_pid != program:
-                    os.waitpid(ended.si_pid, 0)  # an orphan the run left
-                    continue
-                seconds = self.supervisor.own_cpu_seconds(ended)
-                _, status, usage = os.wait4(program, 0)
-                if seconds is None:
-                    seconds = usage.ru_utime + usage.ru_stime
-                code = os.waitstatus_to_exitcode(status)
-                return (128 - code if code < 0 else code), self.supervisor.over_cpu(code, seconds, cpu)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                os.kill(program, signal.SIGKILL)
-                os.waitpid(program, 0)
-                return 128 + signal.SIGKILL, True
-            signal.sigtimedwait({signal.SIGCHLD}, min(remaining, 1.0))
+                while True:
+                    try:  # who ended, left unreaped: the program's own CPU time is read before it is reaped
+                        ended = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+                    except ChildProcessError:
+                        return 128 + signal.SIGKILL, False, False
+                    if ended is None:
+                        break
+                    if ended.si_pid != program:
+                        os.waitpid(ended.si_pid, 0)  # an orphan the run left
+                        continue
+                    seconds = self.supervisor.own_cpu_seconds(ended)
+                    _, status, usage = os.wait4(program, 0)
+                    if seconds is None:
+                        seconds = usage.ru_utime + usage.ru_stime
+                    code = os.waitstatus_to_exitcode(status)
+                    timed_out = self.supervisor.over_cpu(code, seconds, cpu)
+                    return (128 - code if code < 0 else code), timed_out, False
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    os.kill(program, signal.SIGKILL)
+                    os.waitpid(program, 0)
+                    return 128 + signal.SIGKILL, True, False
+                for fd, _ in waiting.poll(min(remaining, 1.0) * 1000):
+                    if fd == children:
+                        with contextlib.suppress(BlockingIOError):
+                            while os.read(children, 4096):
+                                pass
+                        continue
+                    with contextlib.suppress(BlockingIOError):
+                        chunk = os.read(done, 4 - len(said))
+                        if not chunk:  # closed unsaid: its exit is learnt from SIGCHLD
+                            waiting.unregister(done)
+                        said += chunk
+                        if len(said) == 4:
+                            return struct.unpack(">i", said)[0] & 0xFF, False, True
+        finally:
+            os.close(children)
+            os.close(done)
 
     def stop_everything(self) -> None:
         """Kill and reap every other process of the run's pid namespace (pid 1 is spared by kill(-1))."""
@@ -352,7 +433,8 @@ class Run:
         for target, fd in enumerate(self.stdio):
             os.dup2(fd, target)
         self.sock.detach()
-        os.closerange(3, 1 << 16)
+        os.closerange(3, DONE[0])
+        os.closerange(DONE[0] + 1, 1 << 16)
         libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
         try:
             write("/proc/self/oom_score_adj", "1000")  # the run's processes die first at its memory cap
@@ -395,6 +477,10 @@ def serve_slot(sock: socket.socket, sizes: dict[str, int], supervisor: types.Mod
         flags = struct.pack("16sH22x", b"lo", IFF_UP | IFF_LOOPBACK | IFF_RUNNING)
         fcntl.ioctl(probe.fileno(), SIOCSIFFLAGS, flags)
     sock.sendall(b"Y")  # the kernel attaches this process's pid: the server moves it into its cgroup
+    # A run is prepared only once the last one's init (or keeper) has ended: its processes, their memory
+    # (charged to the slot's cgroup) and its file systems are gone by then, whenever its report was sent.
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    last = 0
     cloning = CLONE_SYSCALL is not None
     while True:
         message, fds = receive(sock, 1)
@@ -404,6 +490,9 @@ def serve_slot(sock: socket.socket, sizes: dict[str, int], supervisor: types.Mod
             for fd in fds:
                 os.close(fd)
             continue
+        if last:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(last, 0)
         uid, gid = os.getuid(), os.getgid()
         try:
             init = clone_into(RUN_NAMESPACES) if cloning else bare_fork()
@@ -419,6 +508,7 @@ def serve_slot(sock: socket.socket, sizes: dict[str, int], supervisor: types.Mod
                 traceback.print_exc()
                 os._exit(70)
         os.close(fds[0])
+        last = init
 
 
 def serve(control: socket.socket, sizes: dict[str, int], supervisor: types.ModuleType) -> dict[str, Any]:
@@ -568,8 +658,9 @@ def main() -> None:
     gc.freeze()  # what the parent holds stays shared with its children, never copied by the collector
     job = serve(control, json.loads(sizes_json), supervisor)
     del control, supervisor
-    status = program(job, base_path)
-    os._exit(finish(status))
+    status = finish(program(job, base_path))
+    say_done(status)
+    os._exit(status)
 
 
 main()

@@ -56,7 +56,7 @@ import select
 import signal
 import socket
 import struct
-import subprocess  # noqa: F401  (the grading harness starts its runner with it)
+import subprocess  # noqa: F401  (imported once here, so a run that uses it does not pay for it)
 import sys
 import time
 import traceback

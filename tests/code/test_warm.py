@@ -4,6 +4,7 @@ when it dies (the calls in flight are 503s) and after its runs, and /healthz say
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -26,19 +27,28 @@ TASK = "HumanEval/0"
 ARGS = ["-E", "-s", "-B", "-X", "utf8"]
 
 
+@contextlib.asynccontextmanager
+async def started_warm(sandbox: Sandbox) -> AsyncIterator[WarmRunner]:
+    """`sandbox` with its warm parent started (as the code pack's lifespan does); both closed after."""
+    try:
+        runner = WarmRunner(sandbox, max_runs=500)
+        assert await runner.start(), runner.why_cold
+        sandbox.warm = runner
+        try:
+            yield runner
+        finally:
+            sandbox.warm = None
+            await runner.close()
+    finally:
+        sandbox.close()
+
+
 @pytest.fixture
 async def warm_sandbox(tmp_path: Path) -> AsyncIterator[Sandbox]:
-    """The real bwrap sandbox with its warm parent started (as the code pack's lifespan does)."""
+    """The real bwrap sandbox with its warm parent started."""
     sandbox = build_sandbox(CodeSettings(), home=tmp_path, binds_loopback=True)
-    runner = WarmRunner(sandbox, max_runs=500)
-    assert await runner.start(), runner.why_cold
-    sandbox.warm = runner
-    try:
+    async with started_warm(sandbox):
         yield sandbox
-    finally:
-        sandbox.warm = None
-        await runner.close()
-        sandbox.close()
 
 
 async def run(sandbox: Sandbox, source: str, files: dict[str, str] | None = None) -> RunResult:
@@ -395,10 +405,7 @@ async def test_a_slots_next_run_has_the_whole_memory_cap(tmp_path: Path) -> None
     if not sandbox.memory.per_run:
         sandbox.close()
         pytest.skip("this machine gives a run no memory cgroup of its own")
-    runner = WarmRunner(sandbox, max_runs=500)
-    assert await runner.start(), runner.why_cold
-    sandbox.warm = runner
-    try:
+    async with started_warm(sandbox) as runner:
         # Each run holds 48 MiB in files of its workspace (not kept: over the limit), 4 x 40 MiB in
         # children it leaves running, and 10 MiB itself: 218 MiB of the 256 MiB cap.
         hold = (
@@ -417,10 +424,6 @@ async def test_a_slots_next_run_has_the_whole_memory_cap(tmp_path: Path) -> None
             result = await sandbox.run({"main.py": hold}, [*ARGS, "main.py"], limits=RUN_LIMITS, collect=True)
             assert (result.exit_code, lines(result), result.memory_exceeded) == (0, ["8"], False), result
         assert runner.current is not None and len(runner.current.slots) == 1
-    finally:
-        sandbox.warm = None
-        await runner.close()
-        sandbox.close()
 
 
 def _private_kib(result: RunResult) -> int:

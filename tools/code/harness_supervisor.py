@@ -107,10 +107,16 @@ class Walk:
             fd = inner
         return fd
 
-    def listing(self, directory: int) -> list[tuple[bytes, os.DirEntry[str]]]:
-        """The entries of the open `directory`, by name's bytes."""
-        with os.scandir(directory) as entries:
-            return sorted(((os.fsencode(entry.name), entry) for entry in entries), key=_name)
+    def listing(self, relative: bytes) -> tuple[int, list[tuple[bytes, os.DirEntry[str]]]]:
+        """The directory `relative`, open, and its entries by name's bytes; its descriptor is the
+        caller's to close, and is closed here if the listing fails."""
+        fd = self.open_directory(relative)
+        try:
+            with os.scandir(fd) as entries:
+                return fd, sorted(((os.fsencode(entry.name), entry) for entry in entries), key=_name)
+        except BaseException:
+            os.close(fd)
+            raise
 
     def run(self) -> None:
         pending: list[bytes] = [b""]
@@ -118,16 +124,11 @@ class Walk:
         while pending:
             directory = pending.pop(0)
             try:
-                fd = self.open_directory(directory)
+                fd, listing = self.listing(directory)
             except OSError:
                 self.skip(directory, "unreadable")
                 continue
             try:
-                try:
-                    listing = self.listing(fd)
-                except OSError:
-                    self.skip(directory, "unreadable")
-                    continue
                 for name, entry in listing:
                     entries += 1
                     relative = directory + b"/" + name if directory else name

@@ -143,6 +143,12 @@ def child_signals() -> int:
     return fd
 
 
+def close_all_but(first: int, kept: int) -> None:
+    """Every descriptor from `first` up closed, except `kept`."""
+    os.closerange(first, kept)
+    os.closerange(kept + 1, 1 << 16)
+
+
 def say_done(status: int) -> None:
     """The program's last act before `_exit`: every descriptor closed but the pipe to its init (its
     output ends here), then its exit status on that pipe, so the init reports while the kernel takes the
@@ -155,8 +161,7 @@ def say_done(status: int) -> None:
         info = os.fstat(fd)
         if (info.st_dev, info.st_ino) != (device, inode):
             return
-        os.closerange(0, fd)
-        os.closerange(fd + 1, 1 << 16)
+        close_all_but(0, fd)
         os.write(fd, struct.pack(">i", status))
     except OSError:
         pass
@@ -433,8 +438,7 @@ class Run:
         for target, fd in enumerate(self.stdio):
             os.dup2(fd, target)
         self.sock.detach()
-        os.closerange(3, DONE[0])
-        os.closerange(DONE[0] + 1, 1 << 16)
+        close_all_but(3, DONE[0])
         libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
         try:
             write("/proc/self/oom_score_adj", "1000")  # the run's processes die first at its memory cap

@@ -320,9 +320,12 @@ async def test_a_malformed_row_is_a_configuration_error(code_app: Any, backend: 
         place = await grade(code, trace, {"tests": ADD_TESTS, "check_in": "elsewhere"})
         test = await grade(code, trace, {"tests": {"entry_point": "add", "test": 3}})
         entry = await grade(code, trace, {"tests": {"test": "assert True\n"}})
-    for response in (place, test, entry):
+        unknown = await grade(code, trace, {"task_id": "HumanEval/9999"})  # no such task, no tests
+        neither = await grade(code, trace, {})
+    for response in (place, test, entry, unknown, neither):
         assert response.status_code == 422, response.text
         assert response.json()["error"]["code"] == "grader_config_error"
+    assert "HumanEval/9999" in unknown.json()["error"]["message"]
 
 
 WRITE_EVERYWHERE = (

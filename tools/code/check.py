@@ -41,8 +41,9 @@ CHECK_IN = ("workspace", "interpreter")  # where a row's `check_in` asks the hid
 MAX_TEST_CHARS = 256 * 1024
 
 
-class CodeItemError(ValueError):
-    """The row sent to the grader names no known task: a configuration problem, not a score."""
+class CodeItemError(GradingConfigError, ValueError):
+    """The row sent to the grader names no known task and has no tests of its own: a configuration
+    problem (422), not a score."""
 
 
 @cache

@@ -142,7 +142,7 @@ class Slot:
 
     def prepare(self, prefault: bool = False) -> None:
         """Have the slot fork the next run's namespaces now, so a run finds them made; with `prefault`,
-        its program's process also copies the parent's pages while it waits (CPU spent ahead, and ~15 MiB
+        its program's process also copies the parent's pages while it waits (CPU spent ahead, and ~8 MiB more
         of the slot's memory cgroup, to take ~1.5 ms of page faults off the run; it stops when the job
         arrives)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -19,7 +19,7 @@ import pytest
 from tests.code.conftest import CodeClient, served_resources
 from tests.code.test_isolation import processes_with
 from tests.conftest import new_trace
-from tools.code.interpreter import RESTARTED, InterpreterPool
+from tools.code.interpreter import RESTARTED, Interpreter, InterpreterPool
 from tools.code.runtime import CodeResources
 
 pytestmark = pytest.mark.parametrize("backend", ["real"])  # the shared lock, ledger and state of a fleet
@@ -339,8 +339,73 @@ async def test_frames_a_cell_forges_never_answer_a_later_call(code_app: Any, bac
         trace = new_trace()
         forged = await cell(code, trace, forge)
         after = await cell(code, trace, "2 + 2")
-    assert forged["value"] == "'real'"
-    assert after == {"stdout": "", "stderr": "", "value": "4"}
+        again = await cell(code, trace, "2 + 2")
+    # A frame that answers no request stops the interpreter: never an answer, never one to wait past.
+    assert forged.startswith("Error: the interpreter stopped while running this code"), forged
+    assert after.startswith(f"Error: {RESTARTED}")
+    assert again == {"stdout": "", "stderr": "", "value": "4"}
+
+
+# A cell's code runs in the driver's process: from the cell, frame 2 is the driver's `cell` method.
+FORGE = (
+    "import json, os, struct, sys\n"
+    "driver, request = sys._getframe(2).f_locals['self'], sys._getframe(2).f_locals['request']\n"
+    "answer = {{'id': request['id'], 'value': None, 'exception': None, 'stdout': '', 'stderr': '',\n"
+    "          'stdout_total': 0, 'stderr_total': 0, 'files': 'U1o='}}\n"
+    "body = {body}\n"
+    "with open(driver.frames, 'wb', closefd=False) as pipe:\n"
+    "    pipe.write(struct.pack('>I', len(body)) + body)\n"
+)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "b'[' * 5000",  # deeper than the JSON decoder goes
+        "json.dumps({**answer, 'stdout_total': float('inf')}).encode()",  # its own id, no count of bytes
+        "json.dumps({**answer, 'stderr_total': -1}).encode()",
+        "b' ' * (8 << 20)",  # larger than any cell's answer under its limits
+    ],
+    ids=["deep", "infinite-total", "negative-total", "huge"],
+)
+async def test_a_frame_no_driver_writes_stops_the_interpreter_never_a_5xx(
+    code_app: Any, backend: str, body: str
+) -> None:
+    async with code_app(code=FAST) as code:
+        trace = new_trace()
+        await cell(code, trace, "x = 1")
+        forged = await cell(code, trace, FORGE.format(body=body))
+        after = await cell(code, trace, "x")
+        fresh = await cell(code, trace, "2 + 2")
+    assert isinstance(forged, str) and forged.startswith(
+        "Error: the interpreter stopped while running this code"
+    ), forged
+    assert after.startswith(f"Error: {RESTARTED}")
+    assert fresh["value"] == "4"
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "raise ValueError(chr(0xd800))",
+        "class Odd:\n    def __repr__(self):\n        return 'odd ' + chr(0xdfff)\nOdd()",
+        "raise ValueError('m' * 20_000_000)",
+        "class Loud(Exception):\n    def __str__(self):\n        raise RuntimeError('no')\nraise Loud()",
+    ],
+    ids=["surrogate-exception", "surrogate-repr", "huge-exception", "exception-that-cannot-say-itself"],
+)
+async def test_a_cell_whose_value_or_exception_no_encoder_writes_is_an_answer(
+    code_app: Any, backend: str, source: str
+) -> None:
+    async with code_app(code=FAST) as code:
+        trace = new_trace()
+        await cell(code, trace, "x = 1")
+        answer = await cell(code, trace, source)
+        after = await cell(code, trace, "x")
+    assert isinstance(answer, dict), answer  # an answer, never a 500, and the interpreter lives on
+    shown = answer.get("value") or answer.get("exception") or ""
+    assert shown and len(shown) < 70_000, len(shown)
+    assert after["value"] == "1"
 
 
 async def test_an_interpreter_killed_between_calls_is_restarted_and_said_so(
@@ -457,3 +522,130 @@ async def test_closing_the_server_stops_its_spares(code_app: Any, backend: str) 
         pids = await spares_ready(pool_of(code), 2)
         assert all(alive(pid) for pid in pids)
     assert not any(alive(pid) for pid in pids)
+
+
+async def test_the_idle_reaper_never_stops_an_interpreter_a_call_took_while_it_stopped_another(
+    code_app: Any, backend: str
+) -> None:
+    async with code_app(code={**FAST, "interpreter_idle_seconds": 60.0}) as code:
+        pool = pool_of(code)
+        now = [0.0]
+        pool.clock = lambda: now[0]
+        first, second = new_trace(), new_trace()
+        await cell(code, first, "x = 1")
+        await cell(code, second, "y = 2")
+        now[0] = 100.0  # both idle past the limit
+        closing, release = asyncio.Event(), asyncio.Event()
+        session = pool.live[first].session
+        close = session.close
+
+        async def slow_close(grace: float = 0.0) -> int | None:
+            closing.set()
+            await release.wait()
+            return await close(grace)
+
+        session.close = slow_close  # type: ignore[method-assign]
+        reaping = asyncio.ensure_future(pool.reap())
+        await closing.wait()  # the reaper is stopping `first`; `second` is on its list too
+        async with pool.use(second, code_state_marker(pool, second)) as (interpreter, lost):
+            release.set()
+            await asyncio.sleep(0.2)  # the reaper goes on meanwhile
+            answer = await interpreter.cell("y", {}, pool.limits)
+        await reaping
+    assert lost is None and answer.value == "2"  # the call ran in its interpreter, not killed under it
+
+
+def code_state_marker(pool: InterpreterPool, trace: str) -> dict[str, Any]:
+    """The marker the rollout's state holds for its interpreter (its last call's)."""
+    return pool.live[trace].marker()
+
+
+async def test_a_call_that_waited_for_a_grade_finds_a_stopped_interpreter_said_so(
+    code_app: Any, backend: str
+) -> None:
+    """A call waits for the interpreter while a grade's check holds it; the grade stops it (the check
+    killed it): the call starts a new one and says why, never a server error."""
+    async with code_app(code=FAST) as code:
+        pool = pool_of(code)
+        trace = new_trace()
+        await cell(code, trace, "x = 1")
+        marker = code_state_marker(pool, trace)
+        waiting: asyncio.Future[tuple[int, str | None]] | None = None
+
+        async def call() -> tuple[int, str | None]:
+            async with pool.use(trace, marker) as (interpreter, lost):
+                return id(interpreter), lost
+
+        async with pool.held(trace, marker) as held:
+            waiting = asyncio.ensure_future(call())
+            await asyncio.sleep(0.1)  # the call now waits for the lock
+            await pool.discard(trace, "a grade's check stopped it")
+        taken, lost = await waiting
+    assert taken != id(held)
+    assert lost == "a grade's check stopped it"
+
+
+async def test_a_call_cancelled_while_its_interpreter_starts_leaves_nothing_held(
+    code_app: Any, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with code_app(code={**FAST, "interpreter_spares": 0}) as code:
+        pool = pool_of(code)
+        started: list[Any] = []
+        ready = Interpreter.ready
+
+        async def never_ready(self: Interpreter) -> None:
+            started.append(self)
+            await asyncio.sleep(3600)
+
+        monkeypatch.setattr(Interpreter, "ready", never_ready)
+        trace = new_trace()
+
+        async def call() -> None:
+            async with pool.use(trace, None):
+                pass
+
+        task = asyncio.ensure_future(call())
+        for _ in range(300):
+            if started:
+                break
+            await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        monkeypatch.setattr(Interpreter, "ready", ready)
+        process = started[0].session.process
+        await asyncio.wait_for(process.wait(), 10)
+        again = await cell(code, trace, "2 + 2")
+    assert trace not in pool.live or pool.live[trace] is not started[0]
+    assert process.returncode is not None  # its process stopped, its cgroup given back
+    assert again["value"] == "4"  # and the rollout's next call works
+
+
+async def test_a_forged_report_of_more_files_than_the_workspace_holds_keeps_none(
+    code_app: Any, backend: str
+) -> None:
+    """A cell answers for itself (its own id) with a report of 60 files: the workspace's limits are
+    checked on the server, so nothing of it is kept."""
+    forge = (
+        "import base64, json, struct, sys\n"
+        "driver, request = sys._getframe(2).f_locals['self'], sys._getframe(2).f_locals['request']\n"
+        "report = b'S'\n"
+        "for i in range(60):\n"
+        "    name, content = f'f{i}.txt'.encode(), b'x'\n"
+        "    report += b'F' + struct.pack('>I', len(name)) + name\n"
+        "    report += struct.pack('>I', len(content)) + content\n"
+        "report += b'Z'\n"
+        "answer = {'id': request['id'], 'value': None, 'exception': None, 'stdout': '', 'stderr': '',\n"
+        "          'stdout_total': 0, 'stderr_total': 0, 'files': base64.b64encode(report).decode()}\n"
+        "body = json.dumps(answer).encode()\n"
+        "with open(driver.frames, 'wb', closefd=False) as pipe:\n"
+        "    pipe.write(struct.pack('>I', len(body)) + body)\n"
+    )
+    async with code_app(code=FAST) as code:
+        trace = new_trace()
+        forged = await cell(code, trace, forge)
+        listed = json.loads(await code.call(trace, "list_files", {}, task_id=TASK))
+    assert "(no change to the files was kept: the workspace may hold at most 50 files)" in forged.get(
+        "files_not_kept", []
+    ), forged
+    assert sorted(entry["path"] for entry in listed) == ["examples.py", "solution.py"]

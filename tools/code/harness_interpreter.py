@@ -50,6 +50,7 @@ import types
 from typing import Any
 
 REPR_CHARS = 16 * 1024
+TRACEBACK_CHARS = 16 * 1024
 CHECK_ERROR_CHARS = 4000
 PR_SET_CHILD_SUBREAPER = 36
 STOP_ROUNDS = 64  # passes over the check's leftover processes (each may have started more)
@@ -124,13 +125,23 @@ def captured(fd: int, limit: int) -> tuple[str, int]:
 
 
 def cell_traceback(error: BaseException, filename: str) -> str:
-    """The traceback from the cell's own frames on (the driver's are not the model's business)."""
-    if isinstance(error, SyntaxError):
-        return "".join(traceback.format_exception_only(type(error), error))
-    tb = error.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename != filename:
-        tb = tb.tb_next
-    return "".join(traceback.format_exception(type(error), error, tb or error.__traceback__))
+    """The traceback from the cell's own frames on (the driver's are not the model's business), its
+    middle cut past TRACEBACK_CHARS (a long message or a deep recursion)."""
+    try:
+        if isinstance(error, SyntaxError):
+            text = "".join(traceback.format_exception_only(type(error), error))
+        else:
+            tb = error.__traceback__
+            while tb is not None and tb.tb_frame.f_code.co_filename != filename:
+                tb = tb.tb_next
+            text = "".join(traceback.format_exception(type(error), error, tb or error.__traceback__))
+    except BaseException as failure:  # an exception whose __str__ raises, or that is too deep to format
+        text = f"{type(error).__name__} (its traceback could not be formatted: {type(failure).__name__})\n"
+    if len(text) > TRACEBACK_CHARS:
+        half = TRACEBACK_CHARS // 2
+        cut = f"[traceback truncated: {len(text) - 2 * half} of {len(text)} characters cut]"
+        text = f"{text[:half]}\n{cut}\n{text[-half:]}"
+    return text
 
 
 def execute(code: str, namespace: dict[str, Any], filename: str) -> str | None:

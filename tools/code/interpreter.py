@@ -39,13 +39,21 @@ from tools.code.sandbox import (
     Session,
     harness_source,
     parse_report,
+    report_cap,
 )
 
 log = logging.getLogger("sparring.packs.code.interpreter")
 
 MARKER = ("interpreter", "session")  # the rollout-state record naming its interpreter
 RESTARTED = "the interpreter was restarted; earlier state is lost"
-MAX_FRAME_BYTES = 16 * 1024 * 1024
+MAX_FRAME_BYTES = 16 * 1024 * 1024  # a frame's ceiling; a cell's answer is capped by its limits (`frame_cap`)
+SMALL_FRAME_BYTES = 64 * 1024  # the driver's hello and a check's verdict
+FRAME_SLACK_BYTES = (
+    256 * 1024
+)  # a cell's answer past its base64 outputs and files: its value, traceback, keys
+THREAD_DECODE_BYTES = 256 * 1024  # a frame larger than this is decoded in a thread, off the event loop
+MAX_TOTAL = 1 << 62  # an output's size as the driver counted it
+TEXT_CHARS = 64 * 1024  # a cell's value or traceback, a check's error, as the server keeps it
 READY_SECONDS = 15.0  # bwrap's setup and the driver's start
 LOST_REASONS_KEPT = 4096
 CHECK_GRACE_SECONDS = 10.0  # past a check's own limit: the driver's stopping and restoring
@@ -124,7 +132,7 @@ class Interpreter:
         return changes
 
     async def ready(self) -> None:
-        await asyncio.wait_for(self._receive(), READY_SECONDS)
+        await asyncio.wait_for(self._receive(SMALL_FRAME_BYTES), READY_SECONDS)
 
     async def cell(self, code: str, files: Mapping[str, str | None], limits: InterpreterLimits) -> CellResult:
         """Run `code` after applying `files`; InterpreterStopped if it ends or outlives the limit."""
@@ -139,16 +147,20 @@ class Interpreter:
         }
         body = json.dumps(request).encode("utf-8")
         try:
-            await self.session.send(struct.pack(">I", len(body)) + body)
+            # The request's sending counts in the call's time too: a driver that stopped reading (a cell's
+            # thread stopped it) cannot hold the call past its limit.
             async with asyncio.timeout(limits.cell_seconds):  # no task of its own, as wait_for starts
-                answer = await self._answer_to(request_id)
+                await self.session.send(struct.pack(">I", len(body)) + body)
+                answer = await self._answer_to(request_id, frame_cap(limits))
             return _cell_result(answer)
         except TimeoutError as exc:
             raise InterpreterStopped(
                 f"the code ran longer than {limits.cell_seconds:g} seconds (the wall-clock limit of a call): "
                 "the interpreter was stopped and its state is lost"
             ) from exc
-        except (ConnectionError, asyncio.IncompleteReadError, ValueError, KeyError, TypeError) as exc:
+        except Exception as exc:
+            # The driver ended, or answered what no driver answers (a cell can write on its frame pipe):
+            # either way the interpreter is stopped, and the model is told so.
             raise InterpreterStopped(await self._why_ended()) from exc
         except BaseException:
             # Cancelled mid-cell (the call's own deadline): the cell may still run, so no later request
@@ -165,8 +177,9 @@ class Interpreter:
         request_id = uuid.uuid4().hex
         body = json.dumps({"id": request_id, "check": dict(job), "seconds": seconds}).encode("utf-8")
         try:
-            await self.session.send(struct.pack(">I", len(body)) + body)
-            answer = await asyncio.wait_for(self._answer_to(request_id), seconds + CHECK_GRACE_SECONDS)
+            async with asyncio.timeout(seconds + CHECK_GRACE_SECONDS):
+                await self.session.send(struct.pack(">I", len(body)) + body)
+                answer = await self._answer_to(request_id, SMALL_FRAME_BYTES)
             passed, error, timed_out = answer["passed"], answer["error"], answer["timed_out"]
             if not isinstance(passed, bool) or not isinstance(timed_out, bool):
                 raise TypeError("passed and timed_out must be booleans")
@@ -177,7 +190,7 @@ class Interpreter:
             self.broken = True
             self.session.kill()
             raise InterpreterStopped("the interpreter did not answer a grade's check in time") from exc
-        except (ConnectionError, asyncio.IncompleteReadError, ValueError, KeyError, TypeError) as exc:
+        except Exception as exc:
             raise InterpreterStopped(await self._why_ended()) from exc
         except BaseException:
             self.broken = True
@@ -187,21 +200,27 @@ class Interpreter:
             self.broken = True
             self.session.kill()
             raise InterpreterStopped("a grade's check changed the interpreter's workspace beyond repair")
-        return CheckVerdict(passed=passed, error=error, timed_out=timed_out)
+        return CheckVerdict(
+            passed=passed, error=None if error is None else plain_text(error), timed_out=timed_out
+        )
 
-    async def _answer_to(self, request_id: str) -> dict[str, Any]:
-        """The frame answering the request `request_id`: frames of another id (a cell writing to the frame
-        pipe, or the late answer of a cut call) are skipped, so they never answer a later request."""
-        while True:
-            answer = await self._receive()
-            if answer.get("id") == request_id:
-                return answer
+    async def _answer_to(self, request_id: str, cap: int) -> dict[str, Any]:
+        """The frame answering the request `request_id`. The driver answers each request once, and a call
+        cut short stops its interpreter, so a frame of another id was written by a cell: ValueError (the
+        interpreter is stopped), never an answer to this request, never a frame to skip and wait on."""
+        answer = await self._receive(cap)
+        if answer.get("id") != request_id:
+            raise ValueError("a frame that answers no request")
+        return answer
 
-    async def _receive(self) -> dict[str, Any]:
+    async def _receive(self, cap: int) -> dict[str, Any]:
         (size,) = struct.unpack(">I", await self.session.receive(4))
-        if size > MAX_FRAME_BYTES:
+        if size > cap:
             raise ValueError("frame too large")
-        answer = json.loads(await self.session.receive(size))
+        body = await self.session.receive(size)
+        # A large frame (files, output) is decoded in a thread: a cell can make it as slow to decode as
+        # JSON gets, and the event loop serves every other rollout meanwhile.
+        answer = await asyncio.to_thread(json.loads, body) if size > THREAD_DECODE_BYTES else json.loads(body)
         if not isinstance(answer, dict):
             raise ValueError("not a frame")
         return answer
@@ -215,6 +234,30 @@ class Interpreter:
         else:
             what = "it was killed" if code is None else f"it was killed by signal {-code}"
         return f"the interpreter stopped while running this code ({what}); its state is lost"
+
+
+def frame_cap(limits: InterpreterLimits) -> int:
+    """The largest answer a cell can honestly have under `limits`: its two outputs and the workspace's
+    files (base64), their names and the report's framing, its value and traceback."""
+    raw = 2 * limits.run.output_bytes + report_cap(limits.run)
+    return min(MAX_FRAME_BYTES, raw * 4 // 3 + FRAME_SLACK_BYTES)
+
+
+def plain_text(text: str) -> str:
+    """`text` cut to TEXT_CHARS, its lone surrogates (a `repr` or an exception can hold them; no JSON
+    encoder writes them) written as their escapes."""
+    text = text[:TEXT_CHARS]
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
+def _total(value: Any) -> int:
+    if type(value) is not int or not 0 <= value <= MAX_TOTAL:
+        raise TypeError("an output's size must be a count of bytes")
+    return value
 
 
 def _decoded(text: Any) -> bytes:
@@ -240,11 +283,11 @@ def _cell_result(answer: Mapping[str, Any]) -> CellResult:
     )
     return CellResult(
         stdout=_decoded(answer["stdout"]),
-        stdout_total=int(answer["stdout_total"]),
+        stdout_total=_total(answer["stdout_total"]),
         stderr=_decoded(answer["stderr"]),
-        stderr_total=int(answer["stderr_total"]),
-        value=value,
-        exception=exception,
+        stderr_total=_total(answer["stderr_total"]),
+        value=None if value is None else plain_text(value),
+        exception=None if exception is None else plain_text(exception),
         files=files,
     )
 
@@ -280,16 +323,25 @@ class InterpreterPool:
     ) -> AsyncIterator[tuple[Interpreter, str | None]]:
         """The rollout's interpreter, held (nothing stops it meanwhile), and why the earlier one is lost
         when a new one had to start (None when nothing was lost)."""
-        current = self.live.get(trace_id)
-        if current is not None and current.session.process.returncode is not None:
-            await self.discard(trace_id, "it ended between calls")
-            current = None
-        if current is not None and current.matches(marker):
-            async with current.lock:
-                self.live.move_to_end(trace_id)
-                yield current, None
-                current.last_used = self.clock()
-            return
+        while True:
+            current = self.live.get(trace_id)
+            if current is not None and current.session.process.returncode is not None:
+                await self.discard(trace_id, "it ended between calls")
+                current = None
+            if current is None or not current.matches(marker):
+                break
+            await current.lock.acquire()
+            if self._still(trace_id, current, marker):
+                try:
+                    self.live.move_to_end(trace_id)
+                    yield current, None
+                    current.last_used = self.clock()
+                finally:
+                    current.lock.release()
+                return
+            # Stopped, replaced or put out of step while this call waited for it (a grade held it):
+            # looked at again.
+            current.lock.release()
         if current is not None:
             # Its rollout does not know the cells it ran (their answers were not stored), or names another.
             await self.discard(trace_id, "a call's code ran in it but its answer was not stored")
@@ -325,6 +377,9 @@ class InterpreterPool:
             reason = self.lost.get(trace_id) or "it was stopped"
             raise InterpreterGone(f"its interpreter is gone ({reason})")
         async with current.lock:
+            if self.live.get(trace_id) is not current or current.session.closed:
+                reason = self.lost.get(trace_id) or "it was stopped"
+                raise InterpreterGone(f"its interpreter is gone ({reason})")
             if not current.matches(marker):
                 raise InterpreterGone(
                     "its interpreter is not in the state the rollout recorded (a call's code ran in it but "
@@ -335,6 +390,15 @@ class InterpreterPool:
             self.live.move_to_end(trace_id)
             yield current
             current.last_used = self.clock()
+
+    def _still(self, trace_id: str, interpreter: Interpreter, marker: Mapping[str, Any] | None) -> bool:
+        """Whether `interpreter`, just acquired, is still the rollout's, running and in the rollout's step."""
+        return (
+            self.live.get(trace_id) is interpreter
+            and not interpreter.session.closed
+            and interpreter.session.process.returncode is None
+            and interpreter.matches(marker)
+        )
 
     async def _open(self, trace_id: str) -> Interpreter:
         """A new interpreter for the rollout, started and ready, returned with its lock held: a spare when
@@ -361,9 +425,12 @@ class InterpreterPool:
             self.live[trace_id] = interpreter
         try:
             await self._ready(interpreter)
-        except OSError:
-            self.live.pop(trace_id, None)
+        except BaseException:  # it never came, or the call was cancelled meanwhile: nothing is left held
+            if self.live.get(trace_id) is interpreter:
+                del self.live[trace_id]
             interpreter.lock.release()
+            interpreter.session.kill()
+            await interpreter.session.close()  # shielded: done even when this call is cancelled
             raise
         return interpreter
 
@@ -439,6 +506,12 @@ class InterpreterPool:
             if not interpreter.lock.locked() and now - interpreter.last_used > self.limits.idle_seconds
         ]
         for trace_id in idle:
+            # Looked at again: a call may have taken it while an earlier one of these was being stopped.
+            interpreter = self.live.get(trace_id)
+            if interpreter is None or interpreter.lock.locked():
+                continue
+            if self.clock() - interpreter.last_used <= self.limits.idle_seconds:
+                continue
             await self.discard(trace_id, f"it was idle for more than {self.limits.idle_seconds:g} seconds")
 
     async def _reap_forever(self) -> None:

@@ -489,7 +489,7 @@ class Sandbox:
         limits = run.limits
         process, report_r, started = await self._spawn(run)
         raw = bytearray()
-        report_task = asyncio.ensure_future(_read_report(report_r, _report_cap(limits), raw))
+        report_task = asyncio.ensure_future(_read_report(report_r, report_cap(limits), raw))
         overflow = asyncio.Event()
         assert process.stdout is not None and process.stderr is not None and process.stdin is not None
         readers = [
@@ -639,6 +639,7 @@ class Session:
         self.process = process
         self._frames_fd = frames_fd
         self.closed = False
+        self._closing: asyncio.Future[int | None] | None = None
         self.memory_exceeded = False  # known once closed: the kernel killed a process of it at the cap
         self._reader: asyncio.StreamReader | None = None
         self._transport: asyncio.BaseTransport | None = None
@@ -679,10 +680,14 @@ class Session:
 
     async def close(self, grace: float = 0.0) -> int | None:
         """Kill the session and everything in it (after `grace` seconds to end by itself), give back what
-        it held; answers its exit status."""
-        if self.closed:
-            return self.process.returncode
-        self.closed = True
+        it held; answers its exit status. Done to the end even when the caller is cancelled meanwhile
+        (its own task, shielded), and done once: every caller gets that one closing's status."""
+        if self._closing is None:
+            self.closed = True
+            self._closing = asyncio.ensure_future(self._close(grace))
+        return await asyncio.shield(self._closing)
+
+    async def _close(self, grace: float) -> int | None:
         if grace > 0:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self.process.wait()), grace)
@@ -772,7 +777,9 @@ class Report:
     truncated: bool = False  # the walk stopped at a limit: files not listed were not seen
 
 
-def _report_cap(limits: Limits) -> int:
+def report_cap(limits: Limits) -> int:
+    """The largest report of a run's files under `limits`: the files, their names, the framing and the
+    entries left out."""
     return limits.max_workspace_bytes + (limits.max_files + 100) * 1024 + 65536
 
 

@@ -205,6 +205,13 @@ def _keep_files(workspace: Workspace, before: dict[str, str], result: RunResult)
                 changes[path] = None  # the run deleted it
     else:
         not_kept.append("(more entries than could be looked at: files not listed were left as they were)")
+    try:
+        # A run's own walk keeps within these limits; an interpreter's report comes from a process the
+        # cells control, so the workspace's limits are checked here, whoever reported.
+        workspace.check_fits(changes)
+    except ToolError as exc:
+        not_kept.append(f"(no change to the files was kept: {exc.message})")
+        return not_kept
     for path, change in changes.items():
         workspace.write(path, change)
     return not_kept

@@ -48,11 +48,11 @@ from tools.code.sandbox import (
     SandboxUnavailable,
     _kill_group,
     _read_capped,
-    _report_cap,
     _Run,
     harness_source,
     kill_process,
     parse_report,
+    report_cap,
 )
 
 if TYPE_CHECKING:
@@ -528,7 +528,7 @@ class WarmRunner:
                 transports.append(transport)
                 readers.append(asyncio.ensure_future(_read_capped(reader, limits.output_bytes, overflow)))
             raw = bytearray()
-            report_task = asyncio.ensure_future(_receive_all(sock, _report_cap(limits), raw))
+            report_task = asyncio.ensure_future(_receive_all(sock, report_cap(limits), raw))
             stopper = asyncio.ensure_future(overflow.wait())
             done, _ = await asyncio.wait(
                 {report_task, stopper},

@@ -502,3 +502,101 @@ def test_a_slot_closed_from_two_threads_at_once_closes_its_descriptor_once(
     monkeypatch.undo()
     theirs.close()
     assert closed.count(events) == 1 and ours.fileno() == -1
+
+
+async def test_an_interrupt_sent_to_the_runs_init_never_stops_its_supervision(warm_sandbox: Sandbox) -> None:
+    """The run's pid 1 is its init: a signal the run sends it changes nothing (Python's SIGINT handler
+    would have raised KeyboardInterrupt there and ended the run's report)."""
+    result = await run(
+        warm_sandbox,
+        "import os, signal, time\n"
+        "for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):\n"
+        "    os.kill(1, sig)\n"
+        "time.sleep(0.2)\n"
+        "open('kept.txt', 'w').write('yes')\n"
+        "print('alive')\n",
+    )
+    assert (result.exit_code, lines(result)) == (0, ["alive"])
+    assert result.files is not None and result.files.get("kept.txt") == b"yes"
+
+
+async def test_a_runs_file_systems_hold_a_bounded_number_of_inodes(warm_sandbox: Sandbox) -> None:
+    """Empty files cost no size but kernel memory: each of the run's tmpfs caps its inodes."""
+    result = await run(
+        warm_sandbox,
+        "import errno, os\n"
+        "made = 0\n"
+        "try:\n"
+        "    for i in range(40_000):\n"
+        "        os.close(os.open(f'/tmp/e{i}', os.O_CREAT | os.O_WRONLY))\n"
+        "        made += 1\n"
+        "except OSError as error:\n"
+        "    print(errno.errorcode[error.errno])\n"
+        "print(made)\n",
+    )
+    said = lines(result)
+    assert said[0] == "ENOSPC" and int(said[1]) < 40_000, said
+
+
+async def test_a_run_cancelled_midway_leaves_the_next_runs_working(warm_sandbox: Sandbox) -> None:
+    """A call cancelled while its run is in flight (its deadline) ends every task reading the run's socket
+    and pipes before they are closed: the next runs, whose descriptors may reuse those numbers, are read."""
+    for _ in range(3):
+        task = asyncio.ensure_future(run(warm_sandbox, "import time\ntime.sleep(3)\n"))
+        await asyncio.sleep(0.5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(3):
+            result = await asyncio.wait_for(run(warm_sandbox, "print('next')\n"), 10)
+            assert lines(result) == ["next"]
+
+
+async def test_a_slot_that_ended_while_free_is_replaced_not_an_error(warm_sandbox: Sandbox) -> None:
+    """A free slot whose process ended (its cgroup's memory cap killed it, say) is dropped when a run
+    takes it, and the run goes to a new slot: never a 503 for the slot's end."""
+    runner = warm_sandbox.warm
+    assert runner is not None
+    await run(warm_sandbox, "pass\n")
+    assert runner.current is not None and len(runner.current.free) == 1
+    ended = runner.current.free[0]
+    assert ended.ready is None  # given back moments ago: its next run is not prepared yet
+    ended.sock.shutdown(socket.SHUT_WR)  # the slot reads the end of its socket and exits
+    await asyncio.sleep(0.001)
+    result = await run(warm_sandbox, "print('taken')\n")
+    assert lines(result) == ["taken"]
+    assert ended not in runner.current.slots
+
+
+async def test_a_call_cancelled_while_the_parent_starts_leaves_no_parent_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started: list[warm.Parent] = []
+
+    class Recorded(warm.Parent):
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            started.append(self)
+
+    async def never(sock: socket.socket, size: int) -> bytes:
+        await asyncio.sleep(3600)
+        return b""
+
+    monkeypatch.setattr(warm, "Parent", Recorded)
+    monkeypatch.setattr(warm, "_receive", never)  # the parent's hello never comes
+    sandbox = build_sandbox(CodeSettings(), home=tmp_path, binds_loopback=True)
+    runner = WarmRunner(sandbox, max_runs=500)
+    try:
+        task = asyncio.ensure_future(runner.start())
+        for _ in range(200):
+            if started:
+                break
+            await asyncio.sleep(0.05)
+        assert started, "the parent was never started"
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.wait_for(started[0].process.wait(), 10)  # stopped, not left waiting on its control
+    finally:
+        await runner.close()
+        sandbox.close()

@@ -75,6 +75,7 @@ PR_CAP_AMBIENT_CLEAR_ALL = 4
 CAP_LAST = 63
 SIOCSIFFLAGS, IFF_UP, IFF_LOOPBACK, IFF_RUNNING = 0x8914, 0x1, 0x8, 0x40
 WORKSPACE = "/workspace"
+INODES = 16384  # per tmpfs of a run (the workspace, /tmp, /dev/shm): files and directories
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
 
 libc = ctypes.CDLL(None, use_errno=True)
@@ -259,7 +260,8 @@ class Run:
         """Fresh size-capped tmpfs at /dev/shm, /tmp and the workspace, in the run's mount namespace."""
         check(libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "private mounts")
         for target, size in (("/dev/shm", "shm"), ("/tmp", "tmp"), (WORKSPACE, "workspace")):
-            options = f"size={int(self.sizes[size])},mode=0755".encode()
+            # Inodes capped too: empty files cost no size, but each is kernel memory of the slot's cgroup.
+            options = f"size={int(self.sizes[size])},nr_inodes={INODES},mode=0755".encode()
             check(libc.mount(b"tmpfs", target.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options), target)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
 
@@ -325,6 +327,10 @@ class Run:
             return self.program_setup()
         os.close(terms_w)
         os.close(done_w)
+        # Python's SIGINT handler is the only one it installs: without it, as pid 1 of the run's namespace,
+        # this init takes no signal a process of the run sends it (the kernel drops what an init does not
+        # handle), so no run can interrupt its own supervision. The program keeps Python's handler.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         chunks = []
         while chunk := os.read(terms_r, 65536):
             chunks.append(chunk)

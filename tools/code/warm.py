@@ -352,8 +352,10 @@ class WarmRunner:
             if ready[:1] != b"Y":
                 raise ConnectionError("the parent answered garbage")
             parent.rss_bytes = struct.unpack(">Q", ready[1:9])[0]
-        except (TimeoutError, ConnectionError, OSError) as exc:
-            await parent.close()
+        except BaseException as exc:  # cancelled too: a parent nobody holds is stopped, never left
+            await asyncio.shield(parent.close())
+            if not isinstance(exc, TimeoutError | ConnectionError | OSError):
+                raise
             why = parent.stderr.decode("utf-8", "replace").strip()[-500:]
             raise SandboxUnavailable(f"the warm parent did not start ({why or type(exc).__name__})") from exc
         self.started += 1
@@ -381,8 +383,10 @@ class WarmRunner:
                 slot.group = await asyncio.to_thread(_group_with, sandbox, pid)
                 slot.events = sandbox.memory.open_events(slot.group)
             slot.prepare()
-        except (TimeoutError, ConnectionError, OSError) as exc:
-            await asyncio.to_thread(parent.drop, slot)
+        except BaseException as exc:  # cancelled too: its cgroup and process are given back
+            await asyncio.shield(asyncio.to_thread(parent.drop, slot))
+            if not isinstance(exc, TimeoutError | ConnectionError | OSError):
+                raise
             raise await self._lost(parent, "the warm parent could not start a slot", exc) from exc
         parent.slots.append(slot)
         return slot
@@ -397,13 +401,19 @@ class WarmRunner:
                 parent = self.current = None
             if parent is None:
                 parent = self.current = await self._spawn()
-            slot = parent.free.pop() if parent.free else await self._new_slot(parent)
-            if slot.ready is None:
-                try:
-                    slot.prepare()  # given back moments ago: its preparation was not made yet
-                except OSError as exc:
-                    await asyncio.to_thread(parent.drop, slot)
-                    raise await self._lost(parent, "the warm parent could not prepare a run", exc) from exc
+            slot = None
+            while parent.free and slot is None:
+                slot = parent.free.pop()
+                if slot.ready is None:
+                    try:
+                        slot.prepare()  # given back moments ago: its preparation was not made yet
+                    except OSError:
+                        # The slot ended meanwhile (its cgroup's memory cap killed it, say): dropped, and
+                        # the run takes another slot or a new one, never an error for a slot's end.
+                        await asyncio.to_thread(parent.drop, slot)
+                        slot = None
+            if slot is None:
+                slot = await self._new_slot(parent)
             parent.runs += 1
             parent.inflight += 1
             self.runs += 1
@@ -501,6 +511,7 @@ class WarmRunner:
         pipes = [os.pipe() for _ in range(3)]  # stdin, stdout, stderr
         pidfd = -1
         transports: list[asyncio.BaseTransport] = []
+        tasks: list[asyncio.Future[Any]] = []  # ended before the run's socket and pipes are closed
         ooms = slot.oom_kills(sandbox.memory)
         try:
             started = time.perf_counter()
@@ -509,8 +520,9 @@ class WarmRunner:
                 for index, end in ((0, 0), (1, 1), (2, 1)):
                     os.close(pipes[index][end])
                 pipes = [(-1, pipes[0][1]), (pipes[1][0], -1), (pipes[2][0], -1)]
-                await loop.sock_sendall(sock, _job(sandbox, files, program, limits, collect, cwd))
-                hello, pid = await asyncio.wait_for(_receive_with_pid(sock), READY_SECONDS)
+                async with asyncio.timeout(READY_SECONDS):  # the job's sending too: nothing waits unbounded
+                    await loop.sock_sendall(sock, _job(sandbox, files, program, limits, collect, cwd))
+                    hello, pid = await _receive_with_pid(sock)
                 if hello != b"P":
                     raise ConnectionError("the run's sandbox answered garbage")
             except (TimeoutError, ConnectionError, OSError) as exc:
@@ -519,6 +531,7 @@ class WarmRunner:
                 pidfd = os.pidfd_open(pid)  # its init: killing it ends every process of the run
 
             stdin_writer = asyncio.ensure_future(_write_pipe(pipes[0][1], stdin, transports))
+            tasks.append(stdin_writer)
             pipes[0] = (-1, -1)
             overflow = asyncio.Event()
             readers = []
@@ -527,9 +540,11 @@ class WarmRunner:
                 pipes[index] = (-1, -1)
                 transports.append(transport)
                 readers.append(asyncio.ensure_future(_read_capped(reader, limits.output_bytes, overflow)))
+                tasks.append(readers[-1])
             raw = bytearray()
             report_task = asyncio.ensure_future(_receive_all(sock, report_cap(limits), raw))
             stopper = asyncio.ensure_future(overflow.wait())
+            tasks += [report_task, stopper]
             done, _ = await asyncio.wait(
                 {report_task, stopper},
                 timeout=limits.wall_seconds + SETUP_GRACE_SECONDS,
@@ -564,14 +579,23 @@ class WarmRunner:
                 with contextlib.suppress(ProcessLookupError):
                     signal.pidfd_send_signal(pidfd, signal.SIGKILL)
                 os.close(pidfd)
-            sock.close()
-            for transport in transports:
-                transport.close()
-            for pair in pipes:
-                for fd in pair:
-                    if fd >= 0:
-                        with contextlib.suppress(OSError):
-                            os.close(fd)
+            # Every task reading the socket or a pipe ends before they are closed (a call cancelled mid-run
+            # leaves none waiting on a descriptor whose number the next socket or pipe may get).
+            pending = [task for task in tasks if not task.done()]
+            for task in pending:
+                task.cancel()
+            try:
+                if pending:
+                    await asyncio.shield(asyncio.gather(*pending, return_exceptions=True))
+            finally:
+                sock.close()
+                for transport in transports:
+                    transport.close()
+                for pair in pipes:
+                    for fd in pair:
+                        if fd >= 0:
+                            with contextlib.suppress(OSError):
+                                os.close(fd)
 
     async def _lost(self, parent: Parent, what: str, exc: BaseException) -> SandboxUnavailable:
         if await parent.died(PARENT_GONE_SECONDS):

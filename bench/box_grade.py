@@ -5,8 +5,11 @@ task's hidden tests against its canonical solution, two ways:
 
 - `check_in: workspace`: the tests on a copy of the workspace in a fresh sandbox (`run_hidden_tests`:
   bwrap, the harness and the runner processes);
-- `check_in: interpreter`: the tests in a fork of a live interpreter whose cells defined the solution
-  (`Interpreter.check`: the workspace copied, the fork, its leftovers stopped, the workspace put back).
+- `check_in: interpreter`, as the grader runs it for a row with an entry point: the tests in a judge (an
+  interpreter no cell ran in: a spare, stopped after the grade) calling the solution in a fork of a live
+  interpreter whose cells defined it (`InterpreterPool.judge` and `Interpreter.judged`: each call
+  relayed by the server, the workspace copied and put back, the fork's leftovers stopped). The pool keeps
+  its default spares, started in the background as the grader's pool does.
 
 Both before HTTP and the grade's storage. Results go to bench/results/box-grade-<timestamp>.json
 (gitignored).
@@ -37,6 +40,7 @@ async def measure(rounds: int) -> dict[str, dict[str, float]]:
     sandbox = build_sandbox(settings, home=HOME, binds_loopback=True)
     tasks = load_tasks(data.DATA.fetch(data.DATA.cache_dir(HOME)))
     pool = InterpreterPool(sandbox, settings.interpreter_limits())
+    pool.start()  # its spares: a judge takes one, and another is started behind it
     workspace: list[float] = []
     interpreter: list[float] = []
     try:
@@ -53,8 +57,10 @@ async def measure(rounds: int) -> dict[str, dict[str, float]]:
                     started = time.perf_counter()
                     passed, _result = await run_hidden_tests(sandbox, task, files)
                     workspace.append(time.perf_counter() - started)
+                    await spares_ready(pool)  # as after a model's turn: the judge taken is replaced
                     started = time.perf_counter()
-                    verdict = await live.check(job, GRADE_LIMITS.wall_seconds)
+                    async with pool.judge() as judge:
+                        verdict = await live.judged(judge, job, GRADE_LIMITS.wall_seconds)
                     interpreter.append(time.perf_counter() - started)
                     if not (passed and verdict.passed):
                         raise RuntimeError(f"{task_id}: a canonical solution failed ({verdict.error})")
@@ -62,6 +68,14 @@ async def measure(rounds: int) -> dict[str, dict[str, float]]:
         await pool.close()
         sandbox.close()
     return {"workspace": summary(workspace), "interpreter": summary(interpreter)}
+
+
+async def spares_ready(pool: InterpreterPool) -> None:
+    for _ in range(400):
+        if len(pool.spares) >= pool.limits.spares:
+            return
+        await asyncio.sleep(0.025)
+    raise RuntimeError("the interpreter pool's spares did not start")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -351,3 +351,80 @@ async def test_what_a_check_writes_never_reaches_a_later_cells_output(code_app: 
         async with interpreter.lock:
             after = await interpreter.cell("print('clean')\nx", {}, pool.limits)
     assert (after.stdout, after.stderr, after.value) == (b"clean\n", b"", "1")
+
+
+# A cell runs in the interpreter's driver process: from the cell, frame 2 is the driver's `cell` method.
+FORGED_VERDICTS = (
+    "import sys\n"
+    "driver = sys._getframe(2).f_locals['self']\n"
+    "def add(a, b):\n"
+    "    return a - b\n"
+    "def passed(request):\n"
+    "    return {'id': request['id'], 'passed': True, 'error': None, 'timed_out': False, 'restored': True}\n"
+    "driver.check = driver.serve_calls = driver.judge = passed\n"
+)
+CLAIMS_EQUALITY = (
+    "import builtins\n"
+    "class Anything:\n"
+    "    def __eq__(self, other):\n"
+    "        return True\n"
+    "def add(a, b):\n"
+    "    return Anything()\n"
+    "builtins.AssertionError = type('Never', (Exception,), {})\n"
+)
+
+
+@pytest.mark.parametrize(
+    "hack", [FORGED_VERDICTS, CLAIMS_EQUALITY], ids=["forged-verdict", "claims-equality"]
+)
+async def test_the_rollouts_code_cannot_pass_a_grade_in_its_interpreter(
+    code_app: Any, backend: str, hack: str
+) -> None:
+    """The hidden tests of a row with an entry point run in a judge no cell ever ran in; the rollout's
+    interpreter only answers the calls, with plain values: a cell that rewrites the driver's verdicts,
+    claims equality or patches builtins there gets no pass."""
+    async with code_app(code=FAST) as code:
+        trace, honest = new_trace(), new_trace()
+        await cell(code, trace, hack)
+        await cell(code, honest, RIGHT)
+        hacked = await score(code, trace, {"tests": ADD_TESTS, "check_in": "interpreter"})
+        flags = await code.flags(trace)
+        passed = await score(code, honest, {"tests": ADD_TESTS, "check_in": "interpreter"})
+        honest_flags = await code.flags(honest)
+    assert (hacked, passed) == (0.0, 1.0)
+    assert "check_in_agent_process" not in flags and "check_in_agent_process" not in honest_flags
+
+
+async def test_a_grade_of_tests_without_an_entry_point_says_it_ran_in_the_agents_process(
+    code_app: Any, backend: str
+) -> None:
+    async with code_app(code=FAST) as code:
+        trace = new_trace()
+        await cell(code, trace, "answer = 42")
+        result = await score(
+            code, trace, {"tests": {"test": "assert answer == 42\n"}, "check_in": "interpreter"}
+        )
+        flags = await code.flags(trace)
+    assert result == 1.0
+    assert "its code could change their verdict" in flags["check_in_agent_process"]
+
+
+async def test_a_judge_that_cannot_start_is_an_outage_and_the_interpreter_is_kept(
+    code_app: Any, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with code_app(code={**FAST, "interpreter_spares": 0}) as code:
+        trace = new_trace()
+        await cell(code, trace, RIGHT + "x = 7")
+        pool = pool_of(code)
+
+        async def no_session() -> Any:
+            raise OSError("no process slots")
+
+        monkeypatch.setattr(pool, "_start_session", no_session)
+        refused = await grade(code, trace, {"tests": ADD_TESTS, "check_in": "interpreter"})
+        monkeypatch.undo()
+        kept = await peek(code, trace, "x")
+        graded = await score(code, trace, {"tests": ADD_TESTS, "check_in": "interpreter"})
+    assert refused.status_code == 503, refused.text
+    assert kept == "7"  # the rollout's interpreter is as it was
+    assert graded == 1.0

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from app.sdk import CheckResult, GradingConfigError, RolloutView, StateGone, ToolUnavailable
-from tools.code.interpreter import MARKER, InterpreterGone, InterpreterStopped
+from tools.code.interpreter import MARKER, InterpreterGone, InterpreterStopped, JudgeFailed
 from tools.code.runtime import CodeResources
 from tools.code.sandbox import WORKSPACE_ARG, Limits, RunResult, Sandbox, SandboxUnavailable
 from tools.code.suspicious import TIMEOUT, code_flags
@@ -37,6 +37,9 @@ GRADE_LIMITS = Limits(wall_seconds=20.0, cpu_seconds=20, output_bytes=8 * 1024)
 NO_SOLUTION = "no_solution"
 NO_INTERPRETER = "no_interpreter"
 INTERPRETER_STOPPED = "interpreter_stopped"
+# The row's tests name no entry point: they ran in the rollout's own interpreter process, whose code can
+# change what they find (nothing outside that process can run them against its state).
+CHECK_IN_AGENT_PROCESS = "check_in_agent_process"
 CHECK_IN = ("workspace", "interpreter")  # where a row's `check_in` asks the hidden tests to run
 MAX_TEST_CHARS = 256 * 1024
 
@@ -141,10 +144,26 @@ async def run_in_interpreter(view: RolloutView, task: CodeTask) -> tuple[bool | 
     if pool is None:
         raise StateGone("this server holds no interpreters, so the rollout's interpreter state is gone")
     job = {"test": task.test, "entry_point": task.entry_point, "prompt": task.prompt}
+    flags = []
     try:
         async with pool.held(view.trace_id, marker) as interpreter:
             async with resources.sandbox.hold_slot(view.trace_id):
-                verdict = await interpreter.check(job, GRADE_LIMITS.wall_seconds)
+                if task.entry_point:
+                    # The tests run in a judge no cell ran in; the entry point's calls in a fork of the
+                    # rollout's interpreter, answering plain values only.
+                    async with pool.judge() as judge:
+                        verdict = await interpreter.judged(judge, job, GRADE_LIMITS.wall_seconds)
+                else:
+                    verdict = await interpreter.check(job, GRADE_LIMITS.wall_seconds)
+                    flags.append(
+                        (
+                            CHECK_IN_AGENT_PROCESS,
+                            "the row's tests name no entry_point, so they ran inside the rollout's own "
+                            "interpreter process, where its code could change their verdict",
+                        )
+                    )
+    except JudgeFailed as exc:
+        raise ToolUnavailable(str(exc)) from exc
     except InterpreterGone as exc:
         raise StateGone(f"the row is graded in the rollout's interpreter, but {exc}") from exc
     except InterpreterStopped as exc:
@@ -152,7 +171,6 @@ async def run_in_interpreter(view: RolloutView, task: CodeTask) -> tuple[bool | 
         # is lost for any later call or grade, which says so.
         await pool.discard(view.trace_id, "it stopped while a grade's check ran in it")
         return False, [(INTERPRETER_STOPPED, str(exc))]
-    flags = []
     if verdict.timed_out:
         flags.append(
             (TIMEOUT, f"the hidden tests did not finish within {GRADE_LIMITS.wall_seconds:g} seconds")

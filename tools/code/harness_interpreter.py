@@ -56,11 +56,24 @@ PR_SET_CHILD_SUBREAPER = 36
 STOP_ROUNDS = 64  # passes over the check's leftover processes (each may have started more)
 
 
-def load_supervisor(source: str) -> types.ModuleType:
-    """The run supervisor's code (its bounded workspace walk and frames), as a module."""
-    module = types.ModuleType("harness_supervisor")
-    exec(compile(source, "harness_supervisor.py", "exec"), module.__dict__)
+def load_module(name: str, source: str) -> types.ModuleType:
+    """A harness's code (`harness_supervisor`'s walk, `harness_main`'s proxy, `harness_runner`'s values)
+    as a module; its `if __name__ == "__main__"` part does not run."""
+    module = types.ModuleType(name)
+    exec(compile(source, f"{name}.py", "exec"), module.__dict__)
     return module
+
+
+def read_frame(fd: int) -> dict[str, Any] | None:
+    """The next request frame on `fd` as JSON (None at its end)."""
+    header = read_exactly(fd, 4)
+    if header is None:
+        return None
+    body = read_exactly(fd, struct.unpack(">I", header)[0])
+    if body is None:
+        return None
+    message = json.loads(body)
+    return message if isinstance(message, dict) else {}
 
 
 def read_exactly(fd: int, size: int) -> bytes | None:
@@ -277,16 +290,21 @@ def _children(parent: int) -> set[int]:
     return found
 
 
-def run_check(job: dict[str, Any], namespace: dict[str, Any]) -> None:
-    """The check, in the fork: the test code in (a copy of) the cells' namespace, then `check(entry)`."""
-    entry_point = job.get("entry_point")
-    prompt = job.get("prompt") or ""
-    if prompt:  # the prompt's helpers the tests use, where the cells defined no such name
+def add_prompt_helpers(job: dict[str, Any], namespace: dict[str, Any]) -> None:
+    """The prompt's helpers the tests use (`poly`, say), where the cells defined no such name."""
+    entry_point, prompt = job.get("entry_point"), job.get("prompt") or ""
+    if prompt:
         helpers: dict[str, Any] = {"__name__": "__prompt__"}
         exec(compile(prompt, "<prompt>", "exec"), helpers)
         for name, value in helpers.items():
             if not name.startswith("__") and name != entry_point and name not in namespace:
                 namespace[name] = value
+
+
+def run_check(job: dict[str, Any], namespace: dict[str, Any]) -> None:
+    """The check, in the fork: the test code in (a copy of) the cells' namespace, then `check(entry)`."""
+    entry_point = job.get("entry_point")
+    add_prompt_helpers(job, namespace)
     candidate = None
     if entry_point:
         if entry_point not in namespace:
@@ -421,6 +439,113 @@ class Driver:
         answer["restored"] = restore(self.workspace, before)  # its modes, opened by the snapshot, too
         return answer
 
+    def serve_calls(self, request: dict[str, Any]) -> dict[str, Any]:
+        """A grade's calls of the entry point, in a fork of this interpreter (the cells' namespace, a
+        copy): each `{"line"}` frame the server relays from the grade's judge is one call, answered as
+        harness_runner answers it (plain values only); `{"end"}` ends the fork. The workspace is put back
+        afterwards, as after a check. Nothing here is trusted: the judge, in a process no cell ever ran
+        in, decides."""
+        self.drop_streams()
+        job = request["serve"]
+        values = load_module("harness_runner", str(job["runner"]))
+        before = snapshot(self.workspace)
+        existing = _children(os.getpid())
+        libc = ctypes.CDLL(None)
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.setpgid(0, 0)
+                self.answer_calls(request["id"], job, values)
+            finally:
+                os._exit(0)
+        answer: dict[str, Any] = {"id": request["id"], "timed_out": False}
+        ended = os.pidfd_open(pid)  # readable once the fork has ended (whatever it left running)
+        try:
+            ready, _, _ = select.select([ended], [], [], float(request["seconds"]))
+            answer["timed_out"] = not ready
+        finally:
+            os.close(ended)
+            self.stop_check(pid, existing)
+            libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+        answer["restored"] = restore(self.workspace, before)
+        return answer
+
+    def answer_calls(self, request_id: str, job: dict[str, Any], values: types.ModuleType) -> None:
+        """In the fork: the entry point's calls, until `{"end"}` or the end of the requests."""
+        entry_point = str(job.get("entry_point") or "")
+        failure = ""
+        try:
+            add_prompt_helpers(job, self.namespace)
+            candidate = self.namespace[entry_point]
+        except KeyError:
+            failure = f"the interpreter defines no {entry_point!r}"
+        except BaseException as error:
+            failure = f"the prompt's helpers failed: {type(error).__name__}: {error}"[:CHECK_ERROR_CHARS]
+        while True:
+            message = read_frame(self.requests)
+            if message is None or "line" not in message:
+                return
+            reply: dict[str, Any]
+            if failure:
+                reply = {"error": failure}
+            else:
+                try:
+                    call = json.loads(message["line"])
+                    value = candidate(*values.decode(call["args"]), **values.decode(call["kwargs"]))
+                    reply = {"value": values.encode(value)}
+                except BaseException as error:  # an exit inside the function is a failed call
+                    text = "".join(traceback.format_exception_only(type(error), error)).strip()
+                    reply = {"error": text[:CHECK_ERROR_CHARS]}
+            try:
+                line = json.dumps(reply)
+            except (TypeError, ValueError):
+                line = '{"error": "the value could not be sent"}'
+            send(self.frames, {"id": request_id, "line": line})
+
+    def judge(self, request: dict[str, Any]) -> dict[str, Any]:
+        """A grade's hidden tests, here in a driver no cell ever ran in, against a stand-in for the entry
+        point whose calls the server relays to the rollout's interpreter (`serve_calls`): only plain
+        values come back, decoded here, so nothing the rollout's code does there can pass a test for it.
+        Answers `{"id", "passed", "error"}`."""
+        job = request["judge"]
+        harness = load_module("harness_main", str(job["main"]))
+        request_id = request["id"]
+        driver = self
+
+        class Calls:  # the stand-in's way to the rollout's interpreter: a frame per call, through the server
+            def __init__(self) -> None:
+                self.pending = b""
+
+            def write(self, data: bytes) -> int:
+                self.pending += data
+                return len(data)
+
+            def flush(self) -> None:
+                line, self.pending = self.pending.decode("utf-8").rstrip("\n"), b""
+                send(driver.frames, {"id": request_id, "line": line})
+
+            def readline(self, limit: int = -1) -> bytes:
+                message = read_frame(driver.requests)
+                line = message.get("line") if message is not None else None
+                if not isinstance(line, str):
+                    return b""  # the rollout's interpreter is gone: the call fails
+                return line.encode("utf-8") + b"\n"
+
+        calls = Calls()
+        candidate = harness.Candidate(0, calls, calls)
+        namespace: dict[str, Any] = {"__name__": "__hidden_tests__"}
+        answer: dict[str, Any] = {"id": request_id, "passed": False, "error": None}
+        try:
+            exec(compile(job.get("prompt") or "", "<prompt>", "exec"), namespace)
+            namespace[job["entry_point"]] = candidate
+            exec(compile(job["test"], "<hidden tests>", "exec"), namespace)
+            namespace["check"](candidate)
+            answer["passed"] = True
+        except BaseException as error:  # SystemExit too: the tests did not finish
+            answer["error"] = "".join(traceback.format_exception_only(type(error), error))[:CHECK_ERROR_CHARS]
+        return answer
+
     def stop_check(self, pid: int, existing: set[int]) -> None:
         """Kill the check's fork and every process it left, and reap them."""
         for _ in range(STOP_ROUNDS):
@@ -454,7 +579,17 @@ class Driver:
             if body is None:
                 return
             request = json.loads(body)
-            send(self.frames, self.check(request) if "check" in request else self.cell(request))
+            if "code" in request:
+                answer = self.cell(request)
+            elif "check" in request:
+                answer = self.check(request)
+            elif "serve" in request:
+                answer = self.serve_calls(request)
+            elif "judge" in request:
+                answer = self.judge(request)
+            else:
+                continue  # a relayed call or end that came after its grade's calls had ended
+            send(self.frames, answer)
             self.between_cells()
 
 
@@ -470,7 +605,7 @@ def main() -> int:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # output past the file-size limit fails, never kills
     os.chdir(workspace)
     sys.path.insert(0, workspace)
-    Driver(frames, requests, workspace, load_supervisor(supervisor_source)).serve()
+    Driver(frames, requests, workspace, load_module("harness_supervisor", supervisor_source)).serve()
     return 0
 
 

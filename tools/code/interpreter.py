@@ -25,9 +25,9 @@ import struct
 import time
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from tools.code.memory import process_identity
 from tools.code.sandbox import (
@@ -43,6 +43,7 @@ from tools.code.sandbox import (
 )
 
 log = logging.getLogger("sparring.packs.code.interpreter")
+T = TypeVar("T")
 
 MARKER = ("interpreter", "session")  # the rollout-state record naming its interpreter
 RESTARTED = "the interpreter was restarted; earlier state is lost"
@@ -75,6 +76,11 @@ class CheckVerdict:
     passed: bool
     error: str | None
     timed_out: bool
+
+
+class JudgeFailed(OSError):
+    """The grade's judge (a fresh interpreter running the hidden tests) did not start or answer: an
+    outage of the grader, never the rollout's doing."""
 
 
 class InterpreterBusy(Exception):
@@ -204,6 +210,90 @@ class Interpreter:
             passed=passed, error=None if error is None else plain_text(error), timed_out=timed_out
         )
 
+    async def send_frame(self, message: Mapping[str, Any]) -> None:
+        body = json.dumps(message).encode("utf-8")
+        await self.session.send(struct.pack(">I", len(body)) + body)
+
+    async def judged(self, judge: Interpreter, job: Mapping[str, Any], seconds: float) -> CheckVerdict:
+        """A grade's hidden tests run by `judge` (an interpreter no cell ever ran in) against the entry
+        point of this one: each call of it is relayed here, one at a time, to a fork of this interpreter
+        (its namespace as the cells left it), and only its plain-value answer goes back, which the judge
+        decodes. No code of the rollout runs where the verdict is made, so none can forge it. The
+        workspace is put back afterwards. InterpreterStopped as `check`; JudgeFailed when the judge
+        itself fails (an outage: the grade is retried)."""
+        serve_id, judge_id = uuid.uuid4().hex, uuid.uuid4().hex
+        ended = json.dumps({"error": "the solution's process ended (it exited, crashed or was killed)"})
+        final: dict[str, Any] | None = None  # this interpreter's answer to `serve`: its fork has ended
+        verdict: dict[str, Any] | None = None
+        failed: JudgeFailed | None = None  # the judge's failure: the fork is still ended cleanly first
+        try:
+            try:
+                await self.send_frame(
+                    {
+                        "id": serve_id,
+                        "serve": {
+                            "entry_point": job["entry_point"],
+                            "prompt": job.get("prompt") or "",
+                            "runner": harness_source("harness_runner.py"),
+                        },
+                        "seconds": seconds,
+                    }
+                )
+                with contextlib.suppress(TimeoutError):  # the tests' time is up: not passed, timed out
+                    async with asyncio.timeout(seconds):
+                        await _judge_step(
+                            judge.send_frame(
+                                {"id": judge_id, "judge": {**job, "main": harness_source("harness_main.py")}}
+                            )
+                        )
+                        while True:
+                            frame = await _judge_step(judge._receive(MAX_FRAME_BYTES))
+                            if frame.get("id") != judge_id:
+                                raise JudgeFailed("the judge answered another request")
+                            line = frame.get("line")
+                            if not isinstance(line, str):
+                                verdict = frame
+                                break
+                            answer_line = ended
+                            if final is None:
+                                await self.send_frame({"line": line})
+                                reply = await self._answer_to(serve_id, MAX_FRAME_BYTES)
+                                if isinstance(reply.get("line"), str):
+                                    answer_line = reply["line"]
+                                else:
+                                    final = reply  # the call ended its fork (an exit): its answer came
+                            await _judge_step(judge.send_frame({"line": answer_line}))
+            except JudgeFailed as exc:
+                failed = exc
+            if final is None:
+                await self.send_frame({"end": True})  # skipped by the driver if the fork ended meanwhile
+                async with asyncio.timeout(seconds + CHECK_GRACE_SECONDS):
+                    while final is None or "line" in final:  # a late answer of a cut call first
+                        final = await self._answer_to(serve_id, MAX_FRAME_BYTES)
+            restored = final.get("restored") is True
+        except TimeoutError as exc:
+            self.broken = True
+            self.session.kill()
+            raise InterpreterStopped("the interpreter did not answer a grade's check in time") from exc
+        except Exception as exc:
+            raise InterpreterStopped(await self._why_ended()) from exc
+        except BaseException:
+            self.broken = True
+            self.session.kill()
+            raise
+        if not restored:
+            self.broken = True
+            self.session.kill()
+            raise InterpreterStopped("a grade's check changed the interpreter's workspace beyond repair")
+        if failed is not None:
+            raise failed  # the rollout's interpreter is as it was: the grade can be retried
+        timed_out = verdict is None or final.get("timed_out") is True
+        passed = verdict is not None and verdict.get("passed") is True and not timed_out
+        error = verdict.get("error") if verdict is not None else None
+        return CheckVerdict(
+            passed=passed, error=plain_text(error) if isinstance(error, str) else None, timed_out=timed_out
+        )
+
     async def _answer_to(self, request_id: str, cap: int) -> dict[str, Any]:
         """The frame answering the request `request_id`. The driver answers each request once, and a call
         cut short stops its interpreter, so a frame of another id was written by a cell: ValueError (the
@@ -258,6 +348,16 @@ def _total(value: Any) -> int:
     if type(value) is not int or not 0 <= value <= MAX_TOTAL:
         raise TypeError("an output's size must be a count of bytes")
     return value
+
+
+async def _judge_step(step: Awaitable[T]) -> T:
+    """A step of the judge's conversation: what fails there is the judge's failure (JudgeFailed)."""
+    try:
+        return await step
+    except JudgeFailed:
+        raise
+    except (ConnectionError, asyncio.IncompleteReadError, ValueError, struct.error) as exc:
+        raise JudgeFailed(f"the grade's judge stopped ({type(exc).__name__}: {exc})") from exc
 
 
 def _decoded(text: Any) -> bytes:
@@ -315,6 +415,7 @@ class InterpreterPool:
         self._opening = asyncio.Lock()
         self._reaper: asyncio.Task[None] | None = None
         self._refilling: asyncio.Task[None] | None = None
+        self._closing: set[asyncio.Future[int | None]] = set()  # judges being stopped
         self._closed = False
 
     @contextlib.asynccontextmanager
@@ -434,6 +535,30 @@ class InterpreterPool:
             raise
         return interpreter
 
+    @contextlib.asynccontextmanager
+    async def judge(self) -> AsyncIterator[Interpreter]:
+        """An interpreter no cell ever ran in, for a grade's hidden tests (`Interpreter.judged`): a spare
+        when one is ready, else one started now; stopped afterwards, never anyone's."""
+        judge = await self._take_spare()
+        self._refill()
+        try:
+            if judge is None:
+                try:
+                    judge = Interpreter(await self._start_session(), self.worker, self.clock())
+                except (OSError, SandboxUnavailable) as exc:
+                    raise JudgeFailed(f"the grade's judge could not start: {exc}") from exc
+                try:
+                    await self._ready(judge)
+                except OSError as exc:
+                    raise JudgeFailed(f"the grade's judge {exc}") from exc
+            yield judge
+        finally:
+            if judge is not None:
+                # Stopped behind the grade's answer (the pool's close waits for it).
+                closing = asyncio.ensure_future(judge.session.close())
+                self._closing.add(closing)
+                closing.add_done_callback(self._closing.discard)
+
     async def _start_session(self) -> Session:
         return await self.sandbox.open_session(
             harness_source("harness_interpreter.py"),
@@ -540,3 +665,5 @@ class InterpreterPool:
             await self.discard(trace_id, "")
         while self.spares:
             await self.spares.popleft().session.close()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)

@@ -649,3 +649,35 @@ async def test_a_forged_report_of_more_files_than_the_workspace_holds_keeps_none
         "files_not_kept", []
     ), forged
     assert sorted(entry["path"] for entry in listed) == ["examples.py", "solution.py"]
+
+
+async def test_a_file_written_where_a_cell_left_an_empty_directory_reaches_the_next_cell(
+    code_app: Any, backend: str
+) -> None:
+    async with code_app(code=FAST) as code:
+        trace = new_trace()
+        await cell(code, trace, "import os\nos.mkdir('d')")
+        written = await code.call(trace, "write_file", {"path": "d", "content": "text"}, task_id=TASK)
+        seen = await cell(code, trace, "open('d').read()")
+        read = await code.call(trace, "read_file", {"path": "d"}, task_id=TASK)
+    assert written.startswith("wrote "), written
+    assert seen["value"] == "'text'", seen  # the tool's file won over the empty directory
+    assert read == "text"
+
+
+async def test_a_file_that_cannot_be_placed_in_the_interpreter_is_said_not_kept(
+    code_app: Any, backend: str
+) -> None:
+    """A cell leaves a file the workspace does not keep (not UTF-8); a tool then writes under that name as
+    a directory: the interpreter cannot place it, and the cell's answer says so."""
+    async with code_app(code=FAST) as code:
+        trace = new_trace()
+        first = await cell(code, trace, "open('a', 'wb').write(b'\\xff\\xfe')")
+        written = await code.call(trace, "write_file", {"path": "a/b.txt", "content": "x"}, task_id=TASK)
+        answer = await cell(code, trace, "1")
+    assert any(entry.startswith("a (not UTF-8") for entry in first["files_not_kept"]), first
+    assert written.startswith("wrote "), written
+    assert any(
+        entry.startswith("a/b.txt (could not be placed in the interpreter's workspace")
+        for entry in answer.get("files_not_kept", [])
+    ), answer

@@ -33,6 +33,7 @@ from __future__ import annotations
 import ast
 import base64
 import builtins
+import contextlib
 import ctypes
 import importlib
 import io
@@ -50,6 +51,7 @@ import types
 from typing import Any
 
 REPR_CHARS = 16 * 1024
+MAX_NOT_PLACED = 100
 TRACEBACK_CHARS = 16 * 1024
 CHECK_ERROR_CHARS = 4000
 PR_SET_CHILD_SUBREAPER = 36
@@ -93,19 +95,27 @@ def send(fd: int, message: dict[str, Any]) -> None:
         view = view[os.write(fd, view) :]
 
 
-def apply_files(workspace: str, files: dict[str, str | None]) -> None:
-    """The rollout's changes to its files since the last cell (written by other tools, or deleted)."""
+def apply_files(workspace: str, files: dict[str, str | None]) -> list[str]:
+    """The rollout's changes to its files since the last cell (written by other tools, or deleted); the
+    paths that could not be placed, with why (a file where a directory is, say)."""
+    failed = []
     for relative, content in files.items():
         path = os.path.join(workspace, relative)
         try:
             if content is None:
-                os.unlink(path)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
                 continue
             os.makedirs(os.path.dirname(path), exist_ok=True)
+            if os.path.isdir(path) and not os.path.islink(path):
+                os.rmdir(path)  # an empty directory a cell made, written over by a tool since: the file wins
             with open(path, "w", encoding="utf-8") as handle:
                 handle.write(content)
-        except OSError:
-            pass  # a file and a directory of one name: the workspace keeps what it has
+        except OSError as error:
+            failed.append(
+                f"{relative} (could not be placed in the interpreter's workspace: {error.strerror})"
+            )
+    return failed
 
 
 def memory_file(name: str) -> int:
@@ -331,12 +341,14 @@ class Driver:
         self.spent: tuple[int, ...] = ()  # the last cell's memory files, let go after its answer
 
     def cell(self, request: dict[str, Any]) -> dict[str, Any]:
-        apply_files(self.workspace, request["files"])
+        not_placed = apply_files(self.workspace, request["files"])
         self.cells += 1
         filename = f"<cell {self.cells}>"
         out, err, stdout, stderr = self.streams or new_streams()
         self.streams = None
         answer: dict[str, Any] = {"id": request["id"], "value": None, "exception": None}
+        if not_placed:
+            answer["not_placed"] = not_placed[:MAX_NOT_PLACED]
         os.dup2(out, 1)
         os.dup2(err, 2)
         sys.stdout, sys.stderr = stdout, stderr

@@ -106,6 +106,7 @@ class CellResult:
     value: str | None
     exception: str | None
     files: RunResult  # the workspace after the cell, as a run's result carries it
+    not_placed: tuple[str, ...] = ()  # the rollout's files the driver could not write before the cell
 
 
 class Interpreter:
@@ -344,6 +345,14 @@ def plain_text(text: str) -> str:
     return text
 
 
+def _not_placed(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise TypeError("not_placed must be a list of text")
+    return tuple(plain_text(item)[:500] for item in value[:100])
+
+
 def _total(value: Any) -> int:
     if type(value) is not int or not 0 <= value <= MAX_TOTAL:
         raise TypeError("an output's size must be a count of bytes")
@@ -389,6 +398,7 @@ def _cell_result(answer: Mapping[str, Any]) -> CellResult:
         value=None if value is None else plain_text(value),
         exception=None if exception is None else plain_text(exception),
         files=files,
+        not_placed=_not_placed(answer.get("not_placed")),
     )
 
 

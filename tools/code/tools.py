@@ -125,7 +125,7 @@ async def python(
                 result = await interpreter.cell(code, interpreter.changes(before), pool.limits)
             interpreter.cells += 1
             ctx.state.put(*MARKER, interpreter.marker())
-            not_kept = _keep_files(workspace, before, result.files)
+            not_kept = [*result.not_placed, *_keep_files(workspace, before, result.files)]
             interpreter.known = workspace.files()
     except InterpreterStopped as exc:
         await pool.discard(ctx.trace_id, "the code of an earlier call stopped it")

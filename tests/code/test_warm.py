@@ -600,3 +600,28 @@ async def test_a_call_cancelled_while_the_parent_starts_leaves_no_parent_running
     finally:
         await runner.close()
         sandbox.close()
+
+
+BIND = (
+    "import socket\n"
+    "server = socket.socket()\n"
+    "server.bind(('127.0.0.1', 47123))  # no SO_REUSEADDR: a socket left on the port makes it fail\n"
+    "server.listen(1)\n"
+    "client = socket.create_connection(('127.0.0.1', 47123))\n"
+    "accepted, _ = server.accept()\n"
+    "accepted.close()  # closed first on the server's side: that side waits in TIME_WAIT\n"
+    "client.close()\n"
+    "server.close()\n"
+    "print('bound')\n"
+)
+
+
+async def test_a_runs_closed_connections_never_keep_the_next_run_from_its_port(warm_sandbox: Sandbox) -> None:
+    """Runs of one slot share its network namespace: a connection a run closed waits in TIME_WAIT there
+    for a minute, which would refuse the next run a bind to that port. The slot moves to a fresh network
+    namespace before a run when the last one left any TCP socket behind."""
+    for _ in range(3):
+        result = await warm_sandbox.run({"main.py": BIND}, [*ARGS, "main.py"], limits=RUN_LIMITS)
+        assert (result.exit_code, lines(result)) == (0, ["bound"]), result.stderr.data.decode()
+    assert warm_sandbox.warm is not None and warm_sandbox.warm.current is not None
+    assert len(warm_sandbox.warm.current.slots) == 1  # one slot took every run

@@ -476,16 +476,39 @@ def receive(sock: socket.socket, fds: int) -> tuple[bytes, list[int]]:
             continue
 
 
+def loopback_up() -> None:
+    """The current network namespace's loopback, up."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        flags = struct.pack("16sH22x", b"lo", IFF_UP | IFF_LOOPBACK | IFF_RUNNING)
+        fcntl.ioctl(probe.fileno(), SIOCSIFFLAGS, flags)
+
+
+def tcp_left() -> bool:
+    """Whether the slot's network namespace holds any TCP socket (a closed connection in TIME_WAIT, say);
+    True when that cannot be read."""
+    for name in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            with open(name, "rb") as table:
+                table.readline()  # the header
+                if table.readline():
+                    return True
+        except FileNotFoundError:
+            continue  # no IPv6 here
+        except OSError:
+            return True
+    return False
+
+
 def serve_slot(sock: socket.socket, sizes: dict[str, int], supervisor: types.ModuleType) -> dict[str, Any]:
     """A slot: one run at a time (the server moved it into the slot's memory cgroup, which its runs
     inherit); `N` with a socket prepares the next run. Returns only in a run's program (P2)."""
     # The slot's own network namespace (a loopback, up): its runs, one at a time, use it in turn; no two
-    # slots share one. A run leaves nothing in it (its sockets close with its processes; anything else
-    # needs a capability no run has), and making one per run costs more than the rest of a run's setup.
+    # slots share one. A run's sockets close with its processes, and anything else needs a capability no
+    # run has; but a TCP connection it closed waits there (TIME_WAIT, a minute) and would refuse the next
+    # run a bind to its port, so a run that left any TCP socket behind gets the next run a fresh one.
+    # Making one per run would cost ~1 ms a run, for the few runs that use TCP at all.
     enter_namespaces(CLONE_NEWUSER | CLONE_NEWNET)
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        flags = struct.pack("16sH22x", b"lo", IFF_UP | IFF_LOOPBACK | IFF_RUNNING)
-        fcntl.ioctl(probe.fileno(), SIOCSIFFLAGS, flags)
+    loopback_up()
     sock.sendall(b"Y")  # the kernel attaches this process's pid: the server moves it into its cgroup
     # A run is prepared only once the last one's init (or keeper) has ended: its processes, their memory
     # (charged to the slot's cgroup) and its file systems are gone by then, whenever its report was sent.
@@ -503,6 +526,9 @@ def serve_slot(sock: socket.socket, sizes: dict[str, int], supervisor: types.Mod
         if last:
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(last, 0)
+            if tcp_left():
+                check(libc.unshare(CLONE_NEWNET), "a fresh network namespace")
+                loopback_up()
         uid, gid = os.getuid(), os.getgid()
         try:
             init = clone_into(RUN_NAMESPACES) if cloning else bare_fork()

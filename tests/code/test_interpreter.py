@@ -681,3 +681,38 @@ async def test_a_file_that_cannot_be_placed_in_the_interpreter_is_said_not_kept(
         entry.startswith("a/b.txt (could not be placed in the interpreter's workspace")
         for entry in answer.get("files_not_kept", [])
     ), answer
+
+
+TICKING = (
+    "import subprocess, sys, threading, time\n"
+    'TICK = \'import time\\nwhile True:\\n    open("ticks", "a").write("x")\\n    time.sleep(0.01)\\n\'\n'
+    "ticker = subprocess.Popen([sys.executable, '-c', TICK])\n"
+    "counted = []\n"
+    "def count():\n"
+    "    while True:\n"
+    "        counted.append(1)\n"
+    "        time.sleep(0.01)\n"
+    "threading.Thread(target=count, daemon=True).start()\n"
+    "time.sleep(0.1)\n"
+)
+
+
+async def test_what_a_cell_leaves_running_waits_for_the_rollouts_next_call(
+    code_app: Any, backend: str
+) -> None:
+    """A child process and a thread a cell started tick every 10 ms; between the rollout's calls they are
+    stopped (after 50 ms), so a second of the model's turn gives them no ticks, and they go on in the
+    next call."""
+    async with code_app(code=FAST) as code:
+        if pool_of(code).sandbox.memory.per_run is False:
+            pytest.skip("no cgroup lists an interpreter's processes here")
+        trace = new_trace()
+        await cell(code, trace, TICKING)
+        first = await cell(code, trace, "(len(open('ticks').read()), len(counted))")
+        await asyncio.sleep(1.0)  # the model's turn
+        second = await cell(code, trace, "(len(open('ticks').read()), len(counted))")
+        third = await cell(code, trace, "time.sleep(0.3)\n(len(open('ticks').read()), len(counted))")
+    ticks = [eval(answer["value"]) for answer in (first, second, third)]
+    # Over the second between calls both would have ticked ~100 times; stopped, a few at most.
+    assert ticks[1][0] - ticks[0][0] < 40 and ticks[1][1] - ticks[0][1] < 40, ticks
+    assert ticks[2][0] - ticks[1][0] >= 10 and ticks[2][1] - ticks[1][1] >= 10, ticks  # running in a call

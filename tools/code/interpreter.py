@@ -58,7 +58,10 @@ TEXT_CHARS = 64 * 1024  # a cell's value or traceback, a check's error, as the s
 READY_SECONDS = 15.0  # bwrap's setup and the driver's start
 LOST_REASONS_KEPT = 4096
 CHECK_GRACE_SECONDS = 10.0  # past a check's own limit: the driver's stopping and restoring
-ENDING_GRACE_SECONDS = 1.0  # for an interpreter whose pipe closed to exit, so its status is known
+ENDING_GRACE_SECONDS = 1.0
+# After a request's answer, the interpreter's processes are stopped until its next request: what a cell left
+# running (a thread, a child process) gets this long, then waits for the rollout's next call.
+FREEZE_AFTER_SECONDS = 0.05  # for an interpreter whose pipe closed to exit, so its status is known
 
 
 class InterpreterStopped(Exception):
@@ -156,10 +159,13 @@ class Interpreter:
         try:
             # The request's sending counts in the call's time too: a driver that stopped reading (a cell's
             # thread stopped it) cannot hold the call past its limit.
+            self.session.thaw()
             async with asyncio.timeout(limits.cell_seconds):  # no task of its own, as wait_for starts
                 await self.session.send(struct.pack(">I", len(body)) + body)
                 answer = await self._answer_to(request_id, frame_cap(limits))
-            return _cell_result(answer)
+            result = _cell_result(answer)
+            self.session.freeze_later(FREEZE_AFTER_SECONDS)
+            return result
         except TimeoutError as exc:
             raise InterpreterStopped(
                 f"the code ran longer than {limits.cell_seconds:g} seconds (the wall-clock limit of a call): "
@@ -184,6 +190,7 @@ class Interpreter:
         request_id = uuid.uuid4().hex
         body = json.dumps({"id": request_id, "check": dict(job), "seconds": seconds}).encode("utf-8")
         try:
+            self.session.thaw()
             async with asyncio.timeout(seconds + CHECK_GRACE_SECONDS):
                 await self.session.send(struct.pack(">I", len(body)) + body)
                 answer = await self._answer_to(request_id, SMALL_FRAME_BYTES)
@@ -207,6 +214,7 @@ class Interpreter:
             self.broken = True
             self.session.kill()
             raise InterpreterStopped("a grade's check changed the interpreter's workspace beyond repair")
+        self.session.freeze_later(FREEZE_AFTER_SECONDS)
         return CheckVerdict(
             passed=passed, error=None if error is None else plain_text(error), timed_out=timed_out
         )
@@ -229,6 +237,7 @@ class Interpreter:
         failed: JudgeFailed | None = None  # the judge's failure: the fork is still ended cleanly first
         try:
             try:
+                self.session.thaw()
                 await self.send_frame(
                     {
                         "id": serve_id,
@@ -286,6 +295,7 @@ class Interpreter:
             self.broken = True
             self.session.kill()
             raise InterpreterStopped("a grade's check changed the interpreter's workspace beyond repair")
+        self.session.freeze_later(FREEZE_AFTER_SECONDS)
         if failed is not None:
             raise failed  # the rollout's interpreter is as it was: the grade can be retried
         timed_out = verdict is None or final.get("timed_out") is True

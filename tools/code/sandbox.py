@@ -58,6 +58,7 @@ HARD_OUTPUT_BYTES = 4 * 1024 * 1024
 SETUP_GRACE_SECONDS = 15.0
 # How long the report may take to arrive once the sandbox's process has ended.
 REPORT_GRACE_SECONDS = 5.0
+FREEZE_PASSES = 64  # over a session's processes when stopping them (each pass stops what forked meanwhile)
 # A worker's directory is named after it (pid and start time), so a later worker removes those of gone
 # ones; a directory named the old way (without its worker) is removed once it has not changed for this.
 ROOT_PREFIX = "sparring-code-"
@@ -640,6 +641,8 @@ class Session:
         self._frames_fd = frames_fd
         self.closed = False
         self._closing: asyncio.Future[int | None] | None = None
+        self._freezing: asyncio.TimerHandle | None = None
+        self.frozen: set[int] = set()  # the processes stopped between requests (`freeze`)
         self.memory_exceeded = False  # known once closed: the kernel killed a process of it at the cap
         self._reader: asyncio.StreamReader | None = None
         self._transport: asyncio.BaseTransport | None = None
@@ -672,6 +675,53 @@ class Session:
         """What the session wrote to its stderr, once it is closed (bwrap's or the driver's complaint)."""
         return (await self._drains[1]).data
 
+    def _processes(self) -> set[int]:
+        """The session's processes, as its cgroup lists them (empty without one)."""
+        group = self.run.group
+        if group is None:
+            return set()
+        try:
+            return {int(pid) for pid in (group / "cgroup.procs").read_text().split()}
+        except (OSError, ValueError):
+            return set()
+
+    def freeze_later(self, seconds: float) -> None:
+        """Stop every process of the session `seconds` from now, unless a request comes first (`thaw`):
+        what a request left running does not go on between requests. Needs the session's cgroup (its
+        list of processes); without one, nothing is stopped."""
+        if self.run.group is None or self.closed:
+            return
+        if self._freezing is not None:
+            self._freezing.cancel()
+        self._freezing = asyncio.get_running_loop().call_later(seconds, self.freeze)
+
+    def freeze(self) -> None:
+        """SIGSTOP every process of the session, again until none is left running (one forking meanwhile
+        has its child stopped in the next pass)."""
+        self._freezing = None
+        if self.closed:
+            return
+        for _ in range(FREEZE_PASSES):
+            running = self._processes() - self.frozen
+            if not running:
+                return
+            for pid in running:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGSTOP)
+                self.frozen.add(pid)
+
+    def thaw(self) -> None:
+        """Every process of the session running again (before a request is sent)."""
+        if self._freezing is not None:
+            self._freezing.cancel()
+            self._freezing = None
+        if not self.frozen:
+            return
+        for pid in self._processes():  # a stopped process stays in its cgroup: no other pid is sent this
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGCONT)
+        self.frozen.clear()
+
     def kill(self) -> None:
         """Kill the session's processes now (without waiting); `close()` still gives back the rest."""
         if not self.closed:
@@ -688,6 +738,9 @@ class Session:
         return await asyncio.shield(self._closing)
 
     async def _close(self, grace: float) -> int | None:
+        if self._freezing is not None:
+            self._freezing.cancel()
+            self._freezing = None
         if grace > 0:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self.process.wait()), grace)

@@ -58,10 +58,10 @@ TEXT_CHARS = 64 * 1024  # a cell's value or traceback, a check's error, as the s
 READY_SECONDS = 15.0  # bwrap's setup and the driver's start
 LOST_REASONS_KEPT = 4096
 CHECK_GRACE_SECONDS = 10.0  # past a check's own limit: the driver's stopping and restoring
-ENDING_GRACE_SECONDS = 1.0
+ENDING_GRACE_SECONDS = 1.0  # for an interpreter whose pipe closed to exit, so its status is known
 # After a request's answer, the interpreter's processes are stopped until its next request: what a cell left
 # running (a thread, a child process) gets this long, then waits for the rollout's next call.
-FREEZE_AFTER_SECONDS = 0.05  # for an interpreter whose pipe closed to exit, so its status is known
+FREEZE_AFTER_SECONDS = 0.05
 
 
 class InterpreterStopped(Exception):
@@ -159,7 +159,6 @@ class Interpreter:
         try:
             # The request's sending counts in the call's time too: a driver that stopped reading (a cell's
             # thread stopped it) cannot hold the call past its limit.
-            self.session.thaw()
             async with asyncio.timeout(limits.cell_seconds):  # no task of its own, as wait_for starts
                 await self.session.send(struct.pack(">I", len(body)) + body)
                 answer = await self._answer_to(request_id, frame_cap(limits))
@@ -190,7 +189,6 @@ class Interpreter:
         request_id = uuid.uuid4().hex
         body = json.dumps({"id": request_id, "check": dict(job), "seconds": seconds}).encode("utf-8")
         try:
-            self.session.thaw()
             async with asyncio.timeout(seconds + CHECK_GRACE_SECONDS):
                 await self.session.send(struct.pack(">I", len(body)) + body)
                 answer = await self._answer_to(request_id, SMALL_FRAME_BYTES)
@@ -237,7 +235,6 @@ class Interpreter:
         failed: JudgeFailed | None = None  # the judge's failure: the fork is still ended cleanly first
         try:
             try:
-                self.session.thaw()
                 await self.send_frame(
                     {
                         "id": serve_id,

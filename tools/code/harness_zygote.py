@@ -484,18 +484,31 @@ def loopback_up() -> None:
 
 
 def tcp_left() -> bool:
-    """Whether the slot's network namespace holds any TCP socket (a closed connection in TIME_WAIT, say);
-    True when that cannot be read."""
-    for name in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
-        try:
-            with open(name, "rb") as table:
-                table.readline()  # the header
-                if table.readline():
-                    return True
-        except FileNotFoundError:
-            continue  # no IPv6 here
-        except OSError:
-            return True
+    """Whether the slot's network namespace holds any TCP socket (a closed connection in TIME_WAIT, say),
+    by its own counts in `/proc/self/net/sockstat` and `sockstat6` (`/proc/self/net/tcp` would walk the
+    kernel's whole connection table: ~4 ms here); True when they cannot be read."""
+    try:
+        with open("/proc/self/net/sockstat", "rb") as counts:
+            for line in counts:
+                if line.startswith(b"TCP:"):
+                    fields = line.split()
+                    values = dict(zip(fields[1::2], fields[2::2], strict=False))
+                    if int(values[b"inuse"]) or int(values[b"tw"]):
+                        return True
+                    break
+            else:
+                return True
+    except (OSError, KeyError, ValueError):
+        return True
+    try:
+        with open("/proc/self/net/sockstat6", "rb") as counts:
+            for line in counts:
+                if line.startswith(b"TCP6:"):
+                    return int(line.split()[2]) > 0
+    except FileNotFoundError:
+        return False  # no IPv6 here
+    except (OSError, IndexError, ValueError):
+        return True
     return False
 
 

@@ -188,7 +188,7 @@ class Interpreter:
         them, and no later call runs against a changed box)."""
         request_id = uuid.uuid4().hex
         body = json.dumps({"id": request_id, "check": dict(job), "seconds": seconds}).encode("utf-8")
-        try:
+        async with self._grading():
             async with asyncio.timeout(seconds + CHECK_GRACE_SECONDS):
                 await self.session.send(struct.pack(">I", len(body)) + body)
                 answer = await self._answer_to(request_id, SMALL_FRAME_BYTES)
@@ -198,21 +198,7 @@ class Interpreter:
             if not (error is None or isinstance(error, str)):
                 raise TypeError("error must be text")
             restored = answer["restored"] is True
-        except TimeoutError as exc:
-            self.broken = True
-            self.session.kill()
-            raise InterpreterStopped("the interpreter did not answer a grade's check in time") from exc
-        except Exception as exc:
-            raise InterpreterStopped(await self._why_ended()) from exc
-        except BaseException:
-            self.broken = True
-            self.session.kill()
-            raise
-        if not restored:
-            self.broken = True
-            self.session.kill()
-            raise InterpreterStopped("a grade's check changed the interpreter's workspace beyond repair")
-        self.session.freeze_later(FREEZE_AFTER_SECONDS)
+        self._restored_or_stopped(restored)
         return CheckVerdict(
             passed=passed, error=None if error is None else plain_text(error), timed_out=timed_out
         )
@@ -233,7 +219,7 @@ class Interpreter:
         final: dict[str, Any] | None = None  # this interpreter's answer to `serve`: its fork has ended
         verdict: dict[str, Any] | None = None
         failed: JudgeFailed | None = None  # the judge's failure: the fork is still ended cleanly first
-        try:
+        async with self._grading():
             try:
                 await self.send_frame(
                     {
@@ -278,6 +264,22 @@ class Interpreter:
                     while final is None or "line" in final:  # a late answer of a cut call first
                         final = await self._answer_to(serve_id, MAX_FRAME_BYTES)
             restored = final.get("restored") is True
+        self._restored_or_stopped(restored)
+        if failed is not None:
+            raise failed  # the rollout's interpreter is as it was: the grade can be retried
+        timed_out = verdict is None or final.get("timed_out") is True
+        passed = verdict is not None and verdict.get("passed") is True and not timed_out
+        error = verdict.get("error") if verdict is not None else None
+        return CheckVerdict(
+            passed=passed, error=plain_text(error) if isinstance(error, str) else None, timed_out=timed_out
+        )
+
+    @contextlib.asynccontextmanager
+    async def _grading(self) -> AsyncIterator[None]:
+        """A grade's exchange with this interpreter: InterpreterStopped when it ends, answers what no
+        driver answers or runs out of time (then it is killed), as after a cell."""
+        try:
+            yield
         except TimeoutError as exc:
             self.broken = True
             self.session.kill()
@@ -288,19 +290,15 @@ class Interpreter:
             self.broken = True
             self.session.kill()
             raise
+
+    def _restored_or_stopped(self, restored: bool) -> None:
+        """After a grade: kept (and stopped until its next request) when its workspace was put back, else
+        killed (InterpreterStopped): no later call runs against a changed box."""
         if not restored:
             self.broken = True
             self.session.kill()
             raise InterpreterStopped("a grade's check changed the interpreter's workspace beyond repair")
         self.session.freeze_later(FREEZE_AFTER_SECONDS)
-        if failed is not None:
-            raise failed  # the rollout's interpreter is as it was: the grade can be retried
-        timed_out = verdict is None or final.get("timed_out") is True
-        passed = verdict is not None and verdict.get("passed") is True and not timed_out
-        error = verdict.get("error") if verdict is not None else None
-        return CheckVerdict(
-            passed=passed, error=plain_text(error) if isinstance(error, str) else None, timed_out=timed_out
-        )
 
     async def _answer_to(self, request_id: str, cap: int) -> dict[str, Any]:
         """The frame answering the request `request_id`. The driver answers each request once, and a call

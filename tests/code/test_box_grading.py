@@ -428,3 +428,16 @@ async def test_a_judge_that_cannot_start_is_an_outage_and_the_interpreter_is_kep
     assert refused.status_code == 503, refused.text
     assert kept == "7"  # the rollout's interpreter is as it was
     assert graded == 1.0
+
+
+async def test_an_answer_too_large_to_send_fails_the_call_not_the_interpreter(
+    code_app: Any, backend: str
+) -> None:
+    async with code_app(code=FAST) as code:
+        trace = new_trace()
+        await cell(code, trace, "def add(a, b):\n    return 'x' * 20_000_000\nkept = 3")
+        result = await score(code, trace, {"tests": ADD_TESTS, "check_in": "interpreter"})
+        flags = await code.flags(trace)
+        kept = await peek(code, trace, "kept")
+    assert result == 0.0 and "interpreter_stopped" not in flags
+    assert kept == "3"  # the interpreter lives on: a later grade or call finds its state

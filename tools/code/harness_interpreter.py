@@ -52,6 +52,7 @@ from typing import Any
 
 REPR_CHARS = 16 * 1024
 MAX_NOT_PLACED = 100
+MAX_CALL_REPLY_CHARS = 8 * 1024 * 1024  # an entry point's answer to a grade's call, as JSON
 TRACEBACK_CHARS = 16 * 1024
 CHECK_ERROR_CHARS = 4000
 PR_SET_CHILD_SUBREAPER = 36
@@ -513,6 +514,8 @@ class Driver:
                 line = json.dumps(reply)
             except (TypeError, ValueError):
                 line = '{"error": "the value could not be sent"}'
+            if len(line) > MAX_CALL_REPLY_CHARS:  # the server stops an interpreter that sends more
+                line = json.dumps({"error": f"the value is too large to send ({len(line)} characters)"})
             send(self.frames, {"id": request_id, "line": line})
 
     def judge(self, request: dict[str, Any]) -> dict[str, Any]:

@@ -28,10 +28,10 @@ ARGS = ["-E", "-s", "-B", "-X", "utf8"]
 
 
 @contextlib.asynccontextmanager
-async def started_warm(sandbox: Sandbox) -> AsyncIterator[WarmRunner]:
+async def started_warm(sandbox: Sandbox, spare_slots: int = warm.SPARE_SLOTS) -> AsyncIterator[WarmRunner]:
     """`sandbox` with its warm parent started (as the code pack's lifespan does); both closed after."""
     try:
-        runner = WarmRunner(sandbox, max_runs=500)
+        runner = WarmRunner(sandbox, max_runs=500, spare_slots=spare_slots)
         assert await runner.start(), runner.why_cold
         sandbox.warm = runner
         try:
@@ -48,6 +48,14 @@ async def warm_sandbox(tmp_path: Path) -> AsyncIterator[Sandbox]:
     """The real bwrap sandbox with its warm parent started."""
     sandbox = build_sandbox(CodeSettings(), home=tmp_path, binds_loopback=True)
     async with started_warm(sandbox):
+        yield sandbox
+
+
+@pytest.fixture
+async def one_slot_sandbox(tmp_path: Path) -> AsyncIterator[Sandbox]:
+    """The warm sandbox without a spare slot: every run, one at a time, goes to the same slot."""
+    sandbox = build_sandbox(CodeSettings(), home=tmp_path, binds_loopback=True)
+    async with started_warm(sandbox, spare_slots=0):
         yield sandbox
 
 
@@ -362,13 +370,13 @@ async def test_a_forked_child_that_ends_like_the_program_does_not_end_the_run(wa
 
 
 async def test_a_program_that_says_a_status_early_ends_with_it_and_leaves_nothing(
-    warm_sandbox: Sandbox,
+    one_slot_sandbox: Sandbox,
 ) -> None:
     """A program may write an exit status on every pipe it holds (the init's among them) and carry on:
     that ends its run with that status, as `os._exit` would; the run's processes are killed, and the next
     run of the slot starts only once they are gone."""
-    assert warm_sandbox.warm is not None
-    result = await warm_sandbox.run(
+    assert one_slot_sandbox.warm is not None
+    result = await one_slot_sandbox.run(
         {
             "main.py": "import os, stat, struct, subprocess, sys, time\n"
             "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
@@ -389,9 +397,9 @@ async def test_a_program_that_says_a_status_early_ends_with_it_and_leaves_nothin
     )
     assert (result.exit_code, result.timed_out, lines(result)) == (7, False, ["started"]), result
     assert result.wall_seconds < RUN_LIMITS.wall_seconds, result
-    assert warm_sandbox.warm.current is not None and len(warm_sandbox.warm.current.slots) == 1
+    assert one_slot_sandbox.warm.current is not None and len(one_slot_sandbox.warm.current.slots) == 1
     after = await run(
-        warm_sandbox, "import os\nprint(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n"
+        one_slot_sandbox, "import os\nprint(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n"
     )
     assert lines(after) == ["[1, 2]"], after
 
@@ -405,7 +413,7 @@ async def test_a_slots_next_run_has_the_whole_memory_cap(tmp_path: Path) -> None
     if not sandbox.memory.per_run:
         sandbox.close()
         pytest.skip("this machine gives a run no memory cgroup of its own")
-    async with started_warm(sandbox) as runner:
+    async with started_warm(sandbox, spare_slots=0) as runner:
         # Each run holds 48 MiB in files of its workspace (not kept: over the limit), 4 x 40 MiB in
         # children it leaves running, and 10 MiB itself: 218 MiB of the 256 MiB cap.
         hold = (
@@ -435,7 +443,7 @@ def _private_kib(result: RunResult) -> int:
 
 
 async def test_an_idle_workers_next_run_copies_its_pages_before_its_job(
-    warm_sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch
+    one_slot_sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A run prepared while no other run of the worker is in flight copies the parent's pages while it
     waits (no page faults after its job arrives), prepared a moment after the last run was given back;
@@ -454,9 +462,9 @@ async def test_an_idle_workers_next_run_copies_its_pages_before_its_job(
 
     async def idle_run() -> int:
         await asyncio.sleep(1.0)  # the copy, if any, is done before the job
-        return _private_kib(await run(warm_sandbox, script))
+        return _private_kib(await run(one_slot_sandbox, script))
 
-    await run(warm_sandbox, "pass\n")  # its slot is made (and its first run prepared) for it
+    await run(one_slot_sandbox, "pass\n")  # its slot is made (and its first run prepared) for it
     without = await idle_run()
     copying["allowed"] = True
     copied = await idle_run()
@@ -466,14 +474,14 @@ async def test_an_idle_workers_next_run_copies_its_pages_before_its_job(
     monkeypatch.setattr(warm, "PREPARE_AFTER_SECONDS", 0.5)
     await asyncio.sleep(0.1)
     asked.clear()
-    await run(warm_sandbox, "pass\n")
-    await run(warm_sandbox, "pass\n")
+    await run(one_slot_sandbox, "pass\n")
+    await run(one_slot_sandbox, "pass\n")
     await asyncio.sleep(1.0)
     assert asked == [False, True], asked
     # Several at once: the slots given back while others still run are prepared without the copy.
     monkeypatch.setattr(warm, "PREPARE_AFTER_SECONDS", 0.005)
     asked.clear()
-    await asyncio.gather(*(run(warm_sandbox, "import time\ntime.sleep(0.3)\n") for _ in range(3)))
+    await asyncio.gather(*(run(one_slot_sandbox, "import time\ntime.sleep(0.3)\n") for _ in range(3)))
     await asyncio.sleep(0.2)
     assert False in asked and asked[-1] is True, asked
 
@@ -552,18 +560,18 @@ async def test_a_run_cancelled_midway_leaves_the_next_runs_working(warm_sandbox:
             assert lines(result) == ["next"]
 
 
-async def test_a_slot_that_ended_while_free_is_replaced_not_an_error(warm_sandbox: Sandbox) -> None:
+async def test_a_slot_that_ended_while_free_is_replaced_not_an_error(one_slot_sandbox: Sandbox) -> None:
     """A free slot whose process ended (its cgroup's memory cap killed it, say) is dropped when a run
     takes it, and the run goes to a new slot: never a 503 for the slot's end."""
-    runner = warm_sandbox.warm
+    runner = one_slot_sandbox.warm
     assert runner is not None
-    await run(warm_sandbox, "pass\n")
+    await run(one_slot_sandbox, "pass\n")
     assert runner.current is not None and len(runner.current.free) == 1
     ended = runner.current.free[0]
     assert ended.ready is None  # given back moments ago: its next run is not prepared yet
     ended.sock.shutdown(socket.SHUT_WR)  # the slot reads the end of its socket and exits
     await asyncio.sleep(0.001)
-    result = await run(warm_sandbox, "print('taken')\n")
+    result = await run(one_slot_sandbox, "print('taken')\n")
     assert lines(result) == ["taken"]
     assert ended not in runner.current.slots
 
@@ -625,15 +633,46 @@ BIND = (
 
 @pytest.mark.parametrize("version", ["4", "6"])
 async def test_a_runs_closed_connections_never_keep_the_next_run_from_its_port(
-    warm_sandbox: Sandbox, version: str
+    one_slot_sandbox: Sandbox, version: str
 ) -> None:
     """Runs of one slot share its network namespace: a connection a run closed waits in TIME_WAIT there
     for a minute, which would refuse the next run a bind to that port. The slot moves to a fresh network
     namespace before a run when the last one left any TCP socket behind."""
     for _ in range(3):
-        result = await warm_sandbox.run({"main.py": BIND}, [*ARGS, "main.py", version], limits=RUN_LIMITS)
+        result = await one_slot_sandbox.run({"main.py": BIND}, [*ARGS, "main.py", version], limits=RUN_LIMITS)
         if lines(result) == ["no address"]:
             pytest.skip("the sandbox's loopback has no ::1 here")
         assert (result.exit_code, lines(result)) == (0, ["bound"]), result.stderr.data.decode()
-    assert warm_sandbox.warm is not None and warm_sandbox.warm.current is not None
-    assert len(warm_sandbox.warm.current.slots) == 1  # one slot took every run
+    assert one_slot_sandbox.warm is not None and one_slot_sandbox.warm.current is not None
+    assert len(one_slot_sandbox.warm.current.slots) == 1  # one slot took every run
+
+
+async def test_a_run_right_after_another_takes_a_prepared_slot(warm_sandbox: Sandbox) -> None:
+    """An idle worker keeps a spare slot with its next run prepared: a run that comes right after another
+    (no pause for the slot just given back to prepare) takes a prepared slot and never waits for its own
+    slot's preparation."""
+    runner = warm_sandbox.warm
+    assert runner is not None and runner.spare_slots == 1
+    await run(warm_sandbox, "pass\n")
+    parent = runner.current
+    assert parent is not None
+    for _ in range(200):  # the spare is made and every free slot prepared (5 ms after the run)
+        if len(parent.free) == 2 and all(slot.ready is not None for slot in parent.free):
+            break
+        await asyncio.sleep(0.01)
+    else:
+        raise AssertionError(f"{len(parent.free)} free slots, not a prepared spare beside the used one")
+    taken: list[bool] = []
+    take = runner._take
+
+    async def recorded() -> tuple[warm.Parent, warm.Slot]:
+        prepared = {id(slot) for slot in parent.free if slot.ready is not None}
+        chosen = await take()
+        taken.append(id(chosen[1]) in prepared)
+        return chosen
+
+    runner._take = recorded  # type: ignore[method-assign]
+    for _ in range(2):  # one right after the other: the second finds the slot just used unprepared
+        assert lines(await run(warm_sandbox, "print('next')\n")) == ["next"]
+    assert taken == [True, True]
+    assert len(parent.slots) == 2  # the spare only: no slot more

@@ -67,6 +67,11 @@ READY_SECONDS = 15.0  # bwrap's setup and the parent's imports
 # its slot itself, as a run under concurrency does.
 PREPARE_AFTER_SECONDS = 0.005
 PARENT_GONE_SECONDS = 0.5  # how long a run whose socket closed early waits to learn that the parent died
+# Slots an idle worker keeps beyond the one its last run used, each with its next run prepared: a run that
+# comes right after another (a rollout's second call of one turn, a grade after the last call) takes a
+# prepared one instead of waiting for the last run's end and then for its own clone (~7 ms against ~4 ms
+# here, one call at a time with no pause). A slot costs a fork of the parent and its prepared run.
+SPARE_SLOTS = 1
 # The parent's own limits: a run lowers them to its own (it can never raise a hard limit).
 PARENT_LIMITS = Limits(
     wall_seconds=0.0,
@@ -189,6 +194,7 @@ class Parent:
         self.inflight = 0
         self.retiring = False
         self.deferred: asyncio.TimerHandle | None = None  # the free slots' preparation, when pending
+        self.adding = False  # a spare slot being made
         self.rss_bytes = 0
         self.stderr = bytearray()
         self._watch = asyncio.ensure_future(self._drain())
@@ -253,9 +259,10 @@ PathName = Literal["warm", "cold"]
 class WarmRunner:
     """The worker's warm parent: started, restarted and retired here; `run` forks a child of it per run."""
 
-    def __init__(self, sandbox: Sandbox, max_runs: int) -> None:
+    def __init__(self, sandbox: Sandbox, max_runs: int, spare_slots: int = SPARE_SLOTS) -> None:
         self.sandbox = sandbox
         self.max_runs = max_runs
+        self.spare_slots = spare_slots
         self.path: PathName = "cold"
         self.why_cold = "not started"
         self.current: Parent | None = None
@@ -361,7 +368,7 @@ class WarmRunner:
         self.started += 1
         return parent
 
-    async def _new_slot(self, parent: Parent) -> Slot:
+    async def _new_slot(self, parent: Parent, prefault: bool = False) -> Slot:
         """A new slot of `parent`, in its own memory cgroup, with its first run prepared."""
         sandbox = self.sandbox
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -382,7 +389,7 @@ class WarmRunner:
             if sandbox.memory.per_run:
                 slot.group = await asyncio.to_thread(_group_with, sandbox, pid)
                 slot.events = sandbox.memory.open_events(slot.group)
-            slot.prepare()
+            slot.prepare(prefault=prefault)
         except BaseException as exc:  # cancelled too: its cgroup and process are given back
             await asyncio.shield(asyncio.to_thread(parent.drop, slot))
             if not isinstance(exc, TimeoutError | ConnectionError | OSError):
@@ -403,7 +410,10 @@ class WarmRunner:
                 parent = self.current = await self._spawn()
             slot = None
             while parent.free and slot is None:
-                slot = parent.free.pop()
+                # A prepared slot first, the one given back last (its pages the most recently touched); else
+                # the slot given back last, prepared here.
+                ready = [index for index, free in enumerate(parent.free) if free.ready is not None]
+                slot = parent.free.pop(ready[-1] if ready else -1)
                 if slot.ready is None:
                     try:
                         slot.prepare()  # given back moments ago: its preparation was not made yet
@@ -440,12 +450,33 @@ class WarmRunner:
                 parent.deferred = asyncio.get_running_loop().call_later(
                     PREPARE_AFTER_SECONDS, self._prepare_free, parent
                 )
+            if len(parent.slots) <= self.spare_slots and not parent.adding:
+                parent.adding = True
+                self._background(self._add_spare(parent))
         elif self._prepare(parent, slot, prefault=False):
             # Under concurrent runs (a grading batch) the next run is prepared now, without the copy: it
             # would take CPU from the runs in flight, for pages most runs never write.
             parent.free.append(slot)
         if parent.retiring and parent.inflight == 0:
             self._retire(parent)
+
+    async def _add_spare(self, parent: Parent) -> None:
+        """A slot more for an idle worker, its first run prepared (in the background: nothing waits)."""
+        await asyncio.sleep(PREPARE_AFTER_SECONDS)  # after the answer of the run just made
+        try:
+            if not parent.alive or parent.retiring:
+                return
+            slot = await self._new_slot(parent, prefault=parent.inflight == 0)
+        except SandboxUnavailable as exc:
+            if parent.alive and not parent.retiring:
+                log.warning("code sandbox: no spare slot: %s", exc)
+            return
+        finally:
+            parent.adding = False
+        if parent.alive and not parent.retiring:
+            parent.free.append(slot)
+        else:
+            await asyncio.to_thread(parent.drop, slot)
 
     def _prepare(self, parent: Parent, slot: Slot, prefault: bool) -> bool:
         """Ask the slot to prepare its next run; False, and the slot dropped, when it cannot be asked."""

@@ -9,7 +9,9 @@ on a worker without the rollout's interpreter says the state is lost instead of 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import signal
 import uuid
 from pathlib import Path
 from typing import Any
@@ -716,3 +718,55 @@ async def test_what_a_cell_leaves_running_waits_for_the_rollouts_next_call(
     # Over the second between calls both would have ticked ~100 times; stopped, a few at most.
     assert ticks[1][0] - ticks[0][0] < 40 and ticks[1][1] - ticks[0][1] < 40, ticks
     assert ticks[2][0] - ticks[1][0] >= 10 and ticks[2][1] - ticks[1][1] >= 10, ticks  # running in a call
+
+
+async def test_a_call_cut_short_while_its_interpreter_stops_leaves_the_next_call_a_new_one(
+    code_app: Any, backend: str
+) -> None:
+    """A cell writes a frame no driver writes and runs on: its interpreter is being stopped (a grace for
+    it to exit, then killed) when the call is cancelled (its deadline). The rollout's next call, within
+    that grace, waits for the stop and gets a new interpreter with the reason; it never spins on the one
+    being stopped (the event loop would serve nothing else again)."""
+    garbage = (
+        "import struct, sys, time\n"
+        "driver = sys._getframe(2).f_locals['self']\n"
+        "with open(driver.frames, 'wb', closefd=False) as pipe:\n"
+        "    pipe.write(struct.pack('>I', 2) + b'{}')\n"
+        "time.sleep(30)\n"
+    )
+    spun: list[bool] = []
+
+    def alarm(signum: int, frame: Any) -> None:
+        spun.append(True)
+        raise AssertionError("the event loop did not come back for 10 seconds")
+
+    async with code_app(code=FAST) as code:
+        pool = pool_of(code)
+        trace = new_trace()
+        async with pool.use(trace, None) as (interpreter, _):
+            marker = interpreter.marker()
+
+        async def run_garbage() -> None:
+            async with pool.use(trace, marker) as (held, _):
+                await held.cell(garbage, {}, pool.limits)
+
+        task = asyncio.ensure_future(run_garbage())
+        for _ in range(100):  # the server has read the frame and is stopping the interpreter
+            await asyncio.sleep(0.02)
+            if interpreter.session.closed:
+                break
+        assert interpreter.session.closed and interpreter.session.process.returncode is None
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        previous = signal.signal(signal.SIGALRM, alarm)
+        signal.setitimer(signal.ITIMER_REAL, 10.0)
+        try:
+            async with pool.use(trace, marker) as (fresh, lost):
+                pass
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+    assert not spun
+    assert fresh is not interpreter and lost is not None, lost
+    assert interpreter.session.process.returncode is not None  # stopped, not left running

@@ -173,6 +173,7 @@ class Interpreter:
         except Exception as exc:
             # The driver ended, or answered what no driver answers (a cell can write on its frame pipe):
             # either way the interpreter is stopped, and the model is told so.
+            self.broken = True
             raise InterpreterStopped(await self._why_ended()) from exc
         except BaseException:
             # Cancelled mid-cell (the call's own deadline): the cell may still run, so no later request
@@ -285,6 +286,7 @@ class Interpreter:
             self.session.kill()
             raise InterpreterStopped("the interpreter did not answer a grade's check in time") from exc
         except Exception as exc:
+            self.broken = True
             raise InterpreterStopped(await self._why_ended()) from exc
         except BaseException:
             self.broken = True
@@ -441,8 +443,12 @@ class InterpreterPool:
         when a new one had to start (None when nothing was lost)."""
         while True:
             current = self.live.get(trace_id)
-            if current is not None and current.session.process.returncode is not None:
-                await self.discard(trace_id, "it ended between calls")
+            if current is not None and (
+                current.session.closed or current.session.process.returncode is not None
+            ):
+                # Ended, or being stopped (a call cut short while its interpreter was being stopped leaves
+                # it so): waited for here, never looked at again and again.
+                await self.discard(trace_id, self.lost.get(trace_id) or "it ended between calls")
                 current = None
             if current is None or not current.matches(marker):
                 break

@@ -441,3 +441,54 @@ async def test_an_answer_too_large_to_send_fails_the_call_not_the_interpreter(
         kept = await peek(code, trace, "kept")
     assert result == 0.0 and "interpreter_stopped" not in flags
     assert kept == "3"  # the interpreter lives on: a later grade or call finds its state
+
+
+# The entry point answers a grade's call with a frame of its own making (its caller, the driver's
+# `answer_calls`, holds the way out and the request's id), skipping the driver's cap on an answer's size.
+FORGED_ANSWER = (
+    "import json, struct, sys, os\n"
+    "def add(a, b):\n"
+    "    caller = sys._getframe(1).f_locals\n"
+    "    line = {line}\n"
+    "    body = json.dumps({{'id': caller['request_id'], 'line': line}}).encode()\n"
+    "    with open(caller['self'].frames, 'wb', closefd=False) as pipe:\n"
+    "        pipe.write(struct.pack('>I', len(body)) + body)\n"
+    "    os._exit(0)\n"
+)
+
+
+async def judged_in(code: CodeClient, trace: str) -> Any:
+    """The verdict of ADD_TESTS judged against the rollout's live interpreter, as a grade gets it."""
+    pool = pool_of(code)
+    interpreter = pool.live[trace]
+    async with interpreter.lock, pool.judge() as judge:
+        return await interpreter.judged(judge, ADD_TESTS, 20.0)
+
+
+async def test_an_answer_over_the_cap_that_skips_the_driver_reaches_the_judge_as_a_failed_call(
+    code_app: Any, backend: str
+) -> None:
+    async with code_app(code=FAST) as code:
+        trace = new_trace()
+        await cell(code, trace, FORGED_ANSWER.format(line="json.dumps({'value': 'x' * (5 << 20)})"))
+        verdict = await judged_in(code, trace)
+    assert not verdict.passed and not verdict.timed_out
+    assert verdict.error is not None and "too large to send" in verdict.error, verdict.error
+
+
+async def test_answers_that_exhaust_the_judges_memory_fail_the_grade_never_an_outage(
+    code_app: Any, backend: str
+) -> None:
+    """Answers within the cap can still be costly to decode (deep nests of lists): a judge killed at its
+    memory cap holding them fails the grade (a retry would end the same way), never a 503."""
+    nests = "'{\"value\": [' + ','.join(['[' * 40 + ']' * 40] * 40000) + ']}'"
+    async with code_app(code={**FAST, "run_memory_bytes": 96 << 20}) as code:
+        if not pool_of(code).sandbox.memory.per_run:
+            pytest.skip("this machine gives a run no memory cgroup of its own")
+        trace = new_trace()
+        await cell(code, trace, FORGED_ANSWER.format(line=nests))
+        verdict = await judged_in(code, trace)
+        response = await grade(code, trace, {"tests": ADD_TESTS, "check_in": "interpreter"})
+    assert not verdict.passed
+    assert verdict.error is not None and "ran out of memory" in verdict.error, verdict.error
+    assert response.status_code == 200 and response.json()["score"] == 0.0, response.text

@@ -52,7 +52,10 @@ from typing import Any
 
 REPR_CHARS = 16 * 1024
 MAX_NOT_PLACED = 100
-MAX_CALL_REPLY_CHARS = 8 * 1024 * 1024  # an entry point's answer to a grade's call, as JSON
+# An entry point's answer to a grade's call, as JSON (ASCII: the frame that carries it escapes it again, at
+# most doubling it, well under the server's frame ceiling). The server holds the same cap for what reaches
+# the grade's judge (`interpreter.MAX_CALL_REPLY_CHARS`).
+MAX_CALL_REPLY_CHARS = 4 * 1024 * 1024
 TRACEBACK_CHARS = 16 * 1024
 CHECK_ERROR_CHARS = 4000
 PR_SET_CHILD_SUBREAPER = 36
@@ -514,7 +517,7 @@ class Driver:
                 line = json.dumps(reply)
             except (TypeError, ValueError):
                 line = '{"error": "the value could not be sent"}'
-            if len(line) > MAX_CALL_REPLY_CHARS:  # the server stops an interpreter that sends more
+            if len(line) > MAX_CALL_REPLY_CHARS:  # the server would not relay it
                 line = json.dumps({"error": f"the value is too large to send ({len(line)} characters)"})
             send(self.frames, {"id": request_id, "line": line})
 

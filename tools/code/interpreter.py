@@ -53,6 +53,10 @@ FRAME_SLACK_BYTES = (
     256 * 1024
 )  # a cell's answer past its base64 outputs and files: its value, traceback, keys
 THREAD_DECODE_BYTES = 256 * 1024  # a frame larger than this is decoded in a thread, off the event loop
+# An entry point's answer that the server relays to a grade's judge, as JSON text (the driver keeps to it;
+# a cell that writes its own frames does not, so it is held here): over it, the judge gets a failed call,
+# never a text it would need more memory to decode than it has.
+MAX_CALL_REPLY_CHARS = 4 * 1024 * 1024
 MAX_TOTAL = 1 << 62  # an output's size as the driver counted it
 TEXT_CHARS = 64 * 1024  # a cell's value or traceback, a check's error, as the server keeps it
 READY_SECONDS = 15.0  # bwrap's setup and the driver's start
@@ -220,6 +224,7 @@ class Interpreter:
         final: dict[str, Any] | None = None  # this interpreter's answer to `serve`: its fork has ended
         verdict: dict[str, Any] | None = None
         failed: JudgeFailed | None = None  # the judge's failure: the fork is still ended cleanly first
+        relayed = False  # whether the judge was given an answer of the rollout's
         async with self._grading():
             try:
                 await self.send_frame(
@@ -253,7 +258,8 @@ class Interpreter:
                                 await self.send_frame({"line": line})
                                 reply = await self._answer_to(serve_id, MAX_FRAME_BYTES)
                                 if isinstance(reply.get("line"), str):
-                                    answer_line = reply["line"]
+                                    answer_line = _relayed(reply["line"])
+                                    relayed = True
                                 else:
                                     final = reply  # the call ended its fork (an exit): its answer came
                             await _judge_step(judge.send_frame({"line": answer_line}))
@@ -267,7 +273,14 @@ class Interpreter:
             restored = final.get("restored") is True
         self._restored_or_stopped(restored)
         if failed is not None:
-            raise failed  # the rollout's interpreter is as it was: the grade can be retried
+            if not (relayed and await judge.ran_out_of_memory()):
+                raise failed  # the rollout's interpreter is as it was: the grade can be retried
+            # The judge died at its memory cap holding the rollout's answers: what they made it hold is
+            # the rollout's doing, and a retry would end the same way. A failed grade, never a 503.
+            verdict = {
+                "passed": False,
+                "error": "the grade's judge ran out of memory on the solution's answers",
+            }
         timed_out = verdict is None or final.get("timed_out") is True
         passed = verdict is not None and verdict.get("passed") is True and not timed_out
         error = verdict.get("error") if verdict is not None else None
@@ -323,6 +336,11 @@ class Interpreter:
             raise ValueError("not a frame")
         return answer
 
+    async def ran_out_of_memory(self) -> bool:
+        """Whether the kernel killed a process of this interpreter at its memory cap (it is stopped)."""
+        await self.session.close()
+        return self.session.memory_exceeded
+
     async def _why_ended(self) -> str:
         code = await self.session.close(grace=ENDING_GRACE_SECONDS)
         if self.session.memory_exceeded:
@@ -364,6 +382,13 @@ def _total(value: Any) -> int:
     if type(value) is not int or not 0 <= value <= MAX_TOTAL:
         raise TypeError("an output's size must be a count of bytes")
     return value
+
+
+def _relayed(line: str) -> str:
+    """An entry point's answer as the judge gets it: a failed call when it is over the cap."""
+    if len(line) > MAX_CALL_REPLY_CHARS:
+        return json.dumps({"error": f"the value is too large to send ({len(line)} characters)"})
+    return line
 
 
 async def _judge_step(step: Awaitable[T]) -> T:

@@ -676,3 +676,37 @@ async def test_a_run_right_after_another_takes_a_prepared_slot(warm_sandbox: San
         assert lines(await run(warm_sandbox, "print('next')\n")) == ["next"]
     assert taken == [True, True]
     assert len(parent.slots) == 2  # the spare only: no slot more
+
+
+async def test_runs_cancelled_at_every_step_leak_no_descriptor_and_close_none_twice(
+    warm_sandbox: Sandbox,
+) -> None:
+    """A call cancelled at any point of its run (its deadline) leaves the server with the descriptors it
+    had: each of the run's pipes is closed once, by whatever took it (a descriptor closed twice would close
+    whatever took its number in between; one never closed is a leak per cancelled call)."""
+    await run(warm_sandbox, "pass\n")
+    await asyncio.sleep(0.1)  # the spare slot and the next runs' preparations made
+
+    def descriptors() -> set[str]:
+        return set(os.listdir("/proc/self/fd"))
+
+    before = descriptors()
+    for step in range(40):  # cut 0 to 10 ms in: before the job, while the run starts, runs and reports
+        task = asyncio.ensure_future(run(warm_sandbox, "print('cut')\n"))
+        await asyncio.sleep(step * 0.00025)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        result = await asyncio.wait_for(run(warm_sandbox, "print('next')\n"), 10)
+        assert lines(result) == ["next"]
+    await asyncio.sleep(0.1)  # the slots given back prepare their next runs (a socket each)
+    leaked = descriptors() - before
+    assert len(leaked) <= 2, [named(fd) for fd in leaked]
+
+
+def named(fd: str) -> str:
+    """What the server's descriptor `fd` is (gone: the listing's own)."""
+    try:
+        return f"{fd}: {os.readlink(f'/proc/self/fd/{fd}')}"
+    except OSError:
+        return f"{fd}: gone"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -561,14 +562,17 @@ class WarmRunner:
             with contextlib.suppress(ProcessLookupError):
                 pidfd = os.pidfd_open(pid)  # its init: killing it ends every process of the run
 
-            stdin_writer = asyncio.ensure_future(_write_pipe(pipes[0][1], stdin, transports))
+            # Each descriptor is handed over once: what takes it closes it, whatever happens to this call.
+            stdin_fd, pipes[0] = pipes[0][1], (-1, -1)
+            taken: list[bool] = []
+            stdin_writer = asyncio.ensure_future(_write_pipe(stdin_fd, stdin, transports, taken))
+            stdin_writer.add_done_callback(functools.partial(_close_untaken, stdin_fd, taken))
             tasks.append(stdin_writer)
-            pipes[0] = (-1, -1)
             overflow = asyncio.Event()
             readers = []
             for index in (1, 2):
-                reader, transport = await _read_pipe(pipes[index][0])
-                pipes[index] = (-1, -1)
+                read_fd, pipes[index] = pipes[index][0], (-1, -1)
+                reader, transport = await _read_pipe(read_fd)
                 transports.append(transport)
                 readers.append(asyncio.ensure_future(_read_capped(reader, limits.output_bytes, overflow)))
                 tasks.append(readers[-1])
@@ -748,22 +752,40 @@ async def _receive_all(sock: socket.socket, cap: int, into: bytearray) -> None:
 
 
 async def _read_pipe(fd: int) -> tuple[asyncio.StreamReader, asyncio.BaseTransport]:
+    """A reader of `fd`, which it owns from here (closed here if the transport is never made)."""
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=HARD_OUTPUT_BYTES)
-    transport, _ = await loop.connect_read_pipe(
-        lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", buffering=0)
-    )
+    pipe = os.fdopen(fd, "rb", buffering=0)
+    try:
+        transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe)
+    except BaseException:
+        pipe.close()  # a no-op when the cancelled transport closed it already
+        raise
     return reader, transport
 
 
-async def _write_pipe(fd: int, data: bytes, transports: list[asyncio.BaseTransport]) -> None:
+def _close_untaken(fd: int, taken: list[bool], task: asyncio.Future[None]) -> None:
+    """The stdin writer's descriptor, when the writer was cancelled before it ran (it owns it otherwise)."""
+    if not taken:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+async def _write_pipe(
+    fd: int, data: bytes, transports: list[asyncio.BaseTransport], taken: list[bool]
+) -> None:
+    """Write `data` to `fd` and close it; `taken` says it now owns `fd`."""
+    taken.append(True)
     loop = asyncio.get_running_loop()
     if not data:
         os.close(fd)
         return
-    transport, protocol = await loop.connect_write_pipe(
-        lambda: asyncio.streams.FlowControlMixin(), os.fdopen(fd, "wb", buffering=0)
-    )
+    pipe = os.fdopen(fd, "wb", buffering=0)
+    try:
+        transport, protocol = await loop.connect_write_pipe(lambda: asyncio.streams.FlowControlMixin(), pipe)
+    except BaseException:
+        pipe.close()
+        raise
     transports.append(transport)
     writer = asyncio.StreamWriter(transport, protocol, None, loop)
     try:

@@ -451,18 +451,18 @@ FORGED_ANSWER = (
     "    caller = sys._getframe(1).f_locals\n"
     "    line = {line}\n"
     "    body = json.dumps({{'id': caller['request_id'], 'line': line}}).encode()\n"
-    "    with open(caller['self'].frames, 'wb', closefd=False) as pipe:\n"
+    "    with open(caller['replies'], 'wb', closefd=False) as pipe:\n"
     "        pipe.write(struct.pack('>I', len(body)) + body)\n"
     "    os._exit(0)\n"
 )
 
 
-async def judged_in(code: CodeClient, trace: str) -> Any:
+async def judged_in(code: CodeClient, trace: str, seconds: float = 20.0) -> Any:
     """The verdict of ADD_TESTS judged against the rollout's live interpreter, as a grade gets it."""
     pool = pool_of(code)
     interpreter = pool.live[trace]
     async with interpreter.lock, pool.judge() as judge:
-        return await interpreter.judged(judge, ADD_TESTS, 20.0)
+        return await interpreter.judged(judge, ADD_TESTS, seconds)
 
 
 async def test_an_answer_over_the_cap_that_skips_the_driver_reaches_the_judge_as_a_failed_call(
@@ -492,3 +492,29 @@ async def test_answers_that_exhaust_the_judges_memory_fail_the_grade_never_an_ou
     assert not verdict.passed
     assert verdict.error is not None and "ran out of memory" in verdict.error, verdict.error
     assert response.status_code == 200 and response.json()["score"] == 0.0, response.text
+
+
+async def test_an_answer_cut_by_the_grades_time_limit_is_read_whole_and_the_interpreter_kept(
+    code_app: Any, backend: str
+) -> None:
+    """The grade's time runs out between an answer's size and its body: the grade is timed out, and the
+    interpreter, whose frames are read on from where the cut left them, lives on with its state."""
+    slow = (
+        "import json, struct, sys, time\n"
+        "def add(a, b):\n"
+        "    caller = sys._getframe(1).f_locals\n"
+        "    body = json.dumps({'id': caller['request_id'], 'line': json.dumps({'value': a + b})}).encode()\n"
+        "    with open(caller['replies'], 'wb', buffering=0, closefd=False) as pipe:\n"
+        "        pipe.write(struct.pack('>I', len(body)) + body[:10])\n"
+        "        time.sleep(3)\n"
+        "        pipe.write(body[10:])\n"
+        "    return a + b\n"
+        "kept = 11\n"
+    )
+    async with code_app(code=FAST) as code:
+        trace = new_trace()
+        await cell(code, trace, slow)
+        verdict = await judged_in(code, trace, seconds=1.5)
+        kept = await peek(code, trace, "kept")
+    assert (verdict.passed, verdict.timed_out) == (False, True), verdict
+    assert kept == "11"

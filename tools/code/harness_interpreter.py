@@ -46,6 +46,7 @@ import stat
 import struct
 import sys
 import tempfile
+import time
 import traceback
 import types
 from typing import Any
@@ -59,6 +60,7 @@ MAX_CALL_REPLY_CHARS = 4 * 1024 * 1024
 TRACEBACK_CHARS = 16 * 1024
 CHECK_ERROR_CHARS = 4000
 PR_SET_CHILD_SUBREAPER = 36
+MAX_RELAYED_FRAME = 16 * 1024 * 1024  # the server's frame ceiling (`interpreter.MAX_FRAME_BYTES`)
 STOP_ROUNDS = 64  # passes over the check's leftover processes (each may have started more)
 
 
@@ -468,27 +470,86 @@ class Driver:
         existing = _children(os.getpid())
         libc = ctypes.CDLL(None)
         libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        # The fork answers on a pipe of its own, which this driver relays frame by frame: a fork killed at
+        # the time limit halfway through an answer leaves no part of it on the frame pipe.
+        replies_in, replies = os.pipe()
         pid = os.fork()
         if pid == 0:
             try:
+                os.close(replies_in)
+                os.close(self.frames)
                 os.setpgid(0, 0)
-                self.answer_calls(request["id"], job, values)
+                self.answer_calls(request["id"], job, values, replies)
             finally:
                 os._exit(0)
+        os.close(replies)
         answer: dict[str, Any] = {"id": request["id"], "timed_out": False}
         ended = os.pidfd_open(pid)  # readable once the fork has ended (whatever it left running)
         try:
-            ready, _, _ = select.select([ended], [], [], float(request["seconds"]))
-            answer["timed_out"] = not ready
+            answer["timed_out"] = not self.relay(replies_in, ended, float(request["seconds"]))
         finally:
             os.close(ended)
+            os.close(replies_in)
             self.stop_check(pid, existing)
             libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
         answer["restored"] = restore(self.workspace, before)
         return answer
 
-    def answer_calls(self, request_id: str, job: dict[str, Any], values: types.ModuleType) -> None:
-        """In the fork: the entry point's calls, until `{"end"}` or the end of the requests."""
+    def relay(self, replies: int, ended: int, seconds: float) -> bool:
+        """The fork's whole frames, as they come, onto the frame pipe, until it ends (True) or its time is
+        up (False); what it leaves unfinished is dropped. A frame over the ceiling ends the relay (the
+        fork is then stopped as at its time limit)."""
+        deadline = time.monotonic() + seconds
+        pending = bytearray()
+        os.set_blocking(replies, False)
+        watched = [ended, replies]
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            ready, _, _ = select.select(watched, [], [], remaining)
+            if replies in ready:
+                try:
+                    chunk = os.read(replies, 1 << 16)
+                except BlockingIOError:
+                    chunk = None
+                if chunk == b"":
+                    watched = [ended]  # closed: the fork and whatever it left hold it no more
+                elif chunk:
+                    pending += chunk
+                    if not self.forward(pending):
+                        return False
+                continue
+            if ended in ready:
+                # What the fork wrote before it ended, whole frames only (a process it left may still hold
+                # the pipe open: read until it is empty, not until its end).
+                with contextlib.suppress(BlockingIOError):
+                    while chunk := os.read(replies, 1 << 16):
+                        pending += chunk
+                self.forward(pending)
+                return True
+
+    def forward(self, pending: bytearray) -> bool:
+        """Send the whole frames at the start of `pending` on the frame pipe (taking them off it); False
+        when the next frame says it is larger than any frame may be."""
+        while len(pending) >= 4:
+            (size,) = struct.unpack(">I", pending[:4])
+            if size > MAX_RELAYED_FRAME:
+                return False
+            if len(pending) < 4 + size:
+                return True
+            view = memoryview(pending)[: 4 + size]
+            while view:
+                view = view[os.write(self.frames, view) :]
+            view.release()
+            del pending[: 4 + size]
+        return True
+
+    def answer_calls(
+        self, request_id: str, job: dict[str, Any], values: types.ModuleType, replies: int
+    ) -> None:
+        """In the fork: the entry point's calls, until `{"end"}` or the end of the requests; each answer a
+        frame on `replies`, which the driver relays."""
         entry_point = str(job.get("entry_point") or "")
         failure = ""
         try:
@@ -519,7 +580,7 @@ class Driver:
                 line = '{"error": "the value could not be sent"}'
             if len(line) > MAX_CALL_REPLY_CHARS:  # the server would not relay it
                 line = json.dumps({"error": f"the value is too large to send ({len(line)} characters)"})
-            send(self.frames, {"id": request_id, "line": line})
+            send(replies, {"id": request_id, "line": line})
 
     def judge(self, request: dict[str, Any]) -> dict[str, Any]:
         """A grade's hidden tests, here in a driver no cell ever ran in, against a stand-in for the entry

@@ -128,6 +128,7 @@ class Interpreter:
         self.lock = asyncio.Lock()
         self.known: dict[str, str] = {}  # the workspace's files as the interpreter last had them
         self.broken = False
+        self._frame_size: int | None = None  # the size of a frame whose body is still to be read
 
     def marker(self) -> dict[str, Any]:
         return {"worker": self.worker, "session": self.id, "cells": self.cells}
@@ -325,10 +326,15 @@ class Interpreter:
         return answer
 
     async def _receive(self, cap: int) -> dict[str, Any]:
-        (size,) = struct.unpack(">I", await self.session.receive(4))
+        # A frame's size is kept once read, so a read cut between it and the body (a grade's time limit)
+        # leaves the next read where the frame's body begins, never reading the body as a size.
+        if self._frame_size is None:
+            (self._frame_size,) = struct.unpack(">I", await self.session.receive(4))
+        size = self._frame_size
         if size > cap:
             raise ValueError("frame too large")
         body = await self.session.receive(size)
+        self._frame_size = None
         # A large frame (files, output) is decoded in a thread: a cell can make it as slow to decode as
         # JSON gets, and the event loop serves every other rollout meanwhile.
         answer = await asyncio.to_thread(json.loads, body) if size > THREAD_DECODE_BYTES else json.loads(body)

@@ -770,3 +770,44 @@ async def test_a_call_cut_short_while_its_interpreter_stops_leaves_the_next_call
     assert not spun
     assert fresh is not interpreter and lost is not None, lost
     assert interpreter.session.process.returncode is not None  # stopped, not left running
+
+
+PING_PONG = (
+    "import os, signal, subprocess, sys, time\n"
+    "PING = '''import os, signal, sys, time\n"
+    "mine, theirs, ticks = sys.argv[1:4]\n"
+    "open(mine + '.new', 'w').write(str(os.getpid()))\n"
+    "os.rename(mine + '.new', mine)\n"
+    "while not os.path.exists(theirs):\n"
+    "    time.sleep(0.001)\n"
+    "other, last = int(open(theirs).read()), 0.0\n"
+    "while True:\n"
+    "    os.kill(other, signal.SIGCONT)\n"
+    "    if time.monotonic() - last > 0.01:\n"
+    "        last = time.monotonic()\n"
+    "        open(ticks, 'a').write('x')\n"
+    "'''\n"
+    "pair = [subprocess.Popen([sys.executable, '-c', PING, *names]) for names in\n"
+    "        (('a.pid', 'b.pid', 'a.ticks'), ('b.pid', 'a.pid', 'b.ticks'))]\n"
+    "time.sleep(0.2)\n"
+)
+TICKS = "(len(open('a.ticks').read()), len(open('b.ticks').read()))"
+
+
+async def test_processes_that_continue_each_other_are_stopped_between_calls_too(
+    code_app: Any, backend: str
+) -> None:
+    """Two processes a cell left running send each other SIGCONT without pause, so that one stopped is
+    continued by the other: the stop is checked again and repeated until both are stopped at once."""
+    async with code_app(code=FAST) as code:
+        if pool_of(code).sandbox.memory.per_run is False:
+            pytest.skip("no cgroup lists an interpreter's processes here")
+        trace = new_trace()
+        await cell(code, trace, PING_PONG)
+        first = await cell(code, trace, TICKS)
+        await asyncio.sleep(1.0)  # the model's turn
+        second = await cell(code, trace, TICKS)
+        await cell(code, trace, "for process in pair:\n    process.kill()")
+    before, after = eval(first["value"]), eval(second["value"])
+    # Running, each would tick ~100 times in that second; stopped, a few at most.
+    assert after[0] - before[0] < 40 and after[1] - before[1] < 40, (before, after)

@@ -59,6 +59,11 @@ SETUP_GRACE_SECONDS = 15.0
 # How long the report may take to arrive once the sandbox's process has ended.
 REPORT_GRACE_SECONDS = 5.0
 FREEZE_PASSES = 64  # over a session's processes when stopping them (each pass stops what forked meanwhile)
+# The stop is checked this much later, up to FREEZE_CHECKS times, and a process seen running is stopped
+# again; one still running at the last check (another process of the session keeps continuing it with
+# SIGCONT) is killed, unless it is the interpreter's own driver.
+FREEZE_CHECK_SECONDS = 0.002
+FREEZE_CHECKS = 32
 # A worker's directory is named after it (pid and start time), so a later worker removes those of gone
 # ones; a directory named the old way (without its worker) is removed once it has not changed for this.
 ROOT_PREFIX = "sparring-code-"
@@ -700,12 +705,45 @@ class Session:
             self._freezing.cancel()
         self._freezing = asyncio.get_running_loop().call_later(seconds, self.freeze)
 
-    def freeze(self) -> None:
+    def freeze(self, checks: int = FREEZE_CHECKS) -> None:
         """SIGSTOP every process of the session, again until none is left running (one forking meanwhile
-        has its child stopped in the next pass)."""
+        has its child stopped in the next pass); checked a moment later while any process is not seen
+        stopped (a stop takes a moment; or another process continued it), which is stopped again, and
+        killed at the last check if it still runs (never the driver: the one it continued is killed)."""
         self._freezing = None
         if self.closed:
             return
+        self._stop_new()
+        loose = [pid for pid in self.frozen if _state(pid) in RUNNING_STATES]
+        if not loose:
+            return
+        if checks == 0:
+            driver = self._driver()
+            for pid in loose:
+                if pid != driver:
+                    with contextlib.suppress(OSError):
+                        signal.pidfd_send_signal(self.frozen[pid], signal.SIGKILL)
+        for pid in loose:
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(self.frozen[pid], signal.SIGSTOP)
+        if checks > 0:
+            self._freezing = asyncio.get_running_loop().call_later(
+                FREEZE_CHECK_SECONDS, self.freeze, checks - 1
+            )
+
+    def _driver(self) -> int:
+        """The pid of the session's own program (bwrap's pid 1's only child when isolated)."""
+        inner = [pid for pid in self._sandbox_processes or () if pid != self.process.pid]
+        if not inner:
+            return self.process.pid
+        try:
+            children = Path(f"/proc/{inner[0]}/task/{inner[0]}/children").read_text().split()
+        except OSError:
+            return -1
+        return int(children[0]) if children else -1
+
+    def _stop_new(self) -> None:
+        """SIGSTOP the session's processes not stopped yet, pass after pass until no new one is found."""
         if self._sandbox_processes is None:
             self._sandbox_processes = _sandbox_processes(self.process.pid) if self.sandbox.isolated else set()
         for _ in range(FREEZE_PASSES):
@@ -773,6 +811,18 @@ class Session:
         await asyncio.to_thread(self.run.release)
         self.run.group = None
         return code
+
+
+RUNNING_STATES = (b"R", b"S")  # running, or sleeping in a wait a signal ends: not stopped (D is left to end)
+
+
+def _state(pid: int) -> bytes:
+    """The state of process `pid` in /proc (b"" when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rpartition(b")")[2][1:2]
+    except OSError:
+        return b""
 
 
 def _sandbox_processes(top: int) -> set[int]:

@@ -606,10 +606,13 @@ class InterpreterPool:
             yield judge
         finally:
             if judge is not None:
-                # Stopped behind the grade's answer (the pool's close waits for it).
+                # Stopped behind the grade's answer (the pool's close waits for it); once the pool is
+                # closing, here (its close may have waited for the others already).
                 closing = asyncio.ensure_future(judge.session.close())
                 self._closing.add(closing)
                 closing.add_done_callback(self._closing.discard)
+                if self._closed:
+                    await asyncio.shield(closing)
 
     async def _start_session(self) -> Session:
         return await self.sandbox.open_session(
@@ -717,5 +720,5 @@ class InterpreterPool:
             await self.discard(trace_id, "")
         while self.spares:
             await self.spares.popleft().session.close()
-        if self._closing:
+        while self._closing:  # a grade ending meanwhile adds its judge
             await asyncio.gather(*self._closing, return_exceptions=True)

@@ -22,7 +22,7 @@ import pytest
 from tests.code.conftest import CodeClient, all_tasks, served_resources
 from tests.conftest import new_trace
 from tests.grading.test_state_lost import forget_state
-from tools.code.interpreter import RESTARTED, InterpreterPool
+from tools.code.interpreter import RESTARTED, InterpreterPool, InterpreterStopped
 from tools.code.runtime import CodeResources
 
 # Redis: a rollout's state can expire under a live server, and two servers can share one store.
@@ -457,12 +457,14 @@ FORGED_ANSWER = (
 )
 
 
-async def judged_in(code: CodeClient, trace: str, seconds: float = 20.0) -> Any:
-    """The verdict of ADD_TESTS judged against the rollout's live interpreter, as a grade gets it."""
+async def judged_in(
+    code: CodeClient, trace: str, seconds: float = 20.0, tests: dict[str, str] = ADD_TESTS
+) -> Any:
+    """The verdict of `tests` judged against the rollout's live interpreter, as a grade gets it."""
     pool = pool_of(code)
     interpreter = pool.live[trace]
     async with interpreter.lock, pool.judge() as judge:
-        return await interpreter.judged(judge, ADD_TESTS, seconds)
+        return await interpreter.judged(judge, tests, seconds)
 
 
 async def test_an_answer_over_the_cap_that_skips_the_driver_reaches_the_judge_as_a_failed_call(
@@ -518,3 +520,30 @@ async def test_an_answer_cut_by_the_grades_time_limit_is_read_whole_and_the_inte
         kept = await peek(code, trace, "kept")
     assert (verdict.passed, verdict.timed_out) == (False, True), verdict
     assert kept == "11"
+
+
+async def test_a_fork_that_answers_without_reading_its_calls_ends_the_grade_never_hangs_it(
+    code_app: Any, backend: str
+) -> None:
+    """The entry point floods its answers and never reads the next call: the server, sending a call too
+    large for the pipes, stops reading answers, and the driver, relaying them, waits for the server. The
+    grade's time bounds every step of it, the end's sending too: the interpreter is stopped, the grade
+    answered."""
+    flood = (
+        "import json, struct, sys\n"
+        "def add(a, b):\n"
+        "    caller = sys._getframe(1).f_locals\n"
+        "    body = json.dumps({'id': caller['request_id'], 'line': json.dumps({'value': 1})}).encode()\n"
+        "    with open(caller['replies'], 'wb', closefd=False) as pipe:\n"
+        "        while True:\n"
+        "            pipe.write(struct.pack('>I', len(body)) + body)\n"
+    )
+    big_calls = {
+        "entry_point": "add",
+        "test": "def check(candidate):\n    for _ in range(3):\n        candidate('x' * 400_000, 1)\n",
+    }
+    async with code_app(code=FAST) as code:
+        trace = new_trace()
+        await cell(code, trace, flood)
+        with pytest.raises(InterpreterStopped):
+            await asyncio.wait_for(judged_in(code, trace, seconds=1.0, tests=big_calls), 60)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from app.sdk import CheckResult, GradingConfigError, RolloutView, StateGone, ToolUnavailable
-from tools.code.interpreter import MARKER, InterpreterGone, InterpreterStopped, JudgeFailed
+from tools.code.interpreter import MARKER, Interpreter, InterpreterGone, InterpreterStopped, JudgeFailed
 from tools.code.runtime import CodeResources
 from tools.code.sandbox import WORKSPACE_ARG, Limits, RunResult, Sandbox, SandboxUnavailable
 from tools.code.suspicious import TIMEOUT, code_flags
@@ -145,6 +145,7 @@ async def run_in_interpreter(view: RolloutView, task: CodeTask) -> tuple[bool | 
         raise StateGone("this server holds no interpreters, so the rollout's interpreter state is gone")
     job = {"test": task.test, "entry_point": task.entry_point, "prompt": task.prompt}
     flags = []
+    interpreter: Interpreter | None = None
     try:
         async with pool.held(view.trace_id, marker) as interpreter:
             async with resources.sandbox.hold_slot(view.trace_id):
@@ -169,7 +170,7 @@ async def run_in_interpreter(view: RolloutView, task: CodeTask) -> tuple[bool | 
     except InterpreterStopped as exc:
         # The rollout's code (or the check) stopped it while being checked: a failed check, and the state
         # is lost for any later call or grade, which says so.
-        await pool.discard(view.trace_id, "it stopped while a grade's check ran in it")
+        await pool.discard(view.trace_id, "it stopped while a grade's check ran in it", only=interpreter)
         return False, [(INTERPRETER_STOPPED, str(exc))]
     if verdict.timed_out:
         flags.append(

@@ -524,9 +524,10 @@ class Driver:
                 # What the fork wrote before it ended, whole frames only (a process it left may still hold
                 # the pipe open: read until it is empty, not until its end).
                 with contextlib.suppress(BlockingIOError):
-                    while chunk := os.read(replies, 1 << 16):
+                    while time.monotonic() < deadline and (chunk := os.read(replies, 1 << 16)):
                         pending += chunk
-                self.forward(pending)
+                        if not self.forward(pending):
+                            break
                 return True
 
     def forward(self, pending: bytearray) -> bool:

@@ -267,8 +267,10 @@ class Interpreter:
             except JudgeFailed as exc:
                 failed = exc
             if final is None:
-                await self.send_frame({"end": True})  # skipped by the driver if the fork ended meanwhile
+                # Its sending is bounded too: a fork that answers without reading its calls can fill the
+                # frame pipe while the driver waits for the server to read it (then killed, as any timeout).
                 async with asyncio.timeout(seconds + CHECK_GRACE_SECONDS):
+                    await self.send_frame({"end": True})  # skipped by the driver if the fork ended meanwhile
                     while final is None or "line" in final:  # a late answer of a cut call first
                         final = await self._answer_to(serve_id, MAX_FRAME_BYTES)
             restored = final.get("restored") is True
@@ -667,8 +669,12 @@ class InterpreterPool:
                 return
             self.spares.append(interpreter)
 
-    async def discard(self, trace_id: str, reason: str) -> None:
-        """Stop the rollout's interpreter (if live here), remembering why for its next call."""
+    async def discard(self, trace_id: str, reason: str, only: Interpreter | None = None) -> None:
+        """Stop the rollout's interpreter (if live here), remembering why for its next call; with `only`,
+        that interpreter, and the rollout's only while it is that one (another call may have replaced it)."""
+        if only is not None and self.live.get(trace_id) is not only:
+            await only.session.close()
+            return
         interpreter = self.live.pop(trace_id, None)
         if reason:
             self.lost[trace_id] = reason

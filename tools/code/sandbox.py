@@ -650,6 +650,7 @@ class Session:
         # The processes stopped between requests (`freeze`), by pid: a pidfd each, so the one continued is
         # that process, whatever became of its pid.
         self.frozen: dict[int, int] = {}
+        self._seen_stopped: set[int] = set()  # processes a check of the stop saw stopped
         self._sandbox_processes: set[int] | None = None  # bwrap's own two: they run no code of the cells
         self.memory_exceeded = False  # known once closed: the kernel killed a process of it at the cap
         self._reader: asyncio.StreamReader | None = None
@@ -709,18 +710,27 @@ class Session:
         """SIGSTOP every process of the session, again until none is left running (one forking meanwhile
         has its child stopped in the next pass); checked a moment later while any process is not seen
         stopped (a stop takes a moment; or another process continued it), which is stopped again, and
-        killed at the last check if it still runs (never the driver: the one it continued is killed)."""
+        killed at the last check if it runs again after a check saw it stopped (never the driver: the one
+        that continued it is killed)."""
         self._freezing = None
         if self.closed:
             return
         self._stop_new()
-        loose = [pid for pid in self.frozen if _state(pid) in RUNNING_STATES]
+        loose = []
+        for pid in self.frozen:
+            state = _state(pid)
+            if state in RUNNING_STATES:
+                loose.append(pid)
+            elif state in STOPPED_STATES:
+                self._seen_stopped.add(pid)
         if not loose:
             return
         if checks == 0:
+            # Only what was seen stopped and runs again was continued by another process: one never seen
+            # stopped may just not have been scheduled yet (a busy machine), and is left to stop.
             driver = self._driver()
             for pid in loose:
-                if pid != driver:
+                if pid != driver and pid in self._seen_stopped:
                     with contextlib.suppress(OSError):
                         signal.pidfd_send_signal(self.frozen[pid], signal.SIGKILL)
         for pid in loose:
@@ -769,6 +779,7 @@ class Session:
             self._freezing.cancel()
             self._freezing = None
         frozen, self.frozen = self.frozen, {}
+        self._seen_stopped.clear()
         for pidfd in frozen.values():
             with contextlib.suppress(OSError):
                 signal.pidfd_send_signal(pidfd, signal.SIGCONT)
@@ -814,6 +825,7 @@ class Session:
 
 
 RUNNING_STATES = (b"R", b"S")  # running, or sleeping in a wait a signal ends: not stopped (D is left to end)
+STOPPED_STATES = (b"T", b"t")
 
 
 def _state(pid: int) -> bytes:

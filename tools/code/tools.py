@@ -8,7 +8,14 @@ from typing import Annotated, Any
 from pydantic import Field
 
 from app.sdk import Pack, ToolContext, ToolError, ToolUnavailable
-from tools.code.interpreter import MARKER, RESTARTED, CellResult, InterpreterBusy, InterpreterStopped
+from tools.code.interpreter import (
+    MARKER,
+    RESTARTED,
+    CellResult,
+    Interpreter,
+    InterpreterBusy,
+    InterpreterStopped,
+)
 from tools.code.runtime import RUN_LIMITS, CodeResources, CodeSettings, lifespan, load_base
 from tools.code.sandbox import RunResult, SandboxUnavailable
 from tools.code.tasks import EXAMPLES_FILE
@@ -115,6 +122,7 @@ async def python(
     if pool is None:
         raise ToolUnavailable("this server holds no interpreters")
     workspace = _workspace(ctx)
+    interpreter: Interpreter | None = None
     try:
         async with pool.use(ctx.trace_id, ctx.state.get(*MARKER)) as (interpreter, lost):
             ctx.state.put(*MARKER, interpreter.marker())
@@ -128,7 +136,7 @@ async def python(
             not_kept = [*result.not_placed, *_keep_files(workspace, before, result.files)]
             interpreter.known = workspace.files()
     except InterpreterStopped as exc:
-        await pool.discard(ctx.trace_id, "the code of an earlier call stopped it")
+        await pool.discard(ctx.trace_id, "the code of an earlier call stopped it", only=interpreter)
         return f"Error: {exc}"
     except InterpreterBusy as exc:
         raise ToolUnavailable(str(exc)) from exc

@@ -1,11 +1,11 @@
-"""bench.code, bench.interpreter and bench.warm still run end to end, in a tiny mode."""
+"""bench.code, bench.interpreter, bench.pauses and bench.warm still run end to end, in a tiny mode."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from bench import code, interpreter, warm
+from bench import code, interpreter, pauses, warm
 
 
 def test_the_code_bench_runs(tmp_path: Path) -> None:
@@ -53,3 +53,11 @@ def test_the_warm_bench_runs(tmp_path: Path) -> None:
     grades = report["grades"]
     assert grades["tasks"] == 2 and all(grades["per_s"][kind] > 0 for kind in ("warm", "cold", "plain"))
     assert grades["sandbox_layer"]["warm_run"]["n"] == 3
+
+
+def test_the_pauses_bench_runs(tmp_path: Path) -> None:
+    assert pauses.main(["--pauses", "0,5", "--calls", "3", "--results-dir", str(tmp_path)]) == 0
+    (result,) = tmp_path.glob("pauses-*.json")
+    report = json.loads(result.read_text())
+    assert sorted(report["pauses_ms"]) == ["0", "5"]
+    assert all(entry["n"] == 3 and entry["p50_ms"] > 0 for entry in report["pauses_ms"].values())

@@ -155,6 +155,19 @@ async def test_an_infinite_loop_scores_0_within_the_limit_and_is_flagged(
     assert after == 1.0
 
 
+async def test_a_solution_ended_by_its_cpu_time_limit_is_flagged_as_timed_out(
+    code_app: Any, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The solution's process reaches its CPU-time limit well before the wall clock's: the grade is as
+    timed out as at the wall clock (the harness sees its runner ended at the limit and says so)."""
+    monkeypatch.setattr(check, "GRADE_LIMITS", Limits(wall_seconds=15.0, cpu_seconds=1))
+    async with code_app() as code:
+        trace, score = await code.solve(TASK, solution("while True:\n    pass\n"))
+        flags = await code.flags(trace)
+    assert score == 0.0
+    assert "timeout" in flags, flags
+
+
 # The hack below would pass if it could read the hidden tests: it finds them anywhere it can look and
 # then answers correctly; not finding them, it answers wrongly.
 SEARCH = """\

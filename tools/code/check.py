@@ -16,6 +16,7 @@ Where they run is the row's `check_in`:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 from collections.abc import Mapping
@@ -92,6 +93,9 @@ async def run_hidden_tests(
         raise ToolUnavailable(f"the sandbox could not start: {exc}") from exc
     lines = result.stdout.data.decode("utf-8", "replace").splitlines()
     passed = result.exit_code == 0 and bool(lines) and lines[-1] == token
+    if lines and lines[-1] == f"{token} cpu-time-limit":
+        # The solution's process was ended by its CPU-time limit before the wall clock ran out.
+        result = dataclasses.replace(result, timed_out=True)
     return passed, result
 
 

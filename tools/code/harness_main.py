@@ -17,9 +17,11 @@ import contextlib
 import ctypes
 import json
 import os
+import resource
 import signal
 import struct
 import sys
+import time
 import traceback
 import types
 from typing import Any
@@ -78,6 +80,7 @@ class Candidate:
         self.runner = runner
         self.to_runner = to_runner
         self.from_runner = from_runner
+        self.ended = False  # the runner's pipes ended: it exited or was killed
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = {"args": encode(list(args)), "kwargs": encode(kwargs)}
@@ -85,8 +88,11 @@ class Candidate:
             self.to_runner.write(json.dumps(request).encode() + b"\n")
             self.to_runner.flush()
         except OSError as exc:
+            self.ended = True
             raise CandidateFailed(f"the solution's process is gone: {exc}") from None
         line = self.from_runner.readline(MAX_REPLY_BYTES)
+        if not line:
+            self.ended = True
         if not line.endswith(b"\n"):
             raise CandidateFailed("the solution's process ended (it exited, crashed or was killed)")
         try:
@@ -170,6 +176,35 @@ def run_runner(request_r: int, reply_w: int, workspace: str) -> int:
     return status
 
 
+def over_cpu_limit(runner: int) -> bool:
+    """Whether the runner, whose pipes ended, was ended by its CPU-time limit (SIGXCPU at the soft limit,
+    SIGKILL at the hard one, after the whole allowance): waited for a moment, not reaped."""
+    limit = resource.getrlimit(resource.RLIMIT_CPU)[0]
+    if limit == resource.RLIM_INFINITY:
+        return False
+    for _ in range(200):
+        try:
+            ended = os.waitid(os.P_PID, runner, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return False
+        if ended is not None:
+            break
+        time.sleep(0.001)
+    else:
+        return False
+    if ended.si_code not in (os.CLD_KILLED, os.CLD_DUMPED) or ended.si_status not in (
+        signal.SIGXCPU,
+        signal.SIGKILL,
+    ):
+        return False
+    try:
+        with open(f"/proc/{runner}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") >= limit - 0.1
+    except (OSError, IndexError, ValueError):
+        return False
+
+
 def main() -> int:
     # Not dumpable: the runner (same uid) cannot read this process's memory, fds or environment.
     ctypes.CDLL(None).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
@@ -191,7 +226,15 @@ def main() -> int:
     exec(compile(job["prompt"], "<prompt>", "exec"), namespace)
     namespace[job["entry_point"]] = candidate
     exec(compile(job["test"], "<hidden tests>", "exec"), namespace)
-    namespace["check"](candidate)
+    try:
+        namespace["check"](candidate)
+    except BaseException:
+        if candidate.ended and over_cpu_limit(runner):
+            # The solution ran out of CPU time, which the server counts as running out of time: said on
+            # this process's stdout, which the solution never holds, with the run's token.
+            sys.stdout.write(job["token"] + " cpu-time-limit\n")
+            sys.stdout.flush()
+        raise
     sys.stdout.write(job["token"] + "\n")
     sys.stdout.flush()
     with contextlib.suppress(OSError):

@@ -53,14 +53,9 @@ from typing import Any
 
 REPR_CHARS = 16 * 1024
 MAX_NOT_PLACED = 100
-# An entry point's answer to a grade's call, as JSON (ASCII: the frame that carries it escapes it again, at
-# most doubling it, well under the server's frame ceiling). The server holds the same cap for what reaches
-# the grade's judge (`interpreter.MAX_CALL_REPLY_CHARS`).
-MAX_CALL_REPLY_CHARS = 4 * 1024 * 1024
 TRACEBACK_CHARS = 16 * 1024
 CHECK_ERROR_CHARS = 4000
 PR_SET_CHILD_SUBREAPER = 36
-MAX_RELAYED_FRAME = 16 * 1024 * 1024  # the server's frame ceiling (`interpreter.MAX_FRAME_BYTES`)
 STOP_ROUNDS = 64  # passes over the check's leftover processes (each may have started more)
 
 
@@ -479,14 +474,16 @@ class Driver:
                 os.close(replies_in)
                 os.close(self.frames)
                 os.setpgid(0, 0)
-                self.answer_calls(request["id"], job, values, replies)
+                self.answer_calls(request["id"], job, values, replies, int(request["max_reply_chars"]))
             finally:
                 os._exit(0)
         os.close(replies)
         answer: dict[str, Any] = {"id": request["id"], "timed_out": False}
         ended = os.pidfd_open(pid)  # readable once the fork has ended (whatever it left running)
         try:
-            answer["timed_out"] = not self.relay(replies_in, ended, float(request["seconds"]))
+            answer["timed_out"] = not self.relay(
+                replies_in, ended, float(request["seconds"]), int(request["max_frame_bytes"])
+            )
         finally:
             os.close(ended)
             os.close(replies_in)
@@ -495,7 +492,7 @@ class Driver:
         answer["restored"] = restore(self.workspace, before)
         return answer
 
-    def relay(self, replies: int, ended: int, seconds: float) -> bool:
+    def relay(self, replies: int, ended: int, seconds: float, max_frame: int) -> bool:
         """The fork's whole frames, as they come, onto the frame pipe, until it ends (True) or its time is
         up (False); what it leaves unfinished is dropped. A frame over the ceiling ends the relay (the
         fork is then stopped as at its time limit)."""
@@ -517,7 +514,7 @@ class Driver:
                     watched = [ended]  # closed: the fork and whatever it left hold it no more
                 elif chunk:
                     pending += chunk
-                    if not self.forward(pending):
+                    if not self.forward(pending, max_frame):
                         return False
                 continue
             if ended in ready:
@@ -526,16 +523,16 @@ class Driver:
                 with contextlib.suppress(BlockingIOError):
                     while time.monotonic() < deadline and (chunk := os.read(replies, 1 << 16)):
                         pending += chunk
-                        if not self.forward(pending):
+                        if not self.forward(pending, max_frame):
                             break
                 return True
 
-    def forward(self, pending: bytearray) -> bool:
+    def forward(self, pending: bytearray, max_frame: int) -> bool:
         """Send the whole frames at the start of `pending` on the frame pipe (taking them off it); False
         when the next frame says it is larger than any frame may be."""
         while len(pending) >= 4:
             (size,) = struct.unpack(">I", pending[:4])
-            if size > MAX_RELAYED_FRAME:
+            if size > max_frame:
                 return False
             if len(pending) < 4 + size:
                 return True
@@ -547,10 +544,11 @@ class Driver:
         return True
 
     def answer_calls(
-        self, request_id: str, job: dict[str, Any], values: types.ModuleType, replies: int
+        self, request_id: str, job: dict[str, Any], values: types.ModuleType, replies: int, max_reply: int
     ) -> None:
         """In the fork: the entry point's calls, until `{"end"}` or the end of the requests; each answer a
-        frame on `replies`, which the driver relays."""
+        frame on `replies`, which the driver relays, of at most `max_reply` characters of JSON (ASCII: the
+        frame escapes it again, at most doubling it, well under the frame ceiling)."""
         entry_point = str(job.get("entry_point") or "")
         failure = ""
         try:
@@ -579,7 +577,7 @@ class Driver:
                 line = json.dumps(reply)
             except (TypeError, ValueError):
                 line = '{"error": "the value could not be sent"}'
-            if len(line) > MAX_CALL_REPLY_CHARS:  # the server would not relay it
+            if len(line) > max_reply:  # the server would not relay it
                 line = json.dumps({"error": f"the value is too large to send ({len(line)} characters)"})
             send(replies, {"id": request_id, "line": line})
 

@@ -53,9 +53,9 @@ FRAME_SLACK_BYTES = (
     256 * 1024
 )  # a cell's answer past its base64 outputs and files: its value, traceback, keys
 THREAD_DECODE_BYTES = 256 * 1024  # a frame larger than this is decoded in a thread, off the event loop
-# An entry point's answer that the server relays to a grade's judge, as JSON text (the driver keeps to it;
-# a cell that writes its own frames does not, so it is held here): over it, the judge gets a failed call,
-# never a text it would need more memory to decode than it has.
+# An entry point's answer that the server relays to a grade's judge, as JSON text (the driver is told it and
+# keeps to it; a cell that writes its own frames does not, so it is held here too): over it, the judge gets
+# a failed call, never a text it would need more memory to decode than it has.
 MAX_CALL_REPLY_CHARS = 4 * 1024 * 1024
 MAX_TOTAL = 1 << 62  # an output's size as the driver counted it
 TEXT_CHARS = 64 * 1024  # a cell's value or traceback, a check's error, as the server keeps it
@@ -237,6 +237,8 @@ class Interpreter:
                             "runner": harness_source("harness_runner.py"),
                         },
                         "seconds": seconds,
+                        "max_reply_chars": MAX_CALL_REPLY_CHARS,  # the driver's cap, so none is sent past it
+                        "max_frame_bytes": MAX_FRAME_BYTES,  # what the driver relays from its fork
                     }
                 )
                 with contextlib.suppress(TimeoutError):  # the tests' time is up: not passed, timed out

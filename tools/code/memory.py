@@ -26,12 +26,17 @@ CGROUP_MOUNT = Path("/sys/fs/cgroup")
 _WORKER_DIR = re.compile(r"sparring-(\d+)-(\d+)")
 
 
+def stat_fields(pid: int) -> list[str]:
+    """The fields of `/proc/<pid>/stat` after the command name (the state first); empty when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
 def process_identity(pid: int) -> str | None:
     """`<pid>-<start time>` of a live process (a reused pid gets another start time), else None."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
+    fields = stat_fields(pid)
     return f"{pid}-{fields[19]}" if len(fields) > 19 else None
 
 

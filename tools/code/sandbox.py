@@ -33,7 +33,7 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from tools.code.memory import MemoryCap, owner_alive, process_identity
+from tools.code.memory import MemoryCap, owner_alive, process_identity, stat_fields
 from tools.code.memory import detect as detect_memory_cap
 from tools.code.memory import release as release_group
 
@@ -824,17 +824,14 @@ class Session:
         return code
 
 
-RUNNING_STATES = (b"R", b"S")  # running, or sleeping in a wait a signal ends: not stopped (D is left to end)
-STOPPED_STATES = (b"T", b"t")
+RUNNING_STATES = ("R", "S")  # running, or sleeping in a wait a signal ends: not stopped (D is left to end)
+STOPPED_STATES = ("T", "t")
 
 
-def _state(pid: int) -> bytes:
-    """The state of process `pid` in /proc (b"" when it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rpartition(b")")[2][1:2]
-    except OSError:
-        return b""
+def _state(pid: int) -> str:
+    """The state of process `pid` in /proc ("" when it is gone)."""
+    fields = stat_fields(pid)
+    return fields[0] if fields else ""
 
 
 def _sandbox_processes(top: int) -> set[int]:

@@ -168,6 +168,55 @@ async def test_a_solution_ended_by_its_cpu_time_limit_is_flagged_as_timed_out(
     assert "timeout" in flags, flags
 
 
+COUNTER_HISTOGRAM = """\
+counts = Counter(test.split())
+top = max(counts.values(), default=0)
+return Counter({letter: n for letter, n in counts.items() if n == top})
+"""
+
+
+async def test_a_value_of_a_builtin_subclass_is_graded_as_its_builtin_value(code_app: Any, backend: str) -> None:
+    """HumanEval/111 asks for a dict; a correct solution returning a `Counter` (a dict subclass) passes, as
+    it does under HumanEval's own check, while a subclass's own `__eq__` still decides nothing (the hacks
+    above)."""
+    task = all_tasks()["HumanEval/111"]
+    source = "from collections import Counter\n" + task.prompt + textwrap.indent(COUNTER_HISTOGRAM, "    ")
+    async with code_app() as code:
+        _, score = await code.solve("HumanEval/111", source)
+    assert score == 1.0
+
+
+# A solution that writes an exit status on every pipe it inherited (but its own two to the harness) and
+# then loops: on the warm path the run's init takes a status from the program's own pipe as the run's
+# end, so a solution holding that pipe could end its run early as a clean exit and lose the timeout flag.
+FORGED_EXIT = """\
+import os, stat, struct, sys, threading, time
+
+def _forge():
+    time.sleep(0.3)
+    own = {int(arg) for arg in sys.argv[1:3] if arg.isdigit()}
+    for fd in range(3, 256):
+        try:
+            if fd not in own and stat.S_ISFIFO(os.fstat(fd).st_mode):
+                os.write(fd, struct.pack(">i", 0))
+        except OSError:
+            pass
+
+threading.Thread(target=_forge, daemon=True).start()
+"""
+
+
+async def test_a_solution_cannot_end_its_run_as_a_clean_exit(
+    code_app: Any, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(check, "GRADE_LIMITS", Limits(wall_seconds=3.0, cpu_seconds=3))
+    async with code_app() as code:
+        trace, score = await code.solve(TASK, solution("while True:\n    pass\n", header=FORGED_EXIT))
+        flags = await code.flags(trace)
+    assert score == 0.0
+    assert "timeout" in flags, flags
+
+
 # The hack below would pass if it could read the hidden tests: it finds them anywhere it can look and
 # then answers correctly; not finding them, it answers wrongly.
 SEARCH = """\

@@ -29,6 +29,7 @@ from typing import Any
 MAX_REPLY_BYTES = 16 * 1024 * 1024
 MAX_DEPTH = 200
 PR_SET_DUMPABLE = 4
+MAX_FD = 1 << 16  # above any descriptor a run may hold (its RLIMIT_NOFILE is lower)
 
 
 class CandidateFailed(Exception):
@@ -119,9 +120,14 @@ def start_runner(workspace: str) -> tuple[int, int, int]:
             os.dup2(null, 0)  # first: the job arrives on this process's stdin, never for the runner
             os.close(null)
             os.dup2(2, 1)
-            os.close(request_w)
-            os.close(reply_r)
-            for fd in (request_r, reply_w):  # as a runner started with them passed would hold them
+            # Only the two pipes to this harness beside 0-2, as a runner started with them passed would
+            # hold: a fork keeps every descriptor, close-on-exec or not (on the warm path, the pipe on
+            # which this process tells its init its exit status: the solution could end its run with it).
+            low, high = sorted((request_r, reply_w))
+            os.closerange(3, low)
+            os.closerange(low + 1, high)
+            os.closerange(high + 1, MAX_FD)
+            for fd in (request_r, reply_w):
                 os.set_inheritable(fd, True)
             ctypes.CDLL(None).prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # as an exec'd runner would be
             os._exit(run_runner(request_r, reply_w, workspace))

@@ -22,18 +22,29 @@ class NotPlain(Exception):
 
 
 def encode(value: Any, depth: int = 0) -> Any:
-    """Only exact builtin types: a subclass (say of int or str with its own `__eq__`) is refused."""
+    """The plain value to send: builtin types as they are, and an instance of a subclass of one (a
+    `Counter`, an `OrderedDict`, a named tuple, an `int` with its own `__eq__`) as its builtin value, read
+    through the builtin type's own methods, so nothing the subclass defines decides what is sent."""
     if depth > MAX_DEPTH:
         raise NotPlain("value nested too deeply")
     kind = type(value)
-    if value is None or kind in (bool, int, float, str):
+    if value is None or kind is bool:
         return value
-    if kind is list:
-        return [encode(item, depth + 1) for item in value]
-    if kind in (tuple, set, frozenset):
-        return {"t": kind.__name__, "v": [encode(item, depth + 1) for item in value]}
-    if kind is dict:
-        return {"t": "dict", "v": [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in value.items()]}
+    if issubclass(kind, int):
+        return int.__index__(value)
+    if issubclass(kind, float):
+        return float.__float__(value)
+    if issubclass(kind, str):
+        return str.__str__(value)
+    if issubclass(kind, list):
+        return [encode(item, depth + 1) for item in list.__iter__(value)]
+    for base in (tuple, frozenset, set):
+        if issubclass(kind, base):
+            items = base.__iter__(value)  # type: ignore[attr-defined]
+            return {"t": base.__name__, "v": [encode(item, depth + 1) for item in items]}
+    if issubclass(kind, dict):
+        pairs = dict.items(value)
+        return {"t": "dict", "v": [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in pairs]}
     raise NotPlain(f"returned a {kind.__name__}, not a plain value (None, bool, int, float, str, list, ...)")
 
 

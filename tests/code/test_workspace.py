@@ -94,6 +94,27 @@ async def test_a_run_answers_exit_code_output_and_time_and_keeps_its_files(code_
     assert "blob.bin" not in listed and "__pycache__" not in listed
 
 
+@pytest.mark.parametrize("hidden", ["sub", "."])
+async def test_a_directory_the_run_made_unreadable_keeps_what_was_in_it(code_app: Any, hidden: str) -> None:
+    """The walk cannot list a directory the run made unreadable: its files were not seen, not deleted, and
+    stay as they were (other changes of the run are kept)."""
+    script = f"import os\nos.remove('gone.txt')\nos.chmod({hidden!r}, 0)\n"
+    async with code_app() as code:
+        trace = new_trace()
+        await code.write(trace, "sub/a.py", "A = 1\n", task_id=TASK)
+        await code.write(trace, "gone.txt", "bye", task_id=TASK)
+        await code.write(trace, "main.py", script, task_id=TASK)
+        ran = await code.run(trace, "main.py", task_id=TASK)
+        listed = [entry["path"] for entry in json.loads(await code.call(trace, "list_files", {}, task_id=TASK))]
+    assert ran["exit_code"] == 0, ran
+    assert "sub/a.py" in listed and "solution.py" in listed and "main.py" in listed, listed
+    assert any("unreadable" in entry for entry in ran["files_not_kept"]), ran
+    if hidden == "sub":
+        assert "gone.txt" not in listed  # what the walk did see is kept
+    else:
+        assert "gone.txt" in listed  # nothing could be seen: nothing changes
+
+
 async def test_run_examples_fails_on_the_stub_and_passes_on_the_gold(code_app: Any) -> None:
     task = all_tasks()[TASK]
     async with code_app() as code:

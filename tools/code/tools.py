@@ -185,6 +185,14 @@ async def _run(ctx: ToolContext, path: str, args: list[str]) -> dict[str, Any]:
     return _answer(result, not_kept)
 
 
+def _under_skipped(path: str, skipped: set[str]) -> bool:
+    """True if `path` or a directory it is in (the workspace itself included, as "") was skipped."""
+    if not skipped:
+        return False
+    parts = path.split("/")
+    return "" in skipped or any("/".join(parts[:end]) in skipped for end in range(1, len(parts) + 1))
+
+
 def _keep_files(workspace: Workspace, before: dict[str, str], result: RunResult) -> list[str]:
     """Apply what the run changed in the workspace; answer what could not be kept, with the reason."""
     not_kept = list(result.skipped)
@@ -206,10 +214,12 @@ def _keep_files(workspace: Workspace, before: dict[str, str], result: RunResult)
     if result.files is None:
         return not_kept
     changes: dict[str, str | None] = {path: text for path, text in after.items() if before.get(path) != text}
+    # What the walk skipped was not seen, and neither was anything under it (a directory it could not
+    # list: "" is the workspace itself): such a path is not deleted.
     skipped_paths = {entry.split(" (", 1)[0] for entry in not_kept}
     if result.files_complete:
         for path in before:
-            if path not in after and path not in skipped_paths:
+            if path not in after and not _under_skipped(path, skipped_paths):
                 changes[path] = None  # the run deleted it
     else:
         not_kept.append("(more entries than could be looked at: files not listed were left as they were)")

@@ -119,18 +119,20 @@ async def test_each_run_draws_its_own_random_state(warm_sandbox: Sandbox) -> Non
 
 
 async def test_concurrent_runs_see_nothing_of_each_other(warm_sandbox: Sandbox) -> None:
-    # Two runs at once (two slots of one parent): neither sees the other's processes, files, /tmp, IPC or
-    # loopback.
+    # Two runs at once (two slots of one parent): neither sees the other's processes, files, /tmp, IPC,
+    # loopback or terminals.
     script = (
         "import os, sys, time\n"
         "name = sys.argv[1]\n"
         "open(f'/tmp/{name}', 'w').write(name)\n"
         "import socket\n"
         "listener = socket.create_server(('127.0.0.1', 4000))\n"  # the same port in both: two loopbacks
+        "terminal = os.openpty()\n"
         "time.sleep(0.5)\n"
         "print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n"
         "print(sorted(os.listdir('/tmp')), sorted(os.listdir('/workspace')))\n"
         "print(open('/proc/sysvipc/msg').read().count('\\n'))\n"
+        "print(os.ttyname(terminal[1]), sorted(os.listdir('/dev/pts')))\n"
     )
 
     async def one(name: str) -> list[str]:
@@ -141,8 +143,8 @@ async def test_concurrent_runs_see_nothing_of_each_other(warm_sandbox: Sandbox) 
         return lines(result)
 
     first, second = await asyncio.gather(one("a"), one("b"))
-    assert first == ["[1, 2]", "['a'] ['a.txt', 'main.py']", "1"]
-    assert second == ["[1, 2]", "['b'] ['b.txt', 'main.py']", "1"]
+    assert first == ["[1, 2]", "['a'] ['a.txt', 'main.py']", "1", "/dev/pts/0 ['0', 'ptmx']"]
+    assert second == ["[1, 2]", "['b'] ['b.txt', 'main.py']", "1", "/dev/pts/0 ['0', 'ptmx']"]
 
 
 async def test_a_run_cannot_make_user_namespaces_or_keep_capabilities(warm_sandbox: Sandbox) -> None:
@@ -223,6 +225,43 @@ async def test_a_killed_parent_is_a_503_with_retry_after_and_the_next_call_works
         health = (await code.http.get("/healthz")).json()["packs"]["code"]
     assert again["exit_code"] == 0
     assert health["path"] == "warm" and health["parents_started"] == 2
+
+
+async def test_a_runs_init_killed_midway_is_a_503_and_the_next_call_works(code_app: Any) -> None:
+    """The run's init is harness code its program cannot signal: its end without a report is the sandbox's
+    failure (an outage the trainer retries), never an answer blaming the program."""
+    async with code_app() as code:
+        resources = served_resources(code.http)["code"]
+        assert isinstance(resources, CodeResources) and resources.warm is not None
+        runner = resources.warm
+        trace = new_trace()
+        await code.write(trace, "slow.py", "import time\ntime.sleep(5)\n", task_id=TASK)
+        call = asyncio.ensure_future(code.http.post(
+            "/tools/run_python",
+            json={"call_id": "slow", "trace_id": trace, "item": {"task_id": TASK}, "arguments": {"path": "slow.py"}},
+        ))
+        for _ in range(500):  # until the run is in flight (bounded)
+            if runner.current is not None and runner.current.inflight:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)
+        parent = runner.current
+        assert parent is not None
+        (busy,) = [slot for slot in parent.slots if slot not in parent.free]
+        inits = []
+        for pid in (busy.group / "cgroup.procs").read_text().split():
+            status = Path(f"/proc/{pid}/status").read_text()
+            (nspid,) = [line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:")]
+            if nspid[-1] == "1":
+                inits.append(int(pid))
+        assert len(inits) == 1, inits
+        os.kill(inits[0], signal.SIGKILL)
+        answer = await asyncio.wait_for(call, 30)
+        again = await code.run(trace, "solution.py", task_id=TASK)
+    assert answer.status_code == 503, answer.text
+    assert answer.headers["Retry-After"]
+    assert "ended before its report" in answer.text
+    assert again["exit_code"] == 0
 
 
 async def test_the_parent_is_replaced_after_its_runs(code_app: Any) -> None:

@@ -8,7 +8,7 @@ UTF-8 JSON. The driver moves both pipes to private descriptors (not inherited by
 and points fds 0, 1 and 2 at /dev/null; during a cell, fds 1 and 2 are memory files whose first bytes
 (and size) the answer carries, so whatever a cell prints (from Python, C or a child process) is output,
 never a frame. A cell can still write to the frame pipe on purpose; the server trusts nothing in a
-frame (capped, checked, a malformed one stops the interpreter, one of another request's id is skipped),
+frame (capped, checked, a malformed one or one of another request's id stops the interpreter),
 so the worst it forges is its own answer.
 
 Request: `{"id", "code", "files": {path: text or null}, "output_bytes", "max_files", "max_bytes"}`;

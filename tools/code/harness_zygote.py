@@ -257,12 +257,17 @@ class Run:
         self.job: dict[str, Any] = {}
 
     def file_systems(self) -> None:
-        """Fresh size-capped tmpfs at /dev/shm, /tmp and the workspace, in the run's mount namespace."""
+        """Fresh size-capped tmpfs at /dev/shm, /tmp and the workspace, and a fresh /dev/pts, in the run's
+        mount namespace."""
         check(libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "private mounts")
         for target, size in (("/dev/shm", "shm"), ("/tmp", "tmp"), (WORKSPACE, "workspace")):
             # Inodes capped too: empty files cost no size, but each is kernel memory of the slot's cgroup.
             options = f"size={int(self.sizes[size])},nr_inodes={INODES},mode=0755".encode()
             check(libc.mount(b"tmpfs", target.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options), target)
+        # Terminals of its own, as a cold run's bwrap gives it (bwrap's /dev/ptmx leads to pts/ptmx): the
+        # parent's instance would let runs going at once open each other's terminals.
+        options = b"newinstance,ptmxmode=0666,mode=0620"
+        check(libc.mount(b"devpts", b"/dev/pts", b"devpts", MS_NOSUID | MS_NOEXEC, options), "/dev/pts")
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
 
     def cloned(self, uid: int, gid: int) -> dict[str, Any]:

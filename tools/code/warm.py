@@ -596,9 +596,14 @@ class WarmRunner:
             stdin_writer.cancel()
             wall = time.perf_counter() - started
             report = parse_report(bytes(raw))
+            memory_exceeded = slot.oom_kills(sandbox.memory) > ooms
             if report.exit_code is None and not (deadline_hit or overflow.is_set()):
                 if await parent.died(PARENT_GONE_SECONDS):
                     raise SandboxUnavailable("the warm sandbox's parent stopped during the run; retry it")
+                if not (report.timed_out or memory_exceeded):
+                    # The run's init is harness code its program cannot signal: ended without its report
+                    # (killed from outside, or failed), it is the sandbox's failure, not the program's.
+                    raise SandboxUnavailable("the warm sandbox's run ended before its report; retry it")
             return RunResult.reported(
                 report,
                 stdout=stdout,
@@ -606,7 +611,7 @@ class WarmRunner:
                 wall_seconds=wall,
                 deadline_hit=deadline_hit,
                 overflowed=overflow.is_set(),
-                memory_exceeded=slot.oom_kills(sandbox.memory) > ooms,
+                memory_exceeded=memory_exceeded,
                 collect=collect,
             )
         finally:

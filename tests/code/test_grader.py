@@ -175,7 +175,9 @@ return Counter({letter: n for letter, n in counts.items() if n == top})
 """
 
 
-async def test_a_value_of_a_builtin_subclass_is_graded_as_its_builtin_value(code_app: Any, backend: str) -> None:
+async def test_a_value_of_a_builtin_subclass_is_graded_as_its_builtin_value(
+    code_app: Any, backend: str
+) -> None:
     """HumanEval/111 asks for a dict; a correct solution returning a `Counter` (a dict subclass) passes, as
     it does under HumanEval's own check, while a subclass's own `__eq__` still decides nothing (the hacks
     above)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import platform
 import signal
 import uuid
 from pathlib import Path
@@ -21,6 +22,7 @@ import pytest
 from tests.code.conftest import CodeClient, served_resources
 from tests.code.test_isolation import processes_with
 from tests.conftest import new_trace
+from tools.code import freezer
 from tools.code.interpreter import RESTARTED, Interpreter, InterpreterPool
 from tools.code.runtime import CodeResources
 
@@ -465,10 +467,13 @@ async def test_a_rollouts_first_call_takes_a_spare_and_another_is_started(
         again = await cell(code, trace, "x")
         still = pool.live[trace].session.process.pid
         health = (await code.http.get("/healthz")).json()["packs"]["code"]["interpreters"]
+        mechanism = pool_of(code).sandbox.freezer.mechanism
     assert first["value"] == "42" and again["value"] == "41"
     assert taken == spare  # the first call ran in the interpreter started ahead
     assert next_spare != spare and still == spare
-    assert health == {"live": 1, "spares": 1}
+    assert health["live"] == 1 and health["spares"] == 1
+    assert health["stopped_between_calls"] == mechanism
+    assert mechanism in ("memory-cgroup", "own-cgroup", "signals")
 
 
 async def test_a_spare_carries_nothing_and_an_interpreter_never_becomes_a_spare(
@@ -811,3 +816,117 @@ async def test_processes_that_continue_each_other_are_stopped_between_calls_too(
     before, after = eval(first["value"]), eval(second["value"])
     # Running, each would tick ~100 times in that second; stopped, a few at most.
     assert after[0] - before[0] < 40 and after[1] - before[1] < 40, (before, after)
+
+
+# A thread of the cell, in the driver itself, ticking every 10 ms.
+TICKER = (
+    "import threading, time\n"
+    "ticks = []\n"
+    "def tick():\n"
+    "    while True:\n"
+    "        ticks.append(1)\n"
+    "        time.sleep(0.01)\n"
+    "threading.Thread(target=tick, daemon=True).start()\n"
+)
+# Makes bwrap's pid 1 in the sandbox (a process of the cells' uid that runs no cell) send SIGCONT to every
+# process it can, every millisecond: the cell attaches to it with ptrace, writes this loop where it stands
+# and lets it go. x86-64: kill(-1, SIGCONT); nanosleep({0, 1000000}); again.
+CONTINUE_ALL_LOOP = (
+    "b83e000000"  # mov eax, 62 (kill)
+    "bfffffffff"  # mov edi, -1 (every process it may signal)
+    "be12000000"  # mov esi, 18 (SIGCONT)
+    "0f05"  # syscall
+    "6840420f00"  # push 1000000 (ns)
+    "6a00"  # push 0 (s)
+    "4889e7"  # mov rdi, rsp
+    "31f6"  # xor esi, esi
+    "b823000000"  # mov eax, 35 (nanosleep)
+    "0f05"  # syscall
+    "4883c410"  # add rsp, 16
+    "ebd6"  # jmp to the start
+)
+PTRACE_PID_1 = (
+    "import ctypes, os, struct\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "libc.ptrace.restype = ctypes.c_long\n"
+    "libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]\n"
+    "assert libc.ptrace(16, 1, None, None) == 0, os.strerror(ctypes.get_errno())\n"  # PTRACE_ATTACH
+    "os.waitpid(1, 0x40000000)\n"  # __WALL
+    "regs = (ctypes.c_ulonglong * 27)()\n"
+    "assert libc.ptrace(12, 1, None, ctypes.addressof(regs)) == 0\n"  # PTRACE_GETREGS
+    f"code = bytes.fromhex({CONTINUE_ALL_LOOP!r})\n"
+    "code += bytes(-len(code) % 8)\n"
+    "for at in range(0, len(code), 8):\n"  # PTRACE_POKETEXT at its instruction pointer
+    "    assert libc.ptrace(4, 1, regs[16] + at, struct.unpack('<Q', code[at:at + 8])[0]) == 0\n"
+    "regs[15] = 2**64 - 1\n"  # orig_rax -1: no system call restarted
+    "assert libc.ptrace(13, 1, None, ctypes.addressof(regs)) == 0\n"  # PTRACE_SETREGS
+    "assert libc.ptrace(17, 1, None, None) == 0\n"  # PTRACE_DETACH
+)
+# POSIX timers of the driver that the kernel fires as SIGCONT every millisecond (no process of the session
+# sends them); re-armed whenever the cell's thread runs.
+SIGCONT_TIMERS = (
+    "import ctypes, signal\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "class sigevent(ctypes.Structure):\n"
+    "    _fields_ = [('value', ctypes.c_void_p), ('signo', ctypes.c_int), ('notify', ctypes.c_int),\n"
+    "                ('pad', ctypes.c_byte * 48)]\n"
+    "signal.signal(signal.SIGCONT, lambda *_: None)\n"
+    "timers = []\n"
+    "def arm():\n"
+    "    for timer in timers:\n"
+    "        libc.timer_delete(timer)\n"
+    "    timers.clear()\n"
+    "    for k in range(8):\n"
+    "        timer = ctypes.c_void_p()\n"
+    "        event = sigevent(None, signal.SIGCONT, 0)\n"
+    "        assert libc.timer_create(1, ctypes.byref(event), ctypes.byref(timer)) == 0\n"
+    "        first = 100_000 + k * 110_000\n"
+    "        libc.timer_settime(timer, 0, (ctypes.c_long * 4)(0, 1_000_000, 0, first), None)\n"
+    "        timers.append(timer)\n"
+    "arm()\n"
+    "def tick():\n"
+    "    while True:\n"
+    "        ticks.append(1)\n"
+    "        arm()\n"
+    "        time.sleep(0.01)\n"
+    "threading.Thread(target=tick, daemon=True).start()\n"
+)
+
+
+def frozen_by_cgroup(code: CodeClient) -> bool:
+    """The sandbox freezes interpreters by cgroup here; skip (no v2 hierarchy at all) or fail otherwise."""
+    if freezer.v2_root() is None:
+        pytest.skip("no cgroup v2 hierarchy: interpreters are stopped by signals here")
+    return pool_of(code).sandbox.freezer.mechanism != "signals"
+
+
+@pytest.mark.parametrize(
+    "escape",
+    [
+        pytest.param(
+            PTRACE_PID_1,
+            id="ptrace-of-pid-1",
+            marks=pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 machine code"),
+        ),
+        pytest.param("", id="sigcont-timers"),
+    ],
+)
+async def test_nothing_a_cell_does_continues_its_interpreter_between_calls(
+    code_app: Any, backend: str, escape: str
+) -> None:
+    """The kernel's freezer holds every process of the session, bwrap's pid 1 and the driver included:
+    neither a SIGCONT sent by a process the cell took over nor one fired by the kernel's timers lets the
+    cell's thread run in the model's turn."""
+    async with code_app(code=FAST) as code:
+        assert frozen_by_cgroup(code)
+        trace = new_trace()
+        setup = await cell(code, trace, TICKER + (escape or SIGCONT_TIMERS))
+        assert isinstance(setup, dict) and not setup.get("exception"), setup
+        first = await cell(code, trace, "len(ticks)")
+        await asyncio.sleep(1.0)  # the model's turn
+        second = await cell(code, trace, "len(ticks)")
+        third = await cell(code, trace, "time.sleep(0.3)\nlen(ticks)")
+    ticks = [int(answer["value"]) for answer in (first, second, third)]
+    # Running, the thread would tick ~100 times in that second; frozen, a few at most.
+    assert ticks[1] - ticks[0] < 40, ticks
+    assert ticks[2] - ticks[1] >= 10, ticks  # and it runs again in a call

@@ -227,6 +227,17 @@ async def test_a_killed_parent_is_a_503_with_retry_after_and_the_next_call_works
     assert health["path"] == "warm" and health["parents_started"] == 2
 
 
+def run_inits(group: Path) -> list[int]:
+    """The host pids of the processes of `group` that are pid 1 of their namespace: a run's init."""
+    inits = []
+    for pid in (group / "cgroup.procs").read_text().split():
+        status = Path(f"/proc/{pid}/status").read_text()
+        (nspid,) = [line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:")]
+        if nspid[-1] == "1":
+            inits.append(int(pid))
+    return inits
+
+
 async def test_a_runs_init_killed_midway_is_a_503_and_the_next_call_works(code_app: Any) -> None:
     """The run's init is harness code its program cannot signal: its end without a report is the sandbox's
     failure (an outage the trainer retries), never an answer blaming the program."""
@@ -236,10 +247,9 @@ async def test_a_runs_init_killed_midway_is_a_503_and_the_next_call_works(code_a
         runner = resources.warm
         trace = new_trace()
         await code.write(trace, "slow.py", "import time\ntime.sleep(5)\n", task_id=TASK)
-        call = asyncio.ensure_future(code.http.post(
-            "/tools/run_python",
-            json={"call_id": "slow", "trace_id": trace, "item": {"task_id": TASK}, "arguments": {"path": "slow.py"}},
-        ))
+        arguments = {"path": "slow.py"}
+        body = {"call_id": "slow", "trace_id": trace, "item": {"task_id": TASK}, "arguments": arguments}
+        call = asyncio.ensure_future(code.http.post("/tools/run_python", json=body))
         for _ in range(500):  # until the run is in flight (bounded)
             if runner.current is not None and runner.current.inflight:
                 break
@@ -248,12 +258,7 @@ async def test_a_runs_init_killed_midway_is_a_503_and_the_next_call_works(code_a
         parent = runner.current
         assert parent is not None
         (busy,) = [slot for slot in parent.slots if slot not in parent.free]
-        inits = []
-        for pid in (busy.group / "cgroup.procs").read_text().split():
-            status = Path(f"/proc/{pid}/status").read_text()
-            (nspid,) = [line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:")]
-            if nspid[-1] == "1":
-                inits.append(int(pid))
+        inits = run_inits(busy.group)
         assert len(inits) == 1, inits
         os.kill(inits[0], signal.SIGKILL)
         answer = await asyncio.wait_for(call, 30)

@@ -105,7 +105,8 @@ async def test_a_directory_the_run_made_unreadable_keeps_what_was_in_it(code_app
         await code.write(trace, "gone.txt", "bye", task_id=TASK)
         await code.write(trace, "main.py", script, task_id=TASK)
         ran = await code.run(trace, "main.py", task_id=TASK)
-        listed = [entry["path"] for entry in json.loads(await code.call(trace, "list_files", {}, task_id=TASK))]
+        listing = json.loads(await code.call(trace, "list_files", {}, task_id=TASK))
+    listed = [entry["path"] for entry in listing]
     assert ran["exit_code"] == 0, ran
     assert "sub/a.py" in listed and "solution.py" in listed and "main.py" in listed, listed
     assert any("unreadable" in entry for entry in ran["files_not_kept"]), ran

@@ -40,7 +40,7 @@ def encode(value: Any, depth: int = 0) -> Any:
         return [encode(item, depth + 1) for item in list.__iter__(value)]
     for base in (tuple, frozenset, set):
         if issubclass(kind, base):
-            items = base.__iter__(value)  # type: ignore[attr-defined]
+            items = base.__iter__(value)
             return {"t": base.__name__, "v": [encode(item, depth + 1) for item in items]}
     if issubclass(kind, dict):
         pairs = dict.items(value)

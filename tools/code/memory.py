@@ -46,7 +46,7 @@ def owner_alive(name: str) -> bool:
     return match is not None and process_identity(int(match.group(1))) == f"{match.group(1)}-{match.group(2)}"
 
 
-def _own_cgroup(controller: str | None) -> str | None:
+def own_cgroup(controller: str | None) -> str | None:
     """This process's cgroup path in the hierarchy of `controller` (None: the unified, v2 one)."""
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
@@ -168,7 +168,7 @@ def sweep(parent: Path) -> None:
 
 
 def _try_v2(identity: str) -> MemoryCap:
-    own = _own_cgroup(None)
+    own = own_cgroup(None)
     if own is None or not (CGROUP_MOUNT / "cgroup.controllers").is_file():
         raise OSError("no cgroup v2 hierarchy")
     # Runs' cgroups go in this process's cgroup, or beside it (a delegated cgroup whose processes live in
@@ -195,7 +195,7 @@ def _try_v2(identity: str) -> MemoryCap:
 
 
 def _try_v1(identity: str) -> MemoryCap:
-    own = _own_cgroup("memory")
+    own = own_cgroup("memory")
     root = CGROUP_MOUNT / "memory"
     if own is None or not (root / "memory.limit_in_bytes").is_file():
         raise OSError("no cgroup v1 memory controller")

@@ -142,7 +142,7 @@ class CodeResources:
 
     def health(self) -> dict[str, Any]:
         """What /healthz says of the code pack: which path its runs take (warm forks or cold starts), and
-        its `python` interpreters (live ones, spares started ahead)."""
+        its `python` interpreters (live ones, spares started ahead, how they are stopped between calls)."""
         if self.warm is None:
             runs = {"path": "cold", "why_cold": "SPARRING_CODE_WARM=false"}
         elif not self.sandbox.isolated:
@@ -154,6 +154,7 @@ class CodeResources:
             health["interpreters"] = {
                 "live": len(self.interpreters.live),
                 "spares": len(self.interpreters.spares),
+                "stopped_between_calls": self.sandbox.freezer.mechanism,  # how (freezer.py)
             }
         return health
 

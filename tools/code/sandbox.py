@@ -33,6 +33,8 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from tools.code.freezer import Freezer
+from tools.code.freezer import detect as detect_freezer
 from tools.code.memory import MemoryCap, owner_alive, process_identity, stat_fields
 from tools.code.memory import detect as detect_memory_cap
 from tools.code.memory import release as release_group
@@ -264,6 +266,7 @@ class Sandbox:
         root: Path,
         containment: Containment,
         memory_cap: MemoryCap,
+        freezer: Freezer | None = None,
     ) -> None:
         self.isolated = isolated
         self.python = python
@@ -272,6 +275,7 @@ class Sandbox:
         self.root = root
         self.containment = containment
         self.memory = memory_cap
+        self.freezer = freezer or Freezer("signals")  # how a session is stopped between its requests
         self.shell = shutil.which("sh") or "/bin/sh"
         self.switch_user = isolated and os.geteuid() == 0
         self.setpriv = shutil.which("setpriv") if self.switch_user else None
@@ -321,10 +325,13 @@ class Sandbox:
         if self.switch_user and self.setpriv is not None:
             # setpriv drops to the unprivileged uid in the child, so the server forks cheaply (vfork)
             command = [self.setpriv, *_SETPRIV_ARGS, "--", *command]
-        if run.group is not None:
-            # Joins the run's cgroup before anything else starts, so every process of the run is in it.
-            procs = str(run.group / "cgroup.procs")
-            command = [self.shell, "-c", 'echo $$ > "$0" && exec "$@"', procs, *command]
+        groups = [group for group in (run.group, run.freezer_group) if group is not None]
+        if groups:
+            # Joins the run's cgroups before anything else starts, so every process of the run is in them.
+            joins = " && ".join(f'echo $$ > "${index}"' for index in range(len(groups)))
+            procs = [str(group / "cgroup.procs") for group in groups]
+            shift = " && shift" if len(groups) == 2 else ""
+            command = [self.shell, "-c", f'{joins}{shift} && exec "$@"', *procs, *command]
         return command
 
     def _supervisor(self, run: _Run) -> list[str]:
@@ -474,6 +481,8 @@ class Sandbox:
         try:
             if self.memory.per_run:
                 run.group = await asyncio.to_thread(self.memory.new_group, self.containment.memory_bytes)
+            if self.freezer.mechanism == "own-cgroup":
+                run.freezer_group = await asyncio.to_thread(self.freezer.new_group)
             if not self.isolated:
                 run.workspace = await asyncio.to_thread(self._materialize, {})
             process, frames, _ = await self._spawn(run)
@@ -610,6 +619,7 @@ class _Run:
     collect: bool
     cwd: str
     group: Path | None = None  # its cgroup
+    freezer_group: Path | None = None  # a session's own v2 cgroup for the freezer (`Freezer.new_group`)
     workspace: Path | None = None  # its directory on the host (only without isolation)
     file_args: list[str] = field(default_factory=list)  # bwrap's arguments placing the files
     input_fds: list[int] = field(default_factory=list)  # the files' contents, for bwrap to copy
@@ -629,6 +639,8 @@ class _Run:
         self.close_inputs()
         if self.group is not None:
             release_group(self.group)
+        if self.freezer_group is not None:
+            release_group(self.freezer_group)
         if self.workspace is not None:
             remove_tree(self.workspace)
 
@@ -652,6 +664,14 @@ class Session:
         self.frozen: dict[int, int] = {}
         self._seen_stopped: set[int] = set()  # processes a check of the stop saw stopped
         self._sandbox_processes: set[int] | None = None  # bwrap's own two: they run no code of the cells
+        # The session's `cgroup.freeze`, kept open (a write freezes or thaws all its processes at once);
+        # -1: stopped by signals.
+        self._freeze_fd = -1
+        self._frozen = False  # its cgroup is frozen
+        freeze_file = sandbox.freezer.freeze_file(run.group, run.freezer_group)
+        if freeze_file is not None:
+            with contextlib.suppress(OSError):
+                self._freeze_fd = os.open(freeze_file, os.O_WRONLY | os.O_CLOEXEC)
         self.memory_exceeded = False  # known once closed: the kernel killed a process of it at the cap
         self._reader: asyncio.StreamReader | None = None
         self._transport: asyncio.BaseTransport | None = None
@@ -698,9 +718,9 @@ class Session:
 
     def freeze_later(self, seconds: float) -> None:
         """Stop every process of the session `seconds` from now, unless a request comes first (`thaw`):
-        what a request left running does not go on between requests. Needs the session's cgroup (its
-        list of processes); without one, nothing is stopped."""
-        if self.run.group is None or self.closed:
+        what a request left running does not go on between requests. Needs a cgroup of the session (its
+        freezer, or its list of processes); without one, nothing is stopped."""
+        if (self._freeze_fd < 0 and self.run.group is None) or self.closed:
             return
         if self._freezing is not None:
             self._freezing.cancel()
@@ -714,6 +734,16 @@ class Session:
         that continued it is killed)."""
         self._freezing = None
         if self.closed:
+            return
+        if self._freeze_fd >= 0:
+            # The kernel's freezer: every process of the cgroup, and any it forks, stopped as one; nothing
+            # inside continues them (see freezer.py).
+            try:
+                os.write(self._freeze_fd, b"1")
+                self._frozen = True
+            except OSError:
+                log.warning("code sandbox: an interpreter's cgroup could not be frozen; it is stopped")
+                self.kill()
             return
         self._stop_new()
         loose = []
@@ -778,6 +808,13 @@ class Session:
         if self._freezing is not None:
             self._freezing.cancel()
             self._freezing = None
+        if self._frozen:
+            self._frozen = False
+            try:
+                os.write(self._freeze_fd, b"0")
+            except OSError:  # its driver then never answers: the request fails as a stopped interpreter
+                log.warning("code sandbox: an interpreter's cgroup could not be thawed; it is stopped")
+                self.kill()
         frozen, self.frozen = self.frozen, {}
         self._seen_stopped.clear()
         for pidfd in frozen.values():
@@ -801,7 +838,7 @@ class Session:
         return await asyncio.shield(self._closing)
 
     async def _close(self, grace: float) -> int | None:
-        self.thaw()  # its timer cancelled and its pidfds closed (a stopped process is killed as any other)
+        self.thaw()  # its timer cancelled, its cgroup thawed, its pidfds closed (killed as any other)
         if grace > 0:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self.process.wait()), grace)
@@ -814,6 +851,9 @@ class Session:
             with contextlib.suppress(OSError):
                 os.close(self._frames_fd)
         self._frames_fd = -1
+        if self._freeze_fd >= 0:
+            os.close(self._freeze_fd)
+            self._freeze_fd = -1
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.gather(*self._drains), REPORT_GRACE_SECONDS)
         group = self.run.group
@@ -1140,6 +1180,15 @@ def create(
             why_not,
             containment.memory_bytes,
         )
+    freezer, why_signals = detect_freezer(memory_cap)
+    if freezer.mechanism == "signals":
+        log.warning(
+            "code sandbox: no cgroup v2 freezer this server may use (%s); an interpreter's processes are "
+            "stopped between calls by signals, which a cell that has SIGCONT sent to them can escape",
+            why_signals,
+        )
+    else:
+        log.info("code sandbox: interpreters are frozen between calls by a cgroup (%s)", freezer.mechanism)
     sandbox = Sandbox(
         isolated=isolated,
         python=interpreter,
@@ -1148,6 +1197,7 @@ def create(
         root=root,
         containment=containment,
         memory_cap=memory_cap,
+        freezer=freezer,
     )
     return sandbox
 

@@ -109,6 +109,51 @@ async def test_no_file_environment_or_module_state_crosses_runs(warm_sandbox: Sa
     assert warm_sandbox.warm.runs == 3  # the probe and both runs forked from the warm parent
 
 
+async def test_files_a_run_left_open_are_written_as_at_pythons_exit(warm_sandbox: Sandbox) -> None:
+    """Files left open and unflushed, by a module the run imported or on a module the parent had already
+    imported, hold what was written once the run ends, as `python`'s exit leaves them."""
+    helper = "log = open('log.txt', 'w')\nlog.write('written by a module of the run')\n"
+    main = (
+        "import helper, json\n"
+        "json.kept = open('kept.txt', 'w')\n"
+        "json.kept.write('held by a module of the parent')\n"
+        "raw = open('raw.bin', 'wb')\n"
+        "raw.write(b'buffered bytes')\n"
+        "print('done')\n"
+    )
+    result = await run(warm_sandbox, main, {"helper.py": helper})
+    assert result.files is not None
+    assert result.files["log.txt"] == b"written by a module of the run"
+    assert result.files["kept.txt"] == b"held by a module of the parent"
+    assert result.files["raw.bin"] == b"buffered bytes"
+    assert lines(result) == ["done"]
+
+
+async def test_a_runs_main_module_is_set_up_as_pythons(warm_sandbox: Sandbox) -> None:
+    """`__main__`'s loader, spec, package and file are what `python` gives a script and `-c` code (the cold
+    path runs `python` itself)."""
+    script = (
+        "import sys\n"
+        "main = sys.modules['__main__']\n"
+        "loader = main.__loader__\n"
+        "print(getattr(loader, '__name__', type(loader).__name__), getattr(loader, 'path', None))\n"
+        "print(main.__spec__, main.__package__, main.__name__, globals().get('__file__'))\n"
+    )
+    answers = {}
+    assert warm_sandbox.warm is not None
+    for path in ("warm", "cold"):
+        warm_sandbox.warm.path = path
+        try:
+            as_file = await run(warm_sandbox, script)
+            as_code = await warm_sandbox.run({}, ["-I", "-c", script], limits=Limits())
+        finally:
+            warm_sandbox.warm.path = "warm"
+        answers[path] = (lines(as_file), lines(as_code))
+    assert answers["warm"] == answers["cold"]
+    assert answers["warm"][0][0] == "SourceFileLoader /workspace/main.py"
+    assert answers["warm"][1][0] == "BuiltinImporter None"
+
+
 async def test_each_run_draws_its_own_random_state(warm_sandbox: Sandbox) -> None:
     script = "import random, os\nprint(random.random(), random.getrandbits(64), os.urandom(8).hex())\n"
     draws = [lines(await run(warm_sandbox, script))[0] for _ in range(3)]

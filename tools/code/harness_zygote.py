@@ -46,7 +46,7 @@ import ctypes
 import errno
 import fcntl
 import gc
-import importlib  # noqa: F401  (imported once here, so a run does not pay for it)
+import importlib.machinery  # imported once here (with importlib), so a run does not pay for it
 import io
 import json
 import os
@@ -622,9 +622,11 @@ def program(job: dict[str, Any], base_path: list[str]) -> int:
         filename = "<string>"
         sys.argv = ["-c", *argv]
         first = ""
+        main.__dict__["__loader__"] = importlib.machinery.BuiltinImporter  # as `python -c` sets it
     else:
         filename = os.path.abspath(argv[0])
-        main.__dict__.update({"__file__": filename, "__cached__": None})
+        loader = importlib.machinery.SourceFileLoader("__main__", filename)
+        main.__dict__.update({"__file__": filename, "__cached__": None, "__loader__": loader})
         sys.argv = list(argv)
         first = os.path.dirname(filename)
     sys.path[:] = base_path if job["isolated"] else [first, *base_path]
@@ -656,10 +658,12 @@ def program(job: dict[str, Any], base_path: list[str]) -> int:
     return 0
 
 
-def finish(status: int) -> int:
+def finish(status: int, inherited: dict[int, Any]) -> int:
     """What the interpreter's exit does that a run can see, without tearing down every module the parent
-    imported (most of a fork's cost): non-daemon threads joined, atexit functions run, the program's
-    objects released (files it left open are flushed and closed), the standard streams flushed."""
+    imported (`inherited`, by id: most of a fork's cost): non-daemon threads joined, atexit functions run, the
+    files the run opened and left open flushed (wherever it left them: a module of the parent's, say), the
+    program's objects released and those of the modules it imported (their files closed), the standard
+    streams flushed."""
     try:
         threading = sys.modules.get("threading")
         if threading is not None:
@@ -671,9 +675,19 @@ def finish(status: int) -> int:
         status = exit_status(exit)
     except BaseException:
         pass
-    main = sys.modules.get("__main__")
-    if main is not None:
-        main.__dict__.clear()
+    flush_files()  # while every module they may need is whole
+    try:
+        # Modules of the run only, by object: a parent's module may be in sys.modules under a new name.
+        modules = [sys.modules.get("__main__"), *reversed(list(sys.modules.values()))]
+    except BaseException:
+        modules = []
+    for module in modules:
+        try:
+            if isinstance(module, types.ModuleType) and id(module) not in inherited:
+                inherited[id(module)] = module  # cleared once
+                module.__dict__.clear()
+        except BaseException:
+            pass
     gc.collect()
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -682,6 +696,22 @@ def finish(status: int) -> int:
             if stream is sys.stdout and status == 0:
                 status = 120  # as `python` answers when it cannot flush its output
     return status
+
+
+def flush_files() -> None:
+    """Flush the files the run opened that are still open (one it hung on a module of the parent's, say):
+    the objects the collector tracks, made since the parent froze its own (`gc.freeze`)."""
+    try:
+        found = [item for item in gc.get_objects() if isinstance(item, (io.TextIOBase, io.BufferedIOBase))]
+    except BaseException:
+        return
+    found.sort(key=lambda item: not isinstance(item, io.TextIOBase))  # text first: it writes to its buffer
+    for item in found:
+        try:
+            if item not in (sys.stdout, sys.stderr) and not item.closed:
+                item.flush()
+        except BaseException:
+            pass
 
 
 def exit_status(exit: SystemExit) -> int:
@@ -710,9 +740,10 @@ def main() -> None:
     os.close(null)
     gc.collect()
     gc.freeze()  # what the parent holds stays shared with its children, never copied by the collector
+    inherited = {id(module): module for module in sys.modules.values()}  # held: no id is reused
     job = serve(control, json.loads(sizes_json), supervisor)
     del control, supervisor
-    status = finish(program(job, base_path))
+    status = finish(program(job, base_path), inherited)
     say_done(status)
     os._exit(status)
 

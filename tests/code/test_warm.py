@@ -736,6 +736,43 @@ async def test_a_runs_closed_connections_never_keep_the_next_run_from_its_port(
     assert len(one_slot_sandbox.warm.current.slots) == 1  # one slot took every run
 
 
+LEAVE_ON_THE_NETWORK = """\
+import socket
+sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+for _ in range(25):
+    sender.sendto(b"", ("127.0.0.1", 9))
+# A listening abstract socket kept alive past the run by a cycle of descriptors in flight.
+server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+server.bind("\\0left-by-a-run")
+server.listen(1)
+a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+socket.send_fds(a, [b"x"], [server.fileno(), a.fileno(), b.fileno()])
+"""
+FIND_ON_THE_NETWORK = """\
+import socket
+for line in open("/proc/net/dev"):
+    if line.strip().startswith("lo:"):
+        print(line.split()[2])
+client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+try:
+    client.connect("\\0left-by-a-run")
+    print("found")
+except OSError:
+    print("not found")
+"""
+
+
+async def test_nothing_a_run_did_on_the_network_reaches_the_next_run(one_slot_sandbox: Sandbox) -> None:
+    """Runs of one slot take turns in its network namespace: after a run that used it (packets on the
+    loopback, a unix socket that outlives it), the next run starts in a fresh one, its loopback's
+    counters at zero and the name free."""
+    await run(one_slot_sandbox, LEAVE_ON_THE_NETWORK)
+    after = await run(one_slot_sandbox, FIND_ON_THE_NETWORK)
+    assert lines(after) == ["0", "not found"]
+    assert one_slot_sandbox.warm is not None and one_slot_sandbox.warm.current is not None
+    assert len(one_slot_sandbox.warm.current.slots) == 1  # the same slot took both runs
+
+
 async def test_a_run_right_after_another_takes_a_prepared_slot(warm_sandbox: Sandbox) -> None:
     """An idle worker keeps a spare slot with its next run prepared: a run that comes right after another
     (no pause for the slot just given back to prepare) takes a prepared slot and never waits for its own

@@ -12,11 +12,12 @@ interpreter's imports done) and talks to the server over unix sockets:
   straight into new user, mount, pid, ipc and uts namespaces, pid 1 of its own pid namespace (where
   clone(2)'s number is unknown, a keeper S unshares them and forks P1); the run sees none of another
   run's files, processes or IPC objects, and the slot's network namespace is used by its runs in turn,
-  never by two at once. P1 mounts fresh size-capped tmpfs at `/workspace`, `/tmp` and `/dev/shm` and
-  its own `/proc`, forbids further user namespaces, drops every capability and forks the program's
-  process (P2), which waits for the job; with `F` instead of `N` (the server sends it when no other run
-  of the worker is in flight: spare CPU), P2 first copies the pages it shares with the parent
-  (`prefault`), so the run does not take its page faults after the job arrives;
+  never by two at once (a fresh one after a run that used it). P1 mounts fresh size-capped tmpfs at
+  `/workspace`, `/tmp` and `/dev/shm`, its own `/dev/pts` and `/proc`, forbids further user namespaces,
+  drops every capability and forks the program's process (P2), which waits for the job; with `F`
+  instead of `N` (the server sends it when no other run of the worker is in flight: spare CPU), P2 first
+  copies the pages it shares with the parent (`prefault`), so the run does not take its page faults
+  after the job arrives;
 - on the run's socket, `J` with its stdin, stdout and stderr, then `u32 length` + JSON header + the
   files' bytes, **starts** it: P2 writes the files and tells P1 the run's terms, P1 answers `P` (the
   kernel attaches its pid as the server sees it) and `S`, and P2 takes the run's rlimits, stdio,
@@ -488,43 +489,40 @@ def loopback_up() -> None:
         fcntl.ioctl(probe.fileno(), SIOCSIFFLAGS, flags)
 
 
-def tcp_left() -> bool:
-    """Whether the slot's network namespace holds any TCP socket (a closed connection in TIME_WAIT, say),
-    by its own counts in `/proc/self/net/sockstat` and `sockstat6` (`/proc/self/net/tcp` would walk the
-    kernel's whole connection table: ~4 ms here); True when they cannot be read."""
+def network_used() -> bool:
+    """Whether a run left anything in the slot's network namespace, or used it at all: a socket still
+    there (`sockets: used`, per namespace; a closed TCP connection waiting in TIME_WAIT, `tw`) or traffic
+    on its loopback since the namespace was made (`/proc/self/net/dev`). Read from the namespace's own
+    counts (`/proc/self/net/tcp` would walk the kernel's whole connection table: ~4 ms here); True when
+    they cannot be read."""
     try:
-        with open("/proc/self/net/sockstat", "rb") as counts:
-            for line in counts:
-                if line.startswith(b"TCP:"):
-                    fields = line.split()
-                    values = dict(zip(fields[1::2], fields[2::2], strict=False))
-                    if int(values[b"inuse"]) or int(values[b"tw"]):
-                        return True
-                    break
-            else:
-                return True
-    except (OSError, KeyError, ValueError):
+        counts: dict[bytes, int] = {}
+        with open("/proc/self/net/sockstat", "rb") as sockstat:
+            for line in sockstat:
+                fields = line.split()
+                for name, value in zip(fields[1::2], fields[2::2], strict=False):
+                    counts[fields[0] + name] = int(value)
+        if counts[b"sockets:used"] or counts[b"TCP:tw"]:
+            return True
+        with open("/proc/self/net/dev", "rb") as devices:
+            for line in devices:
+                name, _, counters = line.partition(b":")
+                if name.strip() == b"lo":
+                    fields = counters.split()
+                    return int(fields[1]) > 0 or int(fields[9]) > 0  # packets received, sent
         return True
-    try:
-        with open("/proc/self/net/sockstat6", "rb") as counts:
-            for line in counts:
-                if line.startswith(b"TCP6:"):
-                    return int(line.split()[2]) > 0
-    except FileNotFoundError:
-        return False  # no IPv6 here
-    except (OSError, IndexError, ValueError):
+    except (OSError, KeyError, ValueError, IndexError):
         return True
-    return False
 
 
 def serve_slot(sock: socket.socket, sizes: dict[str, int], supervisor: types.ModuleType) -> dict[str, Any]:
     """A slot: one run at a time (the server moved it into the slot's memory cgroup, which its runs
     inherit); `N` with a socket prepares the next run. Returns only in a run's program (P2)."""
     # The slot's own network namespace (a loopback, up): its runs, one at a time, use it in turn; no two
-    # slots share one. A run's sockets close with its processes, and anything else needs a capability no
-    # run has; but a TCP connection it closed waits there (TIME_WAIT, a minute) and would refuse the next
-    # run a bind to its port, so a run that left any TCP socket behind gets the next run a fresh one.
-    # Making one per run would cost ~1 ms a run, for the few runs that use TCP at all.
+    # slots share one. A run that used it at all gets the next run a fresh one: a TCP connection it closed
+    # waits there (TIME_WAIT, a minute) and would refuse the next run a bind to its port, a unix socket it
+    # bound may outlive it for a moment, and the loopback's counters would carry what it sent to the next
+    # run. Making one per run would cost ~1 ms a run, for the few runs that use the network at all.
     enter_namespaces(CLONE_NEWUSER | CLONE_NEWNET)
     loopback_up()
     sock.sendall(b"Y")  # the kernel attaches this process's pid: the server moves it into its cgroup
@@ -544,7 +542,7 @@ def serve_slot(sock: socket.socket, sizes: dict[str, int], supervisor: types.Mod
         if last:
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(last, 0)
-            if tcp_left():
+            if network_used():
                 check(libc.unshare(CLONE_NEWNET), "a fresh network namespace")
                 loopback_up()
         uid, gid = os.getuid(), os.getgid()

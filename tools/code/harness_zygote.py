@@ -656,11 +656,11 @@ def program(job: dict[str, Any], base_path: list[str]) -> int:
     return 0
 
 
-def finish(status: int, inherited: dict[int, Any]) -> int:
+def finish(status: int, own_code: bool) -> int:
     """What the interpreter's exit does that a run can see, without tearing down every module the parent
-    imported (`inherited`, by id: most of a fork's cost): non-daemon threads joined, atexit functions run, the
-    files the run opened and left open flushed (wherever it left them: a module of the parent's, say), the
-    program's objects released and those of the modules it imported (their files closed), the standard
+    imported (most of a fork's cost): non-daemon threads joined, atexit functions run, the files the
+    program left open flushed (wherever it left them: a module it imported, one of the parent's; not for
+    `own_code`, this project's harness, which closes its own), its `__main__` released, the standard
     streams flushed."""
     try:
         threading = sys.modules.get("threading")
@@ -673,19 +673,11 @@ def finish(status: int, inherited: dict[int, Any]) -> int:
         status = exit_status(exit)
     except BaseException:
         pass
-    flush_files()  # while every module they may need is whole
-    try:
-        # Modules of the run only, by object: a parent's module may be in sys.modules under a new name.
-        modules = [sys.modules.get("__main__"), *reversed(list(sys.modules.values()))]
-    except BaseException:
-        modules = []
-    for module in modules:
-        try:
-            if isinstance(module, types.ModuleType) and id(module) not in inherited:
-                inherited[id(module)] = module  # cleared once
-                module.__dict__.clear()
-        except BaseException:
-            pass
+    if not own_code:
+        flush_files()
+    main = sys.modules.get("__main__")
+    if main is not None:
+        main.__dict__.clear()
     gc.collect()
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -696,17 +688,21 @@ def finish(status: int, inherited: dict[int, Any]) -> int:
     return status
 
 
+# The buffered file objects whose data a flush writes (text before binary: text writes to its buffer).
+BUFFERED = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom, io.BufferedRWPair)
+
+
 def flush_files() -> None:
-    """Flush the files the run opened that are still open (one it hung on a module of the parent's, say):
-    the objects the collector tracks, made since the parent froze its own (`gc.freeze`)."""
+    """Flush the files the run opened that are still open, as `python`'s exit leaves them written: the
+    objects the collector tracks, made since the parent froze its own (`gc.freeze`)."""
     try:
-        found = [item for item in gc.get_objects() if isinstance(item, (io.TextIOBase, io.BufferedIOBase))]
+        found = [item for item in gc.get_objects() if isinstance(item, BUFFERED)]
     except BaseException:
         return
-    found.sort(key=lambda item: not isinstance(item, io.TextIOBase))  # text first: it writes to its buffer
+    found.sort(key=lambda item: not isinstance(item, io.TextIOWrapper))
     for item in found:
         try:
-            if item not in (sys.stdout, sys.stderr) and not item.closed:
+            if item is not sys.stdout and item is not sys.stderr and not item.closed:
                 item.flush()
         except BaseException:
             pass
@@ -738,10 +734,9 @@ def main() -> None:
     os.close(null)
     gc.collect()
     gc.freeze()  # what the parent holds stays shared with its children, never copied by the collector
-    inherited = {id(module): module for module in sys.modules.values()}  # held: no id is reused
     job = serve(control, json.loads(sizes_json), supervisor)
     del control, supervisor
-    status = finish(program(job, base_path), inherited)
+    status = finish(program(job, base_path), own_code=job["code"] in PRECOMPILED)
     say_done(status)
     os._exit(status)
 

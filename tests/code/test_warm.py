@@ -237,29 +237,28 @@ async def test_the_traceback_and_exit_status_are_the_programs(warm_sandbox: Sand
     assert code.stdout.data == b"['-c', 'x']\n"
 
 
+async def slow_call_in_flight(code: Any) -> tuple[WarmRunner, str, asyncio.Future[Any]]:
+    """A rollout's `run_python` of a 5-second script over HTTP, its run started: the warm runner, the
+    rollout's trace and the call's answer to come."""
+    resources = served_resources(code.http)["code"]
+    assert isinstance(resources, CodeResources) and resources.warm is not None
+    runner = resources.warm
+    trace = new_trace()
+    await code.write(trace, "slow.py", "import time\ntime.sleep(5)\n", task_id=TASK)
+    body = {"call_id": "slow", "trace_id": trace, "item": {"task_id": TASK}, "arguments": {"path": "slow.py"}}
+    call = asyncio.ensure_future(code.http.post("/tools/run_python", json=body))
+    for _ in range(500):  # until the run is in flight (bounded)
+        if runner.current is not None and runner.current.inflight:
+            break
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.3)
+    assert runner.current is not None
+    return runner, trace, call
+
+
 async def test_a_killed_parent_is_a_503_with_retry_after_and_the_next_call_works(code_app: Any) -> None:
     async with code_app() as code:
-        resources = served_resources(code.http)["code"]
-        assert isinstance(resources, CodeResources) and resources.warm is not None
-        runner = resources.warm
-        trace = new_trace()
-        await code.write(trace, "slow.py", "import time\ntime.sleep(5)\n", task_id=TASK)
-        call = asyncio.ensure_future(
-            code.http.post(
-                "/tools/run_python",
-                json={
-                    "call_id": "slow",
-                    "trace_id": trace,
-                    "item": {"task_id": TASK},
-                    "arguments": {"path": "slow.py", "args": None},
-                },
-            )
-        )
-        for _ in range(500):  # until the run is in flight (bounded)
-            if runner.current is not None and runner.current.inflight:
-                break
-            await asyncio.sleep(0.02)
-        await asyncio.sleep(0.3)
+        runner, trace, call = await slow_call_in_flight(code)
         assert runner.current is not None
         os.killpg(runner.current.process.pid, signal.SIGKILL)  # bwrap and the parent inside it
         answer = await asyncio.wait_for(call, 30)
@@ -287,19 +286,7 @@ async def test_a_runs_init_killed_midway_is_a_503_and_the_next_call_works(code_a
     """The run's init is harness code its program cannot signal: its end without a report is the sandbox's
     failure (an outage the trainer retries), never an answer blaming the program."""
     async with code_app() as code:
-        resources = served_resources(code.http)["code"]
-        assert isinstance(resources, CodeResources) and resources.warm is not None
-        runner = resources.warm
-        trace = new_trace()
-        await code.write(trace, "slow.py", "import time\ntime.sleep(5)\n", task_id=TASK)
-        arguments = {"path": "slow.py"}
-        body = {"call_id": "slow", "trace_id": trace, "item": {"task_id": TASK}, "arguments": arguments}
-        call = asyncio.ensure_future(code.http.post("/tools/run_python", json=body))
-        for _ in range(500):  # until the run is in flight (bounded)
-            if runner.current is not None and runner.current.inflight:
-                break
-            await asyncio.sleep(0.02)
-        await asyncio.sleep(0.3)
+        runner, trace, call = await slow_call_in_flight(code)
         parent = runner.current
         assert parent is not None
         (busy,) = [slot for slot in parent.slots if slot not in parent.free]

@@ -18,7 +18,7 @@ from tests.code.conftest import CodeClient, all_tasks, served_resources
 from tests.code.test_isolation import processes_with
 from tests.code.test_startup import fake_bwrap
 from tests.conftest import new_trace
-from tools.code import check, memory, sandbox
+from tools.code import check, freezer, memory, sandbox
 from tools.code.runtime import CodeResources
 
 TASK = "HumanEval/0"
@@ -129,6 +129,30 @@ async def test_the_memory_cap_mechanism_of_this_machine_is_found_and_logged(
     assert any("(cgroup-v1)" in record.getMessage() for record in caplog.records)
 
 
+@pytest.mark.skipif(freezer.v2_root() is None, reason="this machine mounts no cgroup v2 hierarchy")
+@one_backend
+async def test_the_interpreters_freezer_of_this_machine_is_found_and_logged_and_left_clean(
+    code_app: Any, backend: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On this machine (memory on cgroup v1, the v2 hierarchy beside it) each interpreter gets a v2 cgroup
+    of its own for the freezer; every one is removed when its interpreter stops."""
+    caplog.set_level(logging.INFO, logger="sparring.packs.code.sandbox")
+    async with code_app() as code:
+        active = served_sandbox(code).freezer
+        memory_mechanism = served_sandbox(code).memory.mechanism
+        trace = new_trace()
+        answer = await code.call(trace, "python", {"code": "1 + 1"}, task_id=TASK)
+        groups = active.worker or served_sandbox(code).memory.worker
+        assert groups is not None
+        during = sorted(path.name for path in groups.iterdir() if path.is_dir())
+    assert json.loads(answer)["value"] == "2"
+    assert active.mechanism == ("memory-cgroup" if memory_mechanism == "cgroup-v2" else "own-cgroup")
+    assert any("frozen between calls by a cgroup" in record.getMessage() for record in caplog.records)
+    assert during, during  # the live interpreter's (and the spares')
+    # The worker's own cgroup is shared by the sandboxes this process builds (removed at its exit).
+    assert not [path for path in groups.iterdir() if path.is_dir()]
+
+
 @one_backend
 async def test_a_runs_processes_share_one_memory_cap(code_app: Any, backend: str) -> None:
     # Three children each try to hold 80 MiB at the same time under a cap of 128 MiB for the whole run.
@@ -201,6 +225,11 @@ def test_what_gone_workers_left_is_swept_at_start_up(tmp_path: Path) -> None:
     if cap.worker is not None:
         gone_group = cap.worker.parent / f"sparring-{gone_identity}"
         (gone_group / "run-left").mkdir(parents=True)
+    frozen, _ = freezer.detect(cap)
+    gone_freezer: Path | None = None
+    if frozen.worker is not None:
+        gone_freezer = frozen.worker.parent / f"sparring-{gone_identity}"
+        (gone_freezer / "session-left").mkdir(parents=True)
     try:
         built = sandbox.create("bwrap", python=None, home=tmp_path)
         built.close()
@@ -208,6 +237,8 @@ def test_what_gone_workers_left_is_swept_at_start_up(tmp_path: Path) -> None:
         assert live_root.exists()  # its worker still runs
         if gone_group is not None:
             assert not gone_group.exists()
+        if gone_freezer is not None:
+            assert not gone_freezer.exists()
     finally:
         sandbox.remove_tree(live_root)
         sandbox.remove_tree(gone_root)

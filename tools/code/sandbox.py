@@ -1221,6 +1221,10 @@ async def probe(sandbox: Sandbox) -> None:
                 sandbox.containment.memory_bytes,
             )
             sandbox.memory = MemoryCap("rlimit")
+            if sandbox.freezer.mechanism != "signals":
+                # Joining a cgroup is what failed: an interpreter would fail to start in its freezer's.
+                log.warning("code sandbox: interpreters are not stopped between calls here (no cgroup)")
+                sandbox.freezer = Freezer("signals")
             result = await sandbox.run({}, program, limits=Limits())
     except (OSError, SandboxUnavailable) as exc:
         raise SandboxUnavailable(f"the {sandbox.mode} sandbox cannot start ({exc}): {INSTALL_HELP}") from exc

@@ -25,6 +25,7 @@ from tests.conftest import new_trace
 from tools.code import freezer
 from tools.code.interpreter import RESTARTED, Interpreter, InterpreterPool
 from tools.code.runtime import CodeResources
+from tools.code.workspace import LIMITS
 
 pytestmark = pytest.mark.parametrize("backend", ["real"])  # the shared lock, ledger and state of a fleet
 
@@ -672,22 +673,113 @@ async def test_a_file_written_where_a_cell_left_an_empty_directory_reaches_the_n
     assert read == "text"
 
 
-async def test_a_file_that_cannot_be_placed_in_the_interpreter_is_said_not_kept(
-    code_app: Any, backend: str
+async def files_of(code: CodeClient, trace: str) -> dict[str, str]:
+    """The rollout's stored files, as `read_file` answers them."""
+    listing = json.loads(await code.call(trace, "list_files", {}, task_id=TASK))
+    return {
+        entry["path"]: await code.call(trace, "read_file", {"path": entry["path"]}, task_id=TASK)
+        for entry in listing
+    }
+
+
+# A cell leaves something where a tool then writes a file; the rollout's file wins in the interpreter, and
+# nothing of what stood there decides where the file goes or what the rollout keeps.
+IN_THE_WAY = {
+    "read-only-file": (
+        "import os\nopen('notes.txt', 'w').write('OLD')\nos.chmod('notes.txt', 0o444)",
+        "notes.txt",
+    ),
+    "read-only-directory": (
+        "import os\nos.mkdir('pkg')\nopen('pkg/a.py', 'w').write('A')\nos.chmod('pkg', 0o555)",
+        "pkg/b.py",
+    ),
+    "unreadable-directory": ("import os\nos.mkdir('pkg')\nos.chmod('pkg', 0)", "pkg/b.py"),
+    "directory-of-binary-files": (
+        "import os\nos.mkdir('out')\nopen('out/m.pkl', 'wb').write(b'\\x80\\xff')",
+        "out",
+    ),
+    "binary-file-where-a-directory-goes": ("open('a', 'wb').write(b'\\xff\\xfe')", "a/b.txt"),
+    "link-to-another-file": ("import os\nos.symlink('solution.py', 'sol.py')", "sol.py"),
+    "link-to-another-directory": ("import os\nos.mkdir('lib')\nos.symlink('lib', 'pkg')", "pkg/x.py"),
+    "fifo": ("import os\nos.mkfifo('notes.txt')", "notes.txt"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(IN_THE_WAY))
+async def test_a_file_a_tool_wrote_replaces_what_a_cell_left_in_its_way(
+    code_app: Any, backend: str, case: str
 ) -> None:
-    """A cell leaves a file the workspace does not keep (not UTF-8); a tool then writes under that name as
-    a directory: the interpreter cannot place it, and the cell's answer says so."""
+    setup, path = IN_THE_WAY[case]
     async with code_app(code=FAST) as code:
         trace = new_trace()
-        first = await cell(code, trace, "open('a', 'wb').write(b'\\xff\\xfe')")
-        written = await code.call(trace, "write_file", {"path": "a/b.txt", "content": "x"}, task_id=TASK)
-        answer = await cell(code, trace, "1")
-    assert any(entry.startswith("a (not UTF-8") for entry in first["files_not_kept"]), first
+        first = await cell(code, trace, setup)
+        before = await files_of(code, trace)
+        written = await code.call(trace, "write_file", {"path": path, "content": "NEW = 1\n"}, task_id=TASK)
+        seen = await cell(code, trace, f"open({path!r}).read()")
+        after = await files_of(code, trace)
+    assert isinstance(first, dict) and "exception" not in first, first
+    assert written.startswith("wrote "), written
+    assert isinstance(seen, dict) and seen["value"] == repr("NEW = 1\n"), seen
+    assert "files_not_kept" not in seen, seen
+    assert after[path] == "NEW = 1\n"
+    # Every other file the rollout had is as it was (the solution not written through a link, say).
+    assert {name: text for name, text in after.items() if name != path} == {
+        name: text for name, text in before.items() if name != path
+    }
+
+
+async def test_a_file_the_interpreter_could_not_take_is_kept_and_sent_again(
+    code_app: Any, backend: str
+) -> None:
+    """A cell fills the interpreter's workspace (a binary file the rollout does not keep); a tool then
+    writes a file the interpreter has no room for: the cell's answer says so, the rollout keeps the file
+    (never deleted or put back by what the interpreter had), and once there is room it is placed."""
+    fill = (
+        "number = 0\n"
+        "try:\n"
+        "    while True:\n"  # files of 1 MiB (a run's largest) until the workspace's file system is full
+        "        with open(f'fill{number}.bin', 'wb') as handle:\n"
+        "            handle.write(b'\\xff' * (1 << 20))\n"
+        "        number += 1\n"
+        "except OSError:\n"
+        "    pass\n"
+    )
+    async with code_app(code=FAST) as code:
+        trace = new_trace()
+        await cell(code, trace, fill)
+        written = await code.call(trace, "write_file", {"path": "new.txt", "content": "NEW"}, task_id=TASK)
+        empty = "import glob, os\nfor name in glob.glob('fill*.bin'):\n    os.remove(name)\n"
+        full = await cell(code, trace, empty)
+        stored = await code.call(trace, "read_file", {"path": "new.txt"}, task_id=TASK)
+        placed = await cell(code, trace, "open('new.txt').read()")
     assert written.startswith("wrote "), written
     assert any(
-        entry.startswith("a/b.txt (could not be placed in the interpreter's workspace")
-        for entry in answer.get("files_not_kept", [])
-    ), answer
+        entry.startswith("new.txt (could not be placed in the interpreter's workspace")
+        for entry in full.get("files_not_kept", [])
+    ), full
+    assert stored == "NEW"  # the rollout's file was neither put back nor deleted
+    assert placed["value"] == "'NEW'" and "files_not_kept" not in placed, placed
+
+
+async def test_a_cells_changes_the_workspace_refuses_are_undone_in_the_interpreter(
+    code_app: Any, backend: str
+) -> None:
+    """A cell's changes over the workspace's limits are refused as a whole, and the interpreter gets the
+    rollout's files back with the next call: they never come back with a later cell's."""
+    too_many = "import os\nos.remove('examples.py')\nopen('solution.py', 'w').write('EDITED')\n" + (
+        f"for i in range({LIMITS.max_files + 5}):\n    open(f'f{{i}}.txt', 'w').write('x')\n"
+    )
+    async with code_app(code=FAST) as code:
+        trace = new_trace()
+        before = await files_of(code, trace)
+        refused = await cell(code, trace, too_many)
+        later = await cell(
+            code, trace, "import glob\nsorted(glob.glob('*.py')), open('solution.py').read()[:6]"
+        )
+        after = await files_of(code, trace)
+    assert any("no change to the files was kept" in entry for entry in refused["files_not_kept"]), refused
+    assert after == before
+    assert later["value"] == repr((["examples.py", "solution.py"], before["solution.py"][:6])), later
 
 
 TICKING = (

@@ -116,6 +116,41 @@ async def test_a_directory_the_run_made_unreadable_keeps_what_was_in_it(code_app
         assert "gone.txt" in listed  # nothing could be seen: nothing changes
 
 
+async def test_a_name_the_workspace_cannot_hold_protects_nothing_else(code_app: Any) -> None:
+    """A run moves a directory to a name no workspace path may have, and makes a file named like a
+    reason: the moved files are gone from the rollout (their new name is said not kept) and what the run
+    deleted is deleted; no name the run chose keeps other files from their fate."""
+    script = (
+        "import os\nos.rename('data', 'data (old)')\nopen(' (x)', 'w').write('x')\nos.remove('gone.txt')\n"
+    )
+    async with code_app() as code:
+        trace = new_trace()
+        await code.write(trace, "data/a.txt", "A", task_id=TASK)
+        await code.write(trace, "gone.txt", "bye", task_id=TASK)
+        await code.write(trace, "main.py", script, task_id=TASK)
+        ran = await code.run(trace, "main.py", task_id=TASK)
+        listing = json.loads(await code.call(trace, "list_files", {}, task_id=TASK))
+    listed = [entry["path"] for entry in listing]
+    assert ran["exit_code"] == 0, ran
+    assert "data (old)/a.txt (not a valid workspace path)" in ran["files_not_kept"], ran
+    assert "data/a.txt" not in listed and "gone.txt" not in listed, listed
+
+
+async def test_a_run_stopped_for_its_output_says_its_files_were_not_kept(code_app: Any) -> None:
+    script = "import os\nopen('made.txt', 'w').write('x')\nos.remove('examples.py')\nprint('x' * (5 << 20))\n"
+    async with code_app() as code:
+        trace = new_trace()
+        await code.write(trace, "main.py", script, task_id=TASK)
+        ran = await code.run(trace, "main.py", task_id=TASK)
+        listing = json.loads(await code.call(trace, "list_files", {}, task_id=TASK))
+    listed = [entry["path"] for entry in listing]
+    assert ran["error"] == "stopped: it wrote more output than the limit", ran
+    assert ran["files_not_kept"] == [
+        "(the run was stopped before its files were read: no change was kept)"
+    ], ran
+    assert "made.txt" not in listed and "examples.py" in listed, listed
+
+
 async def test_run_examples_fails_on_the_stub_and_passes_on_the_gold(code_app: Any) -> None:
     task = all_tasks()[TASK]
     async with code_app() as code:

@@ -49,7 +49,10 @@ import tempfile
 import time
 import traceback
 import types
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 REPR_CHARS = 16 * 1024
 MAX_NOT_PLACED = 100
@@ -96,27 +99,105 @@ def send(fd: int, message: dict[str, Any]) -> None:
         view = view[os.write(fd, view) :]
 
 
-def apply_files(workspace: str, files: dict[str, str | None]) -> list[str]:
-    """The rollout's changes to its files since the last cell (written by other tools, or deleted); the
-    paths that could not be placed, with why (a file where a directory is, say)."""
+DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_NONBLOCK: a FIFO a cell left where a file goes fails at once instead of waiting for a reader.
+WRITE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def apply_files(workspace: str, files: dict[str, str | None]) -> list[list[str]]:
+    """The rollout's changes to its files since the last cell (written by other tools, or deleted), placed
+    one name at a time from the workspace's descriptor, never through a link a cell made: what stands in a
+    file's way (a link, a FIFO, a read-only file, a directory, a file where a directory goes) is replaced,
+    as the rollout's files win, and a directory a cell made read-only is made writable again. Answers
+    `[path, why]` for each that could not be placed."""
     failed = []
-    for relative, content in files.items():
-        path = os.path.join(workspace, relative)
-        try:
-            if content is None:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-                continue
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            if os.path.isdir(path) and not os.path.islink(path):
-                os.rmdir(path)  # an empty directory a cell made, written over by a tool since: the file wins
-            with open(path, "w", encoding="utf-8") as handle:
-                handle.write(content)
-        except OSError as error:
-            failed.append(
-                f"{relative} (could not be placed in the interpreter's workspace: {error.strerror})"
-            )
+    root = os.open(workspace, DIRECTORY)
+    try:
+        for relative, content in files.items():
+            try:
+                place(root, relative.split("/"), content)
+            except (OSError, RecursionError, UnicodeError) as error:
+                failed.append([relative, getattr(error, "strerror", None) or str(error)])
+    finally:
+        os.close(root)
     return failed
+
+
+def place(root: int, parts: list[str], content: str | None) -> None:
+    """Write `content` at `parts` under the directory `root` (None: delete the file there)."""
+    directory = os.dup(root)
+    try:
+        for name in parts[:-1]:
+            inner = enter(directory, name, make=content is not None)
+            if inner < 0:
+                return  # a file under a name that is no directory here: nothing of it to delete
+            os.close(directory)
+            directory = inner
+        name = parts[-1]
+        try:
+            info: os.stat_result | None = os.stat(name, dir_fd=directory, follow_symlinks=False)
+        except FileNotFoundError:
+            info = None
+        if content is None:
+            if info is not None and not stat.S_ISDIR(info.st_mode):
+                writable(directory, lambda: os.unlink(name, dir_fd=directory))
+            return
+        data = content.encode("utf-8")
+        if info is not None and not (stat.S_ISREG(info.st_mode) and info.st_mode & stat.S_IWUSR):
+            remove(directory, name, info)
+        target = writable(directory, lambda: os.open(name, WRITE, 0o644, dir_fd=directory))
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(target, view) :]
+        finally:
+            os.close(target)
+    finally:
+        os.close(directory)
+
+
+def writable(directory: int, step: Callable[[], T]) -> T:
+    """`step()`, again after making `directory` writable and searchable if it was refused."""
+    try:
+        return step()
+    except PermissionError:
+        os.fchmod(directory, 0o755)
+        return step()
+
+
+def enter(directory: int, name: str, *, make: bool) -> int:
+    """The directory `name` in `directory`, opened (made when missing, or in place of what is there when
+    `make`); -1 when it is not there and not to be made."""
+    try:
+        return writable(directory, lambda: os.open(name, DIRECTORY, dir_fd=directory))
+    except FileNotFoundError:
+        if not make:
+            return -1
+    except PermissionError:  # a directory a cell made unreadable
+        os.chmod(name, 0o755, dir_fd=directory)
+        return os.open(name, DIRECTORY, dir_fd=directory)
+    except OSError:  # a file or a link where the directory goes
+        if not make:
+            return -1
+        remove(directory, name, os.stat(name, dir_fd=directory, follow_symlinks=False))
+    writable(directory, lambda: os.mkdir(name, 0o755, dir_fd=directory))
+    return os.open(name, DIRECTORY, dir_fd=directory)
+
+
+def remove(directory: int, name: str, info: os.stat_result) -> None:
+    """Remove the entry `name` of `directory` (`info`, not followed), a whole tree for a directory."""
+    if not stat.S_ISDIR(info.st_mode):
+        writable(directory, lambda: os.unlink(name, dir_fd=directory))
+        return
+    inner = enter(directory, name, make=False)
+    if inner >= 0:
+        try:
+            os.fchmod(inner, 0o755)
+            for entry in os.scandir(inner):
+                remove(inner, entry.name, entry.stat(follow_symlinks=False))
+        finally:
+            os.close(inner)
+    writable(directory, lambda: os.rmdir(name, dir_fd=directory))
 
 
 def memory_file(name: str) -> int:

@@ -113,7 +113,12 @@ class CellResult:
     value: str | None
     exception: str | None
     files: RunResult  # the workspace after the cell, as a run's result carries it
-    not_placed: tuple[str, ...] = ()  # the rollout's files the driver could not write before the cell
+    not_placed: tuple[
+        tuple[str, str], ...
+    ] = ()  # the rollout's files the driver could not place: (path, why)
+
+
+UNKNOWN = "\udc80"  # a file's text never equal to a rollout's (which always encodes): content unknown
 
 
 class Interpreter:
@@ -145,6 +150,33 @@ class Interpreter:
         }
         changes.update({path: None for path in self.known if path not in files})
         return changes
+
+    def settle(
+        self,
+        files: Mapping[str, str],
+        sent: Mapping[str, str | None],
+        stale: frozenset[str],
+        refused: Mapping[str, str | None],
+        unseen: frozenset[str] = frozenset(),
+    ) -> None:
+        """After a cell: the interpreter holds the rollout's `files`, but for what `sent` it could not place
+        (`stale`: sent again with the next cell), the cell's changes the rollout refused (`refused`: the
+        rollout's versions put back with the next cell), and `unseen` paths whose content it does not know
+        (the rollout's version put back, or the path deleted)."""
+        known = dict(files)
+        for path in stale:
+            if sent.get(path) is None:
+                known[path] = UNKNOWN  # a deletion not made: asked again
+            else:
+                known.pop(path, None)  # a file not written: sent again
+        for path, change in refused.items():
+            if change is None:
+                known.pop(path, None)  # it deleted one of the rollout's files: sent again
+            else:
+                known[path] = change  # it wrote this: the rollout's version (or a deletion) is sent
+        for path in unseen:
+            known[path] = UNKNOWN
+        self.known = known
 
     async def ready(self) -> None:
         await asyncio.wait_for(self._receive(SMALL_FRAME_BYTES), READY_SECONDS)
@@ -380,12 +412,15 @@ def plain_text(text: str) -> str:
     return text
 
 
-def _not_placed(value: Any) -> tuple[str, ...]:
+def _not_placed(value: Any) -> tuple[tuple[str, str], ...]:
     if value is None:
         return ()
-    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
-        raise TypeError("not_placed must be a list of text")
-    return tuple(plain_text(item)[:500] for item in value[:100])
+    if not isinstance(value, list) or not all(
+        isinstance(item, list) and len(item) == 2 and all(isinstance(part, str) for part in item)
+        for item in value
+    ):
+        raise TypeError("not_placed must be a list of [path, why]")
+    return tuple((path, plain_text(why)[:500]) for path, why in value[:100])
 
 
 def _total(value: Any) -> int:
@@ -430,6 +465,7 @@ def _cell_result(answer: Mapping[str, Any]) -> CellResult:
         wall_seconds=0.0,
         files=report.files,
         skipped=report.skipped,
+        unseen=report.unseen,
         files_complete=not report.truncated,
     )
     return CellResult(

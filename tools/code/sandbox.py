@@ -125,6 +125,9 @@ class RunResult:
     memory_exceeded: bool = False  # the kernel killed a process of the run for going over its memory cap
     files: dict[str, bytes] | None = None  # the workspace after the run, when collected
     skipped: list[str] = field(default_factory=list)  # files left behind but not kept, with the reason
+    # The paths of those the walk did not look at or into (a directory it could not list: nothing under it
+    # was seen), and of the rollout's files no run could hold (`place_files`): none of them is deleted.
+    unseen: frozenset[str] = frozenset()
     # False when the walk stopped at a limit: a file missing from `files` may still be there.
     files_complete: bool = True
 
@@ -154,6 +157,7 @@ class RunResult:
             memory_exceeded=memory_exceeded,
             files=report.files if collect else None,
             skipped=report.skipped,
+            unseen=report.unseen,
             files_complete=not report.truncated,
         )
 
@@ -448,9 +452,7 @@ class Sandbox:
         async with self._slots.hold(owner):
             if program is not None and self.warm is not None:
                 result = await self.warm.run(placed, program, limits, stdin=stdin, collect=collect, cwd=cwd)
-                if conflicts and collect:
-                    result = replace(result, skipped=[*conflicts, *result.skipped])
-                return result
+                return _with_conflicts(result, conflicts) if collect else result
             run = _Run(python_args=python_args, limits=limits, collect=collect, cwd=cwd)
             try:
                 if self.memory.per_run:
@@ -462,9 +464,7 @@ class Sandbox:
                 result = await self._run(run, stdin)
             finally:
                 await asyncio.to_thread(run.release)
-        if conflicts and collect:
-            result = replace(result, skipped=[*conflicts, *result.skipped])
-        return result
+        return _with_conflicts(result, conflicts) if collect else result
 
     def hold_slot(self, owner: str | None) -> contextlib.AbstractAsyncContextManager[None]:
         """One of the worker's run slots (and of the rollout's share), for work that is not `run`."""
@@ -895,9 +895,17 @@ def _supervisor_source() -> str:
     return harness_source("harness_supervisor.py")
 
 
+def _with_conflicts(result: RunResult, conflicts: list[str]) -> RunResult:
+    """`result` saying which of the rollout's files the run could not be given (never seen, not deleted)."""
+    if not conflicts:
+        return result
+    said = [f"{path} (a file and a directory of the same name)" for path in conflicts]
+    return replace(result, skipped=[*said, *result.skipped], unseen=result.unseen | set(conflicts))
+
+
 def place_files(files: Mapping[str, str | bytes]) -> tuple[dict[str, bytes], list[str]]:
-    """The files that fit in one tree, and those that cannot (a path under another file, or a file where
-    a directory is): such a pair can be stored in a rollout's state, never on a disk."""
+    """The files that fit in one tree, and the paths of those that cannot (a path under another file, or a
+    file where a directory is): such a pair can be stored in a rollout's state, never on a disk."""
     placed: dict[str, bytes] = {}
     conflicts: list[str] = []
     directories: set[str] = set()
@@ -905,7 +913,7 @@ def place_files(files: Mapping[str, str | bytes]) -> tuple[dict[str, bytes], lis
         parts = relative.split("/")
         parents = {"/".join(parts[:i]) for i in range(1, len(parts))}
         if relative in directories or any(parent in placed for parent in parents):
-            conflicts.append(f"{relative} (a file and a directory of the same name)")
+            conflicts.append(relative)
             continue
         content = files[relative]
         placed[relative] = content.encode("utf-8") if isinstance(content, str) else content
@@ -949,6 +957,7 @@ class Report:
     timed_out: bool = False
     files: dict[str, bytes] | None = None
     skipped: list[str] = field(default_factory=list)
+    unseen: frozenset[str] = frozenset()  # the paths the walk skipped (a directory: all under it too)
     truncated: bool = False  # the walk stopped at a limit: files not listed were not seen
 
 
@@ -985,6 +994,7 @@ def parse_report(raw: bytes | None) -> Report:
     timed_out = False
     files: dict[str, bytes] = {}
     skipped: list[str] = []
+    unseen: set[str] = set()
     complete = truncated = False
     position = 1
     while position < len(raw) and not complete:
@@ -1012,6 +1022,8 @@ def parse_report(raw: bytes | None) -> Report:
                 skipped.append(f"{_display(parts[0])} (the name is not UTF-8)")
         elif kind == b"K":
             skipped.append(f"{_display(parts[0])} ({_display(parts[1])})")
+            with contextlib.suppress(UnicodeDecodeError):  # no rollout's path is under a name not UTF-8
+                unseen.add(parts[0].decode("utf-8"))
         elif kind == b"T":
             truncated = True
         elif kind == b"Z":
@@ -1022,6 +1034,7 @@ def parse_report(raw: bytes | None) -> Report:
         timed_out=timed_out,
         files=files if complete else None,
         skipped=skipped,
+        unseen=frozenset(unseen),
         truncated=truncated,
     )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from pydantic import Field
@@ -129,12 +130,26 @@ async def python(
             if lost is not None:
                 return f"Error: {RESTARTED} ({lost}). A new one is ready: run the code again, with its setup."
             before = workspace.files()
+            sent = interpreter.changes(before)
             async with resources.sandbox.hold_slot(ctx.trace_id):
-                result = await interpreter.cell(code, interpreter.changes(before), pool.limits)
+                result = await interpreter.cell(code, sent, pool.limits)
             interpreter.cells += 1
             ctx.state.put(*MARKER, interpreter.marker())
-            not_kept = [*result.not_placed, *_keep_files(workspace, before, result.files)]
-            interpreter.known = workspace.files()
+            not_placed = [(path, why) for path, why in result.not_placed if path in sent]
+            stale = frozenset(path for path, _ in not_placed)
+            kept = _keep_files(workspace, before, result.files, stale=stale)
+            not_kept = [
+                f"{path} (could not be placed in the interpreter's workspace: {why})"
+                for path, why in not_placed
+            ]
+            not_kept += kept.not_kept
+            if kept.refused:
+                not_kept.append(
+                    "(the interpreter's files are put back as the workspace holds them, with the next call)"
+                )
+            # Refused, the cell's changes are undone in the interpreter, those its walk skipped too.
+            unseen = result.files.unseen if kept.refused else frozenset()
+            interpreter.settle(workspace.files(), sent, stale, kept.refused, unseen)
     except InterpreterStopped as exc:
         await pool.discard(ctx.trace_id, "the code of an earlier call stopped it", only=interpreter)
         return f"Error: {exc}"
@@ -181,23 +196,41 @@ async def _run(ctx: ToolContext, path: str, args: list[str]) -> dict[str, Any]:
         raise ToolUnavailable(f"the sandbox could not start: {exc.strerror or exc}") from exc
     except SandboxUnavailable as exc:
         raise ToolUnavailable(f"the sandbox could not start: {exc}") from exc
-    not_kept = _keep_files(workspace, before, result)
-    return _answer(result, not_kept)
+    return _answer(result, _keep_files(workspace, before, result).not_kept)
 
 
-def _under_skipped(path: str, skipped: set[str]) -> bool:
-    """True if `path` or a directory it is in (the workspace itself included, as "") was skipped."""
-    if not skipped:
+def _under(path: str, paths: set[str]) -> bool:
+    """True if `path` or a directory it is in (the workspace itself included, as "") is one of `paths`."""
+    if not paths:
         return False
     parts = path.split("/")
-    return "" in skipped or any("/".join(parts[:end]) in skipped for end in range(1, len(parts) + 1))
+    return "" in paths or any("/".join(parts[:end]) in paths for end in range(1, len(parts) + 1))
 
 
-def _keep_files(workspace: Workspace, before: dict[str, str], result: RunResult) -> list[str]:
-    """Apply what the run changed in the workspace; answer what could not be kept, with the reason."""
+@dataclass
+class Kept:
+    """What `_keep_files` did not keep: the answer's lines, and the changes the workspace's limits refused
+    as a whole (empty when they were kept)."""
+
+    not_kept: list[str]
+    refused: dict[str, str | None] = field(default_factory=dict)
+
+
+def _keep_files(
+    workspace: Workspace, before: dict[str, str], result: RunResult, *, stale: frozenset[str] = frozenset()
+) -> Kept:
+    """Apply what the run changed in the workspace; answer what could not be kept, with the reason.
+
+    A path the run never saw is left as it is: one its walk skipped (a directory it could not list: all
+    under it), one no run could hold (`RunResult.unseen`), one the run had only an older version of
+    (`stale`: an interpreter's file the rollout's latest could not replace), and one whose new content
+    could not be kept (not UTF-8, too large): its stored version stays."""
     not_kept = list(result.skipped)
+    kept_aside = set(result.unseen) | set(stale)
     after: dict[str, str] = {}
     for path, content in (result.files or {}).items():
+        if path in stale:
+            continue
         try:
             check_path(path)
             text = content.decode("utf-8")
@@ -206,33 +239,34 @@ def _keep_files(workspace: Workspace, before: dict[str, str], result: RunResult)
             continue
         except UnicodeDecodeError:
             not_kept.append(f"{path} (not UTF-8 text)")
+            kept_aside.add(path)
             continue
         if len(content) > LIMITS.max_file_bytes:
             not_kept.append(f"{path} (over {LIMITS.max_file_bytes} bytes)")
+            kept_aside.add(path)
             continue
         after[path] = text
     if result.files is None:
-        return not_kept
+        return Kept(not_kept)
     changes: dict[str, str | None] = {path: text for path, text in after.items() if before.get(path) != text}
-    # What the walk skipped was not seen, and neither was anything under it (a directory it could not
-    # list: "" is the workspace itself): such a path is not deleted.
-    skipped_paths = {entry.split(" (", 1)[0] for entry in not_kept}
     if result.files_complete:
         for path in before:
-            if path not in after and not _under_skipped(path, skipped_paths):
+            if path not in after and not _under(path, kept_aside):
                 changes[path] = None  # the run deleted it
     else:
-        not_kept.append("(more entries than could be looked at: files not listed were left as they were)")
+        not_kept.append(
+            "(the walk of the files stopped at a limit: files it did not list were left as they were)"
+        )
     try:
         # A run's own walk keeps within these limits; an interpreter's report comes from a process the
         # cells control, so the workspace's limits are checked here, whoever reported.
         workspace.check_fits(changes)
     except ToolError as exc:
         not_kept.append(f"(no change to the files was kept: {exc.message})")
-        return not_kept
+        return Kept(not_kept, changes)
     for path, change in changes.items():
         workspace.write(path, change)
-    return not_kept
+    return Kept(not_kept)
 
 
 def _text(data: bytes, total: int) -> str:
@@ -258,8 +292,11 @@ def _answer(result: RunResult, not_kept: list[str]) -> dict[str, Any]:
         answer["error"] = "stopped: it wrote more output than the limit"
     elif result.memory_exceeded:
         answer["error"] = "a process was killed: the run used more memory than its limit"
-    elif result.files is None:
-        answer["error"] = "the run stopped its own supervisor: the files it wrote were not kept"
+    if result.files is None:
+        if "error" in answer:
+            not_kept = [*not_kept, "(the run was stopped before its files were read: no change was kept)"]
+        else:
+            answer["error"] = "the run stopped its own supervisor: the files it wrote were not kept"
     if not_kept:
         answer["files_not_kept"] = not_kept
     return answer

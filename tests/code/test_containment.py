@@ -227,9 +227,12 @@ def test_what_gone_workers_left_is_swept_at_start_up(tmp_path: Path) -> None:
         (gone_group / "run-left").mkdir(parents=True)
     frozen, _ = freezer.detect(cap)
     gone_freezer: Path | None = None
+    elsewhere: Path | None = None  # a worker of another pid namespace: its pid means nothing here
     if frozen.worker is not None:
-        gone_freezer = frozen.worker.parent / f"sparring-{gone_identity}"
+        gone_freezer = frozen.worker.parent / freezer.worker_name(gone_identity)
         (gone_freezer / "session-left").mkdir(parents=True)
+        elsewhere = frozen.worker.parent / f"sparring-1-{gone_identity}"
+        (elsewhere / "session-theirs").mkdir(parents=True)
     try:
         built = sandbox.create("bwrap", python=None, home=tmp_path)
         built.close()
@@ -239,7 +242,12 @@ def test_what_gone_workers_left_is_swept_at_start_up(tmp_path: Path) -> None:
             assert not gone_group.exists()
         if gone_freezer is not None:
             assert not gone_freezer.exists()
+        if elsewhere is not None:
+            assert (elsewhere / "session-theirs").exists()
     finally:
+        if elsewhere is not None:
+            memory.release(elsewhere / "session-theirs")
+            memory.release(elsewhere)
         sandbox.remove_tree(live_root)
         sandbox.remove_tree(gone_root)
 

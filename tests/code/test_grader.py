@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import textwrap
+from collections import Counter, OrderedDict
 from typing import Any
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from app.sdk import RolloutState, RolloutView
 from tests.code.conftest import all_tasks, gather_bounded
 from tests.conftest import new_trace
-from tools.code import check
+from tools.code import check, harness_runner
 from tools.code.runtime import CodeResources
 from tools.code.sandbox import Limits, Sandbox
 from tools.code.suspicious import code_flags
@@ -338,3 +339,18 @@ def test_no_canonical_solution_raises_a_flag() -> None:
         )
     }
     assert flagged == {}
+
+
+def test_a_value_of_a_builtin_subclass_is_sent_as_it_reads() -> None:
+    """The runner sends a subclass's builtin value as the value itself reads: an OrderedDict in its own
+    order (after `move_to_end`), a subclass's own `__iter__` or `__eq__` never consulted."""
+    ordered = OrderedDict(a=2, b=1)
+    ordered.move_to_end("a")
+
+    class Claims(list):  # type: ignore[type-arg]
+        def __iter__(self) -> Any:
+            return iter([1, 2, 3])
+
+    assert harness_runner.encode(ordered) == {"t": "dict", "v": [["b", 1], ["a", 2]]}
+    assert harness_runner.encode(Claims([9])) == [9]
+    assert harness_runner.encode(Counter("aab")) == {"t": "dict", "v": [["a", 2], ["b", 1]]}

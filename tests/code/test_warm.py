@@ -129,6 +129,26 @@ async def test_files_a_run_left_open_are_written_as_at_pythons_exit(warm_sandbox
     assert lines(result) == ["done"]
 
 
+async def test_a_file_a_blocked_thread_holds_never_keeps_the_run_from_ending(warm_sandbox: Sandbox) -> None:
+    """A daemon thread is blocked writing to a pipe nobody reads when the program ends: python's exit
+    abandons it (and its file), and so does the run's, which ends with its own output."""
+    program = (
+        "import os, threading, time\n"
+        "_, end = os.pipe()\n"
+        "stuck = os.fdopen(end, 'wb')\n"
+        "def feed():\n"
+        "    while True:\n"
+        "        stuck.write(b'x' * 65536)\n"
+        "threading.Thread(target=feed, daemon=True).start()\n"
+        "time.sleep(0.2)\n"
+        "print('main done')\n"
+    )
+    result = await warm_sandbox.run(
+        {"main.py": program}, [*ARGS, "main.py"], limits=Limits(wall_seconds=10.0)
+    )
+    assert (result.exit_code, result.timed_out, lines(result)) == (0, False, ["main done"])
+
+
 async def test_a_runs_main_module_is_set_up_as_pythons(warm_sandbox: Sandbox) -> None:
     """`__main__`'s loader, spec, package and file are what `python` gives a script and `-c` code (the cold
     path runs `python` itself)."""
@@ -735,11 +755,22 @@ server.listen(1)
 a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
 socket.send_fds(a, [b"x"], [server.fileno(), a.fileno(), b.fileno()])
 """
+NO_ROUTE = """\
+import socket
+sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+for _ in range(7):  # no route: no packet, no socket left; only the namespace's counters know
+    try:
+        sender.sendto(b"", ("10.1.2.3", 9))
+    except OSError:
+        pass
+"""
 FIND_ON_THE_NETWORK = """\
 import socket
 for line in open("/proc/net/dev"):
     if line.strip().startswith("lo:"):
         print(line.split()[2])
+names, values = [line.split() for line in open("/proc/net/snmp") if line.startswith("Ip:")]
+print(dict(zip(names, values))["OutNoRoutes"])
 client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 try:
     client.connect("\\0left-by-a-run")
@@ -755,7 +786,10 @@ async def test_nothing_a_run_did_on_the_network_reaches_the_next_run(one_slot_sa
     counters at zero and the name free."""
     await run(one_slot_sandbox, LEAVE_ON_THE_NETWORK)
     after = await run(one_slot_sandbox, FIND_ON_THE_NETWORK)
-    assert lines(after) == ["0", "not found"]
+    await run(one_slot_sandbox, NO_ROUTE)
+    after_no_route = await run(one_slot_sandbox, FIND_ON_THE_NETWORK)
+    assert lines(after) == ["0", "0", "not found"]
+    assert lines(after_no_route) == ["0", "0", "not found"]
     assert one_slot_sandbox.warm is not None and one_slot_sandbox.warm.current is not None
     assert len(one_slot_sandbox.warm.current.slots) == 1  # the same slot took both runs
 

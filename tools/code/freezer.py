@@ -8,10 +8,11 @@ ptrace of bwrap's pid 1. Where each session's memory cgroup is a v2 one, its own
 (`memory-cgroup`); where the memory cgroup is v1 or there is none, but a v2 hierarchy this server may
 write is mounted (on a hybrid host, at /sys/fs/cgroup/unified, holding no controller), each session gets
 a v2 cgroup of its own for the freezer alone (`own-cgroup`), in a cgroup of this worker's named after its
-pid and start time (swept as the memory cgroups are). Without either, each process of the session is
-stopped by SIGSTOP and checked again for a moment (`signals`, needing the memory cgroup's list of
-processes): processes that continue each other are caught, a cell that makes the kernel or a process it
-controls send SIGCONT can escape it, and the start-up log says so.
+pid namespace, pid and start time: a server starting later sweeps those of workers gone from its own pid
+namespace, never another's (servers in other pid namespaces may share that hierarchy's root). Without
+either, each process of the session is stopped by SIGSTOP and checked again for a moment (`signals`,
+needing the memory cgroup's list of processes): processes that continue each other are caught, a cell
+that makes the kernel or a process it controls send SIGCONT can escape it, and the start-up log says so.
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import re
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from tools.code.memory import CGROUP_MOUNT, MemoryCap, own_cgroup, process_identity, release, sweep
+from tools.code.memory import CGROUP_MOUNT, MemoryCap, own_cgroup, owner_alive, process_identity, release
 
 Mechanism = Literal["memory-cgroup", "own-cgroup", "signals"]
 FREEZE_FILE = "cgroup.freeze"
@@ -78,6 +80,33 @@ def _works(group: Path) -> None:
 _removed_at_exit: set[Path] = set()
 
 
+def pid_namespace() -> str:
+    """This process's pid namespace (its inode), "0" where it cannot be read."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return "0"
+
+
+def worker_name(identity: str) -> str:
+    """The name of the freezer cgroup of the worker `<pid>-<start time>` of this pid namespace."""
+    return f"sparring-{pid_namespace()}-{identity}"
+
+
+def sweep(parent: Path) -> None:
+    """Remove the freezer cgroups of this pid namespace's workers that are gone (a killed worker leaves
+    them); a pid of another namespace says nothing here, so theirs are left alone."""
+    own = re.compile(rf"sparring-{pid_namespace()}-\d+-\d+")
+    with contextlib.suppress(OSError):
+        for entry in parent.iterdir():
+            if entry.is_dir() and own.fullmatch(entry.name) and not owner_alive(entry.name):
+                with contextlib.suppress(OSError):
+                    for session in entry.iterdir():
+                        if session.is_dir():
+                            release(session)
+                release(entry)
+
+
 def detect(memory: MemoryCap) -> tuple[Freezer, str]:
     """The freezer sessions get here, and why a cgroup one could not be used (empty when it can)."""
     if memory.mechanism == "cgroup-v2" and memory.worker is not None:
@@ -96,7 +125,7 @@ def detect(memory: MemoryCap) -> tuple[Freezer, str]:
         return Freezer("signals"), "no cgroup v2 hierarchy is mounted"
     parent = root / own.lstrip("/")
     identity = process_identity(os.getpid()) or f"{os.getpid()}-0"
-    worker = parent / f"sparring-{identity}"
+    worker = parent / worker_name(identity)
     try:
         sweep(parent)
         worker.mkdir(exist_ok=True)

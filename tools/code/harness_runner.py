@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import traceback
+from collections import OrderedDict
 from typing import Any
 
 MAX_DEPTH = 200
@@ -43,7 +44,8 @@ def encode(value: Any, depth: int = 0) -> Any:
             items = base.__iter__(value)
             return {"t": base.__name__, "v": [encode(item, depth + 1) for item in items]}
     if issubclass(kind, dict):
-        pairs = dict.items(value)
+        # An OrderedDict's own order (which `move_to_end` changes), else the dict's.
+        pairs = OrderedDict.items(value) if issubclass(kind, OrderedDict) else dict.items(value)
         return {"t": "dict", "v": [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in pairs]}
     raise NotPlain(f"returned a {kind.__name__}, not a plain value (None, bool, int, float, str, list, ...)")
 

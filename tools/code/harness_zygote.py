@@ -489,12 +489,29 @@ def loopback_up() -> None:
         fcntl.ioctl(probe.fileno(), SIOCSIFFLAGS, flags)
 
 
-def network_used() -> bool:
+# The namespace's own counters (its devices' traffic, its IP, ICMP, TCP and UDP statistics): a run that
+# used the network at all changed one of them, a packet to nowhere included.
+NETWORK_COUNTERS = ("/proc/self/net/dev", "/proc/self/net/snmp", "/proc/self/net/snmp6")
+
+
+def network_counters() -> tuple[bytes, ...]:
+    """The current network namespace's counters, as read (b"" for one this kernel lacks)."""
+    counters = []
+    for path in NETWORK_COUNTERS:
+        try:
+            with open(path, "rb") as counts:
+                counters.append(counts.read())
+        except FileNotFoundError:  # no IPv6 here
+            counters.append(b"")
+    return tuple(counters)
+
+
+def network_used(fresh: tuple[bytes, ...]) -> bool:
     """Whether a run left anything in the slot's network namespace, or used it at all: a socket still
-    there (`sockets: used`, per namespace; a closed TCP connection waiting in TIME_WAIT, `tw`) or traffic
-    on its loopback since the namespace was made (`/proc/self/net/dev`). Read from the namespace's own
-    counts (`/proc/self/net/tcp` would walk the kernel's whole connection table: ~4 ms here); True when
-    they cannot be read."""
+    there (`sockets: used`, per namespace; a closed TCP connection waiting in TIME_WAIT, `tw`) or any of
+    its counters moved since the namespace was made (`fresh`, `network_counters()` then). Read from the
+    namespace's own counts (`/proc/self/net/tcp` would walk the kernel's whole connection table: ~4 ms
+    here); True when they cannot be read."""
     try:
         counts: dict[bytes, int] = {}
         with open("/proc/self/net/sockstat", "rb") as sockstat:
@@ -502,15 +519,7 @@ def network_used() -> bool:
                 fields = line.split()
                 for name, value in zip(fields[1::2], fields[2::2], strict=False):
                     counts[fields[0] + name] = int(value)
-        if counts[b"sockets:used"] or counts[b"TCP:tw"]:
-            return True
-        with open("/proc/self/net/dev", "rb") as devices:
-            for line in devices:
-                name, _, counters = line.partition(b":")
-                if name.strip() == b"lo":
-                    fields = counters.split()
-                    return int(fields[1]) > 0 or int(fields[9]) > 0  # packets received, sent
-        return True
+        return bool(counts[b"sockets:used"] or counts[b"TCP:tw"]) or network_counters() != fresh
     except (OSError, KeyError, ValueError, IndexError):
         return True
 
@@ -525,6 +534,7 @@ def serve_slot(sock: socket.socket, sizes: dict[str, int], supervisor: types.Mod
     # run. Making one per run would cost ~1 ms a run, for the few runs that use the network at all.
     enter_namespaces(CLONE_NEWUSER | CLONE_NEWNET)
     loopback_up()
+    fresh = network_counters()
     sock.sendall(b"Y")  # the kernel attaches this process's pid: the server moves it into its cgroup
     # A run is prepared only once the last one's init (or keeper) has ended: its processes, their memory
     # (charged to the slot's cgroup) and its file systems are gone by then, whenever its report was sent.
@@ -542,9 +552,10 @@ def serve_slot(sock: socket.socket, sizes: dict[str, int], supervisor: types.Mod
         if last:
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(last, 0)
-            if network_used():
+            if network_used(fresh):
                 check(libc.unshare(CLONE_NEWNET), "a fresh network namespace")
                 loopback_up()
+                fresh = network_counters()
         uid, gid = os.getuid(), os.getgid()
         try:
             init = clone_into(RUN_NAMESPACES) if cloning else bare_fork()
@@ -674,7 +685,15 @@ def finish(status: int, own_code: bool) -> int:
     except BaseException:
         pass
     if not own_code:
-        flush_files()
+        threading = sys.modules.get("threading")
+        if threading is not None and threading.active_count() > 1:
+            # A daemon thread left blocked in a write holds its file's lock: python's exit abandons it
+            # and never flushes that file, so the flush here is given a moment, not the run's time.
+            flusher = threading.Thread(target=flush_files, daemon=True)
+            flusher.start()
+            flusher.join(FLUSH_SECONDS)
+        else:
+            flush_files()
     main = sys.modules.get("__main__")
     if main is not None:
         main.__dict__.clear()
@@ -688,6 +707,7 @@ def finish(status: int, own_code: bool) -> int:
     return status
 
 
+FLUSH_SECONDS = 0.5  # for the files left open at a run's exit, while other threads of it still run
 # The buffered file objects whose data a flush writes (text before binary: text writes to its buffer).
 BUFFERED = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom, io.BufferedRWPair)
 

@@ -151,6 +151,27 @@ async def test_a_run_stopped_for_its_output_says_its_files_were_not_kept(code_ap
     assert "made.txt" not in listed and "examples.py" in listed, listed
 
 
+async def test_a_cut_short_walk_still_deletes_what_it_proves_gone(code_app: Any) -> None:
+    """A run turns the file `out` into a directory holding `out/r.txt` and leaves more links than the walk
+    reports (so it stops at its limit and deletions it cannot see are not made): what it did list proves
+    `out` no longer a file, and the rollout never holds a file and a directory of one name."""
+    script = (
+        "import os\nos.remove('out')\nos.mkdir('out')\nopen('out/r.txt', 'w').write('R')\n"
+        "for i in range(60):\n    os.symlink('solution.py', f'link{i}')\n"
+    )
+    async with code_app() as code:
+        trace = new_trace()
+        await code.write(trace, "out", "old", task_id=TASK)
+        await code.write(trace, "main.py", script, task_id=TASK)
+        ran = await code.run(trace, "main.py", task_id=TASK)
+        listing = json.loads(await code.call(trace, "list_files", {}, task_id=TASK))
+    listed = [entry["path"] for entry in listing]
+    assert ran["exit_code"] == 0, ran
+    assert any("stopped at a limit" in entry for entry in ran["files_not_kept"]), ran
+    assert "out/r.txt" in listed and "out" not in listed, listed
+    assert "solution.py" in listed and "main.py" in listed
+
+
 async def test_run_examples_fails_on_the_stub_and_passes_on_the_gold(code_app: Any) -> None:
     task = all_tasks()[TASK]
     async with code_app() as code:

@@ -207,6 +207,12 @@ def _under(path: str, paths: set[str]) -> bool:
     return "" in paths or any("/".join(parts[:end]) in paths for end in range(1, len(parts) + 1))
 
 
+def _parents(path: str) -> list[str]:
+    """The directories `path` is in, outermost first ("a/b/c": "a", "a/b")."""
+    parts = path.split("/")
+    return ["/".join(parts[:end]) for end in range(1, len(parts))]
+
+
 @dataclass
 class Kept:
     """What `_keep_files` did not keep: the answer's lines, and the changes the workspace's limits refused
@@ -254,6 +260,12 @@ def _keep_files(
             if path not in after and not _under(path, kept_aside):
                 changes[path] = None  # the run deleted it
     else:
+        # What the walk did list still proves some files gone: one that is now a directory holding a
+        # listed file, and one under a name that is now a listed file.
+        directories = {parent for path in after for parent in _parents(path)}
+        for path in before:
+            if path not in after and (path in directories or any(p in after for p in _parents(path))):
+                changes[path] = None
         not_kept.append(
             "(the walk of the files stopped at a limit: files it did not list were left as they were)"
         )

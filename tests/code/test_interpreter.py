@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
+import os
 import platform
 import signal
 import uuid
@@ -22,7 +24,7 @@ import pytest
 from tests.code.conftest import CodeClient, served_resources
 from tests.code.test_isolation import processes_with
 from tests.conftest import new_trace
-from tools.code import freezer
+from tools.code import freezer, harness_interpreter
 from tools.code.interpreter import RESTARTED, Interpreter, InterpreterPool
 from tools.code.runtime import CodeResources
 from tools.code.workspace import LIMITS
@@ -761,6 +763,68 @@ async def test_a_file_the_interpreter_could_not_take_is_kept_and_sent_again(
     assert placed["value"] == "'NEW'" and "files_not_kept" not in placed, placed
 
 
+HOLDS_EVERY_DESCRIPTOR = (
+    "import os\nheld = []\ntry:\n    while True:\n        held.append(os.open('/dev/null', os.O_RDONLY))\n"
+    "except OSError:\n    pass\n"
+)
+
+
+@pytest.mark.parametrize(
+    "setup",
+    [
+        pytest.param(HOLDS_EVERY_DESCRIPTOR, id="every-descriptor-held"),
+        pytest.param("import os\nos.chmod('/workspace', 0)", id="workspace-unreadable"),
+        pytest.param("import os\nos.makedirs('a/' + '/'.join(['d'] * 40))", id="deep-tree-in-the-way"),
+    ],
+)
+async def test_what_a_cell_leaves_never_stops_the_next_cell_from_getting_the_files(
+    code_app: Any, backend: str, setup: str
+) -> None:
+    """After a cell that holds every descriptor it may have, makes the workspace unreadable or leaves a deep
+    tree where a file goes, the next cell runs (never a stopped interpreter), and a file a tool wrote
+    meanwhile is either placed or said not placed and kept."""
+    async with code_app(code=FAST) as code:
+        trace = new_trace()
+        first = await cell(code, trace, setup)
+        written = await code.call(trace, "write_file", {"path": "a", "content": "A"}, task_id=TASK)
+        second = await cell(code, trace, "41 + 1")
+        stored = await code.call(trace, "read_file", {"path": "a"}, task_id=TASK)
+    assert isinstance(first, dict) and "exception" not in first, first
+    assert written.startswith("wrote "), written
+    assert isinstance(second, dict) and second["value"] == "42", second
+    assert stored == "A"
+    not_placed = [
+        entry for entry in second.get("files_not_kept", []) if entry.startswith("a (could not be placed")
+    ]
+    assert setup == HOLDS_EVERY_DESCRIPTOR or not not_placed, second
+
+
+async def test_a_refused_cells_changes_never_come_back_from_where_its_walk_could_not_look(
+    code_app: Any, backend: str
+) -> None:
+    """A refused cell changed files under a directory it then made unreadable, and overwrote a rollout's
+    file with bytes the rollout cannot keep: the rollout's versions are what the interpreter holds next."""
+    refused_cell = (
+        "import os\nopen('d/x.txt', 'w').write('CELL')\nos.chmod('d', 0)\n"
+        "open('examples.py', 'wb').write(b'\\xff')\n"
+        f"for i in range({LIMITS.max_files + 5}):\n    open(f'f{{i}}.txt', 'w').write('x')\n"
+    )
+    async with code_app(code=FAST) as code:
+        trace = new_trace()
+        await code.write(trace, "d/x.txt", "STORED", task_id=TASK)
+        before = await files_of(code, trace)
+        refused = await cell(code, trace, refused_cell)
+        later = await cell(
+            code,
+            trace,
+            "import os\nos.chmod('d', 0o755)\nopen('d/x.txt').read(), open('examples.py', 'rb').read()[:1]",
+        )
+        after = await files_of(code, trace)
+    assert any("no change to the files was kept" in entry for entry in refused["files_not_kept"]), refused
+    assert later["value"] == repr(("STORED", before["examples.py"].encode()[:1])), later
+    assert after == before
+
+
 async def test_a_cells_changes_the_workspace_refuses_are_undone_in_the_interpreter(
     code_app: Any, backend: str
 ) -> None:
@@ -1022,3 +1086,24 @@ async def test_nothing_a_cell_does_continues_its_interpreter_between_calls(
     # Running, the thread would tick ~100 times in that second; frozen, a few at most.
     assert ticks[1] - ticks[0] < 40, ticks
     assert ticks[2] - ticks[1] >= 10, ticks  # and it runs again in a call
+
+
+def test_a_directory_that_cannot_be_opened_for_want_of_a_descriptor_is_left_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    """Placing a file under `pkg` when opening `pkg` fails for want of a descriptor (a cell's thread holds
+    them for a moment): the file is said not placed, and nothing of `pkg` is removed."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text("A")
+    real_open = os.open
+
+    def short_of_descriptors(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if path == "pkg":
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(harness_interpreter.os, "open", short_of_descriptors)
+    failed = harness_interpreter.apply_files(str(tmp_path), {"pkg/c.py": "C"})
+    monkeypatch.undo()
+    assert failed == [["pkg/c.py", os.strerror(errno.EMFILE)]]
+    assert sorted(path.name for path in (tmp_path / "pkg").iterdir()) == ["a.py"]

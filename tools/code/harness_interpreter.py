@@ -35,6 +35,7 @@ import base64
 import builtins
 import contextlib
 import ctypes
+import errno
 import importlib
 import io
 import json
@@ -110,8 +111,19 @@ def apply_files(workspace: str, files: dict[str, str | None]) -> list[list[str]]
     file's way (a link, a FIFO, a read-only file, a directory, a file where a directory goes) is replaced,
     as the rollout's files win, and a directory a cell made read-only is made writable again. Answers
     `[path, why]` for each that could not be placed."""
+    if not files:
+        return []
+    try:
+        root = os.open(workspace, DIRECTORY)
+    except PermissionError:  # a cell made the workspace itself unreadable
+        try:
+            os.chmod(workspace, 0o755)
+            root = os.open(workspace, DIRECTORY)
+        except OSError as error:
+            return [[relative, error.strerror or str(error)] for relative in files]
+    except OSError as error:  # no descriptor left (a cell holds them all), say
+        return [[relative, error.strerror or str(error)] for relative in files]
     failed = []
-    root = os.open(workspace, DIRECTORY)
     try:
         for relative, content in files.items():
             try:
@@ -176,9 +188,11 @@ def enter(directory: int, name: str, *, make: bool) -> int:
     except PermissionError:  # a directory a cell made unreadable
         os.chmod(name, 0o755, dir_fd=directory)
         return os.open(name, DIRECTORY, dir_fd=directory)
-    except OSError:  # a file or a link where the directory goes
+    except OSError as error:
+        if error.errno not in (errno.ENOTDIR, errno.ELOOP):
+            raise  # no descriptor left, say: what is there is left as it is
         if not make:
-            return -1
+            return -1  # a file or a link where the directory goes
         remove(directory, name, os.stat(name, dir_fd=directory, follow_symlinks=False))
     writable(directory, lambda: os.mkdir(name, 0o755, dir_fd=directory))
     return os.open(name, DIRECTORY, dir_fd=directory)
@@ -193,8 +207,10 @@ def remove(directory: int, name: str, info: os.stat_result) -> None:
     if inner >= 0:
         try:
             os.fchmod(inner, 0o755)
-            for entry in os.scandir(inner):
-                remove(inner, entry.name, entry.stat(follow_symlinks=False))
+            with os.scandir(inner) as listing:  # listed and closed first: one descriptor a level
+                entries = [(entry.name, entry.stat(follow_symlinks=False)) for entry in listing]
+            for entry_name, entry_info in entries:
+                remove(inner, entry_name, entry_info)
         finally:
             os.close(inner)
     writable(directory, lambda: os.rmdir(name, dir_fd=directory))

@@ -158,11 +158,13 @@ class Interpreter:
         stale: frozenset[str],
         refused: Mapping[str, str | None],
         unseen: frozenset[str] = frozenset(),
+        aside: set[str] | frozenset[str] = frozenset(),
     ) -> None:
         """After a cell: the interpreter holds the rollout's `files`, but for what `sent` it could not place
         (`stale`: sent again with the next cell), the cell's changes the rollout refused (`refused`: the
-        rollout's versions put back with the next cell), and `unseen` paths whose content it does not know
-        (the rollout's version put back, or the path deleted)."""
+        rollout's versions put back with the next cell), paths its walk did not see (`unseen`: whatever is
+        there, and the rollout's files under them, replaced by the rollout's or deleted) and the rollout's
+        files it holds in a version the rollout could not keep (`aside`: the rollout's put back)."""
         known = dict(files)
         for path in stale:
             if sent.get(path) is None:
@@ -176,6 +178,14 @@ class Interpreter:
                 known[path] = change  # it wrote this: the rollout's version (or a deletion) is sent
         for path in unseen:
             known[path] = UNKNOWN
+        if unseen:
+            for path in files:
+                parts = path.split("/")
+                if "" in unseen or any("/".join(parts[:end]) in unseen for end in range(1, len(parts))):
+                    known[path] = UNKNOWN
+        for path in aside:
+            if path in files:
+                known[path] = UNKNOWN
         self.known = known
 
     async def ready(self) -> None:

@@ -147,9 +147,14 @@ async def python(
                 not_kept.append(
                     "(the interpreter's files are put back as the workspace holds them, with the next call)"
                 )
-            # Refused, the cell's changes are undone in the interpreter, those its walk skipped too.
-            unseen = result.files.unseen if kept.refused else frozenset()
-            interpreter.settle(workspace.files(), sent, stale, kept.refused, unseen)
+            # Refused, the cell's changes are undone in the interpreter: those its walk skipped and those
+            # it could not keep too.
+            if kept.refused:
+                interpreter.settle(
+                    workspace.files(), sent, stale, kept.refused, result.files.unseen, kept.aside
+                )
+            else:
+                interpreter.settle(workspace.files(), sent, stale, {})
     except InterpreterStopped as exc:
         await pool.discard(ctx.trace_id, "the code of an earlier call stopped it", only=interpreter)
         return f"Error: {exc}"
@@ -220,6 +225,7 @@ class Kept:
 
     not_kept: list[str]
     refused: dict[str, str | None] = field(default_factory=dict)
+    aside: set[str] = field(default_factory=set)  # files seen but not kept (not UTF-8, too large)
 
 
 def _keep_files(
@@ -233,9 +239,13 @@ def _keep_files(
     could not be kept (not UTF-8, too large): its stored version stays."""
     not_kept = list(result.skipped)
     kept_aside = set(result.unseen) | set(stale)
+    aside: set[str] = set()
+    # A stale path's neighbours in the tree are the box's, not the rollout's: a file under it, or one
+    # where a directory of it goes, is not taken (the rollout would hold a file and a directory of one name).
+    stale_directories = {parent for path in stale for parent in _parents(path)}
     after: dict[str, str] = {}
     for path, content in (result.files or {}).items():
-        if path in stale:
+        if _under(path, set(stale)) or path in stale_directories:
             continue
         try:
             check_path(path)
@@ -245,13 +255,14 @@ def _keep_files(
             continue
         except UnicodeDecodeError:
             not_kept.append(f"{path} (not UTF-8 text)")
-            kept_aside.add(path)
+            aside.add(path)
             continue
         if len(content) > LIMITS.max_file_bytes:
             not_kept.append(f"{path} (over {LIMITS.max_file_bytes} bytes)")
-            kept_aside.add(path)
+            aside.add(path)
             continue
         after[path] = text
+    kept_aside |= aside
     if result.files is None:
         return Kept(not_kept)
     changes: dict[str, str | None] = {path: text for path, text in after.items() if before.get(path) != text}
@@ -264,7 +275,8 @@ def _keep_files(
         # listed file, and one under a name that is now a listed file.
         directories = {parent for path in after for parent in _parents(path)}
         for path in before:
-            if path not in after and (path in directories or any(p in after for p in _parents(path))):
+            gone = path in directories or any(parent in after for parent in _parents(path))
+            if gone and path not in after and not _under(path, kept_aside):
                 changes[path] = None
         not_kept.append(
             "(the walk of the files stopped at a limit: files it did not list were left as they were)"
@@ -275,7 +287,7 @@ def _keep_files(
         workspace.check_fits(changes)
     except ToolError as exc:
         not_kept.append(f"(no change to the files was kept: {exc.message})")
-        return Kept(not_kept, changes)
+        return Kept(not_kept, changes, aside)
     for path, change in changes.items():
         workspace.write(path, change)
     return Kept(not_kept)

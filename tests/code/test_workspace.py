@@ -94,19 +94,23 @@ async def test_a_run_answers_exit_code_output_and_time_and_keeps_its_files(code_
     assert "blob.bin" not in listed and "__pycache__" not in listed
 
 
+async def run_script(code: Any, files: dict[str, str], script: str) -> tuple[dict[str, Any], list[str]]:
+    """A new rollout with `files` written, `script` run as main.py: its answer and the files it then lists."""
+    trace = new_trace()
+    for path, content in {**files, "main.py": script}.items():
+        await code.write(trace, path, content, task_id=TASK)
+    ran = await code.run(trace, "main.py", task_id=TASK)
+    listing = json.loads(await code.call(trace, "list_files", {}, task_id=TASK))
+    return ran, [entry["path"] for entry in listing]
+
+
 @pytest.mark.parametrize("hidden", ["sub", "."])
 async def test_a_directory_the_run_made_unreadable_keeps_what_was_in_it(code_app: Any, hidden: str) -> None:
     """The walk cannot list a directory the run made unreadable: its files were not seen, not deleted, and
     stay as they were (other changes of the run are kept)."""
     script = f"import os\nos.remove('gone.txt')\nos.chmod({hidden!r}, 0)\n"
     async with code_app() as code:
-        trace = new_trace()
-        await code.write(trace, "sub/a.py", "A = 1\n", task_id=TASK)
-        await code.write(trace, "gone.txt", "bye", task_id=TASK)
-        await code.write(trace, "main.py", script, task_id=TASK)
-        ran = await code.run(trace, "main.py", task_id=TASK)
-        listing = json.loads(await code.call(trace, "list_files", {}, task_id=TASK))
-    listed = [entry["path"] for entry in listing]
+        ran, listed = await run_script(code, {"sub/a.py": "A = 1\n", "gone.txt": "bye"}, script)
     assert ran["exit_code"] == 0, ran
     assert "sub/a.py" in listed and "solution.py" in listed and "main.py" in listed, listed
     assert any("unreadable" in entry for entry in ran["files_not_kept"]), ran
@@ -124,13 +128,7 @@ async def test_a_name_the_workspace_cannot_hold_protects_nothing_else(code_app: 
         "import os\nos.rename('data', 'data (old)')\nopen(' (x)', 'w').write('x')\nos.remove('gone.txt')\n"
     )
     async with code_app() as code:
-        trace = new_trace()
-        await code.write(trace, "data/a.txt", "A", task_id=TASK)
-        await code.write(trace, "gone.txt", "bye", task_id=TASK)
-        await code.write(trace, "main.py", script, task_id=TASK)
-        ran = await code.run(trace, "main.py", task_id=TASK)
-        listing = json.loads(await code.call(trace, "list_files", {}, task_id=TASK))
-    listed = [entry["path"] for entry in listing]
+        ran, listed = await run_script(code, {"data/a.txt": "A", "gone.txt": "bye"}, script)
     assert ran["exit_code"] == 0, ran
     assert "data (old)/a.txt (not a valid workspace path)" in ran["files_not_kept"], ran
     assert "data/a.txt" not in listed and "gone.txt" not in listed, listed
@@ -139,11 +137,7 @@ async def test_a_name_the_workspace_cannot_hold_protects_nothing_else(code_app: 
 async def test_a_run_stopped_for_its_output_says_its_files_were_not_kept(code_app: Any) -> None:
     script = "import os\nopen('made.txt', 'w').write('x')\nos.remove('examples.py')\nprint('x' * (5 << 20))\n"
     async with code_app() as code:
-        trace = new_trace()
-        await code.write(trace, "main.py", script, task_id=TASK)
-        ran = await code.run(trace, "main.py", task_id=TASK)
-        listing = json.loads(await code.call(trace, "list_files", {}, task_id=TASK))
-    listed = [entry["path"] for entry in listing]
+        ran, listed = await run_script(code, {}, script)
     assert ran["error"] == "stopped: it wrote more output than the limit", ran
     assert ran["files_not_kept"] == [
         "(the run was stopped before its files were read: no change was kept)"
@@ -160,12 +154,7 @@ async def test_a_cut_short_walk_still_deletes_what_it_proves_gone(code_app: Any)
         "for i in range(60):\n    os.symlink('solution.py', f'link{i}')\n"
     )
     async with code_app() as code:
-        trace = new_trace()
-        await code.write(trace, "out", "old", task_id=TASK)
-        await code.write(trace, "main.py", script, task_id=TASK)
-        ran = await code.run(trace, "main.py", task_id=TASK)
-        listing = json.loads(await code.call(trace, "list_files", {}, task_id=TASK))
-    listed = [entry["path"] for entry in listing]
+        ran, listed = await run_script(code, {"out": "old"}, script)
     assert ran["exit_code"] == 0, ran
     assert any("stopped at a limit" in entry for entry in ran["files_not_kept"]), ran
     assert "out/r.txt" in listed and "out" not in listed, listed

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from tools.code.memory import CGROUP_MOUNT, MemoryCap, own_cgroup, owner_alive, process_identity, release
+from tools.code import memory
+from tools.code.memory import CGROUP_MOUNT, MemoryCap, own_cgroup, process_identity, release
 
 Mechanism = Literal["memory-cgroup", "own-cgroup", "signals"]
 FREEZE_FILE = "cgroup.freeze"
@@ -96,15 +97,7 @@ def worker_name(identity: str) -> str:
 def sweep(parent: Path) -> None:
     """Remove the freezer cgroups of this pid namespace's workers that are gone (a killed worker leaves
     them); a pid of another namespace says nothing here, so theirs are left alone."""
-    own = re.compile(rf"sparring-{pid_namespace()}-\d+-\d+")
-    with contextlib.suppress(OSError):
-        for entry in parent.iterdir():
-            if entry.is_dir() and own.fullmatch(entry.name) and not owner_alive(entry.name):
-                with contextlib.suppress(OSError):
-                    for session in entry.iterdir():
-                        if session.is_dir():
-                            release(session)
-                release(entry)
+    memory.sweep(parent, re.compile(rf"sparring-{pid_namespace()}-\d+-\d+"))
 
 
 def detect(memory: MemoryCap) -> tuple[Freezer, str]:

@@ -155,11 +155,12 @@ def release(group: Path) -> None:
     log.warning("could not remove the cgroup %s (it is swept at the next start)", group)
 
 
-def sweep(parent: Path) -> None:
-    """Remove the cgroups of workers that are gone (a killed worker leaves its runs' cgroups)."""
+def sweep(parent: Path, workers: re.Pattern[str] = _WORKER_DIR) -> None:
+    """Remove the cgroups of workers that are gone (a killed worker leaves its runs' cgroups): those in
+    `parent` whose names `workers` matches, ending in the worker's pid and start time."""
     with contextlib.suppress(OSError):
         for entry in parent.iterdir():
-            if entry.is_dir() and _WORKER_DIR.fullmatch(entry.name) and not owner_alive(entry.name):
+            if entry.is_dir() and workers.fullmatch(entry.name) and not owner_alive(entry.name):
                 with contextlib.suppress(OSError):
                     for run in entry.iterdir():
                         if run.is_dir():

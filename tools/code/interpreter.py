@@ -40,6 +40,7 @@ from tools.code.sandbox import (
     harness_source,
     parse_report,
     report_cap,
+    under,
 )
 
 log = logging.getLogger("sparring.packs.code.interpreter")
@@ -113,9 +114,8 @@ class CellResult:
     value: str | None
     exception: str | None
     files: RunResult  # the workspace after the cell, as a run's result carries it
-    not_placed: tuple[
-        tuple[str, str], ...
-    ] = ()  # the rollout's files the driver could not place: (path, why)
+    # The rollout's files the driver could not place, as (path, why).
+    not_placed: tuple[tuple[str, str], ...] = ()
 
 
 UNKNOWN = "\udc80"  # a file's text never equal to a rollout's (which always encodes): content unknown
@@ -178,11 +178,9 @@ class Interpreter:
                 known[path] = change  # it wrote this: the rollout's version (or a deletion) is sent
         for path in unseen:
             known[path] = UNKNOWN
-        if unseen:
-            for path in files:
-                parts = path.split("/")
-                if "" in unseen or any("/".join(parts[:end]) in unseen for end in range(1, len(parts))):
-                    known[path] = UNKNOWN
+        for path in files:
+            if under(path, unseen):
+                known[path] = UNKNOWN
         for path in aside:
             if path in files:
                 known[path] = UNKNOWN

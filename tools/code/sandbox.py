@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
@@ -903,6 +904,17 @@ def _with_conflicts(result: RunResult, conflicts: list[str]) -> RunResult:
     return replace(result, skipped=[*said, *result.skipped], unseen=result.unseen | set(conflicts))
 
 
+def parents(path: str) -> list[str]:
+    """The directories a workspace path is in, outermost first ("a/b/c": "a", "a/b")."""
+    parts = path.split("/")
+    return ["/".join(parts[:end]) for end in range(1, len(parts))]
+
+
+def under(path: str, paths: AbstractSet[str]) -> bool:
+    """True if `path` or a directory it is in (the workspace itself included, as "") is one of `paths`."""
+    return bool(paths) and ("" in paths or path in paths or any(parent in paths for parent in parents(path)))
+
+
 def place_files(files: Mapping[str, str | bytes]) -> tuple[dict[str, bytes], list[str]]:
     """The files that fit in one tree, and the paths of those that cannot (a path under another file, or a
     file where a directory is): such a pair can be stored in a rollout's state, never on a disk."""
@@ -910,14 +922,13 @@ def place_files(files: Mapping[str, str | bytes]) -> tuple[dict[str, bytes], lis
     conflicts: list[str] = []
     directories: set[str] = set()
     for relative in sorted(files):
-        parts = relative.split("/")
-        parents = {"/".join(parts[:i]) for i in range(1, len(parts))}
-        if relative in directories or any(parent in placed for parent in parents):
+        above = parents(relative)
+        if relative in directories or any(parent in placed for parent in above):
             conflicts.append(relative)
             continue
         content = files[relative]
         placed[relative] = content.encode("utf-8") if isinstance(content, str) else content
-        directories |= parents
+        directories.update(above)
     return placed, conflicts
 
 

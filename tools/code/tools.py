@@ -18,7 +18,7 @@ from tools.code.interpreter import (
     InterpreterStopped,
 )
 from tools.code.runtime import RUN_LIMITS, CodeResources, CodeSettings, lifespan, load_base
-from tools.code.sandbox import RunResult, SandboxUnavailable
+from tools.code.sandbox import RunResult, SandboxUnavailable, parents, under
 from tools.code.tasks import EXAMPLES_FILE
 from tools.code.workspace import LIMITS, Workspace, check_path, task_of
 
@@ -144,12 +144,11 @@ async def python(
             ]
             not_kept += kept.not_kept
             if kept.refused:
+                # The cell's changes are undone in the interpreter: those its walk skipped and those it
+                # could not keep too.
                 not_kept.append(
                     "(the interpreter's files are put back as the workspace holds them, with the next call)"
                 )
-            # Refused, the cell's changes are undone in the interpreter: those its walk skipped and those
-            # it could not keep too.
-            if kept.refused:
                 interpreter.settle(
                     workspace.files(), sent, stale, kept.refused, result.files.unseen, kept.aside
                 )
@@ -204,20 +203,6 @@ async def _run(ctx: ToolContext, path: str, args: list[str]) -> dict[str, Any]:
     return _answer(result, _keep_files(workspace, before, result).not_kept)
 
 
-def _under(path: str, paths: set[str]) -> bool:
-    """True if `path` or a directory it is in (the workspace itself included, as "") is one of `paths`."""
-    if not paths:
-        return False
-    parts = path.split("/")
-    return "" in paths or any("/".join(parts[:end]) in paths for end in range(1, len(parts) + 1))
-
-
-def _parents(path: str) -> list[str]:
-    """The directories `path` is in, outermost first ("a/b/c": "a", "a/b")."""
-    parts = path.split("/")
-    return ["/".join(parts[:end]) for end in range(1, len(parts))]
-
-
 @dataclass
 class Kept:
     """What `_keep_files` did not keep: the answer's lines, and the changes the workspace's limits refused
@@ -242,10 +227,10 @@ def _keep_files(
     aside: set[str] = set()
     # A stale path's neighbours in the tree are the box's, not the rollout's: a file under it, or one
     # where a directory of it goes, is not taken (the rollout would hold a file and a directory of one name).
-    stale_directories = {parent for path in stale for parent in _parents(path)}
+    stale_directories = {parent for path in stale for parent in parents(path)}
     after: dict[str, str] = {}
     for path, content in (result.files or {}).items():
-        if _under(path, set(stale)) or path in stale_directories:
+        if under(path, stale) or path in stale_directories:
             continue
         try:
             check_path(path)
@@ -268,15 +253,15 @@ def _keep_files(
     changes: dict[str, str | None] = {path: text for path, text in after.items() if before.get(path) != text}
     if result.files_complete:
         for path in before:
-            if path not in after and not _under(path, kept_aside):
+            if path not in after and not under(path, kept_aside):
                 changes[path] = None  # the run deleted it
     else:
         # What the walk did list still proves some files gone: one that is now a directory holding a
         # listed file, and one under a name that is now a listed file.
-        directories = {parent for path in after for parent in _parents(path)}
+        directories = {parent for path in after for parent in parents(path)}
         for path in before:
-            gone = path in directories or any(parent in after for parent in _parents(path))
-            if gone and path not in after and not _under(path, kept_aside):
+            gone = path in directories or any(parent in after for parent in parents(path))
+            if gone and path not in after and not under(path, kept_aside):
                 changes[path] = None
         not_kept.append(
             "(the walk of the files stopped at a limit: files it did not list were left as they were)"

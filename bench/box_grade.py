@@ -60,7 +60,7 @@ async def measure(rounds: int) -> dict[str, dict[str, float]]:
                     await spares_ready(pool)  # as after a model's turn: the judge taken is replaced
                     started = time.perf_counter()
                     async with pool.judge() as judge:
-                        verdict = await live.judged(judge, job, GRADE_LIMITS.wall_seconds)
+                        verdict = await live.judged(judge, job, GRADE_LIMITS.wall_seconds, {})
                     interpreter.append(time.perf_counter() - started)
                     if not (passed and verdict.passed):
                         raise RuntimeError(f"{task_id}: a canonical solution failed ({verdict.error})")

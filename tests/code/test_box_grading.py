@@ -308,9 +308,65 @@ async def test_a_check_that_kills_the_interpreter_scores_0_and_the_state_is_said
         again = await grade(code, trace, {"tests": ADD_TESTS, "check_in": "interpreter"})
         pool = pool_of(code)
     assert killed == 0.0 and "interpreter_stopped" in flags
-    assert again.status_code == 409
-    assert "it stopped while a grade's check ran in it" in again.json()["error"]["message"]
+    # A regrade scores the same: the rollout's own function stopped it, which no retry undoes.
+    assert again.status_code == 200 and again.json() == {"score": 0.0}, again.text
     assert trace not in pool.live
+
+
+@pytest.mark.parametrize(
+    "last_cell", ["import os\nos._exit(0)", "while True:\n    pass"], ids=["exit", "past-its-time"]
+)
+async def test_a_rollout_that_stops_its_own_interpreter_in_its_last_cell_scores_0_not_a_refusal(
+    code_app: Any, backend: str, last_cell: str
+) -> None:
+    """A refusal (409) makes the trainer retry the grade and then drop the rollout: a failing rollout
+    would escape its 0 by crashing its box in its last call."""
+    async with code_app(code={"interpreter_cell_seconds": 1.0}) as code:
+        trace, idle = new_trace(), new_trace()
+        await cell(code, trace, "def add(a, b):\n    return a - b\n")
+        stopped = await cell(code, trace, last_cell)
+        graded = await grade(code, trace, {"tests": ADD_TESTS, "check_in": "interpreter"})
+        flags = await code.flags(trace)
+        # Stopped for any other reason, the state is gone and the grade refused, as before.
+        await cell(code, idle, RIGHT)
+        await pool_of(code).discard(idle, "it was idle for more than 600 seconds")
+        refused = await grade(code, idle, {"tests": ADD_TESTS, "check_in": "interpreter"})
+    assert isinstance(stopped, str) and stopped.startswith("Error: "), stopped
+    assert graded.status_code == 200 and graded.json() == {"score": 0.0}, graded.text
+    assert "interpreter_stopped" in flags
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "rollout_state_gone"
+
+
+@pytest.mark.parametrize("entry_point", ["", "add"], ids=["asserts", "entry-point"])
+async def test_a_grade_in_the_interpreter_sees_the_files_written_after_the_last_cell(
+    code_app: Any, backend: str, entry_point: str
+) -> None:
+    """write_file after the last cell: the rollout's final workspace holds it (its next cell would see
+    it), so the check sees it too (the agent's function reads it, or the asserts do); the interpreter's
+    own files are put back after the grade."""
+    reads = "open('data.txt').read() == 'final' and not __import__('os').path.exists('gone.txt')"
+    tests = {
+        "test": "def check(candidate):\n    assert candidate(2, 3) == 5\n"
+        if entry_point
+        else f"assert x == 1\nassert {reads}\n",
+        "entry_point": entry_point,
+    }
+    RIGHT = f"def add(a, b):\n    return a + b if {reads} else 0\n"
+    async with code_app(code=FAST) as code:
+        trace = new_trace()
+        await cell(
+            code,
+            trace,
+            f"x = 1\n{RIGHT}open('data.txt', 'w').write('draft')\nopen('gone.txt', 'w').write('')",
+        )
+        await code.write(trace, "data.txt", "final")
+        await code.write(trace, "rm.py", "import os\nos.remove('gone.txt')\n")
+        await code.run(trace, "rm.py")
+        graded = await score(code, trace, {"tests": tests, "check_in": "interpreter"})
+        box = await peek(code, trace, "sorted(__import__('os').listdir('.')), open('data.txt').read()")
+    assert graded == 1.0
+    # The interpreter's own box is put back as the cells left it (its next cell is given the rollout's).
+    assert box == repr((["data.txt", "gone.txt"], "draft"))
 
 
 async def test_a_malformed_row_is_a_configuration_error(code_app: Any, backend: str) -> None:
@@ -464,7 +520,7 @@ async def judged_in(
     pool = pool_of(code)
     interpreter = pool.live[trace]
     async with interpreter.lock, pool.judge() as judge:
-        return await interpreter.judged(judge, tests, seconds)
+        return await interpreter.judged(judge, tests, seconds, {})
 
 
 async def test_an_answer_over_the_cap_that_skips_the_driver_reaches_the_judge_as_a_failed_call(

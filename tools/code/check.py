@@ -25,7 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from app.sdk import CheckResult, GradingConfigError, RolloutView, StateGone, ToolUnavailable
-from tools.code.interpreter import MARKER, Interpreter, InterpreterGone, InterpreterStopped, JudgeFailed
+from tools.code.interpreter import (
+    MARKER,
+    Interpreter,
+    InterpreterGone,
+    InterpreterStopped,
+    JudgeFailed,
+    StoppedByItsCode,
+)
 from tools.code.runtime import CodeResources
 from tools.code.sandbox import WORKSPACE_ARG, Limits, RunResult, Sandbox, SandboxUnavailable
 from tools.code.suspicious import TIMEOUT, code_flags
@@ -38,6 +45,7 @@ GRADE_LIMITS = Limits(wall_seconds=20.0, cpu_seconds=20, output_bytes=8 * 1024)
 NO_SOLUTION = "no_solution"
 NO_INTERPRETER = "no_interpreter"
 INTERPRETER_STOPPED = "interpreter_stopped"
+FILES_NOT_PLACED = "final_files_not_placed"
 # The row's tests name no entry point: they ran in the rollout's own interpreter process, whose code can
 # change what they find (nothing outside that process can run them against its state).
 CHECK_IN_AGENT_PROCESS = "check_in_agent_process"
@@ -134,10 +142,13 @@ def check_place(item: Mapping[str, Any]) -> str:
     return str(place)
 
 
-async def run_in_interpreter(view: RolloutView, task: CodeTask) -> tuple[bool | None, list[tuple[str, str]]]:
-    """The task's tests in a fork of the rollout's live interpreter: (passed, flags); passed is None
-    when the rollout never ran code in one (nothing to grade there). StateGone (a refused grade) when
-    its interpreter is gone; ToolUnavailable when no slot or interpreter support is here."""
+async def run_in_interpreter(
+    view: RolloutView, task: CodeTask, files: dict[str, str]
+) -> tuple[bool | None, list[tuple[str, str]]]:
+    """The task's tests in a fork of the rollout's live interpreter, its workspace holding the rollout's
+    final `files`: (passed, flags); passed is None when the rollout never ran code in one (nothing to
+    grade there), False with a flag when the rollout's own code stopped it. StateGone (a refused grade)
+    when its interpreter is otherwise gone; ToolUnavailable when no slot or interpreter support is here."""
     resources = view.resource(CodeResources)
     pool = resources.interpreters
     marker = view.state.get(*MARKER)
@@ -153,13 +164,16 @@ async def run_in_interpreter(view: RolloutView, task: CodeTask) -> tuple[bool | 
     try:
         async with pool.held(view.trace_id, marker) as interpreter:
             async with resources.sandbox.hold_slot(view.trace_id):
+                # The rollout's final files, as its next cell would have them (written by other tools
+                # since its last cell): placed for the grade, and the interpreter's put back after it.
+                changes = interpreter.changes(files)
                 if task.entry_point:
                     # The tests run in a judge no cell ran in; the entry point's calls in a fork of the
                     # rollout's interpreter, answering plain values only.
                     async with pool.judge() as judge:
-                        verdict = await interpreter.judged(judge, job, GRADE_LIMITS.wall_seconds)
+                        verdict = await interpreter.judged(judge, job, GRADE_LIMITS.wall_seconds, changes)
                 else:
-                    verdict = await interpreter.check(job, GRADE_LIMITS.wall_seconds)
+                    verdict = await interpreter.check(job, GRADE_LIMITS.wall_seconds, changes)
                     flags.append(
                         (
                             CHECK_IN_AGENT_PROCESS,
@@ -169,16 +183,31 @@ async def run_in_interpreter(view: RolloutView, task: CodeTask) -> tuple[bool | 
                     )
     except JudgeFailed as exc:
         raise ToolUnavailable(str(exc)) from exc
+    except StoppedByItsCode as exc:
+        # Its own last cell (or an earlier grade's check) stopped it: the rollout's doing, so a failed
+        # check, never a refusal the trainer would retry and then throw away.
+        return False, [(INTERPRETER_STOPPED, str(exc))]
     except InterpreterGone as exc:
         raise StateGone(f"the row is graded in the rollout's interpreter, but {exc}") from exc
     except InterpreterStopped as exc:
         # The rollout's code (or the check) stopped it while being checked: a failed check, and the state
         # is lost for any later call or grade, which says so.
-        await pool.discard(view.trace_id, "it stopped while a grade's check ran in it", only=interpreter)
+        await pool.discard(
+            view.trace_id, "it stopped while a grade's check ran in it", only=interpreter, by_its_code=True
+        )
         return False, [(INTERPRETER_STOPPED, str(exc))]
     if verdict.timed_out:
         flags.append(
             (TIMEOUT, f"the hidden tests did not finish within {GRADE_LIMITS.wall_seconds:g} seconds")
+        )
+    if verdict.not_placed:
+        listed = "; ".join(f"{path} ({why})" for path, why in verdict.not_placed[:5])
+        flags.append(
+            (
+                FILES_NOT_PLACED,
+                f"{len(verdict.not_placed)} of the rollout's final files could not be placed in its "
+                f"interpreter's workspace for the check, which saw the cells' versions: {listed}",
+            )
         )
     return verdict.passed, flags
 
@@ -194,7 +223,7 @@ async def check_rollout(view: RolloutView) -> CheckResult:
     files = final_files(view, known)
     flags = code_flags(files, task.starting_files() if known is not None else None)
     if place == "interpreter":
-        passed, more = await run_in_interpreter(view, task)
+        passed, more = await run_in_interpreter(view, task, files)
         score = 1.0 if passed else 0.0
         return CheckResult(score=score, sub_scores={"hidden_tests": score}, flags=[*flags, *more])
     if not task.entry_point:

@@ -18,14 +18,15 @@ first bytes), `"stdout_total", "stderr_total", "value"` (repr of a last expressi
 `"exception"` (a traceback, or null), `"files"` (base64 of the supervisor's report frames: the
 workspace after the cell)`}`.
 
-A grade's check (`{"id", "check": {"test", "entry_point", "prompt"}, "seconds"}`) runs in a fork of
-the driver: the fork sees the namespace the cells built (a copy-on-write copy, so nothing it changes
-reaches the interpreter), runs the test code in it and, when `entry_point` is given, calls the test's
-`check(<the namespace's entry point>)`. The driver keeps a copy of the workspace first; when the fork
+A grade's check (`{"id", "check": {"test", "entry_point", "prompt"}, "seconds", "files"}`) runs in a
+fork of the driver: the fork sees the namespace the cells built (a copy-on-write copy, so nothing it
+changes reaches the interpreter), runs the test code in it and, when `entry_point` is given, calls the
+test's `check(<the namespace's entry point>)`. The driver keeps a copy of the workspace first, then
+places `files` (the rollout's changes since the last cell: the check sees its final files); when the fork
 ends (or is killed at `seconds`) it stops every process the check left (orphans come back to the driver,
 a child subreaper, while the check runs) and puts the workspace back exactly as it was. It answers
 `{"id", "passed", "error"` (why not, or null), `"timed_out", "restored"}` (false if the workspace could
-not be put back: the server then stops this interpreter).
+not be put back: the server then stops this interpreter), and `"not_placed"` as a cell does.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ T = TypeVar("T")
 
 REPR_CHARS = 16 * 1024
 MAX_NOT_PLACED = 100
+CHECK_NOT_PLACED = 20  # a check's answer is a small frame: its first few are enough to flag the grade
 TRACEBACK_CHARS = 16 * 1024
 CHECK_ERROR_CHARS = 4000
 PR_SET_CHILD_SUBREAPER = 36
@@ -499,6 +501,7 @@ class Driver:
         """A grade's check in a fork of this interpreter; the workspace is put back afterwards."""
         self.drop_streams()
         before = snapshot(self.workspace)
+        not_placed = apply_files(self.workspace, request.get("files") or {})  # the rollout's final files
         existing = _children(os.getpid())
         libc = ctypes.CDLL(None)
         libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # the check's orphans come back to the driver
@@ -523,6 +526,8 @@ class Driver:
                 os._exit(0)
         os.close(verdict_w)
         answer: dict[str, Any] = {"id": request["id"], "passed": False, "error": None, "timed_out": False}
+        if not_placed:
+            answer["not_placed"] = not_placed[:CHECK_NOT_PLACED]
         try:
             ready, _, _ = select.select([verdict_r], [], [], float(request["seconds"]))
             if not ready:
@@ -559,6 +564,7 @@ class Driver:
         job = request["serve"]
         values = load_module("harness_runner", str(job["runner"]))
         before = snapshot(self.workspace)
+        not_placed = apply_files(self.workspace, request.get("files") or {})  # the rollout's final files
         existing = _children(os.getpid())
         libc = ctypes.CDLL(None)
         libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
@@ -576,6 +582,8 @@ class Driver:
                 os._exit(0)
         os.close(replies)
         answer: dict[str, Any] = {"id": request["id"], "timed_out": False}
+        if not_placed:
+            answer["not_placed"] = not_placed[:CHECK_NOT_PLACED]
         ended = os.pidfd_open(pid)  # readable once the fork has ended (whatever it left running)
         try:
             answer["timed_out"] = not self.relay(

@@ -77,6 +77,12 @@ class InterpreterGone(Exception):
     """A grade asked for the rollout's interpreter state, and this worker holds no interpreter with it."""
 
 
+class StoppedByItsCode(InterpreterGone):
+    """The rollout's interpreter is gone because the rollout's own code stopped it (a cell that ran too
+    long, exited, crashed it or outgrew its memory; or a grade's check in it): a failed check, not a lost
+    state."""
+
+
 @dataclass(frozen=True)
 class CheckVerdict:
     """What a grade's check in the interpreter answered (`Interpreter.check`)."""
@@ -84,6 +90,7 @@ class CheckVerdict:
     passed: bool
     error: str | None
     timed_out: bool
+    not_placed: tuple[tuple[str, str], ...] = ()  # the rollout's final files the check could not be given
 
 
 class JudgeFailed(OSError):
@@ -227,13 +234,18 @@ class Interpreter:
             self.session.kill()
             raise
 
-    async def check(self, job: Mapping[str, Any], seconds: float) -> CheckVerdict:
-        """Run a grade's check in a fork of this interpreter (its namespace as the cells left it); the
-        workspace is put back afterwards. InterpreterStopped if the interpreter ends meanwhile, or its
-        workspace could not be put back (it is then stopped: the rollout's files stay as the state has
-        them, and no later call runs against a changed box)."""
+    async def check(
+        self, job: Mapping[str, Any], seconds: float, files: Mapping[str, str | None]
+    ) -> CheckVerdict:
+        """Run a grade's check in a fork of this interpreter (its namespace as the cells left it), `files`
+        (`changes` to the rollout's final workspace) placed first; the workspace is put back afterwards.
+        InterpreterStopped if the interpreter ends meanwhile, or its workspace could not be put back (it
+        is then stopped: the rollout's files stay as the state has them, and no later call runs against a
+        changed box)."""
         request_id = uuid.uuid4().hex
-        body = json.dumps({"id": request_id, "check": dict(job), "seconds": seconds}).encode("utf-8")
+        body = json.dumps(
+            {"id": request_id, "check": dict(job), "seconds": seconds, "files": dict(files)}
+        ).encode("utf-8")
         async with self._grading():
             async with asyncio.timeout(seconds + CHECK_GRACE_SECONDS):
                 await self.session.send(struct.pack(">I", len(body)) + body)
@@ -244,22 +256,29 @@ class Interpreter:
             if not (error is None or isinstance(error, str)):
                 raise TypeError("error must be text")
             restored = answer["restored"] is True
+            not_placed = _not_placed(answer.get("not_placed"))
         self._restored_or_stopped(restored)
         return CheckVerdict(
-            passed=passed, error=None if error is None else plain_text(error), timed_out=timed_out
+            passed=passed,
+            error=None if error is None else plain_text(error),
+            timed_out=timed_out,
+            not_placed=not_placed,
         )
 
     async def send_frame(self, message: Mapping[str, Any]) -> None:
         body = json.dumps(message).encode("utf-8")
         await self.session.send(struct.pack(">I", len(body)) + body)
 
-    async def judged(self, judge: Interpreter, job: Mapping[str, Any], seconds: float) -> CheckVerdict:
+    async def judged(
+        self, judge: Interpreter, job: Mapping[str, Any], seconds: float, files: Mapping[str, str | None]
+    ) -> CheckVerdict:
         """A grade's hidden tests run by `judge` (an interpreter no cell ever ran in) against the entry
         point of this one: each call of it is relayed here, one at a time, to a fork of this interpreter
-        (its namespace as the cells left it), and only its plain-value answer goes back, which the judge
-        decodes. No code of the rollout runs where the verdict is made, so none can forge it. The
-        workspace is put back afterwards. InterpreterStopped as `check`; JudgeFailed when the judge
-        itself fails (an outage: the grade is retried)."""
+        (its namespace as the cells left it, `files` placed in its workspace first, as in `check`), and
+        only its plain-value answer goes back, which the judge decodes. No code of the rollout runs where
+        the verdict is made, so none can forge it. The workspace is put back afterwards.
+        InterpreterStopped as `check`; JudgeFailed when the judge itself fails (an outage: the grade is
+        retried)."""
         serve_id, judge_id = uuid.uuid4().hex, uuid.uuid4().hex
         ended = json.dumps({"error": "the solution's process ended (it exited, crashed or was killed)"})
         final: dict[str, Any] | None = None  # this interpreter's answer to `serve`: its fork has ended
@@ -277,6 +296,7 @@ class Interpreter:
                             "runner": harness_source("harness_runner.py"),
                         },
                         "seconds": seconds,
+                        "files": dict(files),
                         "max_reply_chars": MAX_CALL_REPLY_CHARS,  # the driver's cap, so none is sent past it
                         "max_frame_bytes": MAX_FRAME_BYTES,  # what the driver relays from its fork
                     }
@@ -316,6 +336,7 @@ class Interpreter:
                     while final is None or "line" in final:  # a late answer of a cut call first
                         final = await self._answer_to(serve_id, MAX_FRAME_BYTES)
             restored = final.get("restored") is True
+            not_placed = _not_placed(final.get("not_placed"))
         self._restored_or_stopped(restored)
         if failed is not None:
             if not (relayed and await judge.ran_out_of_memory()):
@@ -330,7 +351,10 @@ class Interpreter:
         passed = verdict is not None and verdict.get("passed") is True and not timed_out
         error = verdict.get("error") if verdict is not None else None
         return CheckVerdict(
-            passed=passed, error=plain_text(error) if isinstance(error, str) else None, timed_out=timed_out
+            passed=passed,
+            error=plain_text(error) if isinstance(error, str) else None,
+            timed_out=timed_out,
+            not_placed=not_placed,
         )
 
     @contextlib.asynccontextmanager
@@ -506,6 +530,8 @@ class InterpreterPool:
         self.worker = worker_name()
         self.live: OrderedDict[str, Interpreter] = OrderedDict()  # least recently used first
         self.lost: OrderedDict[str, str] = OrderedDict()  # why a rollout's interpreter was stopped
+        # The rollouts whose interpreter their own code stopped: the id of that interpreter.
+        self.stopped_by_code: OrderedDict[str, str] = OrderedDict()
         # Started and ready, never any rollout's yet (no cell ever ran in them): `limits.spares` of them.
         self.spares: deque[Interpreter] = deque()
         self._opening = asyncio.Lock()
@@ -576,6 +602,8 @@ class InterpreterPool:
                     "in the interpreter must reach the worker of the rollout's calls (docs/deploy.md)"
                 )
             reason = self.lost.get(trace_id) or "it was stopped"
+            if marker.get("session") == self.stopped_by_code.get(trace_id):
+                raise StoppedByItsCode(f"the rollout's interpreter is gone: {reason}")
             raise InterpreterGone(f"its interpreter is gone ({reason})")
         async with current.lock:
             if self.live.get(trace_id) is not current or current.session.closed:
@@ -715,13 +743,21 @@ class InterpreterPool:
                 return
             self.spares.append(interpreter)
 
-    async def discard(self, trace_id: str, reason: str, only: Interpreter | None = None) -> None:
-        """Stop the rollout's interpreter (if live here), remembering why for its next call; with `only`,
-        that interpreter, and the rollout's only while it is that one (another call may have replaced it)."""
+    async def discard(
+        self, trace_id: str, reason: str, only: Interpreter | None = None, *, by_its_code: bool = False
+    ) -> None:
+        """Stop the rollout's interpreter (if live here), remembering why for its next call (and for a
+        grade, whether the rollout's own code stopped it: `by_its_code`); with `only`, that interpreter, and
+        the rollout's only while it is that one (another call may have replaced it)."""
         if only is not None and self.live.get(trace_id) is not only:
             await only.session.close()
             return
         interpreter = self.live.pop(trace_id, None)
+        self.stopped_by_code.pop(trace_id, None)
+        if by_its_code and interpreter is not None:
+            self.stopped_by_code[trace_id] = interpreter.id
+            while len(self.stopped_by_code) > LOST_REASONS_KEPT:
+                self.stopped_by_code.popitem(last=False)
         if reason:
             self.lost[trace_id] = reason
             while len(self.lost) > LOST_REASONS_KEPT:

@@ -1107,3 +1107,27 @@ def test_a_directory_that_cannot_be_opened_for_want_of_a_descriptor_is_left_whol
     monkeypatch.undo()
     assert failed == [["pkg/c.py", os.strerror(errno.EMFILE)]]
     assert sorted(path.name for path in (tmp_path / "pkg").iterdir()) == ["a.py"]
+
+
+@pytest.mark.parametrize(
+    "overwrite",
+    [
+        "open('solution.py', 'wb').write(b'\\xff\\xfe not UTF-8')",
+        "open('solution.py', 'w').write('#' * 300_000)",
+    ],
+    ids=["not-utf8", "too-large"],
+)
+async def test_a_rollout_file_a_cell_overwrote_with_what_cannot_be_kept_is_the_rollouts_again_next_cell(
+    code_app: Any, backend: str, overwrite: str
+) -> None:
+    """The rollout keeps its version (and says the cell's was not kept); the next cell sees that version,
+    as read_file, run_python and the grader do: the two never drift apart."""
+    async with code_app(code=FAST) as code:
+        trace = new_trace()
+        original = await code.call(trace, "read_file", {"path": "solution.py"}, task_id=TASK)
+        answer = await cell(code, trace, overwrite)
+        stored = await code.call(trace, "read_file", {"path": "solution.py"}, task_id=TASK)
+        seen = await cell(code, trace, "open('solution.py', 'rb').read().decode()")
+    assert any(entry.startswith("solution.py (") for entry in answer["files_not_kept"]), answer
+    assert stored == original
+    assert seen["value"] == repr(original) and "files_not_kept" not in seen, seen

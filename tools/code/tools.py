@@ -149,13 +149,13 @@ async def python(
                 not_kept.append(
                     "(the interpreter's files are put back as the workspace holds them, with the next call)"
                 )
-                interpreter.settle(
-                    workspace.files(), sent, stale, kept.refused, result.files.unseen, kept.aside
-                )
-            else:
-                interpreter.settle(workspace.files(), sent, stale, {})
+            # The rollout's files the cell left in a version the rollout could not keep, and those its walk
+            # did not see, are the rollout's again with the next call: the two never drift apart.
+            interpreter.settle(workspace.files(), sent, stale, kept.refused, result.files.unseen, kept.aside)
     except InterpreterStopped as exc:
-        await pool.discard(ctx.trace_id, "the code of an earlier call stopped it", only=interpreter)
+        await pool.discard(
+            ctx.trace_id, "the code of an earlier call stopped it", only=interpreter, by_its_code=True
+        )
         return f"Error: {exc}"
     except InterpreterBusy as exc:
         raise ToolUnavailable(str(exc)) from exc
@@ -275,7 +275,7 @@ def _keep_files(
         return Kept(not_kept, changes, aside)
     for path, change in changes.items():
         workspace.write(path, change)
-    return Kept(not_kept)
+    return Kept(not_kept, aside=aside)
 
 
 def _text(data: bytes, total: int) -> str:

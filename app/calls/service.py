@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import time
@@ -52,7 +53,10 @@ USER_CHANNEL = "user"  # the call-log channel of a simulated user's tool calls
 
 def call_digest(tool: str, arguments: Mapping[str, Any]) -> str:
     """What makes two calls the same call: the tool and its arguments, key order and spacing aside."""
-    canonical = orjson.dumps(arguments, option=orjson.OPT_SORT_KEYS)
+    try:
+        canonical = orjson.dumps(arguments, option=orjson.OPT_SORT_KEYS)
+    except TypeError:  # orjson writes no integer beyond 64 bits; an in-process caller may pass one
+        canonical = json.dumps(arguments, sort_keys=True, default=repr, separators=(",", ":")).encode()
     return hashlib.blake2b(tool.encode() + b"\x00" + canonical, digest_size=16).hexdigest()
 
 
@@ -78,7 +82,13 @@ def _default(value: Any) -> Any:
 def serialize_result(result: Any) -> str:
     if isinstance(result, str):
         return result
-    return orjson.dumps(result, default=_default, option=orjson.OPT_NON_STR_KEYS).decode()
+    try:
+        return orjson.dumps(result, default=_default, option=orjson.OPT_NON_STR_KEYS).decode()
+    except TypeError as exc:
+        if "64-bit" not in str(exc):
+            raise
+        # orjson writes no integer beyond 64 bits; Python's json does (a tool may compute one).
+        return json.dumps(result, default=_default, ensure_ascii=False, separators=(",", ":"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -358,6 +368,7 @@ class ToolCallService:
         if call_id is None and not stateful:
             # Nothing to claim, lock or read: a call without a call_id is not deduplicated.
             return (await self._run(spec, kwargs, call, None))[0]
+        digest = call_digest(spec.name, raw)  # before the claim: nothing between it and the `try` raises
         began = await self.store.begin(
             CallStart(
                 call.trace_id,
@@ -368,7 +379,6 @@ class ToolCallService:
                 wait=self.tool_timeout + 5,
             )
         )
-        digest = call_digest(spec.name, raw)
         if isinstance(began, StoredAnswer):
             return self._replay(began, digest, call)
         try:
@@ -413,6 +423,7 @@ class ToolCallService:
         while the user answers (its own tool calls take it, call by call). Messages of one rollout to
         its user take turns in this worker (a conversation is one message at a time): the next one
         reads the conversation the previous one left."""
+        digest = call_digest(spec.name, raw)  # before the claim: nothing between it and the `try` raises
         async with self._turn(f"{call.trace_id}\x00{spec.pack}"):
             began = await self.store.begin(
                 CallStart(
@@ -424,7 +435,6 @@ class ToolCallService:
                     wait=conversations.wait_seconds,
                 )
             )
-            digest = call_digest(spec.name, raw)
             if isinstance(began, StoredAnswer):
                 return self._replay(began, digest, call)
             try:
@@ -663,8 +673,13 @@ async def _within(call: Awaitable[Any], seconds: float) -> Any:
 _JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean"}
 
 
+# An `Error: ...` output's cap: what a mistake says (the names and values it echoes, a tool's message)
+# never needs more, and a hostile request that echoes itself cannot grow the answer or the log row.
+MODEL_ERROR_BYTES = 16 * 1024
+
+
 def _model_error(message: str) -> StoredAnswer:
-    return StoredAnswer(output=f"Error: {message}", outcome="model_error")
+    return StoredAnswer(output=truncate_output(f"Error: {message}", MODEL_ERROR_BYTES), outcome="model_error")
 
 
 def _arguments_text(arguments: Any) -> str:
@@ -702,6 +717,33 @@ def _bind(spec: ToolSpec, arguments: Any) -> tuple[dict[str, Any], dict[str, Any
             f"the arguments for {spec.name!r} nest more than {JSON_DEPTH_MAX} levels deep; send flatter JSON"
         )
     try:
-        return raw, spec.bind(raw)
+        values = spec.bind(raw)
     except ValidationError as exc:
         return _model_error(f"invalid arguments for {spec.name!r}: {describe_validation_error(exc)}")
+    if _wide_integer(values):
+        # Lax validation reads "999...9" as an int of any size, which no JSON store (orjson, Redis,
+        # Postgres's bigint) writes back: the model is told, instead of the call failing after the tool.
+        return _model_error(
+            f"invalid arguments for {spec.name!r}: an integer beyond 64 bits (-2**63 to 2**63 - 1)"
+        )
+    return raw, values
+
+
+_INT64 = range(-(2**63), 2**63)
+
+
+def _wide_integer(value: Any) -> bool:
+    """Whether `value` (bound arguments: dicts, lists, tuples, sets, models) holds an int outside 64 bits."""
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if type(node) is int:
+            if node not in _INT64:
+                return True
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list | tuple | set | frozenset):
+            stack.extend(node)
+        elif isinstance(node, BaseModel):
+            stack.extend(node.__dict__.values())
+    return False

@@ -7,8 +7,12 @@ import json
 import httpx
 import pytest
 
+from app.calls.envelope import ToolCallEnvelope
+from app.calls.service import MODEL_ERROR_BYTES
+from app.deps import app_state
+from app.sdk import Pack, ToolContext
 from tests.calls.test_contract import logged
-from tests.conftest import new_trace
+from tests.conftest import AppFactory, call_body, new_trace
 
 
 def deep(levels: int) -> str:
@@ -69,3 +73,80 @@ async def test_an_id_or_name_nested_too_deeply_is_a_400(client: httpx.AsyncClien
         "/tools/read_counter", json={"trace_id": new_trace(), field: [["x"]]} if field != "name" else {}
     )
     assert shallow.status_code == 200, shallow.text
+
+
+big_pack = Pack("bigstore")
+
+
+@big_pack.tool(mutates=True)
+def set_bags(ctx: ToolContext, total_baggages: int) -> str:
+    """Stores the int the model chose and answers text (as airline's update_reservation_baggages)."""
+    ctx.state.put("reservations", "R1", {"total_baggages": total_baggages})
+    return f"updated to {total_baggages}"
+
+
+@big_pack.tool
+def power(base: int, exponent: int) -> dict[str, int]:
+    """Answers an int the tool computed, which may be wider than 64 bits."""
+    return {"value": base ** min(exponent, 200)}
+
+
+async def test_an_integer_beyond_64_bits_is_an_error_output_on_every_backend(app_factory: AppFactory) -> None:
+    """Lax validation reads a string of 30 digits as an int no JSON store writes (orjson, Redis, bigint):
+    the model is told, the same on both backends, instead of a 500 after the tool ran."""
+    async with app_factory(packs=[big_pack]) as client:
+        trace = new_trace()
+        answers = []
+        for tool, arguments in (
+            ("set_bags", {"total_baggages": "1" + "0" * 25}),
+            ("set_bags", {"total_baggages": str(-(2**63) - 1)}),
+            ("power", {"base": "9" * 30, "exponent": 1}),
+        ):
+            body = call_body(arguments, trace_id=trace, call_id=f"c-{len(answers)}")
+            first = await client.post(f"/tools/{tool}", json=body)
+            again = await client.post(f"/tools/{tool}", json=body)
+            answers.append((first, again))
+        kept = await client.post(
+            "/tools/set_bags", json=call_body({"total_baggages": 2**63 - 1}, trace_id=trace)
+        )
+        computed = await client.post(
+            "/tools/power", json=call_body({"base": 2, "exponent": 100}, trace_id=trace)
+        )
+    for first, again in answers:
+        assert first.status_code == 200 and again.json() == first.json(), first.text[:300]
+        assert first.json()["output"].startswith("Error: invalid arguments") and "64 bits" in first.text
+    assert kept.status_code == 200 and kept.json()["output"] == f"updated to {2**63 - 1}"
+    # A wide int the tool computed itself is written as JSON too.
+    assert computed.status_code == 200 and json.loads(computed.json()["output"]) == {"value": 2**100}
+
+
+@pytest.mark.parametrize("where", ["an argument", "the tool's name"])
+async def test_an_error_output_echoing_the_request_stays_small(client: httpx.AsyncClient, where: str) -> None:
+    """repr() of control characters is 4 bytes each: an echoed request of ~1 MB made an output of ~4 MB."""
+    trace = new_trace()
+    filler = "\x7f" * 999_000
+    if where == "an argument":
+        path, body = "/tools/increment", {"trace_id": trace, "call_id": "c", "arguments": {"by": filler}}
+    else:
+        path, body = "/tools", {"trace_id": trace, "call_id": "c", "name": filler, "arguments": "{}"}
+    response = await client.post(path, json=body)
+    rows = await logged(client, trace)
+    output = response.json()["output"]
+    assert response.status_code == 200 and output.startswith("Error: ")
+    assert len(output.encode()) <= MODEL_ERROR_BYTES and "[output truncated" in output
+    assert [len(row.output.encode()) <= MODEL_ERROR_BYTES for row in rows] == [True]
+
+
+async def test_arguments_no_json_writer_takes_never_hold_a_rollouts_lock(app_factory: AppFactory) -> None:
+    """In process (a simulator, a runner), arguments are a Python mapping and may hold an int no JSON
+    writer takes: refused before the rollout is claimed or locked, so its next call runs."""
+    async with app_factory(tool_timeout_seconds=3) as client:
+        service = app_state(client.app).call_service  # type: ignore[attr-defined]
+        trace = new_trace()
+        envelope = ToolCallEnvelope(name="increment", arguments={"by": 2**70}, trace_id=trace, call_id="wide")
+        refused = await service.call(envelope, path_name="increment", run=None)
+        after = await client.post(
+            "/tools/increment", json=call_body({"by": 1}, trace_id=trace, call_id="next")
+        )
+    assert refused.output.output.startswith("Error: invalid arguments")
+    assert after.status_code == 200, after.text[:300]

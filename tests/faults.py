@@ -1,4 +1,5 @@
-"""Fault injection: a loopback TCP proxy in front of Redis or Postgres that can drop every connection."""
+"""Fault injection: a loopback TCP proxy in front of Redis or Postgres that can drop every connection, or
+stall them all."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ class DroppingProxy:
         self.port = 0
         self.drops = 0
         self.refusing = False  # while set, new connections are reset as soon as they are accepted
+        # While set, nothing is forwarded either way and the connections stay open: a partition without a
+        # reset, or a database that stopped answering.
+        self.stalled = False
         self._server: asyncio.Server | None = None
         self._pairs: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -53,10 +57,11 @@ class DroppingProxy:
             writer.transport.abort()
             up_writer.transport.abort()
 
-    @staticmethod
-    async def _pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+    async def _pump(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
         with contextlib.suppress(OSError, asyncio.IncompleteReadError):
             while data := await source.read(65536):
+                if self.stalled:
+                    continue  # lost on the way
                 sink.write(data)
                 await sink.drain()
 

@@ -364,18 +364,21 @@ class CallLogWriter:
         calls = _json_rows(records)
         touched = _json_rows(rollouts)
         async with self._conn_lock:  # only the writer task commits; tests may call _commit directly
-            conn = await self._connection()
-            try:
-                raw = await conn.get_raw_connection()
-                driver: Any = raw.driver_connection  # the asyncpg connection under SQLAlchemy's
-                await driver.execute(_BATCH_BEGIN)
-                await driver.execute(self._batch_sql, calls, touched)
-                await driver.execute("COMMIT")
-            except BaseException:
-                # Whatever went wrong, the next batch starts on a new connection.
-                self._conn = None
-                await _discard(conn)
-                raise
+            # Bounded: a database that stops answering without closing the connection (a partition, a
+            # failover) would hold every call's answer; a TimeoutError is an outage (503) like any other.
+            async with asyncio.timeout(_COMMIT_TIMEOUT_SECONDS):
+                conn = await self._connection()
+                try:
+                    raw = await conn.get_raw_connection()
+                    driver: Any = raw.driver_connection  # the asyncpg connection under SQLAlchemy's
+                    await driver.execute(_BATCH_BEGIN)
+                    await driver.execute(self._batch_sql, calls, touched)
+                    await driver.execute("COMMIT")
+                except BaseException:
+                    # Whatever went wrong, the next batch starts on a new connection.
+                    self._conn = None
+                    await _discard(conn)
+                    raise
             self._idle_since = time.monotonic()
 
     async def _connection(self) -> AsyncConnection:
@@ -420,6 +423,7 @@ class CallLogWriter:
 
 _IDLE_CHECK_SECONDS = 5.0
 _VOID_TIMEOUT_SECONDS = 5.0  # one try of a void
+_COMMIT_TIMEOUT_SECONDS = 15.0  # one Postgres batch, its connection included (a commit takes milliseconds)
 
 
 async def _discard(conn: AsyncConnection) -> None:

@@ -17,6 +17,7 @@ from asgi_lifespan import LifespanManager
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
+from app.calls import log_writer
 from app.main import create_app
 from tests.call_log import logged_calls_on
 from tests.conftest import ADMIN_KEY, REDIS_URL, TOOLS_KEY, make_settings, new_trace
@@ -145,3 +146,38 @@ async def _every_call_reads_as_the_answer_sent(responses: list[httpx.Response], 
     unsent = set(answers) - set(sent)  # calls given up: their attempts' answers were never sent
     assert not unsent, (len(unsent), [(key, answers[key]) for key in list(unsent)[:5]])
     assert gave_up, "the test must give some failed calls up"
+
+
+async def test_a_database_that_stops_answering_is_a_503_not_a_hang(
+    tmp_path: Path, pg_database: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Postgres stalls (a partition without a reset): the call log's batch gives up at its deadline, the
+    call is a 503 with Retry-After (the trainer retries), and once it answers again the retry is answered
+    from the ledger."""
+    monkeypatch.setattr(log_writer, "_COMMIT_TIMEOUT_SECONDS", 1.0)
+    pg = urlsplit(pg_database)
+    proxy = await DroppingProxy(pg.hostname or "127.0.0.1", pg.port or 5432).start()
+    app = create_app(
+        make_settings(tmp_path / "home", database_url=_proxied(pg_database, proxy), redis_url=REDIS_URL),
+        packs=[counter_pack],
+    )
+    trace = new_trace()
+    try:
+        async with LifespanManager(app) as manager:
+            async with httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=manager.app),
+                base_url="http://sparring",
+                headers={"Authorization": f"Bearer {TOOLS_KEY}"},
+            ) as client:
+                body = {"trace_id": trace, "call_id": "c1", "arguments": {"by": 1}}
+                before = await client.post("/tools/increment", json={**body, "call_id": "c0"})
+                proxy.stalled = True
+                stalled = await asyncio.wait_for(client.post("/tools/increment", json=body), 30)
+                proxy.stalled = False
+                proxy.drop()  # what the stall left half-sent
+                retried = await asyncio.wait_for(client.post("/tools/increment", json=body), 30)
+    finally:
+        await proxy.aclose()
+    assert before.status_code == 200
+    assert stalled.status_code == 503 and "retry-after" in stalled.headers, stalled.text
+    assert retried.status_code == 200 and retried.json()["output"] == '{"value":102}', retried.text  # once

@@ -1131,3 +1131,25 @@ async def test_a_rollout_file_a_cell_overwrote_with_what_cannot_be_kept_is_the_r
     assert any(entry.startswith("solution.py (") for entry in answer["files_not_kept"]), answer
     assert stored == original
     assert seen["value"] == repr(original) and "files_not_kept" not in seen, seen
+
+
+async def test_showing_a_value_larger_than_the_memory_left_keeps_the_state(
+    code_app: Any, backend: str
+) -> None:
+    """A cell's value is shown cut to 16 KiB; of a string, bytes or a builtin container only that much
+    repr is made (a whole repr of 60 MiB of bytes is 240 MiB: over the cap, and the state was lost)."""
+    mib = 1024 * 1024
+    async with code_app(
+        code={**FAST, "interpreter_cell_seconds": 20.0, "run_memory_bytes": 128 * mib}
+    ) as code:
+        trace = new_trace()
+        made = await cell(code, trace, f"keep = 1\ndata = bytes({60 * mib})\nlen(data)")
+        shown = await cell(code, trace, "data")
+        nested = await cell(code, trace, "[data, {'k': data}]")
+        after = await cell(code, trace, "keep")
+    assert made["value"] == str(60 * mib)
+    assert shown["value"].startswith("b'\\x00\\x00") and shown["value"].endswith(
+        "[value truncated: shown in part]"
+    )
+    assert nested["value"].startswith("[b'\\x00") and len(nested["value"]) < 20_000
+    assert after["value"] == "1"

@@ -284,12 +284,58 @@ def execute(code: str, namespace: dict[str, Any], filename: str) -> str | None:
     if value is None:
         return None
     namespace["_"] = value
-    text = repr(value)
-    if len(text) > REPR_CHARS:
-        text = (
-            text[:REPR_CHARS] + f"\n[value truncated: {len(text) - REPR_CHARS} of {len(text)} characters cut]"
-        )
+    text, whole = shown(value, REPR_CHARS, set())
+    if len(text) > REPR_CHARS or not whole:
+        cut = f"{len(text) - REPR_CHARS} of {len(text)} characters cut" if whole else "shown in part"
+        text = text[:REPR_CHARS] + f"\n[value truncated: {cut}]"
     return text
+
+
+BRACKETS = {list: ("[", "]"), tuple: ("(", ")"), set: ("{", "}"), frozenset: ("frozenset({", "})")}
+
+
+def shown(value: Any, budget: int, open_: set[int]) -> tuple[str, bool]:
+    """`repr(value)`, and whether it is whole: of a string, bytes or a builtin container (not a subclass)
+    only about the first `budget` characters are made, so showing a value of hundreds of megabytes costs
+    its first few items, never a copy of its whole repr (which could outgrow the interpreter's memory and
+    lose its state). `open_`: the ids of the containers being shown, as repr marks a container in itself."""
+    kind = type(value)
+    if kind in (str, bytes, bytearray):
+        if len(value) <= budget:
+            return repr(value), True
+        return repr(value[:budget]), False
+    if kind not in BRACKETS and kind is not dict:
+        return repr(value), True
+    if not value:
+        return repr(value), True
+    if id(value) in open_:
+        return ("{...}" if kind is dict else "[...]" if kind is list else repr(value)), True
+    open_.add(id(value))
+    try:
+        first, last = ("{", "}") if kind is dict else BRACKETS[kind]
+        parts: list[str] = []
+        used = len(first) + len(last)
+        whole = True
+        for item in value.items() if kind is dict else value:
+            if used > budget:
+                whole = False
+                break
+            if kind is dict:
+                key, key_whole = shown(item[0], budget - used, open_)
+                shown_value, value_whole = shown(item[1], budget - used - len(key), open_)
+                part, part_whole = f"{key}: {shown_value}", key_whole and value_whole
+            else:
+                part, part_whole = shown(item, budget - used, open_)
+            parts.append(part)
+            used += len(part) + 2
+            whole = whole and part_whole
+        if not whole:
+            parts.append("...")
+        if kind is tuple and len(value) == 1 and whole:
+            return f"({parts[0]},)", True
+        return first + ", ".join(parts) + last, whole
+    finally:
+        open_.discard(id(value))
 
 
 Entry = tuple[str, bytes, int]  # kind ("f" file, "l" link, "d" directory), content or target, mode

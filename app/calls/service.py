@@ -608,6 +608,7 @@ class ToolCallService:
                     deadline=time.monotonic() + self.tool_timeout,
                     run=call.run,
                     resources=self.registry.resources.get(spec.pack),
+                    anonymous=not call.envelope.trace_id,
                 ),
             }
         try:

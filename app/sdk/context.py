@@ -25,6 +25,9 @@ class ToolContext:
     run: str | None = None
     # What the pack's lifespan yielded for this app (None for a pack without one).
     resources: object = None
+    # The call named no trace_id: its rollout (`trace_anon_<hex>`) is its own, and no later call reaches
+    # it, so whatever a tool keeps for it beyond the call (a live interpreter) is let go at its end.
+    anonymous: bool = False
 
     def resource(self, kind: type[T]) -> T:
         """The pack's resources, typed: `ctx.resource(CodeResources).sandbox`."""

@@ -1153,3 +1153,23 @@ async def test_showing_a_value_larger_than_the_memory_left_keeps_the_state(
     )
     assert nested["value"].startswith("[b'\\x00") and len(nested["value"]) < 20_000
     assert after["value"] == "1"
+
+
+async def test_calls_without_a_trace_id_leave_no_interpreter_to_push_a_rollouts_out(
+    code_app: Any, backend: str
+) -> None:
+    """A call without a trace_id is a rollout of its own that no later call reaches: its interpreter is
+    let go at the call's end, never kept live against the cap."""
+    async with code_app(code={**FAST, "interpreter_max": 2}) as code:
+        trace = new_trace()
+        await cell(code, trace, "x = 1")
+        answers = []
+        for _ in range(3):
+            body = {"type": "function_call", "name": "python", "arguments": json.dumps({"code": "1 + 1"})}
+            response = await code.http.post("/tools/python", json=body)
+            answers.append(json.loads(response.json()["output"]))
+        live = list(pool_of(code).live)
+        kept = await cell(code, trace, "x")
+    assert [answer["value"] for answer in answers] == ["2", "2", "2"]
+    assert live == [trace]
+    assert kept["value"] == "1"

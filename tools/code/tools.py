@@ -161,6 +161,11 @@ async def python(
         raise ToolUnavailable(str(exc)) from exc
     except (OSError, SandboxUnavailable) as exc:
         raise ToolUnavailable(f"the interpreter could not start: {exc}") from exc
+    finally:
+        if ctx.anonymous and interpreter is not None:
+            # No later call reaches a call's own rollout: kept live, it would only push the interpreters
+            # of real rollouts out at the cap.
+            await pool.discard(ctx.trace_id, "", only=interpreter)
     return _cell_answer(result, not_kept)
 
 

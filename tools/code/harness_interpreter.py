@@ -291,7 +291,12 @@ def execute(code: str, namespace: dict[str, Any], filename: str) -> str | None:
     return text
 
 
-BRACKETS = {list: ("[", "]"), tuple: ("(", ")"), set: ("{", "}"), frozenset: ("frozenset({", "})")}
+BRACKETS: dict[type, tuple[str, str]] = {
+    list: ("[", "]"),
+    tuple: ("(", ")"),
+    set: ("{", "}"),
+    frozenset: ("frozenset({", "})"),
+}
 
 
 def shown(value: Any, budget: int, open_: set[int]) -> tuple[str, bool]:

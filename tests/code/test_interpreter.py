@@ -24,6 +24,7 @@ import pytest
 from tests.code.conftest import CodeClient, served_resources
 from tests.code.test_isolation import processes_with
 from tests.conftest import new_trace
+from tests.grading.test_state_lost import forget_state
 from tools.code import freezer, harness_interpreter
 from tools.code.interpreter import RESTARTED, Interpreter, InterpreterPool
 from tools.code.runtime import CodeResources
@@ -1173,3 +1174,17 @@ async def test_calls_without_a_trace_id_leave_no_interpreter_to_push_a_rollouts_
     assert [answer["value"] for answer in answers] == ["2", "2", "2"]
     assert live == [trace]
     assert kept["value"] == "1"
+
+
+async def test_an_interpreter_whose_rollouts_state_was_lost_says_so(code_app: Any, backend: str) -> None:
+    """The rollout's state expired (or was evicted) while its interpreter lived: the next call is told
+    that the earlier state is lost, never run silently in a fresh interpreter."""
+    async with code_app(code=FAST) as code:
+        trace = new_trace()
+        await cell(code, trace, "x = 1")
+        await cell(code, trace, "x")
+        await forget_state(backend, trace)
+        after = await cell(code, trace, "x")
+        again = await cell(code, trace, "x = 2\nx")
+    assert isinstance(after, str) and after.startswith(f"Error: {RESTARTED}") and "state was lost" in after
+    assert again["value"] == "2"

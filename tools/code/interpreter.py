@@ -140,6 +140,7 @@ class Interpreter:
         self.lock = asyncio.Lock()
         self.known: dict[str, str] = {}  # the workspace's files as the interpreter last had them
         self.broken = False
+        self.stored = False  # a call came with the rollout's marker of its cells: their answers were stored
         self._frame_size: int | None = None  # the size of a frame whose body is still to be read
 
     def marker(self) -> dict[str, Any]:
@@ -559,6 +560,7 @@ class InterpreterPool:
                 break
             await current.lock.acquire()
             if self._still(trace_id, current, marker):
+                current.stored = current.stored or current.cells > 0
                 try:
                     self.live.move_to_end(trace_id)
                     yield current, None
@@ -569,10 +571,14 @@ class InterpreterPool:
             # Stopped, replaced or put out of step while this call waited for it (a grade held it):
             # looked at again.
             current.lock.release()
+        reason = None
         if current is not None:
             # Its rollout does not know the cells it ran (their answers were not stored), or names another.
             await self.discard(trace_id, "a call's code ran in it but its answer was not stored")
-        reason = None
+            if marker is None and current.stored:
+                # The rollout's state is gone (it expired, or was removed) while its interpreter lived:
+                # what its cells defined is lost, and the model is told so.
+                reason = "the rollout's state was lost (it expired or was removed), and its variables with it"
         if marker is not None:
             reason = self.lost.pop(trace_id, None) or "it was stopped"
             if marker.get("worker") != self.worker:

@@ -8,6 +8,7 @@ stored and reviewed like any other.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,10 @@ from app.users.service import (
 from sparring.loop import USER_KEY, ModelFailure
 from sparring.usersim import UserReply
 
+# How long a retried submit waits for the grade its first try is running, reading the session record
+# every SUBMIT_POLL_SECONDS; past it, the retry is a 503 and the client sends it again.
+SUBMIT_WAIT_SECONDS = 60.0
+SUBMIT_POLL_SECONDS = 0.25
 SUBMIT = "submit"  # the reserved terminal call: not a tool of any pack, never in a tool list
 SUBMIT_ARG = "answer"
 SUBMIT_DESCRIPTION = (
@@ -155,13 +160,33 @@ async def submit(
     the session's trace, stored with its flags. An outage (ServiceUnavailable) leaves the episode open
     for a retry; a grader that cannot grade (a config error, state gone) ends it and raises. A retry
     of the submit that ended the episode (the same `call_id`) gets its reward again; any other call
-    after it raises EpisodeFinished.
+    after it raises EpisodeFinished; a retry while that submit is still grading waits for its reward
+    (at most SUBMIT_WAIT_SECONDS, then ServiceUnavailable: send it again).
     """
     if session.done and call_id is not None and session.submit_call_id == call_id:
         return session.reward
-    sessions = session_store(services)
-    if session.done or not await sessions.claim_submit(session):
+    if session.done:
         raise EpisodeFinished
+    sessions = session_store(services)
+    deadline: float | None = None
+    while not await sessions.claim_submit(session, call_id=call_id):
+        # Another submit holds the claim. If it is this one's first try, still grading (ORS resumes a
+        # dropped `/call` stream by sending it again), wait for its reward; if that try gives the claim
+        # back (an outage), this one claims it and grades.
+        current = await sessions.get(session.sid)
+        if current is None or call_id is None or current.submit_call_id != call_id:
+            raise EpisodeFinished
+        if current.done:
+            session.done, session.reward, session.submit_call_id = True, current.reward, call_id
+            return current.reward
+        now = asyncio.get_running_loop().time()
+        deadline = deadline if deadline is not None else now + SUBMIT_WAIT_SECONDS
+        if now >= deadline:
+            raise ServiceUnavailable(
+                "this submit is still being graded: send it again for its reward",
+                services.settings.retry_after_seconds,
+            )
+        await asyncio.sleep(SUBMIT_POLL_SECONDS)
     grader = grader_for(services, session.pack)
     reward: float | None = None
     if grader is not None:

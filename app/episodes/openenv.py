@@ -341,7 +341,10 @@ async def _tools_call(services: AppState, pack: str, params: dict[str, Any], run
     name, arguments = params.get("name"), params.get("arguments") or {}
     if not isinstance(name, str):
         raise RpcError(INVALID_PARAMS, "tools/call needs a tool name")
-    session = await session_of(services, pack, params.get("session_id"))
+    sid = params.get("session_id")
+    if sid is not None and not isinstance(sid, str):
+        raise RpcError(INVALID_PARAMS, "session_id must be a string")
+    session = await session_of(services, pack, sid)
     answer = await act(services, session, name, arguments)
     if answer.error is not None:
         if answer.error["error_type"] == "transport_error":

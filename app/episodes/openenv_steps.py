@@ -22,7 +22,7 @@ from app.episodes.episode import SUBMIT, SUBMIT_ARG, EpisodeFinished
 from app.episodes.sessions import EpisodeSession
 from app.episodes.tasks import TaskApiError, load_task_row
 from app.errors import ServiceUnavailable, SparringError, ToolCrashed
-from app.rollouts.identity import RUN_MAX, fit, trace_key
+from app.rollouts.identity import JSON_DEPTH_MAX, RUN_MAX, fit, nested_deeper_than, trace_key
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class EpisodeRefused(Exception):
 
 class ResetData(BaseModel):
     """A reset's `data`: a task as `{"split", "index"}` or `{"task": row}`, and an optional
-    `episode_id` (the rollout's trace id). Other keys (`seed`, ...) are ignored."""
+    `episode_id` (a label, part of the new rollout's trace id). Other keys (`seed`, ...) are ignored."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -108,6 +108,10 @@ async def _task_of(services: AppState, pack: str, data: ResetData) -> dict[str, 
             'reset needs a task: data {"split", "index"} or {"task": row}', code="VALIDATION_ERROR"
         )
     if data.task is not None:
+        if nested_deeper_than(data.task):
+            raise EpisodeRefused(
+                f"the task nests more than {JSON_DEPTH_MAX} levels deep", code="VALIDATION_ERROR"
+            )
         return data.task
     if data.split is None or data.index is None:
         raise EpisodeRefused('reset by index needs both "split" and "index"', code="VALIDATION_ERROR")
@@ -115,7 +119,10 @@ async def _task_of(services: AppState, pack: str, data: ResetData) -> dict[str, 
 
 
 async def reset(services: AppState, pack: str, session: EpisodeSession, raw: Any, run: str) -> EpisodeSession:
-    """Start a new rollout on the session: trace = `episode_id` if given, else a fresh one."""
+    """Start a new rollout on the session, always on fresh state: trace `trace_openenv_<hex>`, or
+    `trace_openenv_<episode_id>_<hex>` when the client labels the episode (the label finds it in the
+    review pages; a reset with an earlier episode's id, or two sessions given one id, never share a
+    rollout)."""
     try:
         data = ResetData.model_validate(raw if raw is not None else {})
     except ValidationError as exc:
@@ -125,7 +132,8 @@ async def reset(services: AppState, pack: str, session: EpisodeSession, raw: Any
     except TaskApiError as exc:  # unknown split, index out of range
         raise EpisodeRefused(exc.message, code="VALIDATION_ERROR") from exc
     session.pack, session.row, session.run = pack, row, run
-    session.trace_id = trace_key(data.episode_id) if data.episode_id else f"trace_openenv_{uuid.uuid4().hex}"
+    label = f"{data.episode_id}_" if data.episode_id else ""
+    session.trace_id = trace_key(f"trace_openenv_{label}{uuid.uuid4().hex}")
     session.done, session.reward, session.step_count, session.user = False, None, 0, {}
     if not await episode.session_store(services).save(session):
         raise EpisodeRefused("the session was closed")

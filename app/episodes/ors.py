@@ -2,7 +2,7 @@
 
 The SDKs join their paths (`/create_session`, `/<pack>/call`) to the origin, so ORS claims the first
 path segment for pack names (`check_pack_names` refuses a pack named like one of sparring's own
-segments). A session is one rollout, `trace_ors_<sid>`; a `/call` is a tool call through the one call
+segments). A session is one rollout, `trace_ors_<sid>_<hex>`; a `/call` is a tool call through the one call
 service (channel `ors`), answered as a server-sent event stream; `submit(answer)`, the declared
 terminal tool, grades the episode with the pack's grader. The key is the tools key in `X-API-Key`.
 """
@@ -59,9 +59,11 @@ RESERVED_SEGMENTS = frozenset(
     }
 )  # fmt: skip
 
-# How long a `/call` waits for its answer before it starts the stream: an outage found by then is an
-# HTTP 503 with Retry-After. Past it, the stream sends `: ping` comments (the SDK reads with a 30 s
-# timeout) until the answer comes.
+# How long a resumed `/call` (one carrying its `task_id`) waits for its answer before it starts the
+# stream: an outage found by then is an HTTP 503 with Retry-After, which the SDK retries with the same
+# `task_id`. A new call starts its stream at once, `task_id` first: once its tool may have run, the
+# client must hold the call id, or its retry would be a new call and run the tool again. Past the wait,
+# the stream sends `: ping` comments (the SDK reads with a 30 s timeout) until the answer comes.
 FIRST_WAIT_SECONDS = 5.0
 KEEPALIVE_SECONDS = 5.0
 # An answer is sent as `chunk` events of at most this many characters, then `end`: aiohttp refuses an
@@ -207,9 +209,11 @@ def _tools_answer(registry: Registry, env: str, *, user: bool) -> dict[str, Any]
 
 
 def _prompt(row: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """The row's messages as ORS text blocks, the role in each block's `detail`."""
+    """The row's messages as ORS text blocks, the role in each block's `detail` (none when the row's
+    `messages` is not a list)."""
+    messages = (row or {}).get("messages")
     blocks = []
-    for message in (row or {}).get("messages") or []:
+    for message in messages if isinstance(messages, list) else []:
         if not isinstance(message, dict):
             continue
         content = message.get("content")
@@ -294,10 +298,14 @@ def _event_stream(events: AsyncIterator[bytes]) -> StreamingResponse:
 
 
 async def _open_session(request: Request, sid: str, pack: str, row: dict[str, Any] | None) -> None:
-    """A new session `sid` on rollout `trace_ors_<sid>` (400 if `sid` is taken)."""
+    """A new session `sid` on a new rollout, `trace_ors_<sid>_<hex>` (400 if `sid` is taken).
+
+    The trace is fresh even when the session id is not: a client may use its own id again once it has
+    deleted the session, and that episode must not continue the old one's state, ledger and log.
+    """
     made = await session_store(app_state(request.app)).create(
         pack=pack,
-        trace_id=trace_key(f"trace_ors_{sid}"),
+        trace_id=trace_key(f"trace_ors_{sid}_{uuid.uuid4().hex}"),
         row=row,
         channel=CHANNEL,
         run=_run(request),
@@ -382,11 +390,12 @@ def _env_routes(router: APIRouter, running: set[asyncio.Future[Any]]) -> None:
         running.add(work)  # held until done, even when the client has gone
         work.add_done_callback(running.discard)
         work.add_done_callback(_settled)
-        await asyncio.wait({work}, timeout=FIRST_WAIT_SECONDS)
-        if work.done() and not work.cancelled():
-            failure = work.exception()
-            if isinstance(failure, ServiceUnavailable):
-                raise failure  # before the stream: a 503 with Retry-After, and the SDK retries
+        if call_id == task_id:  # a resumed call, whose id the client holds: an outage may be a 503
+            await asyncio.wait({work}, timeout=FIRST_WAIT_SECONDS)
+            if work.done() and not work.cancelled():
+                failure = work.exception()
+                if isinstance(failure, ServiceUnavailable):
+                    raise failure  # a 503 with Retry-After; the SDK retries with the same task_id
         return StreamingResponse(
             _call_events(work, call_id), media_type="text/event-stream", headers=_STREAM_HEADERS
         )

@@ -36,7 +36,8 @@ class EpisodeSession:
     step_count: int
     channel: str
     run: str
-    # The call id of the `submit` that ended the episode: a retry of it is answered its reward again.
+    # The call id of the `submit` that claimed the end of the episode: a retry of it waits for the
+    # grade (while it runs) or is answered its reward again (once it is done).
     submit_call_id: str | None = None
     # The simulated user's side of the conversation (`send_message_to_user`): its messages, the steps
     # taken and how the user ended it; empty until the agent first writes to the user.
@@ -159,10 +160,19 @@ class SessionStore:
         if count is not None:
             session.step_count = count
 
-    async def claim_submit(self, session: EpisodeSession) -> bool:
-        """Whether this is the session's one `submit` (concurrent submits: only one grades)."""
+    async def claim_submit(self, session: EpisodeSession, *, call_id: str | None = None) -> bool:
+        """Whether this is the session's one `submit` (concurrent submits: only one grades). The claim
+        keeps `call_id`, so a retry of this submit waits for its reward instead of being refused; a
+        refused claim gives back what it took, so a claim released after an outage can be made again."""
         count = await self.store.record_add(_key(session.sid), "submits", 1, ttl_seconds=self.ttl)
-        return count == 1
+        if count != 1:
+            if count is not None:
+                await self.release_submit(session)
+            return False
+        if call_id is not None:
+            session.submit_call_id = call_id
+            await self.store.record_put(RecordWrite(_key(session.sid), {"submit_call": call_id}, self.ttl))
+        return True
 
     async def release_submit(self, session: EpisodeSession) -> None:
         """A submit that could not grade (an outage): the next one may try again."""

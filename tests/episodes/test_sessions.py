@@ -96,10 +96,12 @@ async def test_concurrent_submits_claim_once_and_an_outage_releases(store: Rollo
     sessions = SessionStore(store, ttl_seconds=60)
     made = await sessions.create(pack="retail", trace_id=trace(), row=ROW, channel="ors", run="")
     assert made is not None
-    claims = await asyncio.gather(*(sessions.claim_submit(made) for _ in range(8)))
+    claims = await asyncio.gather(*(sessions.claim_submit(made, call_id=f"c{n}") for n in range(8)))
     assert sorted(claims) == [False] * 7 + [True]
-    for _ in range(8):
-        await sessions.release_submit(made)  # each claim gives back what it took
+    winner = f"c{claims.index(True)}"
+    assert (await sessions.get(made.sid)).submit_call_id == winner  # type: ignore[union-attr]
+    assert await sessions.claim_submit(made) is False
+    await sessions.release_submit(made)  # the winner's outage; a refused claim gave back what it took
     assert await sessions.claim_submit(made) is True
 
 

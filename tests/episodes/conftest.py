@@ -9,13 +9,29 @@ from typing import Any
 
 import httpx
 import pytest
+from ors.client import AsyncORS
 from typer.testing import CliRunner
 
 from app.cli import cli
 from app.config import get_settings
-from tests.conftest import AppFactory
+from tests.conftest import TOOLS_KEY, AppFactory
 from tests.retail import corpus
 from tools.retail import pack as retail_pack
+
+
+# The ORS tests' clients of the app their module serves at `url`: plain HTTP and the official SDK.
+@pytest.fixture
+async def http(url: str) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=url, headers={"X-API-Key": TOOLS_KEY}, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture
+async def ors(url: str) -> AsyncIterator[AsyncORS]:
+    client = AsyncORS(base_url=url, api_key=TOOLS_KEY)
+    yield client
+    for session in client.environments._clients.values():
+        await session.close()
 
 
 @pytest.fixture(scope="session")

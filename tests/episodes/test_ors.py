@@ -8,7 +8,7 @@ after submit and on a retry.
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,20 +41,6 @@ def url(tmp_path: Path, backend_settings: dict[str, Any], retail_data: Path) -> 
     )
     with serve(app) as base:
         yield base
-
-
-@pytest.fixture
-async def http(url: str) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=url, headers={"X-API-Key": TOOLS_KEY}, timeout=60) as client:
-        yield client
-
-
-@pytest.fixture
-async def ors(url: str) -> AsyncIterator[AsyncORS]:
-    client = AsyncORS(base_url=url, api_key=TOOLS_KEY)
-    yield client
-    for session in client.environments._clients.values():
-        await session.close()
 
 
 def events(text: str) -> list[tuple[str, str]]:

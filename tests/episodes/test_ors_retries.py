@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from app.episodes import ors as ors_module
 from app.episodes.sessions import EpisodeSession, SessionStore
 from app.errors import ServiceUnavailable
 from app.main import create_app
-from tests.conftest import TOOLS_KEY, make_settings
+from tests.conftest import make_settings
 from tests.episodes.test_ors import events
 from tests.packs import counter_pack
 from tests.remote.served import serve
@@ -43,20 +43,6 @@ def app(tmp_path: Path, backend_settings: dict[str, Any], retail_data: Path) -> 
 def url(app: FastAPI) -> Iterator[str]:
     with serve(app) as base:
         yield base
-
-
-@pytest.fixture
-async def http(url: str) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=url, headers={"X-API-Key": TOOLS_KEY}, timeout=60) as client:
-        yield client
-
-
-@pytest.fixture
-async def ors(url: str) -> AsyncIterator[AsyncORS]:
-    client = AsyncORS(base_url=url, api_key=TOOLS_KEY)
-    yield client
-    for session in client.environments._clients.values():
-        await session.close()
 
 
 def end_payload(text: str) -> dict[str, Any]:

@@ -1188,3 +1188,22 @@ async def test_an_interpreter_whose_rollouts_state_was_lost_says_so(code_app: An
         again = await cell(code, trace, "x = 2\nx")
     assert isinstance(after, str) and after.startswith(f"Error: {RESTARTED}") and "state was lost" in after
     assert again["value"] == "2"
+
+
+async def test_a_value_whose_repr_never_ends_is_not_shown_and_the_state_is_kept(
+    code_app: Any, backend: str
+) -> None:
+    """The cell's code ended; only showing its value does not: given up before the call's time is out,
+    so the interpreter and its state stay (a cell's own SIGALRM timer is put back afterwards)."""
+    async with code_app(code={**FAST, "interpreter_cell_seconds": 2.0}) as code:
+        trace = new_trace()
+        await cell(code, trace, "keep = 1\nclass Slow:\n    def __repr__(self):\n        while True: pass\n")
+        shown = await cell(
+            code,
+            trace,
+            "import signal\nrang = []\nsignal.signal(signal.SIGALRM, lambda *a: rang.append(1))\n"
+            "signal.setitimer(signal.ITIMER_REAL, 1.2)\nSlow()",
+        )
+        after = await cell(code, trace, "import time\ntime.sleep(0.3)\n(keep, type(_).__name__, rang)")
+    assert "not shown" in shown["value"], shown
+    assert after["value"] == "(1, 'Slow', [1])", after

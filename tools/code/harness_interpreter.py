@@ -11,8 +11,9 @@ never a frame. A cell can still write to the frame pipe on purpose; the server t
 frame (capped, checked, a malformed one or one of another request's id stops the interpreter),
 so the worst it forges is its own answer.
 
-Request: `{"id", "code", "files": {path: text or null}, "output_bytes", "max_files", "max_bytes"}`;
-`files` are the rollout's workspace changes to apply first (null: delete). The driver first answers
+Request: `{"id", "code", "files": {path: text or null}, "output_bytes", "max_files", "max_bytes",
+"seconds"}`; `files` are the rollout's workspace changes to apply first (null: delete); `seconds` the
+call's time, within which showing the value of its last expression is given up. The driver first answers
 `{"ready": true}`; each cell answers `{"id"` (the request's), `"stdout", "stderr"` (base64 of the
 first bytes), `"stdout_total", "stderr_total", "value"` (repr of a last expression, or null),
 `"exception"` (a traceback, or null), `"files"` (base64 of the supervisor's report frames: the
@@ -267,8 +268,9 @@ def cell_traceback(error: BaseException, filename: str) -> str:
     return text
 
 
-def execute(code: str, namespace: dict[str, Any], filename: str) -> str | None:
-    """Run the cell; the repr of its last expression's value (None if it ends otherwise or in None)."""
+def execute(code: str, namespace: dict[str, Any], filename: str, deadline: float = 0.0) -> str | None:
+    """Run the cell; the repr of its last expression's value (None if it ends otherwise or in None),
+    given up at `deadline` (time.monotonic; 0: never), before the server stops the call and the state."""
     tree = ast.parse(code, filename, "exec")
     last = None
     final = tree.body[-1] if tree.body else None
@@ -284,11 +286,42 @@ def execute(code: str, namespace: dict[str, Any], filename: str) -> str | None:
     if value is None:
         return None
     namespace["_"] = value
-    text, whole = shown(value, REPR_CHARS, set())
+    try:
+        text, whole = within(deadline, lambda: shown(value, REPR_CHARS, set()))
+    except ReprTimeout:
+        return "[not shown: the value's repr did not finish within the call's time; the value is in `_`]"
     if len(text) > REPR_CHARS or not whole:
         cut = f"{len(text) - REPR_CHARS} of {len(text)} characters cut" if whole else "shown in part"
         text = text[:REPR_CHARS] + f"\n[value truncated: {cut}]"
     return text
+
+
+REPR_MARGIN_SECONDS = 0.5  # of the call's time, left for the answer once showing a value is given up
+
+
+class ReprTimeout(Exception):
+    """Showing a cell's value took past its deadline."""
+
+
+def within(deadline: float, step: Callable[[], T]) -> T:
+    """`step()`, interrupted by ReprTimeout at `deadline` (a cell's own timer and SIGALRM handler are put
+    back afterwards)."""
+    if not deadline:
+        return step()
+
+    def expired(signum: int, frame: Any) -> None:
+        raise ReprTimeout
+
+    begun = time.monotonic()
+    previous = signal.signal(signal.SIGALRM, expired)
+    armed = signal.setitimer(signal.ITIMER_REAL, max(deadline - begun, 0.05))
+    try:
+        return step()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if armed[0] > 0:  # the cell's own timer, less the time spent here
+            signal.setitimer(signal.ITIMER_REAL, max(armed[0] - (time.monotonic() - begun), 1e-6), armed[1])
 
 
 BRACKETS: dict[type, tuple[str, str]] = {
@@ -492,6 +525,7 @@ class Driver:
         self.spent: tuple[int, ...] = ()  # the last cell's memory files, let go after its answer
 
     def cell(self, request: dict[str, Any]) -> dict[str, Any]:
+        started = time.monotonic()
         not_placed = apply_files(self.workspace, request["files"])
         self.cells += 1
         filename = f"<cell {self.cells}>"
@@ -504,7 +538,8 @@ class Driver:
         os.dup2(err, 2)
         sys.stdout, sys.stderr = stdout, stderr
         try:
-            answer["value"] = execute(request["code"], self.namespace, filename)
+            deadline = started + float(request.get("seconds") or 0) - REPR_MARGIN_SECONDS
+            answer["value"] = execute(request["code"], self.namespace, filename, deadline)
         except BaseException as error:  # SystemExit too: a cell ends, the interpreter stays
             answer["exception"] = cell_traceback(error, filename)
         finally:

@@ -207,6 +207,7 @@ class Interpreter:
             "output_bytes": limits.run.output_bytes,
             "max_files": limits.run.max_files,
             "max_bytes": limits.run.max_workspace_bytes,
+            "seconds": limits.cell_seconds,  # the driver gives up showing a value before the call's end
         }
         body = json.dumps(request).encode("utf-8")
         try:

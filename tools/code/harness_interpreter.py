@@ -299,7 +299,7 @@ def execute(code: str, namespace: dict[str, Any], filename: str, deadline: float
 REPR_MARGIN_SECONDS = 0.5  # of the call's time, left for the answer once showing a value is given up
 
 
-class ReprTimeout(Exception):
+class ReprTimeout(BaseException):  # not an Exception: a repr that catches those does not swallow it
     """Showing a cell's value took past its deadline."""
 
 

@@ -366,7 +366,7 @@ class CallLogWriter:
         async with self._conn_lock:  # only the writer task commits; tests may call _commit directly
             # Bounded: a database that stops answering without closing the connection (a partition, a
             # failover) would hold every call's answer; a TimeoutError is an outage (503) like any other.
-            async with asyncio.timeout(_COMMIT_TIMEOUT_SECONDS):
+            async with asyncio.timeout(COMMIT_TIMEOUT_SECONDS):
                 conn = await self._connection()
                 try:
                     raw = await conn.get_raw_connection()
@@ -423,7 +423,7 @@ class CallLogWriter:
 
 _IDLE_CHECK_SECONDS = 5.0
 _VOID_TIMEOUT_SECONDS = 5.0  # one try of a void
-_COMMIT_TIMEOUT_SECONDS = 15.0  # one Postgres batch, its connection included (a commit takes milliseconds)
+COMMIT_TIMEOUT_SECONDS = 15.0  # one Postgres batch, its connection included (a commit takes milliseconds)
 
 
 async def _discard(conn: AsyncConnection) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -734,7 +735,8 @@ _INT64 = range(-(2**63), 2**63)
 
 
 def _wide_integer(value: Any) -> bool:
-    """Whether `value` (bound arguments: dicts, lists, tuples, sets, models) holds an int outside 64 bits."""
+    """Whether `value` (bound arguments: dicts, lists, tuples, sets, models, dataclasses) holds an int
+    outside 64 bits."""
     stack = [value]
     while stack:
         node = stack.pop()
@@ -747,4 +749,7 @@ def _wide_integer(value: Any) -> bool:
             stack.extend(node)
         elif isinstance(node, BaseModel):
             stack.extend(node.__dict__.values())
+            stack.extend((node.__pydantic_extra__ or {}).values())
+        elif dataclasses.is_dataclass(node) and not isinstance(node, type):
+            stack.extend(getattr(node, item.name) for item in dataclasses.fields(node))
     return False

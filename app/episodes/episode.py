@@ -9,6 +9,7 @@ stored and reviewed like any other.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,16 +173,26 @@ async def submit(
     while not await sessions.claim_submit(session, call_id=call_id):
         # Another submit holds the claim. If it is this one's first try, still grading (ORS resumes a
         # dropped `/call` stream by sending it again), wait for its reward; if that try gives the claim
-        # back (an outage), this one claims it and grades.
+        # back (an outage), this one claims it and grades; if its claim lapsed (its worker stopped
+        # mid-grade), this one takes it over and grades.
         current = await sessions.get(session.sid)
-        if current is None or call_id is None or current.submit_call_id != call_id:
+        if current is None or call_id is None:
             raise EpisodeFinished
         if current.done:
+            if current.submit_call_id != call_id:
+                raise EpisodeFinished
             session.done, session.reward, session.submit_call_id = True, current.reward, call_id
             return current.reward
+        # No call id yet: the claim is being made (its count and its call id are two writes), so wait.
+        if current.submit_call_id is not None and current.submit_call_id != call_id:
+            raise EpisodeFinished
+        if await sessions.take_over_submit(session, current):
+            break
         now = asyncio.get_running_loop().time()
         deadline = deadline if deadline is not None else now + SUBMIT_WAIT_SECONDS
         if now >= deadline:
+            if current.submit_call_id is None:
+                raise EpisodeFinished  # another submit claimed it and never said which
             raise ServiceUnavailable(
                 "this submit is still being graded: send it again for its reward",
                 services.settings.retry_after_seconds,
@@ -203,6 +214,12 @@ async def submit(
             if failure is exc:
                 raise
             raise failure from exc
+        except BaseException:
+            # Cancelled mid-grade (a shutdown): the claim is given back for a retry to grade (if this
+            # fails too, the claim lapses after SUBMIT_LEASE_SECONDS and a retry takes it over).
+            with contextlib.suppress(Exception):
+                await asyncio.shield(sessions.release_submit(session))
+            raise
         reward = result.score
     await sessions.finish(session, reward, call_id=call_id)
     return reward

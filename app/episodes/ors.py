@@ -61,10 +61,13 @@ RESERVED_SEGMENTS = frozenset(
 
 # How long a resumed `/call` (one carrying its `task_id`) waits for its answer before it starts the
 # stream: an outage found by then is an HTTP 503 with Retry-After, which the SDK retries with the same
-# `task_id`. A new call starts its stream at once, `task_id` first: once its tool may have run, the
-# client must hold the call id, or its retry would be a new call and run the tool again. Past the wait,
-# the stream sends `: ping` comments (the SDK reads with a 30 s timeout) until the answer comes.
-FIRST_WAIT_SECONDS = 5.0
+# `task_id` and counts against its retries (a stream that ends early resets its count, so an outage
+# found after the stream started would be resumed forever). Longer than the call log's bound on a
+# stalled database (log_writer.COMMIT_TIMEOUT_SECONDS), shorter than the SDK's 30 s read timeout. A new
+# call starts its stream at once, `task_id` first: once its tool may have run, the client must hold the
+# call id, or its retry would be a new call and run the tool again. Past the wait, the stream sends
+# `: ping` comments until the answer comes.
+FIRST_WAIT_SECONDS = 25.0
 KEEPALIVE_SECONDS = 5.0
 # An answer is sent as `chunk` events of at most this many characters, then `end`: aiohttp refuses an
 # SSE line over 128 KiB, and an output may be 256 KiB.

@@ -8,6 +8,7 @@ episode (pack, trace, row), `count_step` the step counter, `finish` the end; a s
 
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,10 @@ from app.rollouts.store import RecordWrite, RolloutStore
 
 # Session ids come from clients (ORS's X-Session-ID); longer ones name no session.
 SID_MAX = 128
+# A submit's claim on grading its episode, after which a retry of the same submit may take it over (the
+# worker that claimed it is presumed gone: stopped mid-grade, or its give-back lost in an outage). Longer
+# than any grade takes (a model judge's timeout is 60 s by default).
+SUBMIT_LEASE_SECONDS = 300.0
 
 
 @dataclass
@@ -39,6 +44,9 @@ class EpisodeSession:
     # The call id of the `submit` that claimed the end of the episode: a retry of it waits for the
     # grade (while it runs) or is answered its reward again (once it is done).
     submit_call_id: str | None = None
+    # When that submit claimed it (time.time()): a claim older than SUBMIT_LEASE_SECONDS is presumed lost
+    # (its worker stopped mid-grade) and a retry of the same submit takes it over.
+    submit_at: float | None = None
     # The simulated user's side of the conversation (`send_message_to_user`): its messages, the steps
     # taken and how the user ended it; empty until the agent first writes to the user.
     user: dict[str, Any] = field(default_factory=dict)
@@ -80,6 +88,7 @@ def _session(sid: str, fields: dict[str, str]) -> EpisodeSession:
         channel=fields.get("channel", ""),
         run=fields.get("run", ""),
         submit_call_id=fields.get("submit_call") or None,
+        submit_at=float(fields["submit_at"]) if fields.get("submit_at") else None,
         user=_user_of(fields.get("user")),
     )
 
@@ -170,9 +179,29 @@ class SessionStore:
                 await self.release_submit(session)
             return False
         if call_id is not None:
-            session.submit_call_id = call_id
-            await self.store.record_put(RecordWrite(_key(session.sid), {"submit_call": call_id}, self.ttl))
+            await self._lease(session, call_id)
         return True
+
+    async def take_over_submit(self, session: EpisodeSession, held: EpisodeSession) -> bool:
+        """Whether this retry of the submit that holds the claim (`held`, read from the store) takes the
+        claim over: only once the claim is older than SUBMIT_LEASE_SECONDS (its grade's worker is presumed
+        gone), and only one retry per lapsed claim (an atomic count keyed by the claim's time)."""
+        if held.submit_call_id is None or held.submit_at is None:
+            return False
+        if time.time() - held.submit_at <= SUBMIT_LEASE_SECONDS:
+            return False
+        won = await self.store.record_add(
+            _key(session.sid), f"takeover:{held.submit_at!r}", 1, ttl_seconds=self.ttl
+        )
+        if won != 1:
+            return False
+        await self._lease(session, held.submit_call_id)
+        return True
+
+    async def _lease(self, session: EpisodeSession, call_id: str) -> None:
+        session.submit_call_id, session.submit_at = call_id, time.time()
+        fields = {"submit_call": call_id, "submit_at": repr(session.submit_at)}
+        await self.store.record_put(RecordWrite(_key(session.sid), fields, self.ttl))
 
     async def release_submit(self, session: EpisodeSession) -> None:
         """A submit that could not grade (an outage): the next one may try again."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import httpx
 import pytest
@@ -85,6 +86,19 @@ def set_bags(ctx: ToolContext, total_baggages: int) -> str:
     return f"updated to {total_baggages}"
 
 
+@dataclass
+class Box:
+    n: int
+    inner: list[dict[str, int]]
+
+
+@big_pack.tool(mutates=True)
+def store_box(ctx: ToolContext, box: Box) -> str:
+    """Stores a dataclass the model filled in."""
+    ctx.state.put("boxes", "b", {"n": box.n, "inner": box.inner})
+    return "stored"
+
+
 @big_pack.tool
 def power(base: int, exponent: int) -> dict[str, int]:
     """Answers an int the tool computed, which may be wider than 64 bits."""
@@ -101,6 +115,8 @@ async def test_an_integer_beyond_64_bits_is_an_error_output_on_every_backend(app
             ("set_bags", {"total_baggages": "1" + "0" * 25}),
             ("set_bags", {"total_baggages": str(-(2**63) - 1)}),
             ("power", {"base": "9" * 30, "exponent": 1}),
+            ("store_box", {"box": {"n": "1" + "0" * 25, "inner": []}}),
+            ("store_box", {"box": {"n": 1, "inner": [{"k": "1" + "0" * 25}]}}),
         ):
             body = call_body(arguments, trace_id=trace, call_id=f"c-{len(answers)}")
             first = await client.post(f"/tools/{tool}", json=body)

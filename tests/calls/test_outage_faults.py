@@ -154,7 +154,7 @@ async def test_a_database_that_stops_answering_is_a_503_not_a_hang(
     """Postgres stalls (a partition without a reset): the call log's batch gives up at its deadline, the
     call is a 503 with Retry-After (the trainer retries), and once it answers again the retry is answered
     from the ledger."""
-    monkeypatch.setattr(log_writer, "_COMMIT_TIMEOUT_SECONDS", 1.0)
+    monkeypatch.setattr(log_writer, "COMMIT_TIMEOUT_SECONDS", 1.0)
     pg = urlsplit(pg_database)
     proxy = await DroppingProxy(pg.hostname or "127.0.0.1", pg.port or 5432).start()
     app = create_app(

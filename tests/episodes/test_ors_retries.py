@@ -5,10 +5,12 @@ a list still has a prompt."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import orjson
@@ -17,13 +19,19 @@ from fastapi import FastAPI
 from ors.client import AsyncORS
 from ors.client._types import Task
 
+from app.calls import log_writer
 from app.deps import app_state
+from app.episodes import episode as episode_module
 from app.episodes import ors as ors_module
+from app.episodes import sessions as sessions_module
+from app.episodes.episode import EpisodeFinished, session_store, submit
 from app.episodes.sessions import EpisodeSession, SessionStore
 from app.errors import ServiceUnavailable
 from app.main import create_app
-from tests.conftest import make_settings
+from app.rollouts.store import RecordWrite
+from tests.conftest import REDIS_URL, TOOLS_KEY, make_settings
 from tests.episodes.test_ors import events
+from tests.faults import DroppingProxy
 from tests.packs import counter_pack
 from tests.remote.served import serve
 from tools.retail import pack as retail_pack
@@ -158,3 +166,158 @@ async def test_the_prompt_of_a_task_whose_messages_is_not_a_list_is_empty(
         task=Task(environment_name="counter", task_spec={"messages": messages})
     ) as session:
         assert await session.get_prompt() == []
+
+
+SUBMIT_ROW: dict[str, Any] = {
+    "task_id": "t",
+    "messages": [{"role": "user", "content": "x"}],
+    "actions": [],
+    "outputs": [],
+    "communicate_info": [],
+}
+
+
+async def _submits(services: Any, sid: str, call_id: str, times: int) -> list[str]:
+    """What `times` resumed tries of one submit get, one after the other."""
+    outcomes = []
+    for _ in range(times):
+        current = await session_store(services).get(sid)
+        assert current is not None
+        try:
+            outcomes.append(f"reward {await submit(services, current, 'answer', call_id=call_id)}")
+        except ServiceUnavailable:
+            outcomes.append("503")
+        except EpisodeFinished:
+            outcomes.append("finished")
+    return outcomes
+
+
+async def _new_session(services: Any) -> EpisodeSession:
+    made = await session_store(services).create(
+        pack="retail", trace_id=f"trace_ors_{uuid.uuid4().hex}", row=SUBMIT_ROW, channel="ors", run="r"
+    )
+    assert made is not None
+    return made
+
+
+@pytest.mark.parametrize("how", ["cancelled", "give-back-lost"])
+async def test_a_submit_whose_grading_try_vanished_is_graded_by_a_retry(
+    retail: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """Its first try stopped mid-grade (a shutdown cancels the work), or failed in an outage that also
+    lost the give-back of its claim: a retry of the same submit grades it (at once, or once the claim's
+    lease lapsed), never 503s forever (ors-sdk resumes the call on each stream end)."""
+    services = app_state(retail.app)
+    monkeypatch.setattr(episode_module, "SUBMIT_WAIT_SECONDS", 0.2)
+    monkeypatch.setattr(sessions_module, "SUBMIT_LEASE_SECONDS", 0.5)
+    real_grade, real_release = services.grading.grade, SessionStore.release_submit
+    first_try = asyncio.Event()
+    lost: list[bool] = []
+
+    async def grade(*args: Any, **kwargs: Any) -> Any:
+        if not first_try.is_set():
+            first_try.set()
+            if how == "cancelled":
+                await asyncio.Event().wait()
+            raise ServiceUnavailable("the store is down", 1)
+        return await real_grade(*args, **kwargs)
+
+    async def release(self: SessionStore, session: EpisodeSession) -> None:
+        if how == "give-back-lost" and not lost:
+            lost.append(True)
+            raise ServiceUnavailable("the store is down", 1)  # the same outage: the give-back is lost
+        await real_release(self, session)
+
+    monkeypatch.setattr(services.grading, "grade", grade)
+    monkeypatch.setattr(SessionStore, "release_submit", release)
+    session = await _new_session(services)
+    first = asyncio.ensure_future(submit(services, session, "answer", call_id="call_submit"))
+    await first_try.wait()
+    if how == "cancelled":
+        first.cancel()
+    with pytest.raises((asyncio.CancelledError, ServiceUnavailable)):
+        await first
+    outcomes = await _submits(services, session.sid, "call_submit", 6)
+    other = await _submits(services, session.sid, "another_call", 1)
+    rewarded = [outcome for outcome in outcomes if outcome.startswith("reward")]
+    assert rewarded and outcomes[outcomes.index(rewarded[0]) :] == [rewarded[0]] * len(rewarded), outcomes
+    assert set(outcomes[: outcomes.index(rewarded[0])]) <= {"503"}, outcomes
+    assert other == ["finished"]
+
+
+async def test_a_retry_while_the_claim_is_being_made_waits_for_the_reward(
+    retail: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claim is two writes (its count, then its call id): a retry in between waits, never finishes."""
+    services = app_state(retail.app)
+    store = session_store(services).store
+    real_put = type(store).record_put
+    claimed, go_on = asyncio.Event(), asyncio.Event()
+
+    async def held_put(self: Any, write: RecordWrite) -> Any:
+        if "submit_call" in write.fields and "done" not in write.fields and not claimed.is_set():
+            claimed.set()
+            await go_on.wait()
+        return await real_put(self, write)
+
+    monkeypatch.setattr(type(store), "record_put", held_put)
+    session = await _new_session(services)
+    first = asyncio.ensure_future(submit(services, session, "answer", call_id="call_submit"))
+    await claimed.wait()
+    again = await session_store(services).get(session.sid)
+    assert again is not None
+    retry = asyncio.ensure_future(submit(services, again, "answer", call_id="call_submit"))
+    await asyncio.sleep(0.1)  # the retry has looked at the claim, found no call id yet, and waits
+    go_on.set()
+    reward = await first
+    assert await retry == reward
+
+
+async def test_a_call_while_the_database_stalls_fails_within_the_sdks_retries(
+    tmp_path: Path, pg_database: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Postgres stops answering: a resumed call waits past the call log's bound, so the outage is a 503
+    that ors-sdk counts against its retries (a stream that ends early resets its count: the call would
+    be resumed forever), and the step fails after them instead of hanging the rollout."""
+    monkeypatch.setattr(log_writer, "COMMIT_TIMEOUT_SECONDS", 1.0)  # 15 s and 25 s as shipped, in order
+    monkeypatch.setattr(ors_module, "FIRST_WAIT_SECONDS", 2.0)
+    posts: list[str] = []
+    answer_call = ors_module.answer_call
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        posts.append(args[-1])
+        return await answer_call(*args, **kwargs)
+
+    monkeypatch.setattr(ors_module, "answer_call", counted)
+    pg = urlsplit(pg_database)
+    loop = asyncio.new_event_loop()  # the proxy's own loop: serve() blocks this one while it starts
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    proxy = asyncio.run_coroutine_threadsafe(
+        DroppingProxy(pg.hostname or "127.0.0.1", pg.port or 5432).start(), loop
+    )
+    stalling = proxy.result()
+    host = f"127.0.0.1:{stalling.port}"
+    url = pg._replace(netloc=f"{pg.username}@{host}" if pg.username else host).geturl()
+    app = create_app(
+        make_settings(tmp_path / "home", database_url=url, redis_url=REDIS_URL), packs=[counter_pack]
+    )
+    outcome = "hung"
+    try:
+        with serve(app) as base:
+            client = AsyncORS(base_url=base, api_key=TOOLS_KEY)
+            env = client.environments.get("counter")
+            async with env.session(task=Task(environment_name="counter", task_spec=ROW)) as session:
+                stalling.stalled = True
+                try:
+                    await asyncio.wait_for(session.call_tool("increment", {"by": 1}), 60)
+                    outcome = "answered"
+                except TimeoutError:
+                    outcome = "hung"
+                except Exception as exc:  # what a bounded outage ends in
+                    outcome = type(exc).__name__
+                stalling.stalled = False
+                loop.call_soon_threadsafe(stalling.drop)
+    finally:
+        asyncio.run_coroutine_threadsafe(stalling.aclose(), loop).result()
+        loop.call_soon_threadsafe(loop.stop)
+    assert outcome == "MaxRetriesError" and len(posts) <= 6, (outcome, posts)

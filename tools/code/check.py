@@ -205,8 +205,8 @@ async def run_in_interpreter(
         flags.append(
             (
                 FILES_NOT_PLACED,
-                f"{len(verdict.not_placed)} of the rollout's final files could not be placed in its "
-                f"interpreter's workspace for the check, which saw the cells' versions: {listed}",
+                "files of the rollout's final workspace could not be placed in its interpreter's "
+                f"workspace for the check, which saw the cells' versions of them: {listed}",
             )
         )
     return verdict.passed, flags

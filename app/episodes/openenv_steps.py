@@ -120,7 +120,7 @@ async def _task_of(services: AppState, pack: str, data: ResetData) -> dict[str, 
 
 async def reset(services: AppState, pack: str, session: EpisodeSession, raw: Any, run: str) -> EpisodeSession:
     """Start a new rollout on the session, always on fresh state: trace `trace_openenv_<hex>`, or
-    `trace_openenv_<episode_id>_<hex>` when the client labels the episode (the label finds it in the
+    `trace_openenv_<episode_id>_<12 hex>` when the client labels the episode (the label finds it in the
     review pages; a reset with an earlier episode's id, or two sessions given one id, never share a
     rollout)."""
     try:
@@ -132,8 +132,10 @@ async def reset(services: AppState, pack: str, session: EpisodeSession, raw: Any
     except TaskApiError as exc:  # unknown split, index out of range
         raise EpisodeRefused(exc.message, code="VALIDATION_ERROR") from exc
     session.pack, session.row, session.run = pack, row, run
-    label = f"{data.episode_id}_" if data.episode_id else ""
-    session.trace_id = trace_key(f"trace_openenv_{label}{uuid.uuid4().hex}")
+    # With a label, 12 random hex digits (48 bits) keep its episodes apart and leave it 100 characters
+    # before the trace id is shortened (its head kept, a hash of the whole after it).
+    fresh = f"{data.episode_id}_{uuid.uuid4().hex[:12]}" if data.episode_id else uuid.uuid4().hex
+    session.trace_id = trace_key(f"trace_openenv_{fresh}")
     session.done, session.reward, session.step_count, session.user = False, None, 0, {}
     if not await episode.session_store(services).save(session):
         raise EpisodeRefused("the session was closed")

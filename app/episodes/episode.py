@@ -162,7 +162,8 @@ async def submit(
     for a retry; a grader that cannot grade (a config error, state gone) ends it and raises. A retry
     of the submit that ended the episode (the same `call_id`) gets its reward again; any other call
     after it raises EpisodeFinished; a retry while that submit is still grading waits for its reward
-    (at most SUBMIT_WAIT_SECONDS, then ServiceUnavailable: send it again).
+    (at most SUBMIT_WAIT_SECONDS, then ServiceUnavailable: send it again), and once that grade is
+    presumed lost (its claim older than SUBMIT_LEASE_SECONDS) raises EpisodeFinished.
     """
     if session.done and call_id is not None and session.submit_call_id == call_id:
         return session.reward
@@ -173,8 +174,8 @@ async def submit(
     while not await sessions.claim_submit(session, call_id=call_id):
         # Another submit holds the claim. If it is this one's first try, still grading (ORS resumes a
         # dropped `/call` stream by sending it again), wait for its reward; if that try gives the claim
-        # back (an outage), this one claims it and grades; if its claim lapsed (its worker stopped
-        # mid-grade), this one takes it over and grades.
+        # back (an outage, or a cancellation), this one claims it and grades; if that try's claim lapsed
+        # (its worker stopped mid-grade and its give-back was lost), the episode has ended.
         current = await sessions.get(session.sid)
         if current is None or call_id is None:
             raise EpisodeFinished
@@ -186,8 +187,8 @@ async def submit(
         # No call id yet: the claim is being made (its count and its call id are two writes), so wait.
         if current.submit_call_id is not None and current.submit_call_id != call_id:
             raise EpisodeFinished
-        if await sessions.take_over_submit(session, current):
-            break
+        if sessions.lapsed(current):
+            raise EpisodeFinished  # its grade is presumed lost: the episode ends without a reward
         now = asyncio.get_running_loop().time()
         deadline = deadline if deadline is not None else now + SUBMIT_WAIT_SECONDS
         if now >= deadline:
@@ -216,7 +217,7 @@ async def submit(
             raise failure from exc
         except BaseException:
             # Cancelled mid-grade (a shutdown): the claim is given back for a retry to grade (if this
-            # fails too, the claim lapses after SUBMIT_LEASE_SECONDS and a retry takes it over).
+            # fails too, a retry waits for it until it lapses, SUBMIT_LEASE_SECONDS, then is refused).
             with contextlib.suppress(Exception):
                 await asyncio.shield(sessions.release_submit(session))
             raise

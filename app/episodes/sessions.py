@@ -19,9 +19,11 @@ from app.rollouts.store import RecordWrite, RolloutStore
 
 # Session ids come from clients (ORS's X-Session-ID); longer ones name no session.
 SID_MAX = 128
-# A submit's claim on grading its episode, after which a retry of the same submit may take it over (the
-# worker that claimed it is presumed gone: stopped mid-grade, or its give-back lost in an outage). Longer
-# than any grade takes (a model judge's timeout is 60 s by default).
+# How long a retry of a submit waits, across its tries, for the grade its first try claimed: past it that
+# grade is presumed lost (its worker stopped mid-grade, or the give-back of its claim was lost in an
+# outage) and the retry is told the episode has ended, never made to wait for ever. Longer than any grade
+# takes (a model judge's timeout is 60 s by default). Taking the claim over instead could grade twice:
+# the first try may still be running and would then end, or give back, a claim that is no longer its own.
 SUBMIT_LEASE_SECONDS = 300.0
 
 
@@ -45,7 +47,7 @@ class EpisodeSession:
     # grade (while it runs) or is answered its reward again (once it is done).
     submit_call_id: str | None = None
     # When that submit claimed it (time.time()): a claim older than SUBMIT_LEASE_SECONDS is presumed lost
-    # (its worker stopped mid-grade) and a retry of the same submit takes it over.
+    # (its worker stopped mid-grade), and a retry of the same submit stops waiting for it.
     submit_at: float | None = None
     # The simulated user's side of the conversation (`send_message_to_user`): its messages, the steps
     # taken and how the user ended it; empty until the agent first writes to the user.
@@ -182,21 +184,10 @@ class SessionStore:
             await self._lease(session, call_id)
         return True
 
-    async def take_over_submit(self, session: EpisodeSession, held: EpisodeSession) -> bool:
-        """Whether this retry of the submit that holds the claim (`held`, read from the store) takes the
-        claim over: only once the claim is older than SUBMIT_LEASE_SECONDS (its grade's worker is presumed
-        gone), and only one retry per lapsed claim (an atomic count keyed by the claim's time)."""
-        if held.submit_call_id is None or held.submit_at is None:
-            return False
-        if time.time() - held.submit_at <= SUBMIT_LEASE_SECONDS:
-            return False
-        won = await self.store.record_add(
-            _key(session.sid), f"takeover:{held.submit_at!r}", 1, ttl_seconds=self.ttl
-        )
-        if won != 1:
-            return False
-        await self._lease(session, held.submit_call_id)
-        return True
+    def lapsed(self, held: EpisodeSession) -> bool:
+        """Whether the claim `held` (read from the store) is older than SUBMIT_LEASE_SECONDS: the grade it
+        was made for is presumed lost (its worker stopped mid-grade, or its give-back was lost)."""
+        return held.submit_at is not None and time.time() - held.submit_at > SUBMIT_LEASE_SECONDS
 
     async def _lease(self, session: EpisodeSession, call_id: str) -> None:
         session.submit_call_id, session.submit_at = call_id, time.time()

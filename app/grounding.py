@@ -53,12 +53,20 @@ def normalize_text(text: str) -> str:
     return _SPACE.sub(" ", unicodedata.normalize("NFKC", text).casefold()).strip()
 
 
+# A number longer than this, or scaled by more than this power of ten, is no checkable fact (and its
+# canonical form, 1e999999999 written out, would be as long): it is left out.
+NUMBER_DIGITS_MAX = 60
+
+
 def canonical_number(token: str) -> str | None:
     try:
         value = Decimal(token.replace(",", ""))
     except InvalidOperation:
         return None
     if not value.is_finite():
+        return None
+    _, digits, exponent = value.as_tuple()
+    if len(digits) > NUMBER_DIGITS_MAX or abs(int(exponent)) > NUMBER_DIGITS_MAX:
         return None
     value = value.normalize()
     return format(value, "f") if value == value.to_integral_value() else str(value)

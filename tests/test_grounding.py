@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +22,8 @@ from app.grounding import (
     prompt_texts,
     ungrounded,
 )
+from tests.conftest import GRADER_KEY, AppFactory, new_trace
+from tests.grading.test_routes import GRADERS, ledger_pack, sample, write_graders
 
 ORDER = (
     '{"order_id": "W2378156", "total": 1234.5, "items": [{"name": "Urban Puffer Jacket", "price": 189.99}]}'
@@ -62,10 +65,39 @@ def test_numbers_in(text: str, expected: set[str]) -> None:
 
 @pytest.mark.parametrize(
     ("token", "expected"),
-    [("1,234.50", "1234.5"), ("100", "100"), ("1e3", "1000"), ("-0.500", "-0.5"), ("1.0", "1"), ("x", None)],
+    [
+        ("1,234.50", "1234.5"),
+        ("100", "100"),
+        ("1e3", "1000"),
+        ("-0.500", "-0.5"),
+        ("1.0", "1"),
+        ("x", None),
+        ("1e60", "1" + "0" * 60),
+        # Past 60 digits or a power of ten of 60, no checkable fact (written out, 1e999999999 would overflow
+        # the decimal context, and 5,000 digits pass Python's limit on int()).
+        ("1e61", None),
+        ("7" * 5000, None),
+        ("1e999999999", None),
+        ("1e-999999999", None),
+    ],
 )
 def test_canonical_number(token: str, expected: str | None) -> None:
     assert canonical_number(token) == expected
+
+
+@pytest.mark.parametrize(
+    "answer", ["The total is 1e5000.", "The total is " + "7" * 5000, "Total: 1e999999999"]
+)
+async def test_a_huge_number_in_the_answer_is_graded_not_a_5xx(
+    app_factory: AppFactory, tmp_path: Path, answer: str
+) -> None:
+    """Every grade with a trace_id computes the review flags, which read the answer's numbers."""
+    graders = write_graders(tmp_path, {"exact": GRADERS["exact"]})
+    async with app_factory(packs=[ledger_pack], key=GRADER_KEY, graders_file=graders) as client:
+        body = {"sample": sample(answer), "item": {"reference_answer": "42"}, "trace_id": new_trace()}
+        response = await client.post("/grade/exact", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json() == {"score": 0.0}
 
 
 # --- claims ----------------------------------------------------------------------------------------------

@@ -31,6 +31,10 @@ from app.sdk import GradingConfigError
 from app.telemetry import Tracing
 
 log = logging.getLogger(__name__)
+# The outcomes of a call after which its rollout's state may hold its writes: answered (or replayed), or
+# failed after the store kept them (an infra_error whose log row was voided). A model error, a reused
+# call_id, a crash or a refusal kept nothing.
+_MAY_HAVE_CHANGED_STATE = frozenset({"ok", "replayed", "infra_error"})
 
 
 class GradeUnavailable(ServiceUnavailable):
@@ -128,11 +132,15 @@ class GradingService:
         # `trace_id` as the calls sent it: the store's key (the timeline's is as stored, NUL as U+FFFD).
         state = await self.store.changes(trace_id) if with_state else {}
         # The log shows calls of tools that read or write state, but the store has nothing: the state
-        # expired or died with its process. (A rollout of stateless tools only never had any.)
+        # expired or died with its process. (A rollout of stateless tools only never had any; nor one
+        # whose state-tool calls all failed before they could change it: refused arguments, a tool's
+        # own error or crash. Those are graded on the pack's base state, as the model left it.)
         lost = (
             with_state
             and not state
-            and any(c.tool in self.state_tools for c in timeline.timeline)
+            and any(
+                c.tool in self.state_tools and c.outcome in _MAY_HAVE_CHANGED_STATE for c in timeline.timeline
+            )
             and not await self.store.seen(trace_id)
         )
         if lost:  # what an earlier grade kept of it, if any

@@ -9,7 +9,7 @@ from redis.asyncio import Redis
 
 from app.deps import app_state
 from app.sdk import CheckResult, Pack, RolloutView, StateGone, ToolContext
-from tests.conftest import ADMIN_KEY, REDIS_KEY_PREFIX, REDIS_URL, AppFactory, new_trace
+from tests.conftest import ADMIN_KEY, REDIS_KEY_PREFIX, REDIS_URL, TOOLS_KEY, AppFactory, call_body, new_trace
 from tests.grading.test_routes import GRADERS, ledger_pack, pay_call, sample, stored_grades, write_graders
 
 STATE_GRADERS = {
@@ -143,3 +143,29 @@ async def test_a_check_raising_state_gone_is_refused_not_scored(app_factory: App
     assert gone.json()["error"]["code"] == "rollout_state_gone"
     assert "the rollout's box stopped" in gone.json()["error"]["message"]
     assert alive.json() == {"score": 1.0}
+
+
+@pytest.mark.parametrize(
+    "arguments", [{"amount": "not a number"}, {}], ids=["invalid-arguments", "missing-arguments"]
+)
+async def test_a_rollout_whose_state_calls_all_failed_is_graded_on_the_base_state(
+    app_factory: AppFactory, tmp_path: Path, arguments: dict[str, object]
+) -> None:
+    """Its calls of a state tool were refused before they reached the store, which so never saw the
+    rollout: nothing expired, and it is graded as the model left it (the base state), not refused (a
+    409 makes the trainer drop the rollout, and a model that only makes invalid calls escape its 0)."""
+    graders = write_graders(tmp_path, {"exact": GRADERS["exact"]})
+    trace = new_trace()
+    async with app_factory(packs=[ledger_pack], key=ADMIN_KEY, graders_file=graders) as client:
+        call = await client.post(
+            "/tools/pay",
+            json=call_body(arguments, trace_id=trace, call_id="c1"),
+            headers={"Authorization": f"Bearer {TOOLS_KEY}"},
+        )
+        response = await client.post(
+            "/grade/final_balance",
+            json={"sample": sample("done"), "item": {"expected_balance": 100}, "trace_id": trace},
+        )
+    assert call.json()["output"].startswith("Error: invalid arguments")
+    assert response.status_code == 200, response.text
+    assert response.json() == {"score": 1.0}

@@ -11,7 +11,10 @@ chat completions (the model name picks the behaviour; the last message's text is
 - `down`: 503 with `retry-after-ms: 1` (so the SDK's retries are quick)
 - `forbidden`: 401
 - `slow`: answers after SLOW_SECONDS
-embeddings: a 26-letter histogram of each text (`down` as the model: 503).
+- a 200 that is no whole completion (BROKEN): `html` (a proxy's page), `error200` (`{"error": ...}`),
+  `noobject` (`{}`), `nullmessage`, `numbercontent`, `cut` (finish_reason `length`)
+embeddings: a 26-letter histogram of each text (`down` as the model: 503; `nodata`: `data` empty,
+`nullvector`: an embedding of null).
 Every request is counted per model, and the last body is kept.
 """
 
@@ -55,6 +58,30 @@ def _completion(model: str, content: str | None) -> dict[str, Any]:
     }
 
 
+def _broken(model: str) -> Response | None:
+    """The 200 answer of a judge model named in BROKEN, else None."""
+    cut = _completion(model, '{"steps": [], "result": 0.')
+    cut["choices"][0]["finish_reason"] = "length"
+    null_message, number_content = _completion(model, None), _completion(model, None)
+    null_message["choices"][0]["message"] = None
+    number_content["choices"][0]["message"]["content"] = 0.9
+    answers: dict[str, tuple[str, bytes]] = {
+        "html": ("text/html", b"<html><body>502 Bad Gateway</body></html>"),
+        "error200": ("application/json", b'{"error": {"message": "model overloaded"}}'),
+        "noobject": ("application/json", b"{}"),
+        "nullmessage": ("application/json", orjson.dumps(null_message)),
+        "numbercontent": ("application/json", orjson.dumps(number_content)),
+        "cut": ("application/json", orjson.dumps(cut)),
+    }
+    if model not in answers:
+        return None
+    media_type, content = answers[model]
+    return Response(content=content, media_type=media_type)
+
+
+BROKEN = ("html", "error200", "noobject", "nullmessage", "numbercontent", "cut")
+
+
 def _number_or_text(text: str) -> Any:
     try:
         return float(text)
@@ -79,6 +106,9 @@ def create_judge_app(requests: Counter[str], last: dict[str, Any]) -> FastAPI:
             return Response(status_code=401, content=b'{"error": {"message": "bad key"}}')
         if model == "slow":
             await asyncio.sleep(SLOW_SECONDS)
+        broken = _broken(model)
+        if broken is not None:
+            return broken
         if model == "words":
             content: str | None = orjson.dumps({"steps": steps, "result": "high"}).decode()
         elif model == "prose":
@@ -103,6 +133,10 @@ def create_judge_app(requests: Counter[str], last: dict[str, Any]) -> FastAPI:
         last["embeddings"] = body
         if model == "down":
             return Response(status_code=503, headers={"retry-after-ms": "1"}, content=b'{"error": {}}')
+        if model in ("nodata", "nullvector"):
+            vector = [] if model == "nodata" else [{"object": "embedding", "index": 0, "embedding": None}]
+            payload = {"object": "list", "data": vector, "model": model}
+            return Response(content=orjson.dumps(payload), media_type="application/json")
         texts = body["input"] if isinstance(body["input"], list) else [body["input"]]
         data = [
             {

@@ -13,7 +13,7 @@ import pytest
 from app.grading.graders.judge import JudgeSettings
 from app.grading.graders.model import Grader, GraderUnavailable
 from app.grading.graders.registry import GraderContext, build_graders
-from tests.grading.judge_server import JudgeServer
+from tests.grading.judge_server import BROKEN, JudgeServer
 from tests.grading.records import call, grade_input, rollout
 
 
@@ -263,6 +263,28 @@ async def test_embeddings_are_cached_per_text(build: Build, judge_server: JudgeS
     assert judge_server.requests[key] == before + 3  # the reference came from the cache
     assert (await grader.grade(grade_input("", {"reference_answer": "the reference"}))).score == 0.0
     assert judge_server.requests[key] == before + 3  # an empty answer never reaches the endpoint
+
+
+@pytest.mark.parametrize("model", BROKEN)
+async def test_a_200_that_is_no_whole_completion_is_unavailable_never_a_0(
+    build: Build, judge_server: JudgeServer, model: str
+) -> None:
+    """A proxy's error page, `{"error": ...}`, `{}`, a null message, a number for content, an answer cut at
+    the token limit: the judge failed (a 503 the trainer retries), never a verdict of 0, and none cached."""
+    grader = build(score_model(model))
+    for _ in range(2):
+        with pytest.raises(GraderUnavailable, match="no usable completion"):
+            await grader.grade(grade_input("0.5"))
+    assert judge_server.requests[model] == 2
+    if model == "cut":
+        with pytest.raises(GraderUnavailable, match="max_completions_tokens"):
+            await grader.grade(grade_input("0.5"))
+
+
+@pytest.mark.parametrize("model", ["nodata", "nullvector"])
+async def test_an_embeddings_answer_without_a_vector_is_unavailable(build: Build, model: str) -> None:
+    with pytest.raises(GraderUnavailable, match="no usable completion"):
+        await build(cosine(model)).grade(grade_input("abc", {"reference_answer": "abd"}))
 
 
 async def test_embeddings_outage_is_unavailable(build: Build) -> None:

@@ -114,14 +114,12 @@ class Judge:
             extra: dict[str, Any] = dict(params)
             if response_format is not None:
                 extra["response_format"] = response_format
-            response = await self.client.chat.completions.create(
+            response: Any = await self.client.chat.completions.create(
                 model=model,
                 messages=list(messages),  # type: ignore[arg-type]
                 **extra,
             )
-            if not response.choices:
-                return None
-            return response.choices[0].message.content
+            return _content(response)
 
         return await self._cached(request_key("chat", payload), call)
 
@@ -130,8 +128,16 @@ class Judge:
 
         def fetch(text: str) -> Callable[[], Awaitable[list[float]]]:
             async def call() -> list[float]:
-                response = await self.client.embeddings.create(model=model, input=[text])
-                return list(response.data[0].embedding)
+                response: Any = await self.client.embeddings.create(model=model, input=[text])
+                data = getattr(response, "data", None)
+                vector = getattr(data[0], "embedding", None) if isinstance(data, list) and data else None
+                if (
+                    not isinstance(vector, list)
+                    or not vector
+                    or not all(isinstance(x, int | float) and not isinstance(x, bool) for x in vector)
+                ):
+                    raise _Unusable("no embedding in the answer")
+                return [float(x) for x in vector]
 
             return call
 
@@ -173,6 +179,12 @@ class Judge:
             ) from exc
         except openai.OpenAIError as exc:
             raise GraderUnavailable(f"judge at {self.where} failed: {_short(str(exc))}") from exc
+        except (_Unusable, ValueError, TypeError, AttributeError) as exc:
+            # A 200 that is no completion (a proxy's error page, `{"error": ...}`, a cut answer, data the
+            # SDK cannot decode): the judge failed, never a verdict of 0, and nothing is cached.
+            raise GraderUnavailable(
+                f"judge at {self.where} answered no usable completion: {_short(str(exc))}"
+            ) from exc
         self.cache.put(key, value)
         return value
 
@@ -187,6 +199,35 @@ class Judge:
         if self._client is not None:
             await self._client.close()
             self._client = None
+
+
+class _Unusable(Exception):
+    """The judge's 200 answer holds no completion to read."""
+
+
+def _content(response: Any) -> str | None:
+    """The content of a chat completion's first choice (None: the judge gave none, e.g. a refusal);
+    _Unusable when the answer is not a whole completion."""
+    choices = getattr(response, "choices", None)
+    if not isinstance(choices, list):
+        error = response.get("error") if isinstance(response, dict) else getattr(response, "error", None)
+        said = f": {_short(str(error))}" if error else ""
+        raise _Unusable(f"no choices{said} ({_short(type(response).__name__)})")
+    if not choices:
+        return None
+    choice = choices[0]
+    if getattr(choice, "finish_reason", None) == "length":
+        raise _Unusable(
+            "its answer was cut at the token limit (finish_reason length): raise the grader's "
+            "sampling_params.max_completions_tokens"
+        )
+    message = getattr(choice, "message", None)
+    if message is None:
+        raise _Unusable("its first choice has no message")
+    content = getattr(message, "content", None)
+    if content is not None and not isinstance(content, str):
+        raise _Unusable(f"its content is {type(content).__name__}, not text")
+    return content
 
 
 def _short(text: str, limit: int = 300) -> str:

@@ -263,3 +263,21 @@ def test_normalize_text_keeps_trailing_punctuation() -> None:
 def test_answer_hash(a: str, b: str, same: bool) -> None:
     assert (answer_hash(a) == answer_hash(b)) is same
     assert len(answer_hash(a)) == 64
+
+
+def test_only_the_first_claims_of_each_kind_are_looked_for() -> None:
+    """An answer of thousands of quoted strings against a long prompt would hold the event loop for
+    seconds: the first CLAIMS_CHECKED of each kind are looked for, and the count says how many it made."""
+    quotes = " ".join(f'"quote number {i}"' for i in range(3 * grounding.CLAIMS_CHECKED))
+    figures = " ".join(f"{1000 + i}.5" for i in range(3 * grounding.CLAIMS_CHECKED))
+    count, missing = grounding.ungrounded(f"{quotes} {figures}", ['"quote number 0" 1000.5'], 10)
+    assert count == 6 * grounding.CLAIMS_CHECKED
+    assert len(missing) == 2 * (grounding.CLAIMS_CHECKED - 1)
+    assert "quote number 0" not in missing and "1000.5" not in missing
+
+
+def test_a_quote_is_found_within_one_source_only() -> None:
+    _, missing = grounding.ungrounded('It said "red apple".', ["a red", "apple pie"], 10)
+    assert missing == ["red apple"]
+    _, found = grounding.ungrounded('It said "red apple".', ["a red", "the red apple pie"], 10)
+    assert found == []

@@ -84,6 +84,15 @@ class StoppedByItsCode(InterpreterGone):
 
 
 @dataclass(frozen=True)
+class Lost:
+    """Why a rollout's interpreter was stopped, kept for its next call or grade; `session` is that
+    interpreter's id when the rollout's own code stopped it (a grade then scores the failure)."""
+
+    reason: str
+    session: str | None = None
+
+
+@dataclass(frozen=True)
 class CheckVerdict:
     """What a grade's check in the interpreter answered (`Interpreter.check`)."""
 
@@ -531,9 +540,7 @@ class InterpreterPool:
         self.clock = clock
         self.worker = worker_name()
         self.live: OrderedDict[str, Interpreter] = OrderedDict()  # least recently used first
-        self.lost: OrderedDict[str, str] = OrderedDict()  # why a rollout's interpreter was stopped
-        # The rollouts whose interpreter their own code stopped: the id of that interpreter.
-        self.stopped_by_code: OrderedDict[str, str] = OrderedDict()
+        self.lost: OrderedDict[str, Lost] = OrderedDict()  # why a rollout's interpreter was stopped
         # Started and ready, never any rollout's yet (no cell ever ran in them): `limits.spares` of them.
         self.spares: deque[Interpreter] = deque()
         self._opening = asyncio.Lock()
@@ -555,7 +562,7 @@ class InterpreterPool:
             ):
                 # Ended, or being stopped (a call cut short while its interpreter was being stopped leaves
                 # it so): waited for here, never looked at again and again.
-                await self.discard(trace_id, self.lost.get(trace_id) or "it ended between calls")
+                await self.discard(trace_id, self._why(trace_id, "it ended between calls"))
                 current = None
             if current is None or not current.matches(marker):
                 break
@@ -581,7 +588,8 @@ class InterpreterPool:
                 # what its cells defined is lost, and the model is told so.
                 reason = "the rollout's state was lost (it expired or was removed), and its variables with it"
         if marker is not None:
-            reason = self.lost.pop(trace_id, None) or "it was stopped"
+            lost = self.lost.pop(trace_id, None)
+            reason = lost.reason if lost is not None else "it was stopped"
             if marker.get("worker") != self.worker:
                 reason = (
                     "it lived in another server process, or this one restarted; the calls of one trace_id "
@@ -608,14 +616,14 @@ class InterpreterPool:
                     "its interpreter lived in another server process, or this one restarted; a grade "
                     "in the interpreter must reach the worker of the rollout's calls (docs/deploy.md)"
                 )
-            reason = self.lost.get(trace_id) or "it was stopped"
-            if marker.get("session") == self.stopped_by_code.get(trace_id):
+            lost = self.lost.get(trace_id)
+            reason = lost.reason if lost is not None else "it was stopped"
+            if lost is not None and lost.session is not None and marker.get("session") == lost.session:
                 raise StoppedByItsCode(f"the rollout's interpreter is gone: {reason}")
             raise InterpreterGone(f"its interpreter is gone ({reason})")
         async with current.lock:
             if self.live.get(trace_id) is not current or current.session.closed:
-                reason = self.lost.get(trace_id) or "it was stopped"
-                raise InterpreterGone(f"its interpreter is gone ({reason})")
+                raise InterpreterGone(f"its interpreter is gone ({self._why(trace_id, 'it was stopped')})")
             if not current.matches(marker):
                 raise InterpreterGone(
                     "its interpreter is not in the state the rollout recorded (a call's code ran in it but "
@@ -626,6 +634,10 @@ class InterpreterPool:
             self.live.move_to_end(trace_id)
             yield current
             current.last_used = self.clock()
+
+    def _why(self, trace_id: str, otherwise: str) -> str:
+        lost = self.lost.get(trace_id)
+        return lost.reason if lost is not None else otherwise
 
     def _still(self, trace_id: str, interpreter: Interpreter, marker: Mapping[str, Any] | None) -> bool:
         """Whether `interpreter`, just acquired, is still the rollout's, running and in the rollout's step."""
@@ -760,15 +772,14 @@ class InterpreterPool:
             await only.session.close()
             return
         interpreter = self.live.pop(trace_id, None)
-        self.stopped_by_code.pop(trace_id, None)
-        if by_its_code and interpreter is not None:
-            self.stopped_by_code[trace_id] = interpreter.id
-            while len(self.stopped_by_code) > LOST_REASONS_KEPT:
-                self.stopped_by_code.popitem(last=False)
         if reason:
-            self.lost[trace_id] = reason
+            session = interpreter.id if by_its_code and interpreter is not None else None
+            self.lost.pop(trace_id, None)  # the newest reasons are kept longest
+            self.lost[trace_id] = Lost(reason, session)
             while len(self.lost) > LOST_REASONS_KEPT:
                 self.lost.popitem(last=False)
+        elif interpreter is not None:
+            self.lost.pop(trace_id, None)  # an older reason is not this interpreter's
         if interpreter is not None:
             await interpreter.session.close()
 

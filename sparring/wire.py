@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Final, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, field_validator
@@ -169,14 +169,17 @@ def call_key(value: str | None) -> str | None:
     return storable(fit(value, CALL_ID_MAX)) if value else None
 
 
-def _sorted_json(item: Any) -> bytes:
+def sorted_json(item: Any, *, default: Callable[[Any], Any] = str) -> bytes:
+    """`item` as compact JSON with its keys sorted, the bytes a digest is taken of; `default` writes what
+    JSON has no type for."""
     import orjson  # here, not at the top: most users of this module never hash a row
 
     try:
-        return orjson.dumps(item, option=orjson.OPT_SORT_KEYS, default=str)
+        return orjson.dumps(item, option=orjson.OPT_SORT_KEYS, default=default)
     except TypeError:
-        # orjson writes no integer beyond 64 bits; a dataset read with `json` may hold one.
-        return json.dumps(item, sort_keys=True, default=str, separators=(",", ":")).encode()
+        # orjson writes no integer beyond 64 bits; a dataset read with `json`, or an in-process caller's
+        # arguments, may hold one.
+        return json.dumps(item, sort_keys=True, default=default, separators=(",", ":")).encode()
 
 
 def item_key(item: Mapping[str, Any]) -> str | None:
@@ -189,9 +192,9 @@ def item_key(item: Mapping[str, Any]) -> str | None:
             return fit(f"{name}:{value}", ITEM_KEY_MAX)  # a long id cut with a hash: never merged
     if nested_deeper_than(item):
         return None  # refused where it arrives (an `Error:` output, a 400); orjson cannot write it
-    dumped = _sorted_json(item)
+    dumped = sorted_json(item)
     if b"\\u0000" in dumped:  # hash the row as it is stored (NUL as U+FFFD), so the log and grades agree
-        dumped = _sorted_json(storable(item))
+        dumped = sorted_json(storable(item))
     digest = hashlib.sha256(dumped).hexdigest()
     return f"sha256:{digest[:40]}"
 

@@ -40,7 +40,7 @@ from app.rollouts.store import CallStart, PackChanges, RolloutMeta, RolloutStore
 from app.sdk import RolloutState, ToolContext, ToolError, ToolSpec, ToolUnavailable
 from app.sdk.tool import describe_validation_error
 from app.telemetry import Tracing
-from sparring.wire import CALL_ID_REUSED
+from sparring.wire import CALL_ID_REUSED, sorted_json
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +54,7 @@ USER_CHANNEL = "user"  # the call-log channel of a simulated user's tool calls
 
 def call_digest(tool: str, arguments: Mapping[str, Any]) -> str:
     """What makes two calls the same call: the tool and its arguments, key order and spacing aside."""
-    try:
-        canonical = orjson.dumps(arguments, option=orjson.OPT_SORT_KEYS)
-    except TypeError:  # orjson writes no integer beyond 64 bits; an in-process caller may pass one
-        canonical = json.dumps(arguments, sort_keys=True, default=repr, separators=(",", ":")).encode()
+    canonical = sorted_json(arguments, default=repr)
     return hashlib.blake2b(tool.encode() + b"\x00" + canonical, digest_size=16).hexdigest()
 
 

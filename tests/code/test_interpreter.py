@@ -1134,6 +1134,29 @@ async def test_a_rollout_file_a_cell_overwrote_with_what_cannot_be_kept_is_the_r
     assert seen["value"] == repr(original) and "files_not_kept" not in seen, seen
 
 
+async def test_a_file_the_rollout_cannot_keep_is_named_once_while_the_box_holds_it_unchanged(
+    code_app: Any, backend: str
+) -> None:
+    """The interpreter keeps its own files the rollout cannot (a binary file); the answer names one when a
+    cell makes or changes it, not again with every later cell; a cell writing it again over the rollout's
+    version is named again."""
+    async with code_app(code=FAST) as code:
+        trace = new_trace()
+        made = await cell(code, trace, "open('blob.bin', 'wb').write(b'\\xff1')")
+        quiet = await cell(code, trace, "len(open('blob.bin', 'rb').read())")
+        changed = await cell(code, trace, "open('blob.bin', 'wb').write(b'\\xff22')")
+        again = await cell(code, trace, "1")
+        overwrite = "open('solution.py', 'wb').write(b'\\xfe')"
+        first = await cell(code, trace, overwrite)
+        second = await cell(code, trace, overwrite)  # the rollout's version was put back before it ran
+    assert made["files_not_kept"] == ["blob.bin (not UTF-8 text)"], made
+    assert quiet["value"] == "2" and "files_not_kept" not in quiet, quiet
+    assert changed["files_not_kept"] == ["blob.bin (not UTF-8 text)"], changed
+    assert "files_not_kept" not in again, again
+    assert first["files_not_kept"] == ["solution.py (not UTF-8 text)"], first
+    assert second["files_not_kept"] == ["solution.py (not UTF-8 text)"], second
+
+
 async def test_showing_a_value_larger_than_the_memory_left_keeps_the_state(
     code_app: Any, backend: str
 ) -> None:

@@ -148,6 +148,7 @@ class Interpreter:
         self.last_used = now
         self.lock = asyncio.Lock()
         self.known: dict[str, str] = {}  # the workspace's files as the interpreter last had them
+        self.noted: dict[str, str] = {}  # files it holds that the rollout could not keep, by digest
         self.broken = False
         self.stored = False  # a call came with the rollout's marker of its cells: their answers were stored
         self._frame_size: int | None = None  # the size of a frame whose body is still to be read

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any
@@ -137,7 +138,11 @@ async def python(
             ctx.state.put(*MARKER, interpreter.marker())
             not_placed = [(path, why) for path, why in result.not_placed if path in sent]
             stale = frozenset(path for path, _ in not_placed)
-            kept = _keep_files(workspace, before, result.files, stale=stale)
+            # A file the box holds but the rollout cannot keep is named once, not again with every cell
+            # while it stays as it was (unless this cell was sent the rollout's version of it).
+            shown = {path: digest for path, digest in interpreter.noted.items() if path not in sent}
+            kept = _keep_files(workspace, before, result.files, stale=stale, shown=shown)
+            interpreter.noted = kept.noted
             not_kept = [
                 f"{path} (could not be placed in the interpreter's workspace: {why})"
                 for path, why in not_placed
@@ -216,18 +221,32 @@ class Kept:
     not_kept: list[str]
     refused: dict[str, str | None] = field(default_factory=dict)
     aside: set[str] = field(default_factory=set)  # files seen but not kept (not UTF-8, too large)
+    noted: dict[str, str] = field(default_factory=dict)  # the files seen but not kept: their digests
 
 
 def _keep_files(
-    workspace: Workspace, before: dict[str, str], result: RunResult, *, stale: frozenset[str] = frozenset()
+    workspace: Workspace,
+    before: dict[str, str],
+    result: RunResult,
+    *,
+    stale: frozenset[str] = frozenset(),
+    shown: Mapping[str, str] | None = None,
 ) -> Kept:
     """Apply what the run changed in the workspace; answer what could not be kept, with the reason.
 
     A path the run never saw is left as it is: one its walk skipped (a directory it could not list: all
     under it), one no run could hold (`RunResult.unseen`), one the run had only an older version of
     (`stale`: an interpreter's file the rollout's latest could not replace), and one whose new content
-    could not be kept (not UTF-8, too large): its stored version stays."""
+    could not be kept (not UTF-8, too large): its stored version stays. `shown`: the files not kept that an
+    earlier answer named, by their content's digest; one still so is not named again."""
     not_kept = list(result.skipped)
+    noted: dict[str, str] = {}
+
+    def note(path: str, content: bytes, why: str) -> None:
+        digest = noted[path] = hashlib.blake2b(content, digest_size=16).hexdigest()
+        if shown is None or shown.get(path) != digest:
+            not_kept.append(f"{path} ({why})")
+
     kept_aside = set(result.unseen) | set(stale)
     aside: set[str] = set()
     # A stale path's neighbours in the tree are the box's, not the rollout's: a file under it, or one
@@ -241,20 +260,20 @@ def _keep_files(
             check_path(path)
             text = content.decode("utf-8")
         except ToolError:
-            not_kept.append(f"{path} (not a valid workspace path)")
+            note(path, content, "not a valid workspace path")
             continue
         except UnicodeDecodeError:
-            not_kept.append(f"{path} (not UTF-8 text)")
+            note(path, content, "not UTF-8 text")
             aside.add(path)
             continue
         if len(content) > LIMITS.max_file_bytes:
-            not_kept.append(f"{path} (over {LIMITS.max_file_bytes} bytes)")
+            note(path, content, f"over {LIMITS.max_file_bytes} bytes")
             aside.add(path)
             continue
         after[path] = text
     kept_aside |= aside
     if result.files is None:
-        return Kept(not_kept)
+        return Kept(not_kept, noted=noted)
     changes: dict[str, str | None] = {path: text for path, text in after.items() if before.get(path) != text}
     if result.files_complete:
         for path in before:
@@ -277,10 +296,10 @@ def _keep_files(
         workspace.check_fits(changes)
     except ToolError as exc:
         not_kept.append(f"(no change to the files was kept: {exc.message})")
-        return Kept(not_kept, changes, aside)
+        return Kept(not_kept, changes, aside, noted)
     for path, change in changes.items():
         workspace.write(path, change)
-    return Kept(not_kept, aside=aside)
+    return Kept(not_kept, aside=aside, noted=noted)
 
 
 def _text(data: bytes, total: int) -> str:

@@ -244,7 +244,7 @@ class RunStatistics:
             share_no_signal=_item_summary(summary).share_no_signal,
             reward_min=reward.min,
             reward_max=reward.max,
-            reward_se=standard_error(_std(reward.mean, reward.mean_square), reward.graded),
+            reward_se=standard_error(_std(reward.mean, reward.mean_square), reward.scored),
         )
         return side, tools, items
 

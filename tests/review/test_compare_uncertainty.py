@@ -69,3 +69,20 @@ async def test_compare_reports_errors_an_interval_and_counts_items_on_one_spot(r
     # q0..q3 all go 0 → 1: one dot for four items, with its count.
     assert re.search(r'<circle class="pair improved" data-items="4"', page)
     assert re.search(r'<text class="pair-count"[^>]*>4</text>', page)
+
+
+async def test_the_standard_error_counts_only_scored_rollouts(review: ReviewApp) -> None:
+    # A rollout whose latest grade failed has no score: it is not one of the means' values.
+    a, b = f"base-{uuid.uuid4().hex[:6]}", f"tuned-{uuid.uuid4().hex[:6]}"
+    scores = [0.0, 1.0, 1.0, 0.0, 0.5]
+    for run in (a, b):
+        for i, value in enumerate(scores):
+            await _graded(review, run, f"q{i}", value)
+        for i in range(5):
+            trace = new_trace()
+            await review.call("echo", {"text": "x"}, trace, call_id="c1", run=run, item={"id": f"f{i}"})
+            await review.grade(trace, answer="x", score=None, status="failed", run=run)
+
+    data = await review.api("/review/api/compare", a=a, b=b)
+    assert data["a"]["graded"] == 10
+    assert data["a"]["reward_se"] == pytest.approx(statistics.stdev(scores) / len(scores) ** 0.5)

@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
+import orjson
 from sqlalchemy import func, select, true
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -55,7 +56,8 @@ class GradeRepository:
     async def sources(self, grader: str, *, run: str | None, limit: int | None) -> Sequence[Grade]:
         """What a regrade by `grader` scores: the newest grade of any grader of each graded rollout (of
         `run`: the rollout's label, else the grade's), which holds the sample and row it was graded on;
-        and the grades of `grader` posted without a trace, each once."""
+        and the grades of `grader` posted without a trace, the newest of each distinct run, sample and
+        row once (a regrade stores its grade of one beside it, with nothing to tell the two apart)."""
         newest = select(func.max(Grade.id)).where(Grade.trace_id.is_not(None))
         if run is not None:
             newest = newest.where(_of_run(run))
@@ -65,11 +67,19 @@ class GradeRepository:
                 (Grade.id.in_(newest.group_by(Grade.trace_id)))
                 | ((Grade.grader == grader) & Grade.trace_id.is_(None) & _in_run(run))
             )
-            .order_by(Grade.id)
+            .order_by(Grade.id.desc())
         )
-        if limit is not None:
-            query = query.limit(limit)
-        return (await self.session.scalars(query)).all()
+        found: list[Grade] = []
+        traceless: set[tuple[str | None, bytes, bytes]] = set()
+        for grade in (await self.session.scalars(query)).all():
+            if grade.trace_id is None:
+                key = (grade.run, _canonical(grade.sample), _canonical(grade.item))
+                if key in traceless:
+                    continue
+                traceless.add(key)
+            found.append(grade)
+        found.reverse()
+        return found if limit is None else found[:limit]
 
     async def latest_of(self, grader: str, trace_ids: Sequence[str]) -> Sequence[Grade]:
         """The newest grade of `grader` of each of these rollouts that it graded."""
@@ -97,6 +107,10 @@ def _of_run(run: str) -> Any:
 
 def _in_run(run: str | None) -> Any:
     return Grade.run == run if run is not None else true()
+
+
+def _canonical(value: Any) -> bytes:
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS, default=str)
 
 
 class KeptStateRepository:

@@ -370,3 +370,25 @@ async def test_an_unknown_default_grader_fails_at_start_up(app_factory: AppFacto
     with pytest.raises(StartupError, match="SPARRING_DEFAULT_GRADER='missing'"):
         async with app_factory(packs=[ledger_pack], graders_file=path, default_grader="missing"):
             pass
+
+
+async def test_a_second_regrade_scores_each_traceless_answer_once(
+    app_factory: AppFactory, tmp_path: Path
+) -> None:
+    # Grades posted without a trace_id: a regrade stores new ones beside them, and the next regrade
+    # must not score those copies as more answers.
+    path = write_graders(tmp_path, {"exact": GRADERS["exact"]})
+    run = f"traceless-{new_trace()}"
+    async with app_factory(packs=[ledger_pack], key=GRADER_KEY, graders_file=path) as client:
+        for i, text in enumerate(["70", "seventy"]):
+            response = await client.post(
+                "/grade/exact",
+                json={"sample": sample(text), "item": {"id": i, "reference_answer": "70"}},
+                headers={"X-Sparring-Run": run},
+            )
+            assert response.status_code == 200
+        grading = app_state(client.app).grading  # type: ignore[attr-defined]
+        first = await grading.regrade("exact", run=run)
+        second = await grading.regrade("exact", run=run)
+        assert (first.rollouts, second.rollouts) == (2, 2)
+        assert second.mean_after == pytest.approx(0.5)

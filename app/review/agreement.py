@@ -20,7 +20,7 @@ from app.grading.repository import GradeRepository
 from app.review import schemas as s
 from app.review.label_repository import LabelRepository
 
-MAX_DISAGREEMENTS = 500  # rollouts listed per pair (the counts are over every rollout)
+MAX_DISAGREEMENTS = 500  # rollouts listed per pair (`disagreed` counts every one)
 
 
 def percent_agreement(a: Sequence[bool], b: Sequence[bool]) -> float | None:
@@ -88,6 +88,7 @@ def pair_agreement(
         return None
     xa, xb = [scores[a][t] for t in both], [scores[b][t] for t in both]
     pa, pb = [x >= threshold for x in xa], [x >= threshold for x in xb]
+    disagreements = [t for t, x, y in zip(both, pa, pb, strict=True) if x != y]
     return s.PairAgreement(
         a=a,
         b=b,
@@ -95,7 +96,8 @@ def pair_agreement(
         agreement=_rounded(percent_agreement(pa, pb)),
         kappa=_rounded(cohen_kappa(pa, pb)),
         spearman=_rounded(spearman(xa, xb)),
-        disagreements=[t for t, x, y in zip(both, pa, pb, strict=True) if x != y][:MAX_DISAGREEMENTS],
+        disagreed=len(disagreements),
+        disagreements=disagreements[:MAX_DISAGREEMENTS],
     )
 
 
@@ -108,6 +110,7 @@ def label_agreement(
     predicted = [scores[t] >= threshold for t in both]
     truth = [labels[t] == "pass" for t in both]
     precision, recall = precision_recall(predicted, truth)
+    disagreements = [t for t, p, y in zip(both, predicted, truth, strict=True) if p != y]
     return s.LabelAgreement(
         grader=grader,
         n=len(both),
@@ -115,9 +118,8 @@ def label_agreement(
         kappa=_rounded(cohen_kappa(predicted, truth)),
         precision=_rounded(precision),
         recall=_rounded(recall),
-        disagreements=[t for t, p, y in zip(both, predicted, truth, strict=True) if p != y][
-            :MAX_DISAGREEMENTS
-        ],
+        disagreed=len(disagreements),
+        disagreements=disagreements[:MAX_DISAGREEMENTS],
     )
 
 

@@ -155,7 +155,7 @@ def agreement(
     for p in figures.pairs:
         typer.echo(
             f"  {p.a}  {p.b}  {p.n}  {_stat(p.agreement)}  {_stat(p.kappa)}  {_stat(p.spearman)}  "
-            f"{len(p.disagreements)}  {' '.join(p.disagreements[:10])}"
+            f"{p.disagreed}  {' '.join(p.disagreements[:10])}"
         )
     if not figures.pairs:
         typer.echo("  (no two graders scored the same rollouts: sparring regrade --grader NAME --run RUN)")
@@ -163,7 +163,7 @@ def agreement(
     for g in figures.labels:
         typer.echo(
             f"  {g.grader}  {g.n}  {_stat(g.agreement)}  {_stat(g.kappa)}  {_stat(g.precision)}  "
-            f"{_stat(g.recall)}  {len(g.disagreements)}  {' '.join(g.disagreements[:10])}"
+            f"{_stat(g.recall)}  {g.disagreed}  {' '.join(g.disagreements[:10])}"
         )
     if not figures.labels:
         typer.echo("  (no labelled rollout is graded: label some on the run's queue page)")

@@ -307,7 +307,8 @@ class PairAgreement(BaseModel):
     agreement: float | None
     kappa: float | None
     spearman: float | None
-    disagreements: list[str]  # trace ids where one passes and the other does not
+    disagreed: int  # rollouts where one passes and the other does not
+    disagreements: list[str]  # their trace ids (the first MAX_DISAGREEMENTS of them)
 
 
 class LabelAgreement(BaseModel):
@@ -319,7 +320,8 @@ class LabelAgreement(BaseModel):
     kappa: float | None
     precision: float | None
     recall: float | None
-    disagreements: list[str]
+    disagreed: int  # rollouts where the grader and the label differ
+    disagreements: list[str]  # their trace ids (the first MAX_DISAGREEMENTS of them)
 
 
 class Agreement(BaseModel):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 import uuid
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,9 @@ from typer.testing import CliRunner
 
 from app.cli import cli
 from app.config import get_settings
-from app.review.agreement import cohen_kappa, precision_recall, spearman
+from app.db.models import Grade
+from app.grading.recording import grade_row
+from app.review.agreement import MAX_DISAGREEMENTS, cohen_kappa, precision_recall, spearman
 from tests.conftest import ADMIN_KEY, new_trace
 from tests.review.conftest import ADMIN, ReviewApp
 
@@ -76,6 +79,7 @@ async def test_the_agreement_api_matches_the_hand_computation(review: ReviewApp)
         "agreement": pytest.approx(4 / 7),
         "kappa": 0.0,
         "spearman": None,
+        "disagreed": 3,
         "disagreements": sorted(traces[4:7]),
     }
     assert pairs[("old", "retail")]["n"] == 1 and pairs[("old", "retail")]["kappa"] is None
@@ -87,6 +91,7 @@ async def test_the_agreement_api_matches_the_hand_computation(review: ReviewApp)
         "kappa": 0.75,
         "precision": 1.0,
         "recall": 0.8,
+        "disagreed": 1,
         "disagreements": [traces[4]],
     }
     assert (labels["nonempty"]["n"], labels["nonempty"]["precision"], labels["nonempty"]["recall"]) == (
@@ -135,3 +140,26 @@ async def test_the_command_prints_what_the_api_answers(review: ReviewApp, cli_en
     table = await asyncio.to_thread(runner.invoke, cli, ["graders", "agreement", "--run", run])
     assert table.exit_code == 0, table.output
     assert "  retail  8  0.875  0.750  1.000  0.800  1  " + traces[4] in table.output
+
+
+async def test_disagreements_are_counted_past_the_listed_ones(review: ReviewApp, cli_env: None) -> None:
+    # More disagreements than the figures list: the count shown is over every rollout.
+    run = f"many-{uuid.uuid4().hex[:8]}"
+    disagreeing = MAX_DISAGREEMENTS + 100
+    now = datetime.now(UTC)
+    async with review.sessions() as session, session.begin():
+        for i in range(disagreeing):
+            for grader, score in (("strict", 0.0), ("loose", 1.0)):
+                fields: Any = {"trace_id": f"trace_many_{i:05d}", "grader": grader, "grader_version": "1"}
+                fields |= {"status": "ok", "score": score, "sub_scores": {}, "errors": []}
+                fields |= {"sample": {"output_text": "a"}, "item": {"id": i}, "run": run}
+                session.add(Grade(**grade_row(flags=[], latency_ms=1.0, created_at=now, **fields)))
+    [pair] = (await review.api(f"/review/api/runs/{run}/agreement"))["pairs"]
+    assert (pair["n"], pair["agreement"], len(pair["disagreements"])) == (disagreeing, 0.0, MAX_DISAGREEMENTS)
+    assert pair["disagreed"] == disagreeing
+    await review.client.post("/review/login", data={"key": ADMIN_KEY, "next": "/review"})
+    page = (await review.client.get(f"/review/runs/{run}/graders")).text
+    assert f"<td>{disagreeing}: " in page and f"and {disagreeing - 20} more" in page
+    table = await asyncio.to_thread(CliRunner().invoke, cli, ["graders", "agreement", "--run", run])
+    assert f"  loose  strict  {disagreeing}  0.000  " in table.output
+    assert f"  -  {disagreeing}  trace_many_00000 " in table.output

@@ -134,9 +134,18 @@ CLAIMS_CHECKED = 200
 
 def ungrounded(answer: str, sources: Sequence[str], ignore_numbers_below: float) -> tuple[int, list[str]]:
     """(number of claims, the claims found in no source, of the first CLAIMS_CHECKED of each kind)."""
+    made, _, missing = checked_claims(answer, sources, ignore_numbers_below)
+    return made, missing
+
+
+def checked_claims(
+    answer: str, sources: Sequence[str], ignore_numbers_below: float
+) -> tuple[int, int, list[str]]:
+    """(number of claims, how many were looked for: the first CLAIMS_CHECKED of each kind, those of them
+    found in no source)."""
     numbers, quoted = claims(answer, ignore_numbers_below)
     if not numbers and not quoted:
-        return 0, []
+        return 0, 0, []
     known: set[str] = set()
     for source in sources:
         known |= numbers_in(source)
@@ -144,7 +153,8 @@ def ungrounded(answer: str, sources: Sequence[str], ignore_numbers_below: float)
     text = "\0".join(haystack(s) for s in sources)
     missing = [n for n in numbers[:CLAIMS_CHECKED] if n not in known]
     missing += [q for q in quoted[:CLAIMS_CHECKED] if normalize_text(q).replace("\0", " ") not in text]
-    return len(numbers) + len(quoted), missing
+    checked = min(len(numbers), CLAIMS_CHECKED) + min(len(quoted), CLAIMS_CHECKED)
+    return len(numbers) + len(quoted), checked, missing
 
 
 def normalize_answer(text: str) -> str:

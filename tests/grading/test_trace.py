@@ -9,7 +9,7 @@ import pytest
 from app.grading.graders.model import GradeInput, GraderConfigError, GradeResult, RolloutRecord
 from app.grading.graders.registry import GraderContext, build_graders
 from app.grading.graders.trace import pack_state
-from app.grounding import claims, ungrounded
+from app.grounding import CLAIMS_CHECKED, claims, ungrounded
 from app.sdk import CheckResult, Pack, RolloutState, RolloutView
 from tests.grading.records import call, grade_input, rollout
 
@@ -354,3 +354,17 @@ async def test_a_state_check_version_follows_its_code(bank_context: GraderContex
     assert len(set(versions.values())) == len(versions)
     again = build_graders({}, source="test", context=bank_context)
     assert {name: g.version for name, g in again.items()} == versions
+
+
+async def test_grounded_scores_the_claims_it_checked(context: GraderContext) -> None:
+    # More made-up numbers than are checked: the ones past the cap cannot count as grounded.
+    answer = " ".join(str(1000 + i) for i in range(CLAIMS_CHECKED * 5))
+    record = rollout([call("lookup", {}, ORDER)])
+    result = await grade(context, {"type": "grounded"}, grade_input(answer, record=record))
+    assert result.score == 0.0
+    # Half of the checked ones grounded: half the score, however many more follow.
+    grounded = " ".join(str(1000 + i) for i in range(CLAIMS_CHECKED // 2))
+    half = " ".join([grounded, answer])
+    record = rollout([call("lookup", {}, grounded)])
+    result = await grade(context, {"type": "grounded"}, grade_input(half, record=record))
+    assert result.score == pytest.approx(0.5)

@@ -12,10 +12,11 @@ its definition gives for zero calls, never an error:
 - no_loops: the share of answered calls that do not repeat an earlier call with the same tool and
   the same arguments (beyond `allowed_repeats`; with `same_output_only`, only repeats that also got
   the same output, i.e. learned nothing new). No calls: 1.
-- grounded: the share of the answer's numbers and quoted strings that appear in some tool output (or,
-  with `include_prompt`, in the item's messages). An answer with nothing checkable scores 1 when some
-  call was answered, and 0 when none was (a guess made without looking: an empty answer scores 1,
-  claiming nothing); with no calls, checkable claims not in the prompt are ungrounded.
+- grounded: the share of the answer's numbers and quoted strings (the first 200 of each kind, those
+  looked for) that appear in some tool output (or, with `include_prompt`, in the item's messages).
+  An answer with nothing checkable scores 1 when some call was answered, and 0 when none was (a guess
+  made without looking: an empty answer scores 1, claiming nothing); with no calls, checkable claims
+  not in the prompt are ungrounded.
 - required_tools: the share of the listed tools called successfully at least once. No calls: 0.
 - forbidden_tools: 0 if any listed tool was called at all, else 1. No calls: 1.
 - state_check: the pack's check on a read-only view of the final state. No calls: the check's verdict
@@ -42,7 +43,7 @@ from app.grading.graders.model import (
     final_answer,
 )
 from app.grading.graders.templates import Scope, Template
-from app.grounding import prompt_texts, ungrounded
+from app.grounding import checked_claims, prompt_texts
 from app.sdk import (
     CallView,
     CheckResult,
@@ -197,8 +198,8 @@ class GroundedGrader(_TraceGrader):
         answer = self.input.render(Scope.of(inp)) if self.input is not None else final_answer(inp.sample)
         outputs = [c.output for c in _calls(inp) if c.output]
         sources = outputs + (prompt_texts(inp.item) if self.include_prompt else [])
-        total, missing = ungrounded(answer, sources, self.ignore_numbers_below)
-        if not total and not outputs and answer.strip():
+        made, checked, missing = checked_claims(answer, sources, self.ignore_numbers_below)
+        if not made and not outputs and answer.strip():
             # Nothing checkable in the answer, and no tool output it could rest on: a claim made without
             # looking (a one-word guess of the reference) is not grounded.
             return GradeResult(
@@ -208,7 +209,7 @@ class GroundedGrader(_TraceGrader):
         if not missing:  # everything grounded, or nothing to ground
             return GradeResult(score=1.0)
         return GradeResult(
-            score=(total - len(missing)) / total,
+            score=(checked - len(missing)) / checked,  # of the claims looked for, not of those made
             flags=[(UNGROUNDED_ANSWER, f"the answer states {_listed(missing)}, found in no tool output")],
         )
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import aliased
 
@@ -60,6 +60,12 @@ class LabelRepository(Queries):
             return {}
         rows = await self.session.scalars(select(RolloutLabel).where(RolloutLabel.trace_id.in_(trace_ids)))
         return {row.trace_id: row for row in rows.all()}
+
+    async def unlabelled_count(self, run: str) -> int:
+        """How many rollouts of the run nobody labelled."""
+        labelled = select(RolloutLabel.trace_id).where(RolloutLabel.trace_id == RolloutRow.trace_id).exists()
+        query = select(func.count()).select_from(RolloutRow).where(RolloutRow.run == run, ~labelled)
+        return int(await self.session.scalar(query) or 0)
 
     async def unlabelled(self, run: str, grader: str | None, *, cap: int) -> list[QueueCandidate]:
         """Up to `cap` unlabelled rollouts of the run with their latest score (of `grader`, if given)."""

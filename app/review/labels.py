@@ -85,10 +85,12 @@ class RolloutLabels:
     async def queue(self, run: str, grader: str | None, *, limit: int) -> s.LabelQueue:
         candidates = await self.repo.unlabelled(run, grader, cap=QUEUE_CAP)
         chosen = stratified(candidates, limit)
+        # The candidates stop at the cap: past it, the run's unlabelled rollouts are counted.
+        unlabelled = len(candidates) if len(candidates) < QUEUE_CAP else await self.repo.unlabelled_count(run)
         return s.LabelQueue(
             run=run,
             grader=grader,
-            unlabelled=len(candidates),
+            unlabelled=unlabelled,
             labelled=len(await self.repo.of_run(run)),
             rollouts=[
                 s.QueueEntry(trace_id=c.trace_id, item_key=c.item_key, score=c.score, band=band_of(c.score))

@@ -6,7 +6,9 @@ from __future__ import annotations
 import uuid
 
 import orjson
+import pytest
 
+from app.review import labels as labels_module
 from app.review.label_repository import QueueCandidate
 from app.review.labels import band_of, stratified
 from app.review.session import COOKIE_NAME
@@ -141,3 +143,14 @@ def test_score_bands() -> None:
         "0-0.25",
         "ungraded",
     ]
+
+
+async def test_the_queue_counts_every_unlabelled_rollout(
+    review: ReviewApp, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The queue draws from at most QUEUE_CAP rollouts; the count of unlabelled ones is over the run.
+    monkeypatch.setattr(labels_module, "QUEUE_CAP", 3)
+    run, traces = await graded_run(review, [1.0, 0.0, 0.5, 0.25, 0.75])
+    await review.client.put(f"/review/api/rollouts/{traces[0]}/label", json={"label": "pass"}, headers=ADMIN)
+    queue = await review.api(f"/review/api/runs/{run}/queue")
+    assert (queue["unlabelled"], queue["labelled"], len(queue["rollouts"])) == (4, 1, 3)

@@ -368,3 +368,23 @@ async def test_grounded_scores_the_claims_it_checked(context: GraderContext) -> 
     record = rollout([call("lookup", {}, grounded)])
     result = await grade(context, {"type": "grounded"}, grade_input(half, record=record))
     assert result.score == pytest.approx(0.5)
+
+
+async def test_a_state_check_may_score_with_a_boolean() -> None:
+    # CheckResult(score=passed): True is a pass (1), as a python grader's True is, not a made-up 0.
+    verdicts = Pack("verdicts", base=lambda resources: {})
+
+    @verdicts.state_check("said_yes")
+    def said_yes(view: RolloutView) -> CheckResult:
+        return CheckResult(score=view.final_answer == "yes")  # type: ignore[arg-type]
+
+    served = verdicts.started(None, verdicts.load_base(None))
+    context = GraderContext(state_checks={"said_yes": (served, said_yes)})
+    try:
+        grader = build_graders({}, source="test", context=context)["said_yes"]
+        passed = await grader.grade(grade_input("yes", record=rollout([call("look")])))
+        failed = await grader.grade(grade_input("no", record=rollout([call("look")])))
+    finally:
+        await context.aclose()
+    assert (passed.score, passed.errors) == (1.0, [])
+    assert (failed.score, failed.errors) == (0.0, [])

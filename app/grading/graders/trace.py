@@ -282,7 +282,7 @@ class StateCheckGrader(_TraceGrader):
             reason = f"state check {self.check_name!r} returned {what}, not a CheckResult with a number"
             return GradeResult.failed(reason, flags=[(STATE_CHECK_FAILED, reason)])
         return GradeResult(
-            score=outcome.score,
+            score=float(outcome.score),  # a bool verdict is 0 or 1
             sub_scores={
                 str(k): float(v) for k, v in outcome.sub_scores.items() if isinstance(v, int | float)
             },

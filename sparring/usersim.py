@@ -264,24 +264,29 @@ class UserConversation:
     async def resume(self) -> UserReply:
         """The user's answer to the last message of its history (the agent's, or the results of its
         own calls): what `reply` does once it has added the agent's message. A `reply` that failed
-        after some of the user's calls ran continues here from `messages` as it left them (without
-        its last turn when that turn's calls have no results: see `settled`)."""
+        after some of the user's calls ran continues here from `messages` as it left them: a last turn
+        of calls without results (some may have run before the failure) runs its calls again under
+        their ids first, so the ones that ran replay their answers rather than apply twice."""
+        calls = pending_calls(self.messages)
         while True:
-            turn = await self.model.next_turn(self.request())
-            self.usage.add(turn.usage)
-            self.steps += 1
-            if not turn.calls:
-                if not turn.text.strip():
-                    raise ModelFailure("the user model answered an empty message")
-                self.messages.append({"role": USER_ROLE, "content": turn.text})
-                ended = end_of(turn.text) or ("max_steps" if self.exhausted else None)
-                return UserReply(text=turn.text, ended=ended)
-            self.messages.append(
-                {"role": USER_ROLE, "content": turn.text or None, "tool_calls": _chat_calls(turn.calls)}
-            )
+            if not calls:
+                turn = await self.model.next_turn(self.request())
+                self.usage.add(turn.usage)
+                self.steps += 1
+                if not turn.calls:
+                    if not turn.text.strip():
+                        raise ModelFailure("the user model answered an empty message")
+                    self.messages.append({"role": USER_ROLE, "content": turn.text})
+                    ended = end_of(turn.text) or ("max_steps" if self.exhausted else None)
+                    return UserReply(text=turn.text, ended=ended)
+                calls = list(turn.calls)
+                self.messages.append(
+                    {"role": USER_ROLE, "content": turn.text or None, "tool_calls": _chat_calls(calls)}
+                )
             results = await asyncio.gather(
-                *(self.tools.call(call, trace_id=self.trace_id, item=self.item) for call in turn.calls)
+                *(self.tools.call(call, trace_id=self.trace_id, item=self.item) for call in calls)
             )
+            calls = []
             failed = next((result for result in results if result.failure is not None), None)
             if failed is not None:
                 raise ModelFailure(f"the user's tool {failed.call.name} failed: {failed.failure}")
@@ -301,6 +306,18 @@ def settled(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     if kept and kept[-1].get("role") == USER_ROLE and kept[-1].get("tool_calls"):
         kept.pop()
     return kept
+
+
+def pending_calls(messages: Sequence[Mapping[str, Any]]) -> list[FunctionCall]:
+    """The calls of a last turn of the user whose results never came (its calls failed), else none."""
+    last = messages[-1] if messages else {}
+    if last.get("role") != USER_ROLE or not last.get("tool_calls"):
+        return []
+    return [
+        FunctionCall(call_id=call["id"], name=function["name"], arguments=function["arguments"])
+        for call in last["tool_calls"]
+        for function in (call["function"],)
+    ]
 
 
 def _chat_calls(calls: Sequence[FunctionCall]) -> list[dict[str, Any]]:

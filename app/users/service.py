@@ -275,12 +275,14 @@ class UserToolConversations:
             return _error(f"this task's user scenario is unusable: {exc}"), None
         if conversation is None:
             return _error("this task has no simulated customer (no user scenario for its row)"), None
-        conversation.messages = settled(state.get("messages", []))
+        unanswered = state.get("unanswered") or {}
+        # The retry of an exchange whose user made calls of its own, then failed: it goes on from them
+        # (a turn of calls cut short included: `resume` runs its calls again under their ids).
+        resuming = call_id is not None and unanswered == {"call_id": call_id, "message": message}
+        kept_messages = state.get("messages", [])
+        conversation.messages = [dict(m) for m in kept_messages] if resuming else settled(kept_messages)
         conversation.steps = int(state.get("steps", 0))
         conversation.errors = int(state.get("errors", 0))
-        unanswered = state.get("unanswered") or {}
-        # The retry of an exchange whose user made calls of its own, then failed: it goes on from them.
-        resuming = call_id is not None and unanswered == {"call_id": call_id, "message": message}
         if not resuming:
             conversation.count()  # the agent's message, as τ²'s orchestrator counts it
         if conversation.exhausted and not resuming:
@@ -359,11 +361,13 @@ def _with_outputs(state: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 def _progress(conversation: UserConversation, call_id: str | None, message: str) -> dict[str, Any] | None:
-    """The conversation of an exchange that failed, when the user's own calls ran in it (their effects
-    are in the rollout's state); None when nothing happened that a retry should not do again."""
-    messages = settled(conversation.messages)
+    """The conversation of an exchange that failed, when the user made calls of its own in it (their
+    effects may be in the rollout's state; a last turn whose calls were cut short is kept, for the
+    retry to run them again under their ids); None when nothing happened that a retry should not do
+    again."""
+    messages = [dict(m) for m in conversation.messages]
     asked = max(i for i, m in enumerate(messages) if m.get("role") == "assistant")
-    if not any(m.get("role") == "tool" for m in messages[asked:]):
+    if not any(m.get("role") == USER_ROLE and m.get("tool_calls") for m in messages[asked:]):
         return None
     return {
         "messages": messages,

@@ -18,6 +18,7 @@ from app.calls.service import SEND_TO_USER
 from app.cli import job_config
 from app.deps import app_state
 from app.packs import Registry
+from app.sdk import ToolUnavailable
 from app.users.service import USER_CALL_PREFIX, offer_user_tool
 from sparring.usersim import GREETING, STOP
 from tests.conftest import ADMIN_KEY, REDIS_URL, AppFactory, make_settings, new_trace
@@ -28,7 +29,7 @@ from tests.runner.model_server import Call, ModelRequest, ModelServer, Reply, Un
 from tests.telecom import corpus
 from tests.usersim.telecom_script import ASK, DONE, FAREWELL, OPENING, SOLVED, TASK
 from tools.retail import pack as retail_pack
-from tools.telecom import pack
+from tools.telecom import device_tools, pack
 
 
 class User:
@@ -252,6 +253,43 @@ async def test_a_retry_goes_on_from_the_users_own_calls_that_ran_before_an_outag
     assert [c["tool"] for c in detail["timeline"] if c["channel"] == "user"] == phone
     resumed = user_requests(model_server)[-2]
     assert [m["role"] for m in resumed.body["messages"]][-4:] == ["assistant", "user", "assistant", "tool"]
+    assert await said(served, trace, SOLVED, "m3") == FAREWELL
+    (_, name, arguments) = next(c for c in corpus.gold_calls(TASK) if c[0] == "assistant")
+    body = {"call_id": "a1", "arguments": arguments, "trace_id": trace, "item": {"task_id": TASK}}
+    assert (await served.post(f"/tools/{name}", json=body)).status_code == 200
+    graded = await served.post(
+        "/grade/telecom",
+        json={"sample": {"output_text": FAREWELL}, "item": {"task_id": TASK}, "trace_id": trace},
+    )
+    assert graded.json()["score"] == 1.0, graded.text
+
+
+async def test_a_retry_finishes_a_turn_of_the_users_calls_that_an_outage_cut_short(
+    served: httpx.AsyncClient, model_server: ModelServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The user fixes both settings in one turn; the second call meets an outage after the first has
+    turned airplane mode off. The retry runs that turn's calls again under their ids (the first
+    replays, the second runs): asking the model for a new turn would toggle airplane mode back on."""
+    user: Any = model_server.script
+    phone = tuple(Call(name, args) for side, name, args in corpus.gold_calls(TASK) if side == "user")
+    assert [call.name for call in phone] == ["toggle_airplane_mode", "toggle_data_saver_mode"]
+    user.turns = [Reply(text=OPENING), Reply(calls=phone), Reply(text=DONE), Reply(text=FAREWELL)]
+    toggled = device_tools._toggled
+    down = [True]
+
+    def flaky(*args: Any, **kwargs: Any) -> str:  # data saver's toggle: down once, then back
+        if down[0]:
+            down[0] = False
+            raise ToolUnavailable("the phone is unreachable")
+        return toggled(*args, **kwargs)
+
+    monkeypatch.setattr(device_tools, "_toggled", flaky)
+    trace = new_trace()
+    assert await said(served, trace, GREETING, "m1") == OPENING
+    failed = await send(served, trace, ASK, "m2")
+    assert failed.status_code == 503, failed.text
+    assert await said(served, trace, ASK, "m2") == DONE
+    assert len(user_requests(model_server)) == 3  # the opening, the turn of calls, the answer: once each
     assert await said(served, trace, SOLVED, "m3") == FAREWELL
     (_, name, arguments) = next(c for c in corpus.gold_calls(TASK) if c[0] == "assistant")
     body = {"call_id": "a1", "arguments": arguments, "trace_id": trace, "item": {"task_id": TASK}}

@@ -23,11 +23,12 @@ from app.remote.runner import contained
 from app.users.service import (
     SEND_TO_USER_ARG,
     SEND_TO_USER_DESCRIPTION,
+    progress_of,
     scenario_for,
     with_service_tools,
 )
 from sparring.loop import USER_KEY, ModelFailure
-from sparring.usersim import UserReply
+from sparring.usersim import UserReply, settled
 
 # How long a retried submit waits for the grade its first try is running, reading the session record
 # every SUBMIT_POLL_SECONDS; past it, the retry is a 503 and the client sends it again.
@@ -231,8 +232,9 @@ async def message_user(
 ) -> StepResult:
     """The agent's message to the simulated user, answered with the user's reply (its own tool calls
     run in between, unseen, through the call service: logged on the channel `user`, ids `user_...`).
-    A message the user cannot take, or a user model that fails, is an `Error: ...` the agent reads (a
-    failed exchange is not kept: the same message may be sent again); an outage of the state or the
+    A message the user cannot take, or a user model that fails, is an `Error: ...` the agent reads (the
+    same message may be sent again: a failed exchange is kept only when the user's own calls ran in
+    it, and the message sent again goes on from them); an outage of the state or the
     log during the user's own calls raises ServiceUnavailable (503), as any step's does."""
     message = arguments.get(SEND_TO_USER_ARG) if isinstance(arguments, dict) else None
     if not isinstance(message, str) or not message.strip():
@@ -254,16 +256,25 @@ async def message_user(
         return _user_error(call_id, f"this task's user scenario is unusable: {exc}")
     if conversation is None:
         return _user_error(call_id, "this task has no simulated customer (its row has no user scenario)")
-    conversation.messages = list(session.user.get("messages", []))
+    unanswered = session.user.get("unanswered") or {}
+    # The message sent again after the user failed while answering it, its own calls run: the user goes
+    # on from them (a call made again would apply twice: a toggle would flip back).
+    resuming = unanswered.get("message") == message
+    kept = session.user.get("messages", [])
+    conversation.messages = [dict(m) for m in kept] if resuming else settled(kept)
     conversation.steps = int(session.user.get("steps", 0))
     conversation.errors = int(session.user.get("errors", 0))
-    conversation.count()  # the agent's message, as τ²'s orchestrator counts it
-    if conversation.exhausted:
+    if not resuming:
+        conversation.count()  # the agent's message, as τ²'s orchestrator counts it
+    if conversation.exhausted and not resuming:
         reply = UserReply(text="", ended="max_steps")
     else:
         try:
-            reply = await conversation.reply(message)
+            reply = await (conversation.resume() if resuming else conversation.reply(message))
         except ModelFailure as exc:
+            progress = progress_of(conversation, call_id, message)
+            if progress is not None:  # the user's calls ran: their effects are in the rollout's state
+                await session_store(services).save_user(session, progress)
             return _user_error(call_id, f"the customer could not answer ({exc}); send your message again")
     state = {
         "messages": conversation.messages,

@@ -295,7 +295,7 @@ class UserToolConversations:
                 why = exc.message if isinstance(exc, ServiceUnavailable) else str(exc)
                 raise ConversationUnavailable(
                     f"the simulated user could not answer: {why}",
-                    progress=_progress(conversation, call_id, message),
+                    progress=progress_of(conversation, call_id, message),
                 ) from exc
         # The agent's message is the call's: the transcript pairs it with its answer.
         asked = next(m for m in reversed(conversation.messages) if m.get("role") == "assistant")
@@ -360,7 +360,7 @@ def _with_outputs(state: Mapping[str, Any]) -> list[dict[str, Any]]:
     return messages
 
 
-def _progress(conversation: UserConversation, call_id: str | None, message: str) -> dict[str, Any] | None:
+def progress_of(conversation: UserConversation, call_id: str | None, message: str) -> dict[str, Any] | None:
     """The conversation of an exchange that failed, when the user made calls of its own in it (their
     effects may be in the rollout's state; a last turn whose calls were cut short is kept, for the
     retry to run them again under their ids); None when nothing happened that a retry should not do

@@ -155,3 +155,50 @@ async def test_a_telecom_customer_fixes_its_phone_in_process_between_two_steps(
     assert [c["tool"] for c in users] == phone and all(c["outcome"] == "ok" for c in users)
     assert all(c["call_id"].startswith(USER_CALL_PREFIX) for c in users)
     assert any("Airplane Mode is now OFF" in output for _, output in model_server.requests[-1].outputs)
+
+
+async def test_a_message_sent_again_after_the_user_failed_goes_on_from_its_own_calls(
+    app_factory: AppFactory, model_server: ModelServer
+) -> None:
+    """The user turns airplane mode off, then its model fails: the agent reads an error and sends its
+    message again. The user goes on from the call it made (it does not make it again: a second toggle
+    would turn airplane mode back on)."""
+    from tests.telecom import corpus
+    from tests.usersim.telecom_script import ASK, DONE, TASK
+    from tests.usersim.test_user_tool import User
+    from tools.telecom import pack as telecom_pack
+
+    user = model_server.script = User()
+    async with app_factory(
+        packs=[telecom_pack],
+        key=ADMIN_KEY,
+        pack_settings={"telecom": {"data": corpus.fetch()}},
+        user_model="user",
+        user_base_url=model_server.base_url,
+        remote_allowed_hosts=["127.0.0.1"],
+    ) as client:
+        services = state_of(client)
+        session = await session_store(services).create(
+            pack="telecom",
+            trace_id=f"trace_ors_{uuid.uuid4()}",
+            row={"task_id": TASK},
+            channel="ors",
+            run="ep",
+        )
+        assert session is not None
+        await call_tool(services, session, SEND_TO_USER, {"message": GREETING}, "m1")
+        user.down_at = 2  # after its first phone call
+        session = await session_store(services).get(session.sid)
+        assert session is not None
+        failed = await call_tool(services, session, SEND_TO_USER, {"message": ASK}, "m2")
+        assert failed.is_error and "send your message again" in failed.output
+        user.down_at = None
+        session = await session_store(services).get(session.sid)
+        assert session is not None
+        again = await call_tool(services, session, SEND_TO_USER, {"message": ASK}, "m3")
+        assert (again.output, again.is_error) == (DONE, False)
+        detail = (await client.get(f"/review/api/rollouts/{session.trace_id}")).json()
+    phone = [name for side, name, _ in corpus.gold_calls(TASK) if side == "user"]
+    assert [c["tool"] for c in detail["timeline"] if c["channel"] == "user"] == phone
+    asked = [m["content"] for m in model_server.requests[-1].body["messages"] if m["role"] == "user"]
+    assert asked == [GREETING, ASK]  # the message sent again is the one the user was answering

@@ -6,6 +6,7 @@ calling (`Caller`: the rollout's trace id, the run label, the session that numbe
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
@@ -63,9 +64,14 @@ def mcp_call_id(session: str, request_id: str | int | None) -> str:
     One id per (session, request id) pair: JSON marks where the session ends and whether the request
     id is a number or a string (`mcp_<session>_<id>` made `a_b`+`x` and `a`+`b_x`, or `1` and `"1"`,
     one call, and one got the other's answer), and `fit` keeps distinct ids distinct when it cuts
-    them to the column.
+    them to the column. A numeric id beyond 64 bits (JSON-RPC sets no bound; orjson writes none) is
+    written by `json`: no id orjson writes has its digits, so it stays a call of its own.
     """
-    return fit("mcp:" + orjson.dumps([session, request_id]).decode(), CALL_ID_MAX)
+    try:
+        pair = orjson.dumps([session, request_id]).decode()
+    except TypeError:
+        pair = json.dumps([session, request_id], ensure_ascii=False, separators=(",", ":"))
+    return fit("mcp:" + pair, CALL_ID_MAX)
 
 
 def _version() -> str:

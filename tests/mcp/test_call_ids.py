@@ -65,7 +65,21 @@ def test_the_mapping_is_injective_and_fits_the_column() -> None:
         ("s", "1 "),
         ("x" * 64, "y" * 500),
         ("x" * 64, "y" * 499),
+        ("s", 2**80),
+        ("s", str(2**80)),
     ]
     ids = [mcp_call_id(session, request_id) for session, request_id in pairs]
     assert len(set(ids)) == len(ids)
     assert all(len(call_id) <= 200 for call_id in ids)
+
+
+async def test_a_request_id_beyond_64_bits_is_a_call_like_any_other(client: httpx.AsyncClient) -> None:
+    # JSON-RPC puts no bound on a numeric id; the id of such a request is still one call of its own.
+    trace = new_trace()
+    wide = 2**80
+    assert orjson.loads(await increment(client, trace, "s", wide, by=1)) == {"value": 101}
+    assert orjson.loads(await increment(client, trace, "s", str(wide), by=2)) == {"value": 103}
+    assert orjson.loads(await increment(client, trace, "s", wide, by=1)) == {"value": 101}, "replayed"
+    calls = (await rollout(client, trace))["timeline"]
+    assert [c["outcome"] for c in calls] == ["ok", "ok"]
+    assert len({c["call_id"] for c in calls}) == 2

@@ -688,7 +688,13 @@ def _arguments_text(arguments: Any) -> str:
         return arguments
     try:
         return orjson.dumps(arguments, default=str).decode()
-    except orjson.JSONEncodeError:  # nested deeper than orjson writes; the call is answered an Error
+    except orjson.JSONEncodeError as exc:
+        if "64-bit" in str(exc):
+            # orjson writes no integer beyond 64 bits; Python's json does (arguments sent as an
+            # object, as MCP sends them, may hold one: the model's arguments all the same).
+            with contextlib.suppress(RecursionError, ValueError):
+                return json.dumps(arguments, default=str, ensure_ascii=False, separators=(",", ":"))
+        # Nested deeper than orjson writes; the call is answered an Error.
         return f"(arguments not logged: nested more than {JSON_DEPTH_MAX} levels deep)"
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import httpx
@@ -111,6 +112,21 @@ async def test_trace_and_run_come_from_headers(client: httpx.AsyncClient) -> Non
     logged = await rollout(client, trace)
     assert logged["run"] == "canary-7" and logged["channel"] == "mcp"
     assert [c["channel"] for c in logged["timeline"]] == ["mcp", "rft"]
+
+
+async def test_arguments_with_an_integer_beyond_64_bits_are_logged(client: httpx.AsyncClient) -> None:
+    # MCP sends arguments as an object, never as the string the tool routes log as sent: a number no
+    # 64-bit integer holds (a long order id written as a number) is still the model's arguments.
+    trace = new_trace()
+    arguments = {"by": 1, "order": 12345678901234567890123}
+    async with mcp_client(
+        URL, transport=in_process(client.app), headers={"X-Sparring-Trace-Id": trace}
+    ) as mcp:  # type: ignore[attr-defined]
+        result = await mcp.call_tool("increment", arguments)
+    assert result.is_error and "order: unexpected field" in text_of(result)
+    [call] = (await rollout(client, trace))["timeline"]
+    assert call["outcome"] == "model_error"
+    assert json.loads(call["arguments"]) == arguments
 
 
 async def test_a_crash_is_a_jsonrpc_error_and_logged(client: httpx.AsyncClient) -> None:

@@ -38,7 +38,7 @@ from app.config import Settings
 from app.errors import NotFound, ServiceUnavailable, SparringError, ToolCrashed, json_response
 from app.mcp.server import Caller, McpGateway
 from app.packs import Registry
-from app.rollouts.identity import RUN_HEADER, TRACE_ID_MAX, fit
+from app.rollouts.identity import RUN_HEADER, fit
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,9 @@ class McpHttp:
         session = fit(sent, SESSION_MAX) if sent else uuid.uuid4().hex
         trace = headers.get(TRACE_HEADER)
         scope[CALLER_KEY] = Caller(
-            trace_id=fit(trace, TRACE_ID_MAX) if trace else f"trace_mcp_{session}",
+            # As sent: the call service keys it (`trace_key`) as the tool routes and graders do; cut
+            # here too, a long id would be cut twice, into another rollout than theirs.
+            trace_id=trace or f"trace_mcp_{session}",
             run=headers.get(RUN_HEADER) or DEFAULT_RUN,
             session=session,
             pack=pack,

@@ -12,6 +12,7 @@ import pytest
 from mcp.shared.exceptions import MCPError
 
 from app.mcp.server import CRASHED, UNAVAILABLE
+from app.rollouts.identity import trace_key
 from app.sdk import Pack
 from tests.conftest import ADMIN_KEY, GRADER_KEY, TOOLS_KEY, AppFactory, call_body, new_trace
 from tests.mcp.conftest import Sessions, in_process, mcp_client, rollout, text_of
@@ -111,6 +112,18 @@ async def test_trace_and_run_come_from_headers(client: httpx.AsyncClient) -> Non
     assert r.json()["output"] == '{"value":102}'
     logged = await rollout(client, trace)
     assert logged["run"] == "canary-7" and logged["channel"] == "mcp"
+    assert [c["channel"] for c in logged["timeline"]] == ["mcp", "rft"]
+
+
+async def test_a_long_trace_id_is_the_same_rollout_over_the_tool_routes(client: httpx.AsyncClient) -> None:
+    # Longer than the column: cut with a hash once, as the tool routes and the graders cut it.
+    trace = new_trace() + "_" + "x" * 200
+    headers = {"X-Sparring-Trace-Id": trace}
+    async with mcp_client(URL, transport=in_process(client.app), headers=headers) as mcp:  # type: ignore[attr-defined]
+        assert text_of(await mcp.call_tool("increment", {"by": 1})) == '{"value":101}'
+    r = await client.post("/tools/increment", json=call_body('{"by": 1}', trace_id=trace, call_id="http_1"))
+    assert r.json()["output"] == '{"value":102}'
+    logged = await rollout(client, trace_key(trace))  # the key the log names it by
     assert [c["channel"] for c in logged["timeline"]] == ["mcp", "rft"]
 
 

@@ -35,7 +35,7 @@ from starlette.types import Message, Receive, Scope, Send
 from app.auth import KeyRing
 from app.calls.service import ToolCallService
 from app.config import Settings
-from app.errors import NotFound, ServiceUnavailable, SparringError, ToolCrashed, json_response
+from app.errors import NotFound, SparringError, json_response
 from app.mcp.server import Caller, McpGateway
 from app.packs import Registry
 from app.rollouts.identity import RUN_HEADER, fit
@@ -91,7 +91,7 @@ def _caller_of(ctx: ServerRequestContext[Any, Any]) -> Caller:
     return caller
 
 
-def _note_failure(ctx: ServerRequestContext[Any, Any], exc: ServiceUnavailable | ToolCrashed) -> None:
+def _note_failure(ctx: ServerRequestContext[Any, Any], exc: SparringError) -> None:
     if isinstance(ctx.request, Request):
         ctx.request.scope[FAILURE_KEY] = exc
 
@@ -165,7 +165,7 @@ class McpHttp:
                 if minted is not None:
                     extra.append((SESSION_HEADER.encode(), minted))
                 failure = scope.get(FAILURE_KEY)
-                if isinstance(failure, (ServiceUnavailable, ToolCrashed)):
+                if isinstance(failure, SparringError):
                     # The JSON-RPC error in the body is for MCP clients; the status is for HTTP
                     # layers (a trainer's retry policy, a proxy): 503 + Retry-After, or 500.
                     message = {**message, "status": failure.status_code}

@@ -7,6 +7,7 @@ calling (`Caller`: the rollout's trace id, the run label, the session that numbe
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
@@ -20,9 +21,11 @@ from mcp.shared.exceptions import MCPError
 
 from app.calls.envelope import ToolCallEnvelope
 from app.calls.service import ToolCallService
-from app.errors import ServiceUnavailable, ToolCrashed, answer_to
+from app.errors import INTERNAL_ERROR, ServiceUnavailable, SparringError, ToolCrashed, answer_to
 from app.packs import Registry
 from app.rollouts.identity import CALL_ID_MAX, fit
+
+log = logging.getLogger(__name__)
 
 CHANNEL = "mcp"
 
@@ -30,6 +33,13 @@ CHANNEL = "mcp"
 # leaves to implementations (-32000..-32019; the SDK itself uses -32000 and -32001 client-side).
 UNAVAILABLE = -32010
 CRASHED = types.INTERNAL_ERROR
+
+
+class Unexpected(SparringError):
+    """An error of sparring itself (neither a tool's crash nor an outage): the tool routes' 500."""
+
+    status_code = 500
+    code = INTERNAL_ERROR["error"]["code"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,8 +105,7 @@ class McpGateway:
         caller_of: Callable[[ServerRequestContext[Any, Any]], Caller],
         *,
         retry_after: int,
-        on_failure: Callable[[ServerRequestContext[Any, Any], ServiceUnavailable | ToolCrashed], None]
-        | None = None,
+        on_failure: Callable[[ServerRequestContext[Any, Any], SparringError], None] | None = None,
     ) -> None:
         self.service = service
         self.retry_after = retry_after
@@ -150,6 +159,14 @@ class McpGateway:
                     data={"code": error.code, "retryable": True, "retry_after": error.retry_after},
                 ) from exc
             if isinstance(error, ToolCrashed):
+                if self.on_failure is not None:
+                    self.on_failure(ctx, error)
+                raise MCPError(CRASHED, error.message, data={"code": error.code, "retryable": False}) from exc
+            if error is None:
+                # A bug in sparring: as on the tool routes, a 500 whose text says nothing of the
+                # exception (which may name hosts or data); the traceback is in the server log.
+                log.exception("unexpected error answering an MCP tool call")
+                error = Unexpected(INTERNAL_ERROR["error"]["message"])
                 if self.on_failure is not None:
                     self.on_failure(ctx, error)
                 raise MCPError(CRASHED, error.message, data={"code": error.code, "retryable": False}) from exc

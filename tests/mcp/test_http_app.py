@@ -11,6 +11,7 @@ import orjson
 import pytest
 from mcp.shared.exceptions import MCPError
 
+from app.deps import app_state
 from app.mcp.server import CRASHED, UNAVAILABLE
 from app.rollouts.identity import trace_key
 from app.sdk import Pack
@@ -157,6 +158,24 @@ async def test_a_crash_is_a_jsonrpc_error_and_logged(client: httpx.AsyncClient) 
     r = await client.post("/mcp", json=tools_call("crash", {}), headers=RAW_HEADERS)
     assert r.status_code == 500
     assert r.json()["error"]["code"] == CRASHED
+
+
+async def test_an_error_of_sparring_itself_is_a_500_without_its_text(
+    client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Neither a tool's crash nor an outage: the tool routes answer their generic 500 `internal_error`
+    # (the exception's text, which may name hosts or data, goes to the server log only).
+    async def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("postgresql://admin:hunter2@db.internal/sparring")
+
+    monkeypatch.setattr(app_state(client.app).call_service, "call", broken)  # type: ignore[attr-defined]
+    r = await client.post("/tools/read_counter", json=call_body("{}", trace_id=new_trace(), call_id="c1"))
+    assert r.status_code == 500 and "hunter2" not in r.text
+    r = await client.post("/mcp", json=tools_call("read_counter", {}), headers=RAW_HEADERS)
+    assert r.status_code == 500 and "hunter2" not in r.text
+    error = r.json()["error"]
+    assert error["code"] == CRASHED
+    assert error["data"] == {"code": "internal_error", "retryable": False}
 
 
 async def test_an_outage_is_a_retryable_jsonrpc_error(app_factory: AppFactory) -> None:

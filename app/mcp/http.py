@@ -60,8 +60,9 @@ def transport_security(settings: Settings) -> TransportSecuritySettings:
     """The SDK's DNS-rebinding checks (Host and Origin headers) for the hosts this server answers as.
 
     Loopback, the public base URL and SPARRING_MCP_ALLOWED_HOSTS / _ORIGINS are allowed. A server
-    bound to a non-loopback address with none of those configured cannot know its own names: the
-    checks are off there (its API keys still apply), and the start-up log says so.
+    bound to a non-loopback address with no allowed host (nor a public base URL) cannot know its own
+    names: the checks are off there, the Origin check with the Host check (the SDK has them on or off
+    together; its API keys still apply), and the start-up log says so, naming origins set in vain.
     """
     hosts = list(settings.mcp_allowed_hosts)
     origins = list(settings.mcp_allowed_origins)
@@ -72,8 +73,9 @@ def transport_security(settings: Settings) -> TransportSecuritySettings:
             origins.append(f"{parts.scheme}://{parts.netloc}")
     if not hosts and not settings.binds_loopback:
         log.warning(
-            "MCP Host/Origin checks are off: set SPARRING_PUBLIC_BASE_URL or SPARRING_MCP_ALLOWED_HOSTS "
-            "to the names this server is reached by"
+            "MCP Host/Origin checks are off%s: set SPARRING_PUBLIC_BASE_URL or SPARRING_MCP_ALLOWED_HOSTS "
+            "to the names this server is reached by",
+            " (SPARRING_MCP_ALLOWED_ORIGINS is not applied without an allowed host)" if origins else "",
         )
         return TransportSecuritySettings(enable_dns_rebinding_protection=False)
     return TransportSecuritySettings(

@@ -155,3 +155,14 @@ def test_meteor_values() -> None:
     assert same == pytest.approx(0.9977, abs=1e-3)
     assert 0.0 == far < close < same
     assert meteor("", "the cat", wordnet=wordnet) == 0.0
+
+
+def test_fuzzy_match_compares_the_first_characters_of_long_texts() -> None:
+    """WRatio's partial matching of texts of unlike lengths grows with the product of the two: a long
+    answer is compared by its first FUZZY_MAX_CHARS characters, as its reference is."""
+    limit = similarity.FUZZY_MAX_CHARS
+    reference = "a" * limit
+    padded = reference + "b" * 200  # past the cut: not compared
+    assert similarity.fuzzy_match(padded, reference) == 1.0
+    assert fuzz.WRatio(padded, reference, processor=utils.default_process) < 100  # the uncut texts differ
+    assert similarity.fuzzy_match("b" + padded, reference) < 1.0  # within the cut: compared

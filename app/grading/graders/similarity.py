@@ -4,7 +4,10 @@ Every metric gives a value in [0, 1] that is the score (`pass_threshold` is kept
 does not turn the score into 0/1, as on the platform). Two empty texts score 1 and one empty text 0,
 for every metric, so an empty model answer never reaches a library that would raise on it.
 
-- fuzzy_match: rapidfuzz `WRatio` with its default preprocessing (lower case, no punctuation) / 100.
+- fuzzy_match: rapidfuzz `WRatio` with its default preprocessing (lower case, no punctuation) / 100, of
+  the texts' first FUZZY_MAX_CHARS characters (its partial matching of texts of unlike lengths grows
+  with the product of the two: uncut, an answer of 100,000 characters against a reference of 5,000
+  held a thread for seconds).
 - bleu: NLTK sentence BLEU-4 with smoothing (method 1) and weights re-balanced for texts shorter than
   four tokens, so two identical short texts score 1.
 - gleu: NLTK sentence GLEU (1- to 4-grams).
@@ -33,6 +36,7 @@ from app.grading.graders.model import GradeInput, GradeResult
 from app.grading.graders.templates import Scope, Template
 
 MAX_TOKENS = 2000
+FUZZY_MAX_CHARS = 5000
 THREAD_THRESHOLD_CHARS = 5000
 
 Metric = Callable[[str, str], float]  # (input, reference) -> [0, 1]
@@ -54,7 +58,8 @@ def tokens(text: str) -> list[str]:
 
 
 def fuzzy_match(candidate: str, reference: str) -> float:
-    return float(fuzz.WRatio(candidate, reference, processor=utils.default_process)) / 100.0
+    cut, kept = candidate[:FUZZY_MAX_CHARS], reference[:FUZZY_MAX_CHARS]
+    return float(fuzz.WRatio(cut, kept, processor=utils.default_process)) / 100.0
 
 
 def bleu(candidate: str, reference: str) -> float:

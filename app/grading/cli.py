@@ -107,16 +107,19 @@ def grade(
 ) -> None:
     """Score one sample with a grader; print the score and every sub-score (nothing is stored)."""
     from app.errors import SparringError
+    from app.rollouts.identity import trace_key
 
     settings = load_settings()
     sample_data = _read_json(sample, "sample")
     item_data = _read_json(item, "item")
+    # Keyed as the tool routes and `/grade` key it: a long id is cut (with its hash) once, here.
+    key = trace_key(trace_id) if trace_id else None
 
     async def work(service: Any) -> Any:
         chosen = service.resolve(grader)
         # A grader that reads the rollout's state refuses (RolloutStateLost, exit 1) when this process
         # cannot read it: in memory in the server process, or expired in Redis.
-        _, inputs = await service.prepare(chosen, sample_data, item_data, trace_id)
+        _, inputs = await service.prepare(chosen, sample_data, item_data, key)
         return chosen, await chosen.grade(inputs)
 
     try:

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
+from asgi_lifespan import LifespanManager
 from typer.testing import CliRunner
 
+from app.auth import ensure_local_admin_key
 from app.cli import cli
 from app.config import get_settings
+from app.main import create_app
+from tests.conftest import call_body
 
 GRADERS = {
     "answered": {
@@ -28,6 +34,7 @@ GRADERS = {
         "input": "{{ sample.output_text }}",
         "reference": "{{ item.reference_answer }}",
     },
+    "echoed": {"type": "required_tools", "name": "echoed", "tools": ["echo"]},
     "both": {
         "type": "multi",
         "name": "both",
@@ -129,3 +136,31 @@ def test_regrade_scores_a_run_with_a_grader_that_never_graded_it(env: Path) -> N
         "regraded 60 of 60 rollouts with answered" in again.output
         and "0 scores new or changed" in again.output
     )
+
+
+async def _echo_logged(key: str, trace_id: str) -> None:
+    """One answered `echo` call of the rollout, logged in the database the command reads."""
+    settings = get_settings()
+    app = create_app(settings)
+    async with LifespanManager(app) as manager:
+        transport = httpx.ASGITransport(app=manager.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://sparring") as client:
+            response = await client.post(
+                "/tools/echo",
+                json=call_body('{"text": "hi"}', trace_id=trace_id, call_id="c1"),
+                headers={"Authorization": f"Bearer {key}"},
+            )
+            assert response.status_code == 200, response.text
+
+
+def test_grade_reads_a_rollout_by_the_trace_id_it_was_called_with(env: Path) -> None:
+    """A trace_id longer than the log's column is keyed as the tool routes key it, so the command finds
+    the rollout's calls (not an empty rollout, which `required_tools` scores 0)."""
+    runner = CliRunner()
+    assert runner.invoke(cli, ["db", "upgrade"]).exit_code == 0
+    key, _ = ensure_local_admin_key(env / "home")
+    for trace_id in ("trace_short", "trace_" + "x" * 300):
+        asyncio.run(_echo_logged(key, trace_id))
+        result = runner.invoke(cli, ["grade", "--grader", "echoed", "--trace-id", trace_id])
+        assert result.exit_code == 0, result.output
+        assert float(result.output.splitlines()[1].split()[1]) == 1.0, (trace_id, result.output)

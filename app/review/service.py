@@ -6,13 +6,14 @@ from __future__ import annotations
 import base64
 import binascii
 from collections.abc import AsyncIterator, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import orjson
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.db.models import Grade, RolloutLabel, RolloutRow
+from app.db.text import has_control_character
 from app.errors import BadRequest, NotFound
 from app.grading.flags import DEFAULT_POLICY, FLAG_NAMES, FlagPolicy, answer_hash, final_answer
 from app.grading.recording import review_flags
@@ -44,12 +45,27 @@ def decode_cursor(cursor: str, sort: str = "time") -> tuple[Any, str]:
         if sort == "time":
             if len(raw) != 2:
                 raise invalid
-            return datetime.fromisoformat(raw[0]), str(raw[1])
-        if len(raw) != 3 or raw[0] != sort or isinstance(raw[1], bool):
-            raise invalid
-        return float(raw[1]), str(raw[2])
-    except (binascii.Error, orjson.JSONDecodeError, ValueError, TypeError, IndexError, KeyError) as exc:
+            # Compared as UTC (as the rows hold it): a time the calendar cannot hold in UTC is no cursor.
+            moment = datetime.fromisoformat(raw[0])
+            key: Any = (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).astimezone(UTC)
+            trace_id = str(raw[1])
+        else:
+            if len(raw) != 3 or raw[0] != sort or isinstance(raw[1], bool):
+                raise invalid
+            key, trace_id = float(raw[1]), str(raw[2])
+    except (
+        binascii.Error,
+        orjson.JSONDecodeError,
+        ValueError,
+        TypeError,
+        IndexError,
+        KeyError,
+        OverflowError,
+    ) as exc:
         raise invalid from exc
+    if has_control_character(trace_id):  # base64 hid it from the check of the query
+        raise invalid
+    return key, trace_id
 
 
 def flags_of(grade: Grade) -> list[FlagOut]:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import base64
 from urllib.parse import quote
 
+import orjson
 import pytest
 
 from tests.conftest import new_trace
@@ -56,3 +58,27 @@ async def test_export_of_any_run_label_names_its_file(review: ReviewApp, run: st
     assert disposition.isascii()
     assert f"filename*=UTF-8''{quote(f'sparring-{run}.jsonl', safe='')}" in disposition, disposition
     assert (trace in response.text) == (label is not None)
+
+
+def _cursor(raw: list[object]) -> str:
+    return base64.urlsafe_b64encode(orjson.dumps(raw)).decode().rstrip("=")
+
+
+@pytest.mark.parametrize(
+    ("sort", "raw"),
+    [
+        ("time", ["2026-01-01T00:00:00+00:00", "trace\x00x"]),
+        ("score", ["score", 0.5, "trace\x00x"]),
+        ("time", ["0001-01-01T00:00:00+14:00", "trace_x"]),
+        ("time", ["9999-12-31T23:59:59-14:00", "trace_x"]),
+    ],
+)
+async def test_a_forged_cursor_is_a_400(review: ReviewApp, sort: str, raw: list[object]) -> None:
+    # Base64 hides a NUL from the check of the query; a time past the calendar once it is UTC.
+    trace = new_trace()
+    assert (await review.call("read_counter", {}, trace, call_id="c1", run="forged")).status_code == 200
+    for order in ("desc", "asc"):
+        params = {"sort": sort, "order": order, "cursor": _cursor(raw)}
+        response = await review.client.get("/review/api/rollouts", params=params, headers=ADMIN)
+        assert response.status_code == 400, (order, response.status_code, response.text[:200])
+        assert response.json()["error"]["code"] == "bad_request"

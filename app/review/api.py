@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, Query, Response
 from fastapi.responses import StreamingResponse
 
 from app.deps import Database, DatabaseDep
-from app.errors import NotFound
+from app.errors import BadRequest, NotFound
 from app.review import schemas as s
 from app.review.deps import (
     GraderAgreementDep,
@@ -292,8 +292,14 @@ async def export_rollouts(
 
 
 def _utc(moment: datetime | None) -> datetime | None:
-    """A time without a timezone is UTC, as on the review pages."""
-    return moment.replace(tzinfo=UTC) if moment is not None and moment.tzinfo is None else moment
+    """A time without a timezone is UTC, as on the review pages; one the calendar cannot hold in UTC
+    (0001-01-01T00:00+14:00) is a 400."""
+    if moment is None:
+        return None
+    try:
+        return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).astimezone(UTC)
+    except OverflowError as exc:
+        raise BadRequest(f"{moment.isoformat()} is out of range in UTC") from exc
 
 
 def _attachment(filename: str) -> str:

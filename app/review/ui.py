@@ -259,7 +259,11 @@ def _moment(value: str | None, name: str, errors: list[str]) -> datetime | None:
     except ValueError:
         errors.append(f"{name} must be a date and time like 2026-12-02T18:00")
         return None
-    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+    try:
+        return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).astimezone(UTC)
+    except OverflowError:  # 0001-01-01T00:00+14:00: before the calendar once in UTC
+        errors.append(f"{name} must be a date and time like 2026-12-02T18:00, within years 1 to 9999 in UTC")
+        return None
 
 
 @pages.get("/rollouts/{trace_id}")

@@ -10,6 +10,7 @@ import pytest
 
 from tests.conftest import new_trace
 from tests.review.conftest import ADMIN, ReviewApp
+from tests.review.test_ui_auth import login
 
 FILTERS = ["run", "item", "flag", "tool", "grader", "cursor"]
 
@@ -82,3 +83,16 @@ async def test_a_forged_cursor_is_a_400(review: ReviewApp, sort: str, raw: list[
         response = await review.client.get("/review/api/rollouts", params=params, headers=ADMIN)
         assert response.status_code == 400, (order, response.status_code, response.text[:200])
         assert response.json()["error"]["code"] == "bad_request"
+
+
+@pytest.mark.parametrize("moment", ["0001-01-01T00:00:00+14:00", "9999-12-31T23:59:59-14:00"])
+async def test_a_time_that_is_no_utc_time_is_a_400_or_the_pages_error(review: ReviewApp, moment: str) -> None:
+    for name in ("since", "until"):
+        response = await review.client.get("/review/api/rollouts", params={name: moment}, headers=ADMIN)
+        assert response.status_code == 400, (name, response.status_code, response.text[:200])
+        assert response.json()["error"]["code"] == "bad_request"
+    await login(review)
+    for name in ("since", "until"):
+        page = await review.client.get("/review", params={name: moment})
+        assert page.status_code == 200, (name, page.status_code, page.text[:200])
+        assert f"{name} must be a date and time" in page.text

@@ -9,7 +9,7 @@ from datetime import datetime
 from sqlalchemy import ColumnElement, and_, column, delete, func, or_, select, table
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from app.db.models import Grade, KeptState, RolloutLabel, RolloutRow, ToolCall
+from app.db.models import Grade, KeptState, RolloutLabel, RolloutRow, ToolCall, TranscriptRow
 from app.db.partitions import DEFAULT_PARTITION
 
 # The call log's default partition (Postgres, app/db/partitions.py): calls of days without a partition.
@@ -98,7 +98,8 @@ class RetentionRepository:
             .where(Grade.trace_id.in_(deleted), Grade.created_at < cutoff)
             .execution_options(synchronize_session=False)
         )
-        for kept in (KeptState, RolloutLabel):  # what belongs to the rollout alone goes with it
+        # What belongs to the rollout alone goes with it: its kept state, its label, its conversation.
+        for kept in (KeptState, RolloutLabel, TranscriptRow):
             await self.session.execute(
                 delete(kept).where(kept.trace_id.in_(deleted)).execution_options(synchronize_session=False)
             )

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from app.cli import cli
 from app.config import get_settings
 from app.db.migrate import upgrade
-from app.db.models import Grade, RolloutRow, ToolCall
+from app.db.models import Grade, RolloutRow, ToolCall, TranscriptRow
 from app.db.session import build_sessionmaker
 from app.retention.repository import RetentionRepository
 from app.retention.service import parse_age
@@ -237,3 +237,32 @@ def test_parse_age_units() -> None:
     assert parse_age("90m") == timedelta(minutes=90)
     assert parse_age("2w") == timedelta(weeks=2)
     assert parse_age(" 45S ") == timedelta(seconds=45)
+
+
+def transcript(trace: str, *, days: float) -> TranscriptRow:
+    return TranscriptRow(
+        trace_id=trace, model="m", source="test", messages=[{"role": "user", "content": "hi"}],
+        size_bytes=20, stored_at=ago(days),
+    )  # fmt: skip
+
+
+async def transcripts_left(url: str) -> set[str]:
+    engine = create_async_engine(url)
+    try:
+        async with engine.connect() as conn:
+            return {r[0] for r in await conn.execute(select(TranscriptRow.trace_id))}
+    finally:
+        await engine.dispose()
+
+
+def test_a_pruned_rollout_takes_its_conversation_with_it(database_url: str) -> None:
+    # The conversation belongs to the rollout alone: left behind, no page or export could reach it, and
+    # it would never go.
+    rows: list[object] = []
+    rows += rollout("old", run="r", last_days=40, calls=2, graded_days=39)
+    rows += rollout("recent", run="r", last_days=1, calls=2, graded_days=1)
+    rows += [transcript("old", days=39), transcript("recent", days=1)]
+    asyncio.run(insert(database_url, rows))
+    code, out, _ = invoke("--older-than", "30d")
+    assert code == 0 and out.startswith("removed 1 rollouts, 2 calls, 1 grades"), out
+    assert asyncio.run(transcripts_left(database_url)) == {"recent"}

@@ -136,11 +136,12 @@ def _diff(before: str, after: str) -> tuple[list[tuple[str, str]], int, int]:
     ]
     diff: list[tuple[str, str]] = []
     added = removed = 0
-    for line in lines[:DIFF_MAX_LINES]:
+    for n, line in enumerate(lines):  # the counts are the whole diff's, the lines shown are cut
         kind = {"+": "add", "-": "del", "@": "hunk"}.get(line[:1], "same")
         added += kind == "add"
         removed += kind == "del"
-        diff.append((kind, line))
+        if n < DIFF_MAX_LINES:
+            diff.append((kind, line))
     if len(lines) > DIFF_MAX_LINES:
         diff.append(("hunk", f"… {len(lines) - DIFF_MAX_LINES} more lines of the diff"))
     return diff, added, removed

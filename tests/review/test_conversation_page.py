@@ -6,8 +6,11 @@ from __future__ import annotations
 import html
 import json
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from typing import Any
 
+from app.review.conversation import DIFF_MAX_LINES, file_changes
+from app.rollouts.shapes import RolloutCall
 from app.sdk import Pack, ToolContext, ToolError
 from tests.conftest import GRADER_KEY, new_trace
 from tests.review.conftest import PACKS, ReviewApp
@@ -126,3 +129,19 @@ async def test_a_rollout_without_a_conversation_says_how_to_store_one(review: Re
     assert page.status_code == 200
     assert 'id="no-conversation"' in page.text and "PUT /rollouts/{trace_id}/transcript" in page.text
     assert 'id="conversation"' not in page.text and 'id="call-0"' in page.text
+
+
+def test_a_cut_diff_still_counts_every_line_added_and_removed() -> None:
+    # Every line of a long file rewritten: the diff shown is cut, the +/- counts are the whole file's.
+    lines = DIFF_MAX_LINES
+    before = "".join(f"old {n}\n" for n in range(lines))
+    after = "".join(f"new {n}\n" for n in range(lines))
+    now = datetime.now(UTC)
+    write = RolloutCall(
+        seq=0, batch=0, tool="write_file", call_id="w1",
+        arguments=json.dumps({"path": "big.txt", "content": after}), output="ok", output_bytes=2,
+        outcome="ok", error=None, status_code=200, started_at=now, ended_at=now, latency_ms=1.0, worker="w",
+    )  # fmt: skip
+    change = file_changes([write], {"big.txt": before})[0]
+    assert (change.added, change.removed) == (lines, lines)
+    assert len(change.diff) == DIFF_MAX_LINES + 1 and "more lines of the diff" in change.diff[-1][1]

@@ -59,6 +59,8 @@ ItemOrder = Literal["mean", "variance", "rollouts", "item"]
 RolloutSort = Literal["time", "score", "calls", "duration"]
 
 
+# A finite number: NaN matches no score on SQLite and every score on Postgres.
+ScoreBound = Annotated[float | None, Query(allow_inf_nan=False)]
 ChannelQuery = Annotated[
     Literal["rft", "mcp"] | None,
     Query(description="rft: calls to the tool routes (training); mcp: calls over MCP (production, local)."),
@@ -81,8 +83,8 @@ async def list_rollouts(
     run: str | None = None,
     channel: ChannelQuery = None,
     item: str | None = None,
-    min_score: float | None = None,
-    max_score: float | None = None,
+    min_score: ScoreBound = None,
+    max_score: ScoreBound = None,
     flag: str | None = None,
     tool: Annotated[str | None, Query(description="Rollouts that called this tool.")] = None,
     since: Annotated[datetime | None, Query(description="last_seen at or after (ISO 8601).")] = None,

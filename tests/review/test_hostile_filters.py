@@ -96,3 +96,18 @@ async def test_a_time_that_is_no_utc_time_is_a_400_or_the_pages_error(review: Re
         page = await review.client.get("/review", params={name: moment})
         assert page.status_code == 200, (name, page.status_code, page.text[:200])
         assert f"{name} must be a date and time" in page.text
+
+
+@pytest.mark.parametrize("bound", ["min_score", "max_score"])
+async def test_a_score_bound_that_is_not_a_number_is_refused(review: ReviewApp, bound: str) -> None:
+    # NaN compares as nothing on SQLite and as above every score on Postgres: one filter, two answers.
+    run = f"nan-{new_trace()}"
+    trace = new_trace()
+    assert (await review.call("read_counter", {}, trace, call_id="c1", run=run)).status_code == 200
+    await review.grade(trace, answer="x", score=0.5, run=run)
+    params = {"run": run, bound: "nan"}
+    response = await review.client.get("/review/api/rollouts", params=params, headers=ADMIN)
+    assert 400 <= response.status_code < 500, (response.status_code, response.text[:200])
+    assert response.json()["error"]["code"] == "invalid_request"
+    finite = await review.client.get("/review/api/rollouts", params={"run": run, bound: "0.5"}, headers=ADMIN)
+    assert [r["trace_id"] for r in finite.json()["rollouts"]] == [trace]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 from typing import Any
 
@@ -63,7 +64,13 @@ def is_messages(value: Any) -> bool:
 
 
 def json_text(value: Any) -> str:
-    return orjson.dumps(value, option=orjson.OPT_INDENT_2, default=str).decode()
+    try:
+        return orjson.dumps(value, option=orjson.OPT_INDENT_2, default=str).decode()
+    except TypeError as exc:
+        if "64-bit" not in str(exc):
+            raise
+        # orjson writes no integer beyond 64 bits; Postgres' JSONB gives one back for a number like 1e20.
+        return json.dumps(value, indent=2, default=str, ensure_ascii=False)
 
 
 def content(message: dict[str, Any]) -> str:

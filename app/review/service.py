@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 from collections.abc import AsyncIterator, Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -371,7 +372,25 @@ class RolloutReview:
             conversations = await transcripts.for_traces(rollout.trace_id for rollout, _, _, _ in batch)
             for rollout, calls, grades, label in batch:
                 record = export_record(rollout, calls, grades, label, conversations.get(rollout.trace_id))
-                yield orjson.dumps(record) + b"\n"
+                yield _json_line(record)
+
+
+def _json_line(record: dict[str, Any]) -> bytes:
+    try:
+        return orjson.dumps(record) + b"\n"
+    except TypeError as exc:
+        if "64-bit" not in str(exc):
+            raise
+        # orjson writes no integer beyond 64 bits; Postgres' JSONB gives one back for a number like 1e20
+        # in a dataset row or a sample. Python's json writes it (times as orjson does, RFC 3339).
+        line = json.dumps(record, default=_isoformat, ensure_ascii=False, separators=(",", ":"))
+        return line.encode() + b"\n"
+
+
+def _isoformat(value: Any) -> str:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    raise TypeError(f"cannot serialize {type(value).__name__}")
 
 
 def _output_tools(sample: dict[str, Any]) -> list[Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import Any
 import yaml
 
 from tests.conftest import GRADER_KEY, new_trace
-from tests.review.conftest import ReviewApp
+from tests.review.conftest import ADMIN, ReviewApp
 from tests.review.test_ui_auth import login
 
 GRADERS = {
@@ -123,3 +124,33 @@ async def test_long_json_outputs_are_formatted_and_folded_with_their_size(review
     page = (await review.client.get(f"/review/rollouts/{trace}")).text
     assert re.search(r'<details class="folded"><summary>output <span class="muted">· 3\.0 kB · 1 line', page)
     assert page.count(text) == 2  # the arguments and the folded output
+
+
+async def test_a_number_beyond_64_bits_in_the_row_shows_and_exports(
+    review_factory: Any, tmp_path: Path
+) -> None:
+    # Postgres' JSONB gives 1e20 back as the integer 100000000000000000000, which orjson cannot write:
+    # the rollout page and the export must still show the row.
+    async with review_factory(graders_file=graders_file(tmp_path)) as review:
+        run = f"run-{uuid.uuid4().hex[:8]}"
+        trace = new_trace()
+        await review.call("echo", {"text": "7"}, trace, call_id="c1", run=run)
+        row = {**item(7), "mass_kg": 1e20, "atoms": 2**70}
+        response = await review.client.post(
+            "/grade/exact",
+            json={"sample": sample("Order 7 shipped"), "item": row, "trace_id": trace},
+            headers={"Authorization": f"Bearer {GRADER_KEY}", "X-Sparring-Run": run},
+        )
+        assert response.status_code == 200, response.text
+
+        exported = await review.client.get("/export", params={"run": run}, headers=ADMIN)
+        assert exported.status_code == 200, exported.text[:200]
+        (line,) = [json.loads(text) for text in exported.text.splitlines()]
+        assert line["trace_id"] == trace
+        stored = line["grades"][0]["item"]
+        assert float(stored["mass_kg"]) == 1e20 and float(stored["atoms"]) == float(2**70)
+
+        await login(review)
+        page = await review.client.get(f"/review/rollouts/{trace}")
+        assert page.status_code == 200
+        assert 'data-field="mass_kg"' in page.text and 'data-field="atoms"' in page.text

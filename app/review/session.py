@@ -73,7 +73,8 @@ def _verified(keyring: KeyRing, token: str, *, now: float | None = None) -> tupl
     key = _signing_key(keyring)
     expires, _, rest = token.partition(".")
     nonce, _, mac = rest.partition(".")
-    if key is None or not (expires.isdigit() and nonce and mac) or len(nonce) > 64:
+    # A header arrives as Latin-1: a forged token may hold any byte (compare_digest takes ASCII only).
+    if key is None or not token.isascii() or not (expires.isdigit() and nonce and mac) or len(nonce) > 64:
         return None
     if not hmac.compare_digest(mac, _mac(key, f"{expires}.{nonce}")):
         return None

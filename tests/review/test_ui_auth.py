@@ -87,6 +87,15 @@ async def test_a_tampered_or_expired_token_is_refused(review: ReviewApp) -> None
     assert not verify_token(rotated, fresh)  # changing the admin keys ends every session
 
 
+async def test_a_cookie_that_is_not_ascii_is_no_session(review: ReviewApp) -> None:
+    # A header's bytes arrive as Latin-1: a forged cookie may hold any of them, with no key at all.
+    forged = f"{int(time.time()) + 3600}.nonce.".encode() + "signé".encode()
+    for cookie in (f"{COOKIE_NAME}=".encode() + forged, f"{COOKIE_NAME}=1.a.\xe9".encode("latin-1")):
+        assert (await review.client.get("/review", headers={"cookie": cookie})).status_code == 303
+        assert (await review.client.get("/review/api/runs", headers={"cookie": cookie})).status_code == 401
+        assert (await review.client.get("/review/login", headers={"cookie": cookie})).status_code == 200
+
+
 async def test_login_never_redirects_off_site(review: ReviewApp) -> None:
     for target in ("https://evil.example/", "//evil.example/review", "/review\\@evil", "javascript:alert(1)"):
         r = await login(review, next=target)

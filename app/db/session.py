@@ -29,12 +29,20 @@ def build_engine(url: str, *, pool_size: int = 10) -> AsyncEngine:
 
 def sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     """Every SQLite connection's settings: WAL lets readers run beside the log writer; FULL syncs each
-    (group) commit to disk."""
+    (group) commit to disk. And `unicode_lower`, as Postgres' lower() (SQLite's folds ASCII only)."""
     cursor = dbapi_connection.cursor()
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA synchronous=FULL")
     cursor.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
     cursor.close()
+    dbapi_connection.create_function(UNICODE_LOWER, 1, _unicode_lower, deterministic=True)
+
+
+UNICODE_LOWER = "unicode_lower"  # SQLite: lower() of every letter, not of ASCII alone
+
+
+def _unicode_lower(value: Any) -> Any:
+    return value.lower() if isinstance(value, str) else value
 
 
 def build_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[Any]:

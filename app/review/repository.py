@@ -31,6 +31,7 @@ from sqlalchemy.orm import aliased
 
 from app.db.call_log import logged_calls
 from app.db.models import Grade, RolloutLabel, RolloutRow, ToolCall
+from app.db.session import UNICODE_LOWER
 from app.review.stats_repository import ItemRow, Queries
 
 
@@ -285,13 +286,8 @@ class ReviewRepository(Queries):
                 )
             )
         if f.q is not None:
-            conditions.append(
-                or_(
-                    RolloutRow.trace_id.icontains(f.q, autoescape=True),
-                    RolloutRow.item_key.icontains(f.q, autoescape=True),
-                    self._answer_text().icontains(f.q, autoescape=True),
-                )
-            )
+            searched = (RolloutRow.trace_id, RolloutRow.item_key, self._answer_text())
+            conditions.append(or_(*(self._contains_ignoring_case(column, f.q) for column in searched)))
         if f.min_score is not None:
             conditions.append(Grade.score >= f.min_score)
         if f.max_score is not None:
@@ -319,6 +315,14 @@ class ReviewRepository(Queries):
         elif f.status is not None:
             conditions.append(Grade.status == f.status)
         return conditions
+
+    def _contains_ignoring_case(self, column: Any, text: str) -> ColumnElement[bool]:
+        if self.dialect == "postgresql":
+            found: ColumnElement[bool] = column.icontains(text, autoescape=True)
+            return found
+        # SQLite's lower() folds ASCII only: "école" would miss "ÉCOLE" (app/db/session.py).
+        lowered: ColumnElement[str] = getattr(func, UNICODE_LOWER)(column, type_=Text)
+        return lowered.contains(text.lower(), autoescape=True)
 
     def _has_flag(self, name: str) -> ColumnElement[bool]:
         if self.dialect == "postgresql":

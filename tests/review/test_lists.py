@@ -107,6 +107,16 @@ async def test_search_reads_the_last_message_when_there_is_no_output_text(review
     assert [r["trace_id"] for r in page["rollouts"]] == [trace] and page["total"] == 1
 
 
+async def test_search_ignores_the_case_of_every_letter_on_both_backends(review: ReviewApp) -> None:
+    run = f"run-{uuid.uuid4().hex[:8]}"
+    trace = new_trace()
+    await review.call("echo", {"text": "hi"}, trace, call_id="c1", run=run, item={"id": "Çà-7"})
+    await review.grade(trace, answer="Zurück zur ÉCOLE", score=0.5, run=run, item={"id": "Çà-7"})
+    for q in ("école", "ZURÜCK", "çà-7", "ÉCOLE"):
+        page = await review.api("/review/api/rollouts", run=run, q=q, count="true")
+        assert [r["trace_id"] for r in page["rollouts"]] == [trace] and page["total"] == 1, q
+
+
 async def test_totals_count_every_match_across_pages(review: ReviewApp) -> None:
     spec = await seeded(review)
     page = await review.api("/review/api/rollouts", run=spec.run, min_score=0.5, limit=4, count="true")

@@ -99,7 +99,11 @@ class RolloutLabels:
         )
 
     async def next_in_queue(self, run: str, grader: str | None, *, after: str | None = None) -> str | None:
-        """The first rollout of the run's queue other than `after` (None: nothing left to label)."""
-        queue = await self.queue(run, grader, limit=2)
-        rest = [e.trace_id for e in queue.rollouts if e.trace_id != after]
-        return rest[0] if rest else None
+        """The rollout after `after` in the run's queue, past its last the first again (skipping walks
+        the whole queue); the first when `after` is not in it (just labelled). None: nothing left."""
+        candidates = await self.repo.unlabelled(run, grader, cap=QUEUE_CAP)
+        order = [c.trace_id for c in stratified(candidates, len(candidates))]
+        if after in order:
+            at = order.index(after)
+            order = order[at + 1 :] + order[:at]
+        return order[0] if order else None

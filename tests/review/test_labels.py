@@ -3,6 +3,8 @@ the export, and the stratified labelling queue."""
 
 from __future__ import annotations
 
+import html
+import re
 import uuid
 
 import orjson
@@ -111,6 +113,19 @@ async def test_the_page_labels_and_walks_the_queue(review: ReviewApp) -> None:
         f"/review/rollouts/{order[0]}/label", data={"label": "pass"}, headers={"Sec-Fetch-Site": "cross-site"}
     )
     assert cross_site.status_code == 403
+
+
+async def test_skipping_walks_the_whole_queue(review: ReviewApp) -> None:
+    # Skipping from the queue's second rollout goes on to its third, not back to its first: a reviewer
+    # who skips twice must not be stuck between two rollouts.
+    run, _ = await graded_run(review, [1.0, 0.0, 1.0, 0.0, 0.5])
+    await review.client.post("/review/login", data={"key": "admin-key-789", "next": "/review"})
+    order = [e["trace_id"] for e in (await review.api(f"/review/api/runs/{run}/queue"))["rollouts"]]
+    for here, following in zip(order, [*order[1:], order[0]], strict=True):  # past the last: the first
+        page = await review.client.get(f"/review/rollouts/{here}", params={"queue": run})
+        skip = re.search(r'<a id="queue-next" href="([^"]+)"', page.text)
+        assert skip is not None
+        assert html.unescape(skip.group(1)) == f"/review/rollouts/{following}?queue={run}"
 
 
 def candidates(spec: list[tuple[str, float | None, int]]) -> list[QueueCandidate]:

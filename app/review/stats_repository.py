@@ -369,11 +369,12 @@ class StatsRepository(Queries):
         self, run: str, grader: str | None, *, order: str, limit: int, offset: int
     ) -> list[ItemRow]:
         items = self._item_scores(run, grader).subquery()
+        key = items.c.item_key.asc().nulls_last()  # rollouts without an item last, on SQLite as on Postgres
         orders = {
-            "mean": (items.c.mean.asc(), items.c.item_key.asc()),
-            "variance": ((items.c.mean_square - items.c.mean * items.c.mean).desc(), items.c.item_key.asc()),
-            "rollouts": (items.c.n.desc(), items.c.item_key.asc()),
-            "item": (items.c.item_key.asc(),),
+            "mean": (items.c.mean.asc(), key),
+            "variance": ((items.c.mean_square - items.c.mean * items.c.mean).desc(), key),
+            "rollouts": (items.c.n.desc(), key),
+            "item": (key,),
         }
         result = await self.session.execute(
             select(items).order_by(*orders[order]).limit(limit).offset(offset)

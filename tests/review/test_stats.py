@@ -108,6 +108,19 @@ async def test_item_statistics(review: ReviewApp) -> None:
     assert by_variance["next_offset"] == 2
 
 
+async def test_items_sort_the_same_on_both_backends_rollouts_without_an_item_last(review: ReviewApp) -> None:
+    run = f"items-{uuid.uuid4().hex[:8]}"
+    for item in ({"id": "b"}, None, {"id": "a"}, None):
+        trace = new_trace()
+        await review.call("echo", {"text": "x"}, trace, call_id="c1", run=run, item=item)
+        await review.grade(trace, answer="x", score=0.5, item=item, run=run)
+    for order in ("item", "mean", "variance", "rollouts"):
+        page = await review.api("/review/api/items", run=run, order=order)
+        keys = [i["item_key"] for i in page["items"]]
+        expected = ["id:a", "id:b", None] if order != "rollouts" else [None, "id:a", "id:b"]
+        assert keys == expected, order
+
+
 async def test_rollout_filters_and_pagination(review: ReviewApp) -> None:
     spec = await seeded(review)
     first = await review.api("/review/api/rollouts", run=spec.run, limit=25)

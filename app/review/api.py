@@ -132,14 +132,7 @@ async def list_graders(
     return await review.graders(run)
 
 
-@router.get("/rollouts/{trace_id}")
-@rollouts_router.get("/{trace_id}")
-async def rollout_detail(trace_id: str, _: ReviewAccess, review: RolloutReviewDep) -> RolloutDetail:
-    """Calls in order with their parallel batch, and every grade with sub-scores and flags."""
-    return await review.detail(trace_id)
-
-
-@router.get("/rollouts/{trace_id}/graded-on")
+@router.get("/rollouts/{trace_id:trace}/graded-on")
 async def rollout_graded_on(
     trace_id: str, _: ReviewAccess, review: RolloutReviewDep, grader: GraderQuery = None
 ) -> s.GradedOn:
@@ -147,7 +140,7 @@ async def rollout_graded_on(
     return await review.graded_on(trace_id, grader)
 
 
-@router.post("/rollouts/{trace_id}/recompute-flags")
+@router.post("/rollouts/{trace_id:trace}/recompute-flags")
 async def recompute_flags(
     trace_id: str, _: ReviewAccess, review: RolloutReviewWritingDep
 ) -> s.RecomputedFlags:
@@ -156,7 +149,7 @@ async def recompute_flags(
     return s.RecomputedFlags(trace_id=trace_id, grades=(await review.detail(trace_id)).grades)
 
 
-@router.get("/rollouts/{trace_id}/label")
+@router.get("/rollouts/{trace_id:trace}/label")
 async def get_label(trace_id: str, _: ReviewAccess, labels: RolloutLabelsDep) -> s.LabelOut:
     """The rollout's label (404 when nobody labelled it)."""
     label = await labels.get(trace_id)
@@ -165,7 +158,7 @@ async def get_label(trace_id: str, _: ReviewAccess, labels: RolloutLabelsDep) ->
     return label
 
 
-@router.put("/rollouts/{trace_id}/label")
+@router.put("/rollouts/{trace_id:trace}/label")
 async def put_label(
     trace_id: str, body: s.LabelIn, access: ReviewAccess, labels: RolloutLabelsWritingDep
 ) -> s.LabelOut:
@@ -173,11 +166,19 @@ async def put_label(
     return await labels.put(trace_id, body, by=access)
 
 
-@router.delete("/rollouts/{trace_id}/label", status_code=204)
+@router.delete("/rollouts/{trace_id:trace}/label", status_code=204)
 async def delete_label(trace_id: str, _: ReviewAccess, labels: RolloutLabelsWritingDep) -> Response:
     """Remove the rollout's label (404 when it has none)."""
     await labels.delete(trace_id)
     return Response(status_code=204)
+
+
+# After the routes under a rollout: a trace id may hold "/" (app/review/deps.py).
+@router.get("/rollouts/{trace_id:trace}")
+@rollouts_router.get("/{trace_id:trace}")
+async def rollout_detail(trace_id: str, _: ReviewAccess, review: RolloutReviewDep) -> RolloutDetail:
+    """Calls in order with their parallel batch, and every grade with sub-scores and flags."""
+    return await review.detail(trace_id)
 
 
 @router.get("/runs/{run:path}/queue")

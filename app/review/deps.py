@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from typing import Annotated
 
 from fastapi import Depends, Request
+from starlette.convertors import Convertor, register_url_convertor
 
 from app.deps import DatabaseDep, app_state
 from app.review.agreement import GraderAgreement
@@ -14,6 +15,23 @@ from app.review.labels import RolloutLabels
 from app.review.service import RolloutReview
 from app.review.session import require_login
 from app.review.statistics import RunStatistics
+
+
+class TraceIdConvertor(Convertor[str]):
+    """`{trace_id:trace}`: a trace id in a path, whole. It may hold "/" (escaped in the pages' links,
+    decoded before routing), and a control character is the 400 of `reject_control_characters`, not
+    "no route" (`:path` matches no line break)."""
+
+    regex = r"[\s\S]+"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("trace", TraceIdConvertor())
 
 
 async def rollout_review(db: DatabaseDep) -> AsyncIterator[RolloutReview]:

@@ -266,7 +266,7 @@ def _moment(value: str | None, name: str, errors: list[str]) -> datetime | None:
         return None
 
 
-@pages.get("/rollouts/{trace_id}")
+@pages.get("/rollouts/{trace_id:trace}")
 async def rollout_page(
     request: Request,
     trace_id: str,
@@ -310,7 +310,7 @@ def _queue_link(trace_id: str, queue: str, grader: str | None) -> str:
     return f"/review/rollouts/{quote(trace_id, safe='')}?{query}"
 
 
-@pages.post("/rollouts/{trace_id}/label")
+@pages.post("/rollouts/{trace_id:trace}/label")
 async def label_page(
     request: Request,
     trace_id: str,
@@ -383,7 +383,7 @@ def _item_fields(item: dict[str, Any]) -> list[ItemField]:
     return fields
 
 
-@pages.post("/rollouts/{trace_id}/recompute-flags")
+@pages.post("/rollouts/{trace_id:trace}/recompute-flags")
 async def recompute_page(trace_id: str, review: RolloutReviewWritingDep) -> Response:
     await review.recompute_flags(trace_id)
     return RedirectResponse(f"/review/rollouts/{quote(trace_id)}", status_code=303)

@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 from datetime import UTC, datetime
 from typing import Any
 
 import orjson
+
+# A run of digits that may be an integer past 64 bits, which orjson reads as a rounded float.
+_LONG_DIGITS = re.compile(r"\d{19}")
 
 
 def pretty(text: str | None) -> str:
     if not text:
         return ""
     try:
-        return orjson.dumps(orjson.loads(text), option=orjson.OPT_INDENT_2).decode()
+        value = orjson.loads(text)
     except orjson.JSONDecodeError:
         return text
+    if _LONG_DIGITS.search(text):
+        with contextlib.suppress(ValueError):  # Python's json keeps every digit (up to its 4,300)
+            return json.dumps(json.loads(text), indent=2, ensure_ascii=False)
+    return orjson.dumps(value, option=orjson.OPT_INDENT_2).decode()
 
 
 def when(value: datetime | None) -> str:

@@ -142,6 +142,17 @@ async def test_tool_output_is_escaped_and_pages_show_the_rollout(review: ReviewA
     assert recompute.status_code == 303 and recompute.headers["location"] == f"/review/rollouts/{trace}"
 
 
+async def test_a_call_s_json_shows_its_numbers_as_logged(review: ReviewApp) -> None:
+    # An account number past 64 bits in an output: shown with every digit, not as a rounded float.
+    trace = new_trace()
+    account = "12345678901234567890123"
+    await review.call("echo", {"text": f'{{"account": {account}, "balance": 10.5}}'}, trace, call_id="c1")
+    await login(review)
+    page = await review.client.get(f"/review/rollouts/{trace}")
+    assert page.status_code == 200
+    assert account in page.text and "1.2345678901234568e+22" not in page.text
+
+
 async def test_login_and_logout_refuse_cross_origin_posts(review: ReviewApp) -> None:
     evil = {"Origin": "https://evil.example"}
     r = await review.client.post("/review/login", data={"key": ADMIN_KEY, "next": "/review"}, headers=evil)

@@ -38,14 +38,16 @@ def prune_command(
 
     from app.retention.service import parse_age, prune
 
+    now = datetime.now(UTC)
     try:
         age = parse_age(older_than)
+        cutoff = (now - age).isoformat(timespec="seconds")
     except ValueError as exc:
         raise fail(f"--older-than: {exc}") from exc
+    except OverflowError as exc:  # before year 1
+        raise fail(f"--older-than: {older_than!r} reaches back before the calendar") from exc
     settings = load_settings()
-    now = datetime.now(UTC)
     scope = f" of run {run!r}" if run is not None else ""
-    cutoff = (now - age).isoformat(timespec="seconds")
 
     def report(removed: Removed) -> None:
         typer.echo(f"  removed {_describe(removed)}", err=True)

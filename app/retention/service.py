@@ -37,7 +37,10 @@ def parse_age(text: str) -> timedelta:
     seconds = int(match.group(1)) * _UNITS[match.group(2)]
     if seconds <= 0:
         raise ValueError(f"{text!r}: the age must be above zero")
-    return timedelta(seconds=seconds)
+    try:
+        return timedelta(seconds=seconds)
+    except OverflowError as exc:
+        raise ValueError(f"{text!r}: the age is too large") from exc
 
 
 async def prune(

@@ -224,7 +224,7 @@ def test_a_rollout_that_comes_back_to_life_during_the_prune_stays_whole(database
     assert asyncio.run(counts(database_url)) == {"rollouts": 1, "calls": 2, "grades": 0}
 
 
-@pytest.mark.parametrize("bad", ["30", "thirty days", "0d", "-5d", "3y"])
+@pytest.mark.parametrize("bad", ["30", "thirty days", "0d", "-5d", "3y", "99999999999999d", "1000000d"])
 def test_a_bad_age_is_a_usage_error(bad: str) -> None:
     code, _, err = invoke("--older-than", bad)
     assert code == 2

@@ -240,7 +240,7 @@ async def item_stats(
     scope: RunScopeDep,
     order: ItemOrder = "mean",
     limit: Annotated[int, Query(ge=1, le=5000)] = 500,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Annotated[int, Query(ge=0, le=2**62)] = 0,  # OFFSET and LIMIT are 64-bit integers
 ) -> s.ItemStatsPage:
     """Per item across its rollouts: mean, variance, always 0 / always 1 (no learning signal)."""
     return await stats.item_stats(scope.run, scope.grader, order=order, limit=limit, offset=offset)

@@ -111,3 +111,11 @@ async def test_a_score_bound_that_is_not_a_number_is_refused(review: ReviewApp, 
     assert response.json()["error"]["code"] == "invalid_request"
     finite = await review.client.get("/review/api/rollouts", params={"run": run, bound: "0.5"}, headers=ADMIN)
     assert [r["trace_id"] for r in finite.json()["rollouts"]] == [trace]
+
+
+@pytest.mark.parametrize("offset", [str(2**63), str(10**30)])
+async def test_an_item_offset_past_64_bits_is_refused(review: ReviewApp, offset: str) -> None:
+    params = {"run": "any", "offset": offset}
+    response = await review.client.get("/review/api/items", params=params, headers=ADMIN)
+    assert 400 <= response.status_code < 500, (response.status_code, response.text[:200])
+    assert response.json()["error"]["code"] == "invalid_request"

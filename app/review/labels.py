@@ -15,6 +15,7 @@ from itertools import zip_longest
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from app.db.text import storable
 from app.errors import NotFound
 from app.grading.repository import GradeRepository
 from app.review import schemas as s
@@ -69,7 +70,8 @@ class RolloutLabels:
 
     async def put(self, trace_id: str, label: s.LabelIn, *, by: str) -> s.LabelOut:
         await self._require_rollout(trace_id)
-        note = label.note.strip() if label.note and label.note.strip() else None
+        # A NUL as U+FFFD, as everywhere the server stores text (Postgres text cannot hold it).
+        note = storable(label.note.strip()) if label.note and label.note.strip() else None
         await self.repo.put(trace_id, label=label.label, note=note, by=by, at=datetime.now(UTC))
         stored = await self.repo.get(trace_id)
         return s.LabelOut.model_validate(stored, from_attributes=True)

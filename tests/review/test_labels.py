@@ -128,6 +128,21 @@ async def test_skipping_walks_the_whole_queue(review: ReviewApp) -> None:
         assert html.unescape(skip.group(1)) == f"/review/rollouts/{following}?queue={run}"
 
 
+async def test_a_note_holding_nul_is_stored_with_u_fffd_on_both_backends(review: ReviewApp) -> None:
+    # Postgres text cannot hold NUL: as everywhere else, it is stored as U+FFFD, never a 503.
+    _, (trace,) = await graded_run(review, [1.0])
+    url = f"/review/api/rollouts/{trace}/label"
+    put = await review.client.put(url, json={"label": "pass", "note": "a\x00b"}, headers=ADMIN)
+    assert put.status_code == 200, put.text
+    assert put.json()["note"] == "a\ufffdb"
+    await review.client.post("/review/login", data={"key": "admin-key-789", "next": "/review"})
+    form = {"label": "fail", "note": "c\x00d"}
+    posted = await review.client.post(f"/review/rollouts/{trace}/label", data=form)
+    assert posted.status_code == 303
+    stored = await review.api(url)
+    assert (stored["label"], stored["note"]) == ("fail", "c\ufffdd")
+
+
 def candidates(spec: list[tuple[str, float | None, int]]) -> list[QueueCandidate]:
     out = []
     for item, score, count in spec:

@@ -186,10 +186,12 @@ def component_dominates(run: Run) -> s.AuditSignal:
 
 
 def _item_spread(rows: Sequence[AuditRow]) -> tuple[float | None, list[AuditRow]]:
-    """Mean score spread (population std) within items with 2+ rollouts; the rollouts of flat items."""
+    """Mean score spread (population std) within items with 2+ rollouts; the rollouts of flat items.
+    Rollouts without an item key belong to no group (together they are not one item)."""
     groups: dict[str, list[AuditRow]] = {}
     for r in rows:
-        groups.setdefault(r.item_key or "", []).append(r)
+        if r.item_key:
+            groups.setdefault(r.item_key, []).append(r)
     spreads = {key: pstdev([_score(r) for r in group]) for key, group in groups.items() if len(group) >= 2}
     if not spreads:
         return None, []

@@ -111,6 +111,17 @@ def test_each_known_drift_fires_its_signal_only(drift: str) -> None:
     assert signal.evidence and set(signal.evidence) <= last_window, signal
 
 
+def test_rollouts_without_an_item_are_no_group_of_one_item() -> None:
+    # The drift that collapses the groups, but no rollout names its item: the audit cannot tell groups,
+    # and must not read the whole run's spread as one item's.
+    rows, check = rows_of(DRIFTS["variance_collapse"])
+    unkeyed = [replace(r, item_key=None) for r in rows]
+    audit = audit_rows("r", None, unkeyed, {"grader other": check}, AuditThresholds())
+    assert audit.fired == []
+    signal = next(s for s in audit.signals if s.name == "variance_collapse")
+    assert signal.first is None and signal.last is None and signal.evidence == []
+
+
 def test_thresholds_and_too_few_rollouts() -> None:
     rows, check = rows_of(DRIFTS["calls_fall"])
     lenient = AuditThresholds(drop=0.9)  # calls fall by 83%: under a 90% threshold nothing fires

@@ -402,7 +402,9 @@ class StatsRepository(Queries):
                 func.sum(case((repeated, 1), else_=0)),
                 func.sum(case((and_(repeated, items.c.hi <= zero), 1), else_=0)),
                 func.sum(case((and_(repeated, items.c.lo >= one), 1), else_=0)),
-            ).select_from(items)
+            )
+            .select_from(items)
+            .where(items.c.item_key.is_not(None))  # rollouts without an item are not one item
         )
         row = result.one()
         return ItemSummary(

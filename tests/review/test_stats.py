@@ -121,6 +121,20 @@ async def test_items_sort_the_same_on_both_backends_rollouts_without_an_item_las
         assert keys == expected, order
 
 
+async def test_rollouts_without_an_item_are_not_an_item_of_the_summary(review: ReviewApp) -> None:
+    # Three unkeyed rollouts scoring 1 are not an item "always 1": only item a counts, and it varies.
+    run = f"items-{uuid.uuid4().hex[:8]}"
+    for item, score in ((None, 1.0), (None, 1.0), (None, 1.0), ({"id": "a"}, 0.0), ({"id": "a"}, 1.0)):
+        trace = new_trace()
+        await review.call("echo", {"text": "x"}, trace, call_id="c1", run=run, item=item)
+        await review.grade(trace, answer="x", score=score, item=item, run=run)
+    summary = (await review.api("/review/api/stats", run=run))["items"]
+    assert (summary["items"], summary["repeated_items"], summary["always_one"]) == (1, 1, 0)
+    assert summary["share_no_signal"] == 0.0
+    page = await review.api("/review/api/items", run=run)
+    assert page["summary"] == summary
+
+
 async def test_rollout_filters_and_pagination(review: ReviewApp) -> None:
     spec = await seeded(review)
     first = await review.api("/review/api/rollouts", run=spec.run, limit=25)

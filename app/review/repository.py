@@ -93,6 +93,14 @@ class RunScoreRow:
     total: float
 
 
+def _in_channel(channel: str) -> ColumnElement[bool]:
+    """A rollout of the channel. One graded without any call logged has no channel: it is counted
+    under rft (as the runs' counts read it), so it is found there too."""
+    if channel == "rft":
+        return or_(RolloutRow.channel == channel, RolloutRow.channel.is_(None))
+    return RolloutRow.channel == channel
+
+
 class ReviewRepository(Queries):
     """The queries of the rollout list, the runs, the graders and the export."""
 
@@ -141,7 +149,7 @@ class ReviewRepository(Queries):
             func.max(RolloutRow.last_seen),
         ).group_by(RolloutRow.run, RolloutRow.channel)
         if channel is not None:
-            query = query.where(RolloutRow.channel == channel)
+            query = query.where(_in_channel(channel))
         runs: dict[str | None, RunRow] = {}
         for run, kind, count, first, last in (await self.session.execute(query)).all():
             row = runs.get(run)
@@ -267,7 +275,7 @@ class ReviewRepository(Queries):
         if f.run is not None:
             conditions.append(RolloutRow.run == f.run)
         if f.channel is not None:
-            conditions.append(RolloutRow.channel == f.channel)
+            conditions.append(_in_channel(f.channel))
         if f.item_key is not None:
             # "item-7" finds "id:item-7": the key's field prefix is optional.
             # A rollout belongs to an item by its own key, or by the key of any of its grades.

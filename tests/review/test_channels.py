@@ -72,3 +72,21 @@ async def test_compare_puts_a_training_run_beside_a_production_run(review: Revie
     page = (await review.client.get("/review/compare", params={"a": train, "b": production})).text
     assert '<td class="channels">rft 2</td><td class="channels">mcp 3</td>' in page
     assert '<td class="num" id="model-errors-b">3 (33.3%)</td>' in page
+
+
+async def test_a_rollout_graded_without_calls_is_counted_and_filtered_alike(review: ReviewApp) -> None:
+    # Graded with no call logged, the rollout's row has no channel: the runs list counts it under rft,
+    # so filtering by rft must find it too (the counts and the lists must agree).
+    run = f"train-{uuid.uuid4().hex[:6]}"
+    called, uncalled = f"trace_{uuid.uuid4().hex}", f"trace_{uuid.uuid4().hex}"
+    assert (await review.call("increment", {"by": 1}, called, call_id="c0", run=run)).status_code == 200
+    await review.grade(called, answer="1", score=1.0, run=run)
+    await review.grade(uncalled, answer="1", score=1.0, run=run)
+
+    runs = {r["run"]: r for r in await review.api("/review/api/runs")}
+    assert runs[run]["channels"] == {"rft": 2}
+    only_rft = {r["run"]: r for r in await review.api("/review/api/runs", channel="rft")}
+    assert only_rft[run]["rollouts"] == 2
+    page = await review.api("/review/api/rollouts", run=run, channel="rft", count="true")
+    assert {r["trace_id"] for r in page["rollouts"]} == {called, uncalled} and page["total"] == 2
+    assert (await review.api("/review/api/rollouts", run=run, channel="mcp"))["rollouts"] == []

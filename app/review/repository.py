@@ -17,6 +17,7 @@ from sqlalchemy import (
     Float,
     Row,
     Text,
+    and_,
     cast,
     exists,
     func,
@@ -280,16 +281,14 @@ class ReviewRepository(Queries):
             # "item-7" finds "id:item-7": the key's field prefix is optional.
             # A rollout belongs to an item by its own key, or by the key of any of its grades.
             graded = aliased(Grade)
+            suffix = f":{f.item_key}"
             conditions.append(
                 or_(
                     RolloutRow.item_key == f.item_key,
-                    RolloutRow.item_key.endswith(f":{f.item_key}", autoescape=True),
+                    self._ends_with(RolloutRow.item_key, suffix),
                     exists().where(
                         graded.trace_id == RolloutRow.trace_id,
-                        or_(
-                            graded.item_key == f.item_key,
-                            graded.item_key.endswith(f":{f.item_key}", autoescape=True),
-                        ),
+                        or_(graded.item_key == f.item_key, self._ends_with(graded.item_key, suffix)),
                     ),
                 )
             )
@@ -323,6 +322,13 @@ class ReviewRepository(Queries):
         elif f.status is not None:
             conditions.append(Grade.status == f.status)
         return conditions
+
+    def _ends_with(self, column: Any, suffix: str) -> ColumnElement[bool]:
+        ends: ColumnElement[bool] = column.endswith(suffix, autoescape=True)
+        if self.dialect == "postgresql":
+            return ends
+        # SQLite's LIKE ignores the case of ASCII letters: item "Abc" is not item "abc" (as on Postgres).
+        return and_(ends, func.substr(column, -len(suffix)) == suffix)
 
     def _contains_ignoring_case(self, column: Any, text: str) -> ColumnElement[bool]:
         if self.dialect == "postgresql":

@@ -117,6 +117,18 @@ async def test_search_ignores_the_case_of_every_letter_on_both_backends(review: 
         assert [r["trace_id"] for r in page["rollouts"]] == [trace] and page["total"] == 1, q
 
 
+async def test_the_item_filter_tells_items_apart_by_case_on_both_backends(review: ReviewApp) -> None:
+    run = f"run-{uuid.uuid4().hex[:8]}"
+    traces = {}
+    for key in ("Abc", "abc"):
+        traces[key] = trace = new_trace()
+        await review.call("echo", {"text": "x"}, trace, call_id="c1", run=run, item={"id": key})
+        await review.grade(trace, answer="x", score=1.0, run=run, item={"id": key})
+    for item, expected in (("Abc", {traces["Abc"]}), ("id:abc", {traces["abc"]}), ("ABC", set())):
+        page = await review.api("/review/api/rollouts", run=run, item=item)
+        assert {r["trace_id"] for r in page["rollouts"]} == expected, item
+
+
 async def test_totals_count_every_match_across_pages(review: ReviewApp) -> None:
     spec = await seeded(review)
     page = await review.api("/review/api/rollouts", run=spec.run, min_score=0.5, limit=4, count="true")

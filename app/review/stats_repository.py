@@ -35,7 +35,6 @@ from sparring.wire import ENVIRONMENT_FAILURES
 
 QUANTILES = (0.5, 0.9, 0.99)
 OUTCOMES = ("ok", "model_error", "tool_crash", "infra_error", "call_id_reused")
-UNIX_EPOCH_JULIAN_DAY = 2440587.5
 
 
 @dataclass(frozen=True)
@@ -444,7 +443,10 @@ class StatsRepository(Queries):
     def _epoch(self, column: Any) -> ColumnElement[Any]:
         if self.dialect == "postgresql":
             return func.extract("epoch", column)
-        return (func.julianday(column) - UNIX_EPOCH_JULIAN_DAY) * 86400.0
+        # SQLite stores "YYYY-MM-DD HH:MM:SS.ffffff": whole seconds, then the fraction as written.
+        # (julianday() keeps milliseconds only, and its days round the seconds: a rollout on a window's
+        # edge fell into the window before.)
+        return cast(func.strftime("%s", column), Float) + cast(func.substr(column, 20), Float)
 
     async def span(self, run: str) -> tuple[float, float] | None:
         """Unix times of the run's first and last rollout starts (None: no rollout)."""

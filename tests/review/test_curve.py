@@ -89,6 +89,16 @@ async def test_windows_of_time(review: ReviewApp) -> None:
     assert set(curve["flag_names"]) == set(names)
 
 
+async def test_a_rollout_on_a_window_s_edge_starts_that_window(review: ReviewApp) -> None:
+    # Rollouts 3 s apart in windows of 3 s: each starts its window (the last shares the last one), on
+    # SQLite as on Postgres (julianday's days lost the exact seconds: rollouts fell a window early).
+    spec = replace(SPEC, run=f"run-{uuid.uuid4().hex[:8]}")
+    await seed_run(app_state(review.app).engine, spec)
+    curve = await review.api("/review/api/curve", run=spec.run, windows=59)
+    window_of = {f"seed_{spec.run}_{r:07d}": min(58, r) for r in range(60)}
+    check(curve, expected_windows(spec, window_of))
+
+
 async def test_the_grader_chooses_the_scores_of_the_curve(review: ReviewApp) -> None:
     spec = replace(SPEC, run=f"run-{uuid.uuid4().hex[:8]}", rollouts=10, items=5)
     await seed_run(app_state(review.app).engine, spec)

@@ -244,7 +244,7 @@ class ReviewRepository(Queries):
         if sort == "duration":  # seconds from the rollout's first call to its last
             if self.dialect == "postgresql":
                 return cast(func.extract("epoch", RolloutRow.last_seen - RolloutRow.first_seen), Float)
-            return (func.julianday(RolloutRow.last_seen) - func.julianday(RolloutRow.first_seen)) * 86400.0
+            return self._epoch(RolloutRow.last_seen) - self._epoch(RolloutRow.first_seen)
         return RolloutRow.__table__.c.last_seen
 
     def _answer_text(self) -> ColumnElement[Any]:

@@ -103,6 +103,14 @@ class Queries:
     def dialect(self) -> str:
         return self.session.get_bind().dialect.name
 
+    def _epoch(self, column: Any) -> ColumnElement[Any]:
+        """A timestamp column as Unix seconds, to the microsecond."""
+        if self.dialect == "postgresql":
+            return func.extract("epoch", column)
+        # SQLite stores "YYYY-MM-DD HH:MM:SS.ffffff": whole seconds, then the fraction as written.
+        # (julianday() keeps milliseconds only, and its days round the seconds.)
+        return cast(func.strftime("%s", column), Float) + cast(func.substr(column, 20), Float)
+
 
 class StatsRepository(Queries):
     """Every query of a run's statistics and of its learning curve."""
@@ -439,14 +447,6 @@ class StatsRepository(Queries):
 
     # --- a run: its learning curve ---------------------------------------------------------------------
     # Rollouts are placed by `first_seen` (when their first call arrived) in windows of time or of order.
-
-    def _epoch(self, column: Any) -> ColumnElement[Any]:
-        if self.dialect == "postgresql":
-            return func.extract("epoch", column)
-        # SQLite stores "YYYY-MM-DD HH:MM:SS.ffffff": whole seconds, then the fraction as written.
-        # (julianday() keeps milliseconds only, and its days round the seconds: a rollout on a window's
-        # edge fell into the window before.)
-        return cast(func.strftime("%s", column), Float) + cast(func.substr(column, 20), Float)
 
     async def span(self, run: str) -> tuple[float, float] | None:
         """Unix times of the run's first and last rollout starts (None: no rollout)."""

@@ -388,7 +388,7 @@ class ChatPolicy:
             raise ModelFailure("the completion has no choices")
         try:
             return self._turn_of(completion)
-        except (AttributeError, TypeError, ValueError, IndexError) as exc:
+        except (AttributeError, TypeError, ValueError, LookupError) as exc:
             # The SDK builds the answer without validating it: any shape can arrive here.
             raise _malformed("chat completion") from exc
 

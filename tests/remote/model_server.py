@@ -12,7 +12,8 @@ served behind a front that eval-protocol's URLs need and the runner's tests do n
   gateway has not yet seen fail it answers 503 from its second turn on (so a rollout's first attempt
   changes state, then fails, and its retry succeeds);
 - hostile models, as a model server may behave: `forbidden` answers 403 with an internal service's
-  error text (`SECRET`), `garbage` a 200 that is not JSON, `truncated` a 200 of cut JSON, `trickle`
+  error text (`SECRET`), `garbage` a 200 that is not JSON, `truncated` a 200 of cut JSON, `keyed` a
+  200 whose `choices` is an object keyed by index rather than a list, `trickle`
   a 200 whose body comes one byte every 0.2 s for two minutes, `huge` a valid completion of
   `HUGE_TEXT` bytes, `huge-gzip` the same compressed to a few kilobytes, `redirect` a 307 to
   `redirect_to`;
@@ -72,6 +73,7 @@ HOSTILE = {
     "forbidden": "_forbidden",
     "garbage": "_garbage",
     "truncated": "_truncated",
+    "keyed": "_keyed",
     "trickle": "_trickle",
     "huge": "_huge",
     "huge-gzip": "_huge_gzip",
@@ -206,6 +208,11 @@ class ModelServer:
 
     async def _truncated(self, send: Send) -> None:
         await self._answer(send, 200, completion("cut")[:40])
+
+    async def _keyed(self, send: Send) -> None:
+        body = json.loads(completion("keyed"))
+        body["choices"] = dict(enumerate(body["choices"]))  # {"0": choice}, as JSON writes it
+        await self._answer(send, 200, json.dumps(body).encode())
 
     async def _huge(self, send: Send) -> None:
         await self._answer(send, 200, completion("a" * HUGE_TEXT))

@@ -192,7 +192,7 @@ async def test_the_model_servers_error_text_never_reaches_the_caller(
     assert "hunter2" not in str(status) and SECRET not in str(status)
 
 
-@pytest.mark.parametrize("name", ["garbage", "truncated"])
+@pytest.mark.parametrize("name", ["garbage", "truncated", "keyed"])
 async def test_a_model_answering_what_is_not_a_completion_is_a_model_error(
     app_factory: AppFactory, model: ModelServer, name: str
 ) -> None:

@@ -71,7 +71,7 @@ async def test_an_answer_past_the_cap_is_a_model_failure(api: str, name: str, ho
 
 
 @pytest.mark.parametrize("api", APIS)
-@pytest.mark.parametrize("name", ["garbage", "truncated"])
+@pytest.mark.parametrize("name", ["garbage", "truncated", "keyed"])
 async def test_an_answer_that_is_not_a_completion_is_a_model_failure(
     api: str, name: str, hostile: HostileModels
 ) -> None:

@@ -26,6 +26,9 @@ Resolve = Callable[[str, int], Awaitable[list[str]]]
 
 # IPv6 prefixes that carry an IPv4 address a gateway would forward to (NAT64).
 _NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
+# The local-use NAT64 prefix (RFC 8215), not global: where the IPv4 address sits in it depends on the
+# length of the prefix the operator chose, so none of it is public.
+_NAT64_LOCAL = ipaddress.IPv6Network("64:ff9b:1::/48")
 
 
 class RefusedDestination(RefusedExchange):
@@ -46,6 +49,10 @@ def is_public(address: Address) -> bool:
             return is_public(address.ipv4_mapped)
         if address in _NAT64:
             return is_public(ipaddress.IPv4Address(address.packed[-4:]))
+        if address in _NAT64_LOCAL:
+            return False
+        if address.sixtofour is not None:  # 2002:AABB:CCDD::/48, relayed to the IPv4 address AA.BB.CC.DD
+            return is_public(address.sixtofour)
     return address.is_global and not address.is_multicast
 
 

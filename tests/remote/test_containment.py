@@ -38,6 +38,8 @@ NOT_PUBLIC = [
     "[fe80::1]",
     "[::ffff:169.254.169.254]",  # IPv4-mapped
     "[64:ff9b::a9fe:a9fe]",  # NAT64 of 169.254.169.254
+    "[64:ff9b:1::a9fe:a9fe]",  # the same through a local-use NAT64 prefix (RFC 8215)
+    "[2002:a9fe:a9fe::1]",  # 6to4 of 169.254.169.254
 ]
 
 

@@ -106,7 +106,7 @@ class RemoteRolloutService:
         self.retry_after = retry_after
         self.deadline_s = deadline_seconds
         self._slots = 0
-        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._tasks: dict[tuple[str, int], asyncio.Task[None]] = {}  # by rollout id and attempt
         self._plans: dict[str, RolloutPlan] = {}
         self._heartbeat: asyncio.Task[None] | None = None
 
@@ -126,8 +126,8 @@ class RemoteRolloutService:
             self._heartbeat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._heartbeat
-        running = list(self._tasks)
-        plans = [self._plans[rollout_id] for rollout_id in running if rollout_id in self._plans]
+        running = sorted({rollout_id for rollout_id, _ in self._tasks})
+        plans = list(self._plans.values())
         for task in list(self._tasks.values()):
             task.cancel()
         if self._tasks:
@@ -167,7 +167,7 @@ class RemoteRolloutService:
                 self._slots -= 1
             else:  # even when the answer is cancelled: the claimed attempt runs and ends
                 task = asyncio.create_task(self._run(started), name=f"remote-rollout-{rollout.rollout_id}")
-                self._tasks[rollout.rollout_id] = task
+                self._tasks[(rollout.rollout_id, started.attempt)] = task
         return {
             "rollout_id": rollout.rollout_id,
             "trace_id": current.trace_id,
@@ -238,6 +238,8 @@ class RemoteRolloutService:
         try:
             outcome = await self._outcome(rollout)
             await self._record(rollout, outcome)
+            # Ended: an init from now on may start the next attempt, while this one's end is reported.
+            self._release(rollout)
             if self.report is not None:
                 await self.report(
                     rollout,
@@ -248,9 +250,15 @@ class RemoteRolloutService:
                     },
                 )
         finally:
-            self._tasks.pop(rollout.rollout_id, None)
-            self._plans.pop(rollout.rollout_id, None)
+            self._release(rollout)
+            self._tasks.pop((rollout.rollout_id, rollout.attempt), None)
             self._slots -= 1
+
+    def _release(self, rollout: RolloutPlan) -> None:
+        """Stop holding the attempt `rollout` (its lease, its place in `_claim`), unless a later attempt
+        of the rollout already holds them."""
+        if self._plans.get(rollout.rollout_id) is rollout:
+            del self._plans[rollout.rollout_id]
 
     async def _outcome(self, rollout: RolloutPlan) -> RolloutOutcome:
         """Run the attempt to its end, or stop it at the deadline (whose trainer no longer waits)."""

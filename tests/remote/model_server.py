@@ -22,7 +22,9 @@ served behind a front that eval-protocol's URLs need and the runner's tests do n
   rollout server posts, `GET /v1/status?rollout_id=` answers the status of the last one tagged with
   that rollout, `GET /logs?tags=` answers the logs with those tags (`entries`, newest first), and
   `GET /v1/traces/pointwise?tags=` the trace of the rollout's last completion (its request's messages
-  and the model's answer), as the tracing proxy records it from the model URL's path.
+  and the model's answer), as the tracing proxy records it from the model URL's path; `POST /held/logs`
+  keeps a log as `/logs` does, but between `hold_logs()` and `release_logs()` answers one that is not
+  RUNNING only on the release (a slow gateway).
 """
 
 from __future__ import annotations
@@ -89,6 +91,8 @@ class ModelServer:
         self.log_headers: list[dict[str, str]] = []
         self.traces: dict[str, dict[str, Any]] = {}  # rollout id -> its last completion
         self._released = threading.Event()
+        self._logs_released = threading.Event()
+        self._logs_released.set()
         self._stopping = threading.Event()
         self.redirect_to = ""
         self._model = ScriptedModel()
@@ -246,6 +250,14 @@ class ModelServer:
             self.log_headers.append(dict(request.headers))
             return Response(b"{}", media_type="application/json")
 
+        @app.post("/held/logs")
+        async def held_logs(request: Request) -> Response:
+            entry = await request.json()
+            self.logs.append(entry)
+            if (entry.get("status") or {}).get("code") != 101:
+                await asyncio.to_thread(self._logs_released.wait, 60)
+            return Response(b"{}", media_type="application/json")
+
         @app.get("/v1/status")
         async def status(rollout_id: str) -> dict[str, Any]:
             tagged = self.tagged(rollout_id)
@@ -276,6 +288,12 @@ class ModelServer:
     def release(self) -> None:
         self._released.set()
 
+    def hold_logs(self) -> None:
+        self._logs_released.clear()
+
+    def release_logs(self) -> None:
+        self._logs_released.set()
+
     def start(self) -> None:
         self._thread.start()
         deadline = time.monotonic() + 10
@@ -286,6 +304,7 @@ class ModelServer:
 
     def stop(self) -> None:
         self._released.set()
+        self._logs_released.set()
         self._stopping.set()
         self._server.should_exit = True
         self._thread.join(timeout=10)

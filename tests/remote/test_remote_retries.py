@@ -114,6 +114,24 @@ async def test_a_running_rollout_is_not_started_twice(app_factory: AppFactory, m
     assert gateway_codes(model, row)[0] == (101, 1)
 
 
+async def test_a_retry_while_the_failed_attempts_end_is_being_posted_starts_the_next_attempt(
+    app_factory: AppFactory, model: ModelServer
+) -> None:
+    row = Row.new()
+    slow_gateway = {"status_log_url": model.base_url("held/logs")}
+    model.hold_logs()
+    async with app_factory() as client:
+        first = (await post_init(client, "/remote", body(model, row, "down") | slow_gateway)).json()
+        assert first["started"] is True and first["attempt"] == 1
+        # The attempt is recorded as failed; its end is still on its way to the gateway.
+        assert (await wait_terminated(client, "/remote", row.rollout_id))["state"] == "error"
+        retried = (await post_init(client, "/remote", body(model, row, "adder") | slow_gateway)).json()
+        model.release_logs()
+        assert retried["started"] is True and retried["attempt"] == 2
+        status = await wait_terminated(client, "/remote", row.rollout_id)
+        assert status["state"] == "finished" and status["attempt"] == 2
+
+
 async def test_concurrent_retries_on_two_workers_start_exactly_one_attempt(
     app_factory: AppFactory, model: ModelServer
 ) -> None:

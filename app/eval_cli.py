@@ -267,6 +267,8 @@ def eval_command(
     label = _run_label(run, "eval")
     settings = load_settings()
     journal = journal_path(settings.home, label)
+    # A run started again under its label (no --resume) reports only its own rollouts: so does its export.
+    before = 0 if resume else len(Journal(journal).load())
     with command_tracing(settings, model=model, warn=_warn) as tracing:
         options = _run_options(
             label, samples, concurrency, max_turns, max_tool_calls, journal=journal, resume=resume
@@ -278,7 +280,7 @@ def eval_command(
     typer.echo(format_report(report))
     _write_json(out, report)
     if export is not None:
-        records = latest_per_rollout(Journal(journal).load())
+        records = latest_per_rollout(Journal(journal).load()[before:])
         count = write_export(records, export, run=label, model=model, pass_threshold=pass_threshold)
         typer.echo(f"exported {count} rollouts to {export}")
     if report["interrupted"]:

@@ -211,6 +211,32 @@ async def test_eval_against_an_openai_compatible_server_matches_the_review_api(
     assert stats["items"]["share_always_one"] == pytest.approx(report["items"]["share_always_one"]) == 0.5
 
 
+async def test_eval_run_again_under_its_label_exports_the_rollouts_it_reports(
+    sparring: Server, model_server: ModelServer, train: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    dataset = write_lines(tmp_path / "one.jsonl", train[:1])
+    export = tmp_path / "export.jsonl"
+    args = [
+        "eval", "--dataset", str(dataset), "--model", "scripted", "--base-url", model_server.base_url,
+        "--api", "chat", "--server", sparring.url, "--grader", "nonempty", "--run", "again",
+        "--samples", "2", "--out", str(tmp_path / "report.json"), "--export", str(export),
+    ]  # fmt: skip
+    # The same command twice (no --resume): an empty answer scores 0, then a fixed model scores 1.
+    runs = []
+    for answer in ("", "Done."):
+        model_server.script = lambda request, answer=answer: Reply(text=answer)
+        done = await run_cli(tmp_path, *args, OPENAI_API_KEY="test-key")
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        report = json.loads((tmp_path / "report.json").read_text())
+        runs.append((report, [json.loads(line) for line in export.read_text().splitlines()]))
+    (first, first_rows), (second, second_rows) = runs
+    assert first["reward"]["mean"] == 0.0 and second["reward"]["mean"] == 1.0
+    assert [row["score"] for row in first_rows] == [0.0, 0.0]
+    # The export of the second run holds its own rollouts, as its report counts them.
+    assert [row["score"] for row in second_rows] == [1.0, 1.0]
+    assert {row["trace_id"] for row in first_rows}.isdisjoint(row["trace_id"] for row in second_rows)
+
+
 async def test_eval_refuses_a_wrong_key_before_calling_the_model(
     sparring: Server, model_server: ModelServer, train: list[dict[str, Any]], tmp_path: Path
 ) -> None:

@@ -155,17 +155,40 @@ def failure_of(exc: Exception) -> ModelFailure:
     return ModelFailure(detail, brief=brief)
 
 
+def _well_formed(text: str) -> str:
+    """`text` with each lone surrogate as U+FFFD: JSON can escape one (`\\ud800`), but no UTF-8 encoder
+    writes it back, so the grade request, the transcript and the database would all refuse the answer."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "".join("\ufffd" if "\ud800" <= char <= "\udfff" else char for char in text)
+    return text
+
+
+def _well_formed_item(value: Any) -> Any:
+    """An item of the answer kept as it came (a reasoning item), each of its strings `_well_formed`."""
+    if isinstance(value, str):
+        return _well_formed(value)
+    if isinstance(value, dict):
+        return {_well_formed_item(key): _well_formed_item(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_well_formed_item(item) for item in value]
+    return value
+
+
 def _text(value: object) -> str | None:
     """A text field of the answer, which the SDK did not check: text or absent, else malformed."""
-    if value is None or isinstance(value, str):
+    if value is None:
         return value
+    if isinstance(value, str):
+        return _well_formed(value)
     raise TypeError(f"expected text, got {type(value).__name__}")
 
 
 def _name(value: object) -> str:
     if not isinstance(value, str):
         raise TypeError("a function call without a name")
-    return value
+    return _well_formed(value)
 
 
 def _tokens(value: object) -> int:
@@ -351,7 +374,7 @@ class ResponsesPolicy:
                     replay.append({"role": "assistant", "content": text})
             elif entry.type == "reasoning":
                 # Reasoning models expect their reasoning items back next to the calls they led to.
-                replay.append(entry.model_dump(exclude_none=True))
+                replay.append(_well_formed_item(entry.model_dump(exclude_none=True)))
         usage = Usage()
         if response.usage is not None:
             usage = Usage(_tokens(response.usage.input_tokens), _tokens(response.usage.output_tokens))

@@ -13,8 +13,10 @@ served behind a front that eval-protocol's URLs need and the runner's tests do n
   changes state, then fails, and its retry succeeds);
 - hostile models, as a model server may behave: `forbidden` answers 403 with an internal service's
   error text (`SECRET`), `garbage` a 200 that is not JSON, `truncated` a 200 of cut JSON, `keyed` a
-  200 whose `choices` is an object keyed by index rather than a list, `trickle`
-  a 200 whose body comes one byte every 0.2 s for two minutes, `huge` a valid completion of
+  200 whose `choices` is an object keyed by index rather than a list, `surrogate` a chat completion
+  (and Responses answer, its reasoning summary too) answering `SURROGATE_ANSWER`, whose JSON escapes
+  a lone surrogate (no UTF-8 encoder writes it back), `trickle` a 200 whose body comes one byte every
+  0.2 s for two minutes, `huge` a valid completion of
   `HUGE_TEXT` bytes, `huge-gzip` the same compressed to a few kilobytes, `redirect` a 307 to
   `redirect_to`;
 - eval-protocol's tracing gateway, as its processor and logging handler (eval-protocol 0.3.33's
@@ -48,6 +50,7 @@ from tests.runner.model_server import ModelServer as ScriptedModel
 CHAT = "/chat/completions"
 RESPONSES = "/responses"  # hostile models only: the runner's `sparring eval` tests speak both APIs
 SECRET = "internal-billing-service: token=hunter2"
+SURROGATE_ANSWER = "103 \\ud800"  # as JSON text: 103, then a lone surrogate
 HUGE_TEXT = 1_200_000  # over 1 MiB, the grade routes' limit, and under the remote's default model cap
 
 
@@ -76,6 +79,7 @@ HOSTILE = {
     "garbage": "_garbage",
     "truncated": "_truncated",
     "keyed": "_keyed",
+    "surrogate": "_surrogate",
     "trickle": "_trickle",
     "huge": "_huge",
     "huge-gzip": "_huge_gzip",
@@ -217,6 +221,18 @@ class ModelServer:
         body = json.loads(completion("keyed"))
         body["choices"] = dict(enumerate(body["choices"]))  # {"0": choice}, as JSON writes it
         await self._answer(send, 200, json.dumps(body).encode())
+
+    async def _surrogate(self, send: Send) -> None:
+        """A chat completion that is also a Responses answer (with a reasoning summary), for both APIs."""
+        body = json.loads(completion("placeholder"))
+        body["output"] = [
+            {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "placeholder"}]},
+            {"type": "message", "id": "msg_1", "role": "assistant", "content": [
+                {"type": "output_text", "text": "placeholder", "annotations": []}
+            ]},
+        ]  # fmt: skip
+        answer = json.dumps(body).encode().replace(b"placeholder", SURROGATE_ANSWER.encode())
+        await self._answer(send, 200, answer)
 
     async def _huge(self, send: Send) -> None:
         await self._answer(send, 200, completion("a" * HUGE_TEXT))

@@ -196,3 +196,16 @@ async def test_a_model_answering_nul_ends_the_rollout_recorded(
         status = await wait_terminated(client, "/remote", row.rollout_id, polls=200)
         assert status["state"] == "finished", status
         assert status["info"]["final_text"] == "hi\ufffdthere"
+
+
+async def test_a_model_answering_a_lone_surrogate_ends_the_rollout_recorded(
+    app_factory: AppFactory, model: ModelServer
+) -> None:
+    # JSON can escape a lone surrogate, which no UTF-8 encoder (nor Postgres) takes: it reads as U+FFFD.
+    row = Row.new()
+    async with app_factory() as client:
+        body = init_request(row, model="surrogate", model_base_url=model.base_url(), messages=USER)
+        assert (await client.post("/remote/init", json=body)).status_code == 200
+        status = await wait_terminated(client, "/remote", row.rollout_id, polls=200)
+        assert status["state"] == "finished", status
+        assert status["info"]["final_text"] == "103 \ufffd"

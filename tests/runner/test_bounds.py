@@ -23,7 +23,7 @@ from tests.conftest import GRADER_KEY, TOOLS_KEY, AppFactory, make_settings
 from tests.packs import counter_pack, faults_pack
 from tests.remote.model_server import ModelServer as HostileModels
 from tests.remote.served import serve
-from tests.runner.conftest import NO_WAIT, target, write_graders
+from tests.runner.conftest import NO_WAIT, admin_get, target, write_graders
 from tests.runner.model_server import Call, ModelRequest, ModelServer, Reply
 from tests.runner.test_loop import GRADERS, counter_line
 from tests.system.helpers import clean_env
@@ -81,6 +81,35 @@ async def test_an_answer_that_is_not_a_completion_is_a_model_failure(
             await make_policy(api, client, name).next_turn(transcript())
     finally:
         await client.close()
+
+
+@pytest.mark.parametrize("api", APIS)
+async def test_a_lone_surrogate_in_the_models_answer_is_graded_as_u_fffd(
+    api: str, hostile: HostileModels, app_factory: AppFactory, tmp_path: Path
+) -> None:
+    """JSON can escape a lone surrogate, which no UTF-8 encoder writes back: the answer reaches the
+    grader and the transcript with U+FFFD in its place, instead of failing the run."""
+    client = model_client("k", hostile.base_url())
+    graders = write_graders(tmp_path / "graders.yaml", GRADERS)
+    try:
+        async with app_factory(graders_file=graders) as app:
+            t = target("says")
+            result = await run_rollout(
+                make_policy(api, client, "surrogate"),
+                HttpToolCaller(app, t.tools, retry=NO_WAIT),
+                counter_line(),
+                grader=HttpGrader(app, t.grader, retry=NO_WAIT),
+            )
+            transcripts = t.transcripts(app, model="surrogate", source="eval")
+            assert transcripts is not None
+            await transcripts.store(result)
+            stored = await admin_get(app, f"/rollouts/{result.trace_id}")
+    finally:
+        await client.close()
+    assert result.discarded is None and result.final_text == "103 \ufffd"
+    assert result.score == 1.0
+    assert transcripts.failures == 0
+    assert stored["transcript"]["messages"][-1]["content"] == "103 \ufffd"
 
 
 async def test_eval_gives_up_on_a_trickling_model_at_its_model_timeout(

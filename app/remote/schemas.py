@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from app.db.text import has_control_character, nul_inside
 from app.errors import BadRequest, InvalidRequest, describe_validation_errors
+from sparring.policies import RESERVED_REQUEST_KEYS
 from sparring.wire import JSON_DEPTH_MAX, nested_deeper_than, remote_trace_id
 
 # eval-protocol's Status.Code values (google.rpc codes plus its own 100+).
@@ -158,6 +159,10 @@ def plan(init: InitRequest) -> RolloutPlan:
     kwargs = params.get("model_kwargs")
     if isinstance(kwargs, dict):
         sampling.update(kwargs)
+    # What the policy writes into every request itself: the init's messages and tools, and whole answers
+    # (`stream`, which eval-protocol's processors take, would make them an event stream sparring cannot read).
+    for key in RESERVED_REQUEST_KEYS:
+        sampling.pop(key, None)
     meta = init.metadata
     run = ":".join(part for part in (meta.experiment_id, meta.run_id) if part) or None
     tags = [f"rollout_id:{rollout_id}"] + [

@@ -4,7 +4,8 @@ The model is `tests.runner.model_server.ModelServer`'s app (chat completions wit
 served behind a front that eval-protocol's URLs need and the runner's tests do not:
 
 - `POST <any prefix>/chat/completions` reaches the model, so a tracing-style base URL
-  (`/rollout_id/<id>/invocation_id/...`) works; every prefix is recorded;
+  (`/rollout_id/<id>/invocation_id/...`) works; every prefix is recorded; a request with
+  `"stream": true` is answered as an event stream, as servers answer it;
 - the request's `model` names a script, a list of `Turn`s; the turn played is the number of assistant
   messages already in the request, so any number of rollouts run at once without state here;
   model `down` answers 503, model `hold` answers only once `release()` is called, model `stall` never
@@ -160,7 +161,35 @@ class ModelServer:
 
         chat = "/v1" + CHAT
         sent = send if rollout_id is None else self._tracer(rollout_id, request, send)
+        if request.get("stream") is True:
+            sent = self._streaming(sent)
         await self._chat({**scope, "path": chat, "raw_path": chat.encode()}, replay, sent)
+
+    def _streaming(self, send: Send) -> Send:
+        """`send`, answering as a server answers a `"stream": true` request: the model's completion as an
+        event stream (one chunk holding the whole message, then `[DONE]`)."""
+        start: list[Message] = []
+        chunks: list[bytes] = []
+
+        async def streamed(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                start.append(message)
+                return
+            chunks.append(message.get("body", b""))
+            if message.get("more_body"):
+                return
+            if start[0]["status"] != 200:
+                await send(start[0])
+                await send({"type": "http.response.body", "body": b"".join(chunks)})
+                return
+            answer = json.loads(b"".join(chunks))
+            choice = answer["choices"][0]
+            delta = {"index": 0, "delta": choice["message"], "finish_reason": choice["finish_reason"]}
+            chunk = {**answer, "object": "chat.completion.chunk", "choices": [delta]}
+            events = f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode()
+            await self._answer(send, 200, events, b"text/event-stream")
+
+        return streamed
 
     def _fails(self, rollout_id: str | None, request: dict[str, Any]) -> bool:
         """`flaky`: past its first turn, down until the gateway saw the rollout fail once."""

@@ -227,6 +227,20 @@ async def test_a_key_that_cannot_be_sent_and_a_client_parameter_are_not_internal
     assert client_status["state"] == "finished", client_status
 
 
+async def test_a_stream_completion_parameter_does_not_turn_the_answers_into_an_event_stream(
+    app_factory: AppFactory, model: ModelServer
+) -> None:
+    # eval-protocol's processors take `"stream": true` in completion_params; sparring reads whole answers.
+    row = Row.new()
+    async with app_factory() as client:
+        body = init_request(row, model="done", model_base_url=model.base_url(), messages=USER)
+        body["completion_params"]["stream"] = True
+        assert (await post_init(client, "/remote", body)).status_code == 200
+        status = await wait_terminated(client, "/remote", row.rollout_id)
+    assert status["state"] == "finished", status
+    assert status["info"]["final_text"] == "done"
+
+
 async def test_a_model_that_trickles_is_cut_at_the_deadline(
     app_factory: AppFactory, model: ModelServer
 ) -> None:

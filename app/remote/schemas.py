@@ -156,9 +156,11 @@ def plan(init: InitRequest) -> RolloutPlan:
     if not init.messages:
         raise BadRequest("the init request has no messages")
     sampling = {k: v for k, v in params.items() if k not in _NOT_SAMPLING}
-    kwargs = params.get("model_kwargs")
-    if isinstance(kwargs, dict):
-        sampling.update(kwargs)
+    # Parameters nested for the client libraries (LiteLLM, the openai SDK), which send them in the body.
+    for nested in ("model_kwargs", "extra_body"):
+        kwargs = params.get(nested)
+        if isinstance(kwargs, dict):
+            sampling.update(kwargs)
     # What the policy writes into every request itself: the init's messages and tools, and whole answers
     # (`stream`, which eval-protocol's processors take, would make them an event stream sparring cannot read).
     for key in RESERVED_REQUEST_KEYS:

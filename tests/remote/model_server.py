@@ -224,6 +224,11 @@ class ModelServer:
 
         return traced
 
+    @property
+    def requests(self) -> list[ModelRequest]:
+        """Every request the scripted model answered, its body included."""
+        return self._model.requests
+
     def tagged(self, rollout_id: str) -> list[dict[str, Any]]:
         """The logs posted for `rollout_id`, oldest first."""
         return [log for log in self.logs if f"rollout_id:{rollout_id}" in log.get("tags", [])]

@@ -241,6 +241,23 @@ async def test_a_stream_completion_parameter_does_not_turn_the_answers_into_an_e
     assert status["info"]["final_text"] == "done"
 
 
+async def test_the_extra_body_of_completion_params_reaches_the_model(
+    app_factory: AppFactory, model: ModelServer
+) -> None:
+    # Where eval-protocol's processors put reasoning_effort, and where servers take their own parameters.
+    row = Row.new()
+    asked = f"Say done ({row.rollout_id})."
+    async with app_factory() as client:
+        messages = [{"role": "user", "content": asked}]
+        body = init_request(row, model="done", model_base_url=model.base_url(), messages=messages)
+        body["completion_params"]["extra_body"] = {"reasoning_effort": "low", "top_k": 5}
+        assert (await post_init(client, "/remote", body)).status_code == 200
+        status = await wait_terminated(client, "/remote", row.rollout_id)
+    assert status["state"] == "finished", status
+    [sent] = [request.body for request in model.requests if request.user == asked]
+    assert sent["reasoning_effort"] == "low" and sent["top_k"] == 5 and "extra_body" not in sent
+
+
 async def test_a_model_that_trickles_is_cut_at_the_deadline(
     app_factory: AppFactory, model: ModelServer
 ) -> None:

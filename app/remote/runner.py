@@ -266,13 +266,23 @@ class GatewayStatusLog:
 
     eval-protocol 0.3.33's processor learns that a rollout ended from its gateway (`/v1/status`),
     which reads the logs a rollout server posts (`POST <gateway>/logs`, or `/v1/logs`), with the
-    trainer's API key. Best effort: a gateway that stays down leaves the processor to its timeout.
+    trainer's API key. Best effort: a gateway that stays down leaves the processor to its timeout. Each
+    post has `timeout_s` to its last byte (the client's read timeout alone bounds only the gap between
+    bytes, so a gateway trickling its answer would hold the init, or the rollout's slot, for as long).
     """
 
-    def __init__(self, http: DefaultAsyncHttpxClient, *, attempts: int = 3, delay_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        http: DefaultAsyncHttpxClient,
+        *,
+        attempts: int = 3,
+        delay_s: float = 0.5,
+        timeout_s: float = 10.0,
+    ) -> None:
         self.http = http
         self.attempts = attempts
         self.delay_s = delay_s
+        self.timeout_s = timeout_s
 
     async def __call__(self, rollout: RolloutPlan, end: dict[str, Any]) -> None:
         if rollout.status_log_url is None:
@@ -295,7 +305,10 @@ class GatewayStatusLog:
         for attempt in range(self.attempts):
             try:
                 for url in urls:
-                    response = await self.http.post(url, json=payload, headers=headers, timeout=10)
+                    async with asyncio.timeout(self.timeout_s):
+                        response = await self.http.post(
+                            url, json=payload, headers=headers, timeout=self.timeout_s
+                        )
                     if response.status_code != 404:
                         break
                 if response.status_code < 400:

@@ -49,6 +49,7 @@ from tests.runner.model_server import Call, ModelRequest, Reply, Unavailable
 from tests.runner.model_server import ModelServer as ScriptedModel
 
 CHAT = "/chat/completions"
+TRICKLING_LOGS = "/trickle/logs"  # a gateway whose answer to a log trickles, as model `trickle` does
 RESPONSES = "/responses"  # hostile models only: the runner's `sparring eval` tests speak both APIs
 SECRET = "internal-billing-service: token=hunter2"
 SURROGATE_ANSWER = "103 \\ud800"  # as JSON text: 103, then a lone surrogate
@@ -129,6 +130,11 @@ class ModelServer:
     async def _front(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
         responses = scope["type"] == "http" and path.endswith(RESPONSES)
+        if scope["type"] == "http" and path.endswith(TRICKLING_LOGS):
+            while (await receive()).get("more_body"):
+                pass
+            await self._trickle(send)
+            return
         if scope["type"] != "http" or not (path.endswith(CHAT) or responses):
             await self._gateway(scope, receive, send)
             return

@@ -8,6 +8,7 @@ model servers the rollouts reach listen on 127.0.0.1.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,9 @@ import pytest
 from app.config import Settings
 from app.remote.build import build_model_http
 from app.remote.egress import EgressRule, GuardedTransport, RefusedDestination, is_public
+from app.remote.runner import GatewayStatusLog
+from app.remote.schemas import CODE_RUNNING, InitRequest, plan
+from app.remote.service import status_of
 from tests.conftest import AppFactory
 from tests.grading.test_routes import GRADERS, write_graders
 from tests.remote.model_server import SECRET, ModelServer, Turn
@@ -327,5 +331,20 @@ async def test_the_http_client_of_remote_rollouts_is_bounded_too(model: ModelSer
         # The status log goes through the same client, so the same rule.
         with pytest.raises(RefusedDestination):
             await http.post(f"http://127.0.0.2:{model.port}/logs", json={})
+    finally:
+        await http.aclose()
+
+
+async def test_a_gateway_that_trickles_its_answer_does_not_hold_the_rollout(model: ModelServer) -> None:
+    """The status log is posted through the model client, whose read timeout bounds only the gap
+    between bytes: a gateway answering one byte every 0.2 s held /init (and the rollout's slot) for as
+    long as it trickled."""
+    http = build_model_http(Settings(remote_allowed_hosts=["127.0.0.1"]))
+    body = init_request(Row.new(), model="done", model_base_url=model.base_url(), messages=USER)
+    rollout = plan(InitRequest.model_validate({**body, "status_log_url": model.base_url("trickle/logs")}))
+    report = GatewayStatusLog(http, attempts=1, delay_s=0)
+    try:
+        # A guard against the hang (the trickle lasts two minutes), not a measure of the wait.
+        await asyncio.wait_for(report(rollout, {"status": status_of("running", CODE_RUNNING, None)}), 60)
     finally:
         await http.aclose()

@@ -59,6 +59,8 @@ FINAL_TEXT_KEPT = 2000
 # Grade failures that are the rollout's configuration (the row, the grader), not an outage: retrying
 # the rollout cannot help, so eval-protocol is told INVALID_ARGUMENT rather than UNAVAILABLE.
 CONFIGURATION_STATUSES = frozenset({400, 404, 422})
+# The loop's discard of a row whose user scenario cannot be played: the row again, never an outage.
+USER_SCENARIO_ERROR = "user_error:"
 
 log = logging.getLogger("sparring.remote")
 
@@ -333,7 +335,9 @@ def outcome_of(result: RolloutResult, *, grader: str | None) -> RolloutOutcome:
     }
     if result.discarded is not None:
         # The model endpoint, a tool or the grader failed for good: the trainer should drop it.
-        configuration = result.grade is not None and result.grade.status in CONFIGURATION_STATUSES
+        configuration = (
+            result.grade is not None and result.grade.status in CONFIGURATION_STATUSES
+        ) or result.discarded.startswith(USER_SCENARIO_ERROR)
         code = CODE_INVALID_ARGUMENT if configuration else CODE_UNAVAILABLE
         return RolloutOutcome(
             status="error", code=code, reason=result.discarded, grader=grader, summary=summary

@@ -323,6 +323,19 @@ async def test_a_row_without_the_field_its_grader_reads_is_a_configuration_error
     assert "reference_answer" in status["reason"]
 
 
+async def test_a_row_whose_user_scenario_is_unusable_is_a_configuration_error(
+    app_factory: AppFactory, model: ModelServer
+) -> None:
+    row = Row.new()
+    async with app_factory(user_model="done", user_base_url=model.base_url()) as client:
+        item = {"id": "r1", "user_simulator": {"scenario": "not an object"}}
+        body = init_request(row, model="done", model_base_url=model.base_url(), messages=USER, item=item)
+        assert (await post_init(client, "/remote", body)).status_code == 200
+        status = await wait_terminated(client, "/remote", row.rollout_id)
+    assert status["state"] == "error" and status["reason"].startswith("user_error: ")
+    assert status["status"]["code"] == 3  # INVALID_ARGUMENT: every retry of the row meets the same error
+
+
 async def test_the_http_client_of_remote_rollouts_is_bounded_too(model: ModelServer) -> None:
     http = build_model_http(Settings(remote_allowed_hosts=["127.0.0.1"], remote_model_max_bytes=4096))
     try:

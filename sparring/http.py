@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
@@ -440,4 +441,10 @@ def _score(response: HttpAnswer) -> float | None:
     score = data.get("score") if isinstance(data, dict) else None
     if isinstance(score, bool) or not isinstance(score, (int, float)):
         return None
-    return float(score)
+    # Python's json reads NaN, Infinity and integers past the largest double, which no reward is (nor
+    # could the report and the export write them).
+    try:
+        value = float(score)
+    except OverflowError:
+        return None
+    return value if math.isfinite(value) else None

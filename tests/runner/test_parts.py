@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
+import httpx
 import httpx2
 import openai
 import pytest
@@ -12,7 +13,9 @@ from sparring.canaries import all_canaries, gold_calls, placeholder, reference_t
 from sparring.evaluate import FinishedRollout, line_key
 from sparring.http import (
     Attempt,
+    Endpoint,
     HttpAnswer,
+    HttpGrader,
     Retry,
     ToolEndpoints,
     fill_placeholders,
@@ -186,6 +189,21 @@ async def test_one_retry_rule_for_calls_and_grades() -> None:
     final = await with_retries(retry, script(refused))
     assert final.last.kind == "refused" and final.attempts == 1
     assert final.failure == "no such grader after 1 attempt"
+
+
+@pytest.mark.parametrize("score", [b"NaN", b"Infinity", b"-Infinity", b"1" + b"0" * 400])
+async def test_a_score_that_is_not_a_finite_number_is_no_score(score: bytes) -> None:
+    """An endpoint grader on Python's json module writes NaN for a 0/0: a grade without a score (tried
+    again, then the rollout is discarded), never a reward the report and the export cannot write, nor
+    (an integer past the largest double) a crash of the run."""
+    body = b'{"score": ' + score + b"}"
+    answers = httpx.MockTransport(lambda request: httpx.Response(200, content=body))
+    retry = Retry(attempts=2, delay_s=0.0, max_delay_s=0.0)
+    async with httpx.AsyncClient(transport=answers) as client:
+        outcome = await HttpGrader(client, Endpoint("http://grader/grade"), retry=retry).grade(
+            {"output_text": "x"}, {}, "trace_not_finite"
+        )
+    assert outcome.score is None and outcome.attempts == 2 and outcome.failure_kind == "infra_error"
 
 
 def test_an_http_status_names_its_failure_kind() -> None:

@@ -193,9 +193,9 @@ class RemoteRunner:
     transcripts: TranscriptStore | None = None  # where each rollout's conversation is kept
 
     def tools_for(self, rollout: RolloutPlan) -> list[dict[str, Any]]:
-        """The request's tool schemas, else every served tool (of the named pack) but
+        """The request's tool schemas (none for `[]`), else every served tool (of the named pack) but
         `send_message_to_user`: in this loop the user answers the agent's messages themselves."""
-        if rollout.tools:
+        if rollout.tools is not None:
             return rollout.tools
         return [
             spec.function_tool()

@@ -262,6 +262,26 @@ async def test_the_extra_body_of_completion_params_reaches_the_model(
     assert sent["reasoning_effort"] == "low" and sent["top_k"] == 5 and "extra_body" not in sent
 
 
+async def test_an_init_offering_no_tools_offers_the_model_none(
+    app_factory: AppFactory, model: ModelServer
+) -> None:
+    # `tools: []` is a row without tools; only an absent list (null) stands for every served tool.
+    offered = {}
+    for tools in ([], None):
+        row = Row.new()
+        asked = f"Say done ({row.rollout_id})."
+        async with app_factory() as client:
+            messages = [{"role": "user", "content": asked}]
+            body = init_request(
+                row, model="done", model_base_url=model.base_url(), messages=messages, tools=tools
+            )
+            assert (await post_init(client, "/remote", body)).status_code == 200
+            assert (await wait_terminated(client, "/remote", row.rollout_id))["state"] == "finished"
+        [sent] = [request for request in model.requests if request.user == asked]
+        offered[str(tools)] = sent.tools
+    assert offered["[]"] == [] and "increment" in offered["None"]
+
+
 async def test_a_model_that_trickles_is_cut_at_the_deadline(
     app_factory: AppFactory, model: ModelServer
 ) -> None:

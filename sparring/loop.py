@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from sparring.tracing import RolloutTracing, mark_failed, record_rollout, record_usage
-from sparring.wire import FailureKind, new_trace_id
+from sparring.wire import FailureKind, nested_deeper_than, new_trace_id
 
 if TYPE_CHECKING:
     from sparring.usersim import SimulatedUser, UserConversation, UserReply
@@ -294,7 +294,8 @@ def _chat_tool_calls(calls: Sequence[FunctionCall]) -> list[dict[str, Any]]:
 def build_sample(
     final_text: str, last_batch: Sequence[FunctionCall], final_turn_calls: Sequence[FunctionCall] = ()
 ) -> dict[str, Any]:
-    """The grader `sample` the platform sends: the answer as text, as JSON when it parses, and the last calls.
+    """The grader `sample` the platform sends: the answer as text, as JSON when it parses (nesting no
+    deeper than the grade routes take), and the last calls.
 
     `output_tools` holds the last batch of calls the rollout made, in the chat completions shape (as
     the OpenAI grader docs show them, and as the service fills it); `choices[0].message` is the final
@@ -307,7 +308,9 @@ def build_sample(
     if stripped[:1] in ("{", "["):
         try:
             output_json = json.loads(stripped)
-        except ValueError:
+        except (ValueError, RecursionError):  # a model repeating "[" nests past Python's recursion limit
+            output_json = None
+        if nested_deeper_than(output_json):  # past what the grade routes take: graded as its text
             output_json = None
     return {
         "choices": [

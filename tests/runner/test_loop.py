@@ -11,8 +11,18 @@ import pytest
 from openai import AsyncOpenAI
 
 from sparring.http import HttpGrader, HttpToolCaller, Retry
-from sparring.loop import DatasetLine, EpisodeLimits, ModelFailure, Transcript, build_sample, run_rollout
+from sparring.loop import (
+    DatasetLine,
+    EpisodeLimits,
+    GradeOutcome,
+    ModelFailure,
+    ModelTurn,
+    Transcript,
+    build_sample,
+    run_rollout,
+)
 from sparring.policies import ChatPolicy, ResponsesPolicy, make_policy
+from sparring.wire import JSON_DEPTH_MAX, nested_deeper_than
 from tests.conftest import ADMIN_KEY, AppFactory
 from tests.packs import counter_pack, faults_pack
 from tests.runner.conftest import NO_WAIT, Outage, admin_get, target, write_graders
@@ -269,6 +279,34 @@ def test_the_sample_has_the_platform_shape() -> None:
     }
     assert sample["choices"][0]["finish_reason"] == "stop"
     assert build_sample("{not json", [])["output_json"] is None
+
+
+@pytest.mark.parametrize("depth", [100_000, JSON_DEPTH_MAX + 1])
+async def test_an_answer_nested_too_deep_is_graded_as_its_text(depth: int) -> None:
+    """A model stuck repeating `[` (100,000 levels: parsing them recursed past Python's limit), or
+    nesting past what the grade routes take (they would refuse the grade): no `output_json`, graded."""
+    answer = "[" * depth + "]" * depth
+
+    class Nested:
+        async def next_turn(self, transcript: Transcript) -> ModelTurn:
+            return ModelTurn(text=answer)
+
+    class NoTools:
+        async def call(self, *args: Any, **kwargs: Any) -> Any:
+            raise AssertionError("no call expected")
+
+    samples: list[Any] = []
+
+    class Grader:
+        async def grade(self, sample: Any, item: Any, trace_id: str) -> GradeOutcome:
+            samples.append(sample)
+            return GradeOutcome(score=0.0)
+
+    result = await run_rollout(Nested(), NoTools(), counter_line(), grader=Grader())
+    assert result.discarded is None and result.score == 0.0
+    [sample] = samples
+    assert sample["output_text"] == answer and sample["output_json"] is None
+    assert not nested_deeper_than(sample)
 
 
 async def test_a_rollout_has_a_platform_trace_id_and_a_failing_model_sends_no_call() -> None:

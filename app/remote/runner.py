@@ -99,6 +99,26 @@ class ServiceToolCaller:
         return await call_with_retries(call, self.retry, attempt, started=started)
 
 
+# The integers a JSON reader of the routes (orjson) keeps as integers; it reads any other as a float.
+_INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
+
+
+def as_the_routes_read(value: Any) -> Any:
+    """`value` as the grade route would read it from JSON: an integer past 64 bits (the model's answer,
+    parsed by Python's json, may hold one) as a float, as orjson reads it (and can write it), or null
+    past the largest double (a number no reader of the routes takes)."""
+    if isinstance(value, int) and not isinstance(value, bool) and not _INT_MIN <= value <= _INT_MAX:
+        try:
+            return float(value)
+        except OverflowError:
+            return None
+    if isinstance(value, Mapping):
+        return {key: as_the_routes_read(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [as_the_routes_read(item) for item in value]
+    return value
+
+
 class ServiceGrader:
     """The loop's Grader on GradingService.grade (the grade is stored like any other).
 
@@ -123,6 +143,7 @@ class ServiceGrader:
         self.max_bytes = max_bytes
 
     async def grade(self, sample: Mapping[str, Any], item: Mapping[str, Any], trace_id: str) -> GradeOutcome:
+        sample = as_the_routes_read(sample)
         if self.max_bytes is not None:
             size = len(orjson.dumps({"sample": sample, "item": item, "trace_id": trace_id}))
             if size > self.max_bytes:

@@ -343,6 +343,33 @@ async def test_a_row_without_the_field_its_grader_reads_is_a_configuration_error
     assert "reference_answer" in status["reason"]
 
 
+# The embedded backend only: Postgres keeps the stored sample's number as a JSONB numeric, which reads
+# back as an integer past 64 bits that the review export (of every rollout of the database) cannot write.
+@pytest.mark.parametrize("backend", ["embedded"], indirect=True)
+@pytest.mark.parametrize("digits", [30, 400])
+async def test_an_answer_holding_an_integer_past_64_bits_is_graded(
+    app_factory: AppFactory, model: ModelServer, tmp_path: Path, digits: int
+) -> None:
+    # JSON has no bound on integers, and the answer's `output_json` keeps Python's; the grade route
+    # reads such a number as a float, so the in-process grade takes it too.
+    answer = f'{{"total": {"9" * digits}}}'
+    model.scripts["big"] = [Turn(text=answer)]
+    graders = write_graders(tmp_path, {"exact": GRADERS["exact"]})
+    row = Row.new()
+    async with app_factory(graders_file=graders, remote_grader="exact") as client:
+        body = init_request(
+            row,
+            model="big",
+            model_base_url=model.base_url(),
+            messages=USER,
+            item={"reference_answer": answer},
+        )
+        assert (await post_init(client, "/remote", body)).status_code == 200
+        status = await wait_terminated(client, "/remote", row.rollout_id)
+    assert status["state"] == "finished", status
+    assert status["reward"] == 1.0
+
+
 async def test_a_row_whose_user_scenario_is_unusable_is_a_configuration_error(
     app_factory: AppFactory, model: ModelServer
 ) -> None:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -291,11 +292,30 @@ def _chat_tool_calls(calls: Sequence[FunctionCall]) -> list[dict[str, Any]]:
     ]
 
 
+def _not_json(text: str) -> Any:
+    """NaN, Infinity: Python's json reads them, no JSON reader of the routes does (nor is it JSON)."""
+    raise ValueError(f"{text} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # past the largest double: a number no JSON reader of the routes takes
+        raise ValueError(f"{text[:40]} is past the largest double")
+    return value
+
+
+def _finite_int(text: str) -> int:
+    value = int(text)
+    _finite_float(text)
+    return value
+
+
 def build_sample(
     final_text: str, last_batch: Sequence[FunctionCall], final_turn_calls: Sequence[FunctionCall] = ()
 ) -> dict[str, Any]:
-    """The grader `sample` the platform sends: the answer as text, as JSON when it parses (nesting no
-    deeper than the grade routes take), and the last calls.
+    """The grader `sample` the platform sends: the answer as text, as JSON when it parses as the grade
+    routes read JSON (no NaN or Infinity, no number past the largest double, no deeper nesting than
+    they take), and the last calls.
 
     `output_tools` holds the last batch of calls the rollout made, in the chat completions shape (as
     the OpenAI grader docs show them, and as the service fills it); `choices[0].message` is the final
@@ -307,7 +327,9 @@ def build_sample(
     stripped = final_text.strip()
     if stripped[:1] in ("{", "["):
         try:
-            output_json = json.loads(stripped)
+            output_json = json.loads(
+                stripped, parse_constant=_not_json, parse_float=_finite_float, parse_int=_finite_int
+            )
         except (ValueError, RecursionError):  # a model repeating "[" nests past Python's recursion limit
             output_json = None
         if nested_deeper_than(output_json):  # past what the grade routes take: graded as its text

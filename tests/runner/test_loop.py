@@ -235,6 +235,29 @@ async def test_limits_end_a_rollout_and_it_is_still_graded(
     assert len(by_turns.tool_results) == 4 and by_turns.score == 0.0
 
 
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "1e400", "1" + "0" * 400])
+async def test_an_answer_with_a_number_json_has_not_is_graded_as_its_text(
+    app_factory: AppFactory, tmp_path: Path, number: str
+) -> None:
+    """Python's json reads NaN, Infinity and numbers past the largest double; the grade route's reader
+    does not, and refused the whole grade (400): the model's answer discarded its rollout."""
+    answer = f'{{"total": {number}, "note": "103"}}'
+
+    class Answers:
+        async def next_turn(self, transcript: Transcript) -> ModelTurn:
+            return ModelTurn(text=answer)
+
+    graders = write_graders(tmp_path / "graders.yaml", GRADERS)
+    async with app_factory(graders_file=graders) as client:
+        t = target("says")
+        result = await run_rollout(
+            Answers(), HttpToolCaller(client, t.tools), counter_line(), grader=HttpGrader(client, t.grader)
+        )
+    assert result.discarded is None, result.discarded
+    assert result.score == 1.0  # the text holds 103
+    assert result.sample is not None and result.sample["output_json"] is None
+
+
 async def test_a_model_that_stays_down_discards_the_rollout(
     app_factory: AppFactory, model_server: ModelServer, openai_client: AsyncOpenAI
 ) -> None:

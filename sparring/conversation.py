@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import httpx
 
 from sparring.http import Endpoint, Transport, TransportError, as_transport
-from sparring.loop import ModelTurn, RolloutResult, content_text
+from sparring.loop import ModelTurn, RolloutResult, ToolResult, content_text
 
 log = logging.getLogger(__name__)
 
@@ -145,26 +145,35 @@ def conversation_of(
         messages = [{**m, "role": "simulated_user"} if m["role"] == "user" else m for m in messages]
     for step in transcript.steps:
         turn = step.turn
+        # Each call named by the id the server logged it under (a model may use one id twice in a
+        # rollout, which the loop sends under another), so the review finds its logged call.
+        ids = step.sent + [call.call_id for call in turn.calls[len(step.sent) :]]
         messages.append(
             {
                 "role": "assistant",
                 "content": turn.text,
                 "reasoning": reasoning_summary(turn),
                 "tool_calls": [
-                    {"call_id": call.call_id, "name": call.name, "arguments": call.arguments}
-                    for call in turn.calls
+                    {"call_id": call_id, "name": call.name, "arguments": call.arguments}
+                    for call_id, call in zip(ids, turn.calls, strict=True)
                 ],
             }
         )
-        answered = {
-            r.call.call_id: r.output if r.output is not None else f"Error: {r.failure}" for r in step.results
-        }
-        for call in turn.calls:
-            output = answered.get(call.call_id, UNSENT_OUTPUT)
-            messages.append({"role": "tool", "call_id": call.call_id, "content": output})
+        if step.sent:  # the results are those of the turn's first calls, in its order
+            outputs = [_output(r) for r in step.results]
+        else:
+            answered = {r.call.call_id: _output(r) for r in step.results}
+            outputs = [answered.get(call.call_id, UNSENT_OUTPUT) for call in turn.calls]
+        for index, call_id in enumerate(ids):
+            output = outputs[index] if index < len(outputs) else UNSENT_OUTPUT
+            messages.append({"role": "tool", "call_id": call_id, "content": output})
         if played and step.reply is not None:
             messages.append({"role": "simulated_user", "content": step.reply})
     return {"model": model, "source": source, "messages": messages}
+
+
+def _output(result: ToolResult) -> str:
+    return result.output if result.output is not None else f"Error: {result.failure}"
 
 
 class TranscriptStore(Protocol):

@@ -46,7 +46,7 @@ import json
 import math
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from sparring.tracing import RolloutTracing, mark_failed, record_rollout, record_usage
@@ -179,6 +179,8 @@ class Step:
 
     turn: ModelTurn
     results: list[ToolResult] = field(default_factory=list)
+    # The ids the server got for the calls sent, in the turn's order (`_sent_as`): the log's call ids.
+    sent: list[str] = field(default_factory=list)
     reply: str | None = None  # the simulated user's answer to this turn's text, if one was given
 
 
@@ -192,6 +194,7 @@ class Transcript:
     item: dict[str, Any]
     steps: list[Step] = field(default_factory=list)
     user: UserConversation | None = None  # the simulated user's side, when one plays (sparring.usersim)
+    sent_ids: set[str] = field(default_factory=set)  # the call ids the server got for this rollout
 
     @property
     def calls_made(self) -> int:
@@ -501,6 +504,21 @@ async def _user_reply(conversation: UserConversation, step: Step) -> tuple[EndRe
     return reply.ended, None
 
 
+def _sent_as(calls: Sequence[FunctionCall], used: set[str]) -> list[FunctionCall]:
+    """The calls as the server gets them: an id the rollout used already (a model server that numbers the
+    calls of each answer from 0, say) gets a suffix, so the server never takes the call for a retry of
+    another (`call_id already used`, or the earlier call's answer replayed and the call not applied)."""
+    sent = []
+    for call in calls:
+        call_id, n = call.call_id, 0
+        while call_id in used:
+            n += 1
+            call_id = f"{call.call_id}~{n}"
+        used.add(call_id)
+        sent.append(call if call_id == call.call_id else replace(call, call_id=call_id))
+    return sent
+
+
 async def _turns(
     run: _Run, transcript: Transcript, usage: Usage
 ) -> tuple[EndReason, str, tuple[FunctionCall, ...], str | None]:
@@ -532,9 +550,11 @@ async def _turns(
         budget = limits.max_tool_calls - transcript.calls_made
         to_send = turn.calls[: max(budget, 0)]
         trace_id, item = transcript.trace_id, transcript.item
-        step.results = list(
-            await asyncio.gather(*(run.tools.call(call, trace_id=trace_id, item=item) for call in to_send))
-        )
+        sent = _sent_as(to_send, transcript.sent_ids)
+        step.sent = [call.call_id for call in sent]
+        results = await asyncio.gather(*(run.tools.call(call, trace_id=trace_id, item=item) for call in sent))
+        # The model reads each result under the id it wrote.
+        step.results = [replace(result, call=call) for result, call in zip(results, to_send, strict=True)]
         if to_send:
             last_calls = to_send
         failed = next((r for r in step.results if r.failure is not None), None)

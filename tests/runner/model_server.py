@@ -107,6 +107,9 @@ class ModelServer:
         self.script: Script = lambda request: Reply(text="no script")
         self.requests: list[ModelRequest] = []
         self.preflights: list[ModelRequest] = []  # `sparring eval`'s pre-flight turns, answered "ok"
+        # Ids of calls numbered within each answer (`call_0`, `call_1`, ... every time), as some model
+        # servers number them, rather than unique ones.
+        self.ids_per_answer = False
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -126,6 +129,9 @@ class ModelServer:
     def _next_id(self) -> int:
         with self._lock:
             return next(self._ids)
+
+    def _call_id(self, answer: int, index: int) -> str:
+        return f"call_{index}" if self.ids_per_answer else f"call_{answer}_{index}"
 
     def _answer(self, request: ModelRequest) -> Reply | None:
         if request.user == PREFLIGHT_PROMPT and not request.tools:
@@ -155,7 +161,7 @@ class ModelServer:
                     {
                         "type": "function_call",
                         "id": f"fc_{n}_{i}",
-                        "call_id": f"call_{n}_{i}",
+                        "call_id": self._call_id(n, i),
                         "name": call.name,
                         "arguments": orjson.dumps(call.arguments).decode(),
                         "status": "completed",
@@ -202,7 +208,7 @@ class ModelServer:
             if reply.calls:
                 message["tool_calls"] = [
                     {
-                        "id": f"call_{n}_{i}",
+                        "id": self._call_id(n, i),
                         "type": "function",
                         "function": {"name": call.name, "arguments": orjson.dumps(call.arguments).decode()},
                     }

@@ -10,6 +10,7 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 
+from sparring.conversation import conversation_of
 from sparring.http import HttpGrader, HttpToolCaller, Retry
 from sparring.loop import (
     DatasetLine,
@@ -100,6 +101,46 @@ async def test_parallel_calls_of_a_turn_run_together_and_the_answer_is_graded(
     assert [call_id for call_id, _ in second.outputs] == [call_id for call_id, _, _ in second.calls]
     assert second.tools and "increment" in second.tools
     assert second.system == "Use the counter tools."
+
+
+@pytest.mark.parametrize("api", APIS)
+async def test_a_model_that_numbers_the_calls_of_each_answer_anew_has_every_call_applied(
+    api: str, app_factory: AppFactory, tmp_path: Path, model_server: ModelServer, openai_client: AsyncOpenAI
+) -> None:
+    """A model server that names the first call of every answer `call_0`: the rollout's second `call_0`
+    is a call of its own on the server (not a retry of the first: refused, or replayed unapplied), and
+    the model reads its results under the ids it wrote."""
+
+    def script(request: ModelRequest) -> Reply:
+        if len(request.outputs) < 2:
+            return Reply(calls=(Call("increment", {"by": len(request.outputs) + 1, "name": None}),))
+        values = [json.loads(output)["value"] for _, output in request.outputs]
+        return Reply(text=f"The counter is now {max(values)}.")
+
+    model_server.script = script
+    model_server.ids_per_answer = True
+    graders = write_graders(tmp_path / "graders.yaml", GRADERS)
+    async with app_factory(graders_file=graders) as client:
+        t = target("says")
+        result = await run_rollout(
+            policy(api, openai_client),
+            HttpToolCaller(client, t.tools, run="loop-test"),
+            counter_line(),
+            grader=HttpGrader(client, t.grader, run="loop-test"),
+        )
+        logged = await admin_get(client, f"/rollouts/{result.trace_id}")
+
+    assert result.final_text == "The counter is now 103." and result.score == 1.0, result
+    assert [c["outcome"] for c in logged["timeline"]] == ["ok", "ok"]
+    last = model_server.requests[-1]
+    assert [call_id for call_id, _, _ in last.calls] == ["call_0", "call_0"]
+    assert [call_id for call_id, _ in last.outputs] == ["call_0", "call_0"]
+    # The stored conversation names each call as the log does, so the review pairs them.
+    kept = conversation_of(result)["messages"]
+    asked = [c["call_id"] for m in kept if m["role"] == "assistant" for c in m["tool_calls"]]
+    answered = [(m["call_id"], json.loads(m["content"])["value"]) for m in kept if m["role"] == "tool"]
+    assert asked == [c["call_id"] for c in logged["timeline"]] == ["call_0", "call_0~1"]
+    assert answered == [("call_0", 101), ("call_0~1", 103)]
 
 
 @pytest.mark.parametrize("failures", [3, 1])

@@ -179,7 +179,7 @@ class Step:
 
     turn: ModelTurn
     results: list[ToolResult] = field(default_factory=list)
-    # The ids the server got for the calls sent, in the turn's order (`_sent_as`): the log's call ids.
+    # The ids the server got for the calls sent, in the turn's order (`sent_as`): the log's call ids.
     sent: list[str] = field(default_factory=list)
     reply: str | None = None  # the simulated user's answer to this turn's text, if one was given
 
@@ -504,7 +504,7 @@ async def _user_reply(conversation: UserConversation, step: Step) -> tuple[EndRe
     return reply.ended, None
 
 
-def _sent_as(calls: Sequence[FunctionCall], used: set[str]) -> list[FunctionCall]:
+def sent_as(calls: Sequence[FunctionCall], used: set[str]) -> list[FunctionCall]:
     """The calls as the server gets them: an id the rollout used already (a model server that numbers the
     calls of each answer from 0, say) gets a suffix, so the server never takes the call for a retry of
     another (`call_id already used`, or the earlier call's answer replayed and the call not applied)."""
@@ -550,7 +550,7 @@ async def _turns(
         budget = limits.max_tool_calls - transcript.calls_made
         to_send = turn.calls[: max(budget, 0)]
         trace_id, item = transcript.trace_id, transcript.item
-        sent = _sent_as(to_send, transcript.sent_ids)
+        sent = sent_as(to_send, transcript.sent_ids)
         step.sent = [call.call_id for call in sent]
         results = await asyncio.gather(*(run.tools.call(call, trace_id=trace_id, item=item) for call in sent))
         # The model reads each result under the id it wrote.

@@ -30,11 +30,21 @@ from __future__ import annotations
 import asyncio
 import textwrap
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 from sparring.http import Endpoint, HttpToolCaller, Retry, ToolEndpoints, Transport
-from sparring.loop import USER_KEY, FunctionCall, ModelFailure, Policy, ToolResult, Transcript, Usage
+from sparring.loop import (
+    USER_KEY,
+    FunctionCall,
+    ModelFailure,
+    Policy,
+    ToolResult,
+    Transcript,
+    Usage,
+    sent_as,
+)
+from sparring.wire import USER_CALL_PREFIX
 
 SCENARIO_KEY = USER_KEY
 """The dataset line's key holding what the simulated user needs (left out of the tools' `item`)."""
@@ -162,7 +172,11 @@ class HttpUserTools:
         return listed_tools(scenario)
 
     async def call(self, call: FunctionCall, *, trace_id: str, item: Mapping[str, Any]) -> ToolResult:
-        return await self.caller.call(call, trace_id=trace_id, item=item)
+        """The call sent as the user's (`user_` and its id, as the server's own simulated user sends it:
+        never one of the agent's ids); answered under the id the conversation holds."""
+        sent = replace(call, call_id=USER_CALL_PREFIX + call.call_id)
+        result = await self.caller.call(sent, trace_id=trace_id, item=item)
+        return replace(result, call=call)
 
 
 def listed_tools(scenario: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -279,7 +293,10 @@ class UserConversation:
                     self.messages.append({"role": USER_ROLE, "content": turn.text})
                     ended = end_of(turn.text) or ("max_steps" if self.exhausted else None)
                     return UserReply(text=turn.text, ended=ended)
-                calls = list(turn.calls)
+                # An id the user's calls used already (a model server numbering each answer's calls
+                # from 0) is held under another: each call of the rollout runs once, and a resumed
+                # turn (above) runs its calls again under the same ids.
+                calls = sent_as(turn.calls, _ids_of(self.messages))
                 self.messages.append(
                     {"role": USER_ROLE, "content": turn.text or None, "tool_calls": _chat_calls(calls)}
                 )
@@ -306,6 +323,16 @@ def settled(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     if kept and kept[-1].get("role") == USER_ROLE and kept[-1].get("tool_calls"):
         kept.pop()
     return kept
+
+
+def _ids_of(messages: Sequence[Mapping[str, Any]]) -> set[str]:
+    """The ids of the user's calls in `messages` (its own turns)."""
+    return {
+        str(call.get("id"))
+        for message in messages
+        if message.get("role") == USER_ROLE
+        for call in message.get("tool_calls") or ()
+    }
 
 
 def pending_calls(messages: Sequence[Mapping[str, Any]]) -> list[FunctionCall]:

@@ -35,6 +35,7 @@ Outcome = Literal["ok", "model_error", "call_id_reused", "tool_crash", "infra_er
 OK: Final = "ok"
 MODEL_ERROR: Final = "model_error"
 CALL_ID_REUSED: Final = "call_id_reused"
+USER_CALL_PREFIX: Final = "user_"  # the call ids of a simulated user's own calls (never an agent's)
 TOOL_CRASH: Final = "tool_crash"
 INFRA_ERROR: Final = "infra_error"
 REPLAYED: Final = "replayed"

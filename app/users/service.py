@@ -50,12 +50,10 @@ from sparring.usersim import (
     listed_tools,
     settled,
 )
-from sparring.wire import INFRA_ERROR, TOOL_CRASH
+from sparring.wire import INFRA_ERROR, TOOL_CRASH, USER_CALL_PREFIX
 
 log = logging.getLogger("sparring.users")
 
-USER_CALL_PREFIX = "user_"
-"""The prefix of the call ids of the simulated user's own tool calls (never one of the agent's)."""
 
 SEND_TO_USER_ARG = "message"
 SEND_TO_USER_DESCRIPTION = (

@@ -12,8 +12,8 @@ import pytest
 
 from app.episodes.episode import SEND_TO_USER, call_tool, session_store
 from app.episodes.tasks import load_task_rows
-from app.users.service import USER_CALL_PREFIX
 from sparring.usersim import GREETING, STOP, USER_ROLE
+from sparring.wire import USER_CALL_PREFIX
 from tests.conftest import ADMIN_KEY, TOOLS_KEY, AppFactory
 from tests.episodes.test_episode import open_session, state_of
 from tests.runner.conftest import model_server, model_server_process

@@ -41,6 +41,7 @@ def model_server(model_server_process: ModelServer) -> ModelServer:
     """The shared server with a fresh script and request log for this test."""
     model_server_process.requests.clear()
     model_server_process.preflights.clear()
+    model_server_process.ids_per_answer = False
     model_server_process.script = lambda request: (_ for _ in ()).throw(AssertionError("no script set"))
     return model_server_process
 

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.users.service import USER_CALL_PREFIX
+from sparring.wire import USER_CALL_PREFIX
 from tests.conftest import ADMIN_KEY, AppFactory
 from tests.remote.model_server import ModelServer, Turn
 from tests.remote.processor import Row, init_request, post_init, wait_terminated

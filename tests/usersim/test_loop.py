@@ -269,13 +269,14 @@ async def test_http_user_tools_post_the_envelope_to_the_user_tools_route() -> No
         result = await tools.call(call, trace_id="trace_abc", item={"task_id": "7"})
 
     assert result.output == '{"airplane_mode": false}' and result.failure is None
+    assert result.call == call  # answered under the conversation's id
     (request,) = seen
     assert str(request.url) == "http://sparring/user-tools/toggle_airplane_mode"
     assert request.headers["Authorization"] == "Bearer k"
     body = json.loads(request.content)
     assert (body["name"], body["call_id"], body["trace_id"], body["item"]) == (
         "toggle_airplane_mode",
-        "call_1",
+        "user_call_1",  # the user's, as the server's own simulated user sends it: never an agent's id
         "trace_abc",
         {"task_id": "7"},
     )

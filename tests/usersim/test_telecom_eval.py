@@ -59,16 +59,29 @@ class Episode:
 
 
 @pytest.mark.parametrize(
-    ("omitted", "reward"),
-    [(None, 1.0), ("enable_roaming", 0.0), ("toggle_data_saver_mode", 0.0)],
-    ids=["every-fix", "no-roaming-at-the-carrier", "data-saver-left-on"],
+    ("omitted", "reward", "ids_per_answer"),
+    [
+        (None, 1.0, False),
+        ("enable_roaming", 0.0, False),
+        ("toggle_data_saver_mode", 0.0, False),
+        (None, 1.0, True),
+    ],
+    ids=["every-fix", "no-roaming-at-the-carrier", "data-saver-left-on", "call-ids-numbered-per-answer"],
 )
 async def test_a_telecom_episode_through_eval_is_graded_on_both_sides_final_state(
-    telecom_server: Server, model_server: ModelServer, tmp_path: Path, omitted: str | None, reward: float
+    telecom_server: Server,
+    model_server: ModelServer,
+    tmp_path: Path,
+    omitted: str | None,
+    reward: float,
+    ids_per_answer: bool,
 ) -> None:
+    """With `ids_per_answer`, the agent and the user models both name their first call of every answer
+    `call_0`: each call is still applied once, under an id of its own in the rollout."""
     (line,) = [line for line in build_dataset(corpus.fetch(), "test") if line["task_id"] == TASK]
     assert omitted is None or omitted in {name for _, name, _ in corpus.gold_calls(TASK)}
     model_server.script = Episode(omitted)
+    model_server.ids_per_answer = ids_per_answer
     dataset = write_lines(tmp_path / "telecom.jsonl", [line])
     out = tmp_path / "report.json"
     done = await run_cli(

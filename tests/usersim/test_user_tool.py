@@ -19,8 +19,9 @@ from app.cli import job_config
 from app.deps import app_state
 from app.packs import Registry
 from app.sdk import ToolUnavailable
-from app.users.service import USER_CALL_PREFIX, offer_user_tool
+from app.users.service import offer_user_tool
 from sparring.usersim import GREETING, STOP
+from sparring.wire import USER_CALL_PREFIX
 from tests.conftest import ADMIN_KEY, REDIS_URL, AppFactory, make_settings, new_trace
 from tests.faults import DroppingProxy
 from tests.mcp.conftest import in_process, mcp_client
@@ -132,9 +133,13 @@ async def test_without_the_setting_there_is_no_such_tool(
     assert user_requests(model_server) == []
 
 
+@pytest.mark.parametrize("ids_per_answer", [False, True], ids=["unique-call-ids", "call-ids-per-answer"])
 async def test_a_tool_only_loop_holds_the_conversation_and_is_graded_on_the_final_state(
-    served: httpx.AsyncClient, model_server: ModelServer
+    served: httpx.AsyncClient, model_server: ModelServer, ids_per_answer: bool
 ) -> None:
+    """With `ids_per_answer` the user model names the first call of each of its answers `call_0`: each
+    of its calls still runs once, under an id of its own."""
+    model_server.ids_per_answer = ids_per_answer
     trace = new_trace()
     assert await said(served, trace, GREETING, "m1") == OPENING
     # The user fixes its phone (two calls of its own) before it answers; the agent reads only the answer.
@@ -177,6 +182,7 @@ async def test_a_tool_only_loop_holds_the_conversation_and_is_graded_on_the_fina
     phone = [n for side, n, _ in corpus.gold_calls(TASK) if side == "user"]
     assert [tool for tool, channel, _ in calls if channel == "user"] == phone
     assert all(call_id.startswith(USER_CALL_PREFIX) for _, channel, call_id in calls if channel == "user")
+    assert len({call_id for _, channel, call_id in calls if channel == "user"}) == len(phone)
     sends = [(c["call_id"], c["outcome"]) for c in detail["timeline"] if c["tool"] == SEND_TO_USER]
     # The replay of m2 is the same answer (the timeline shows a call once); the reuse is its own row.
     assert sends == [

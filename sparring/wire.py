@@ -11,6 +11,7 @@ import hashlib
 import json
 import uuid
 from collections.abc import Callable, Mapping
+from datetime import datetime
 from typing import Any, Final, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, field_validator
@@ -168,6 +169,43 @@ def trace_key(value: str) -> str:
 def call_key(value: str | None) -> str | None:
     """A call_id as the store's ledger and the log both key it (see `trace_key`); None stays None."""
     return storable(fit(value, CALL_ID_MAX)) if value else None
+
+
+def json_bytes(
+    value: Any,
+    *,
+    default: Callable[[Any], Any] | None = None,
+    indent: bool = False,
+    non_str_keys: bool = False,
+) -> bytes:
+    """`value` as orjson writes it, compact or indented by 2, with `default` for what JSON has no type for
+    (and keys of any type with `non_str_keys`). What orjson cannot write, an integer beyond 64 bits (a
+    tool's result, a model's arguments, a number Postgres' JSONB gives back for 1e20), Python's json
+    writes, times as orjson writes them (RFC 3339)."""
+    import orjson  # here, not at the top: most users of this module write no JSON
+
+    option = (orjson.OPT_INDENT_2 if indent else 0) | (orjson.OPT_NON_STR_KEYS if non_str_keys else 0)
+    try:
+        return orjson.dumps(value, default=default, option=option)
+    except TypeError as exc:
+        if "64-bit" not in str(exc):
+            raise
+
+    def written(item: Any) -> Any:
+        if isinstance(item, datetime):
+            return item.isoformat()
+        if default is None:
+            raise TypeError(f"cannot serialize {type(item).__name__}")
+        return default(item)
+
+    text = json.dumps(
+        value,
+        default=written,
+        ensure_ascii=False,
+        indent=2 if indent else None,
+        separators=None if indent else (",", ":"),
+    )
+    return text.encode()
 
 
 def sorted_json(item: Any, *, default: Callable[[Any], Any] = str) -> bytes:

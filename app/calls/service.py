@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import dataclasses
 import hashlib
-import json
 import logging
 import os
 import time
@@ -40,7 +39,7 @@ from app.rollouts.store import CallStart, PackChanges, RolloutMeta, RolloutStore
 from app.sdk import RolloutState, ToolContext, ToolError, ToolSpec, ToolUnavailable
 from app.sdk.tool import describe_validation_error
 from app.telemetry import Tracing
-from sparring.wire import CALL_ID_REUSED, sorted_json
+from sparring.wire import CALL_ID_REUSED, json_bytes, sorted_json
 
 log = logging.getLogger(__name__)
 
@@ -80,13 +79,7 @@ def _default(value: Any) -> Any:
 def serialize_result(result: Any) -> str:
     if isinstance(result, str):
         return result
-    try:
-        return orjson.dumps(result, default=_default, option=orjson.OPT_NON_STR_KEYS).decode()
-    except TypeError as exc:
-        if "64-bit" not in str(exc):
-            raise
-        # orjson writes no integer beyond 64 bits; Python's json does (a tool may compute one).
-        return json.dumps(result, default=_default, ensure_ascii=False, separators=(",", ":"))
+    return json_bytes(result, default=_default, non_str_keys=True).decode()
 
 
 @dataclass(frozen=True, slots=True)
@@ -687,13 +680,9 @@ def _arguments_text(arguments: Any) -> str:
     if isinstance(arguments, str):
         return arguments
     try:
-        return orjson.dumps(arguments, default=str).decode()
-    except orjson.JSONEncodeError as exc:
-        if "64-bit" in str(exc):
-            # orjson writes no integer beyond 64 bits; Python's json does (arguments sent as an
-            # object, as MCP sends them, may hold one: the model's arguments all the same).
-            with contextlib.suppress(RecursionError, ValueError):
-                return json.dumps(arguments, default=str, ensure_ascii=False, separators=(",", ":"))
+        # Arguments sent as an object (as MCP sends them) may hold an integer beyond 64 bits.
+        return json_bytes(arguments, default=str).decode()
+    except (TypeError, RecursionError, ValueError):
         # Nested deeper than orjson writes; the call is answered an Error.
         return f"(arguments not logged: nested more than {JSON_DEPTH_MAX} levels deep)"
 

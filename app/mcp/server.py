@@ -6,7 +6,6 @@ calling (`Caller`: the rollout's trace id, the run label, the session that numbe
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,7 +13,6 @@ from importlib import metadata
 from typing import Any
 
 import mcp_types as types
-import orjson
 from mcp.server import Server
 from mcp.server.context import ServerRequestContext
 from mcp.shared.exceptions import MCPError
@@ -24,6 +22,7 @@ from app.calls.service import ToolCallService
 from app.errors import INTERNAL_ERROR, ServiceUnavailable, SparringError, ToolCrashed, answer_to
 from app.packs import Registry
 from app.rollouts.identity import CALL_ID_MAX, fit
+from sparring.wire import json_bytes
 
 log = logging.getLogger(__name__)
 
@@ -77,11 +76,7 @@ def mcp_call_id(session: str, request_id: str | int | None) -> str:
     them to the column. A numeric id beyond 64 bits (JSON-RPC sets no bound; orjson writes none) is
     written by `json`: no id orjson writes has its digits, so it stays a call of its own.
     """
-    try:
-        pair = orjson.dumps([session, request_id]).decode()
-    except TypeError:
-        pair = json.dumps([session, request_id], ensure_ascii=False, separators=(",", ":"))
-    return fit("mcp:" + pair, CALL_ID_MAX)
+    return fit("mcp:" + json_bytes([session, request_id]).decode(), CALL_ID_MAX)
 
 
 def _version() -> str:

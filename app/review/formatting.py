@@ -10,6 +10,8 @@ from typing import Any
 
 import orjson
 
+from sparring.wire import json_bytes
+
 # A run of digits that may be an integer past 64 bits, which orjson reads as a rounded float.
 _LONG_DIGITS = re.compile(r"\d{19}")
 
@@ -73,13 +75,7 @@ def is_messages(value: Any) -> bool:
 
 
 def json_text(value: Any) -> str:
-    try:
-        return orjson.dumps(value, option=orjson.OPT_INDENT_2, default=str).decode()
-    except TypeError as exc:
-        if "64-bit" not in str(exc):
-            raise
-        # orjson writes no integer beyond 64 bits; Postgres' JSONB gives one back for a number like 1e20.
-        return json.dumps(value, indent=2, default=str, ensure_ascii=False)
+    return json_bytes(value, default=str, indent=True).decode()
 
 
 def content(message: dict[str, Any]) -> str:

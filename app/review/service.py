@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 from collections.abc import AsyncIterator, Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -28,6 +27,7 @@ from app.rollouts.shapes import FlagOut, GradeOut, RolloutDetail, RolloutSummary
 from app.rollouts.timeline import LoggedCall, build_timeline, read_timeline, rollout_calls
 from app.rollouts.transcripts import TranscriptRepository
 from sparring.canaries import all_canaries
+from sparring.wire import json_bytes
 
 
 def encode_cursor(key: Any, trace_id: str, sort: str = "time") -> str:
@@ -376,21 +376,9 @@ class RolloutReview:
 
 
 def _json_line(record: dict[str, Any]) -> bytes:
-    try:
-        return orjson.dumps(record) + b"\n"
-    except TypeError as exc:
-        if "64-bit" not in str(exc):
-            raise
-        # orjson writes no integer beyond 64 bits; Postgres' JSONB gives one back for a number like 1e20
-        # in a dataset row or a sample. Python's json writes it (times as orjson does, RFC 3339).
-        line = json.dumps(record, default=_isoformat, ensure_ascii=False, separators=(",", ":"))
-        return line.encode() + b"\n"
-
-
-def _isoformat(value: Any) -> str:
-    if isinstance(value, datetime):
-        return value.isoformat()
-    raise TypeError(f"cannot serialize {type(value).__name__}")
+    # A dataset row or a sample may hold an integer beyond 64 bits (Postgres' JSONB gives one back for a
+    # number like 1e20): `json_bytes` writes it.
+    return json_bytes(record) + b"\n"
 
 
 def _output_tools(sample: dict[str, Any]) -> list[Any]:

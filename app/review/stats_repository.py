@@ -107,9 +107,11 @@ class Queries:
         """A timestamp column as Unix seconds, to the microsecond."""
         if self.dialect == "postgresql":
             return func.extract("epoch", column)
-        # SQLite stores "YYYY-MM-DD HH:MM:SS.ffffff": whole seconds, then the fraction as written.
-        # (julianday() keeps milliseconds only, and its days round the seconds.)
-        return cast(func.strftime("%s", column), Float) + cast(func.substr(column, 20), Float)
+        # SQLite stores "YYYY-MM-DD HH:MM:SS.ffffff": the whole seconds of its first 19 characters, then
+        # the fraction as written. (julianday() keeps milliseconds only, and strftime() of the whole text
+        # rounds .9995 and later up to the next second, the fraction then counted twice.)
+        seconds = cast(func.strftime("%s", func.substr(column, 1, 19)), Float)
+        return seconds + cast(func.substr(column, 20), Float)
 
 
 class StatsRepository(Queries):

@@ -151,6 +151,27 @@ async def test_duration_sorts_by_the_microsecond_on_both_backends(review: Review
     assert [r["trace_id"] for r in page["rollouts"]] == [f"{run}-a", f"{run}-b", f"{run}-c"]
 
 
+async def test_the_duration_of_a_rollout_starting_in_a_seconds_last_half_ms(review: ReviewApp) -> None:
+    # SQLite's strftime('%s') rounds 12:00:00.9996 up to the next second: the fraction is added to the
+    # whole seconds written, not to that rounded second (1.4 ms read as -998.6 ms, sorted last).
+    run = f"run-{uuid.uuid4().hex[:8]}"
+    start = datetime(2026, 12, 1, 12, 0, 0, tzinfo=UTC)
+    spans = {f"{run}-late": (999_600, 1_001_000), f"{run}-early": (0, 800)}
+    async with review.sessions() as session, session.begin():
+        for trace, (first, last) in spans.items():
+            session.add(
+                RolloutRow(
+                    trace_id=trace,
+                    run=run,
+                    first_seen=start + timedelta(microseconds=first),
+                    last_seen=start + timedelta(microseconds=last),
+                    calls=0,
+                )
+            )
+    page = await review.api("/review/api/rollouts", run=run, sort="duration")
+    assert [r["trace_id"] for r in page["rollouts"]] == [f"{run}-late", f"{run}-early"]
+
+
 async def test_totals_count_every_match_across_pages(review: ReviewApp) -> None:
     spec = await seeded(review)
     page = await review.api("/review/api/rollouts", run=spec.run, min_score=0.5, limit=4, count="true")

@@ -194,7 +194,6 @@ class Transcript:
     item: dict[str, Any]
     steps: list[Step] = field(default_factory=list)
     user: UserConversation | None = None  # the simulated user's side, when one plays (sparring.usersim)
-    sent_ids: set[str] = field(default_factory=set)  # the call ids the server got for this rollout
 
     @property
     def calls_made(self) -> int:
@@ -550,7 +549,7 @@ async def _turns(
         budget = limits.max_tool_calls - transcript.calls_made
         to_send = turn.calls[: max(budget, 0)]
         trace_id, item = transcript.trace_id, transcript.item
-        sent = sent_as(to_send, transcript.sent_ids)
+        sent = sent_as(to_send, {call_id for done in transcript.steps for call_id in done.sent})
         step.sent = [call.call_id for call in sent]
         results = await asyncio.gather(*(run.tools.call(call, trace_id=trace_id, item=item) for call in sent))
         # The model reads each result under the id it wrote.

@@ -153,15 +153,12 @@ class McpGateway:
                     f"sparring is unavailable, retry in {error.retry_after} s: {error.message}",
                     data={"code": error.code, "retryable": True, "retry_after": error.retry_after},
                 ) from exc
-            if isinstance(error, ToolCrashed):
-                if self.on_failure is not None:
-                    self.on_failure(ctx, error)
-                raise MCPError(CRASHED, error.message, data={"code": error.code, "retryable": False}) from exc
             if error is None:
                 # A bug in sparring: as on the tool routes, a 500 whose text says nothing of the
                 # exception (which may name hosts or data); the traceback is in the server log.
                 log.exception("unexpected error answering an MCP tool call")
                 error = Unexpected(INTERNAL_ERROR["error"]["message"])
+            if isinstance(error, ToolCrashed | Unexpected):
                 if self.on_failure is not None:
                     self.on_failure(ctx, error)
                 raise MCPError(CRASHED, error.message, data={"code": error.code, "retryable": False}) from exc

@@ -24,11 +24,12 @@ from app.users.service import (
     SEND_TO_USER_ARG,
     SEND_TO_USER_DESCRIPTION,
     progress_of,
+    restore,
     scenario_for,
     with_service_tools,
 )
 from sparring.loop import USER_KEY, ModelFailure
-from sparring.usersim import UserReply, settled
+from sparring.usersim import UserReply
 
 # How long a retried submit waits for the grade its first try is running, reading the session record
 # every SUBMIT_POLL_SECONDS; past it, the retry is a 503 and the client sends it again.
@@ -260,12 +261,7 @@ async def message_user(
     # The message sent again after the user failed while answering it, its own calls run: the user goes
     # on from them (a call made again would apply twice: a toggle would flip back).
     resuming = unanswered.get("message") == message
-    kept = session.user.get("messages", [])
-    conversation.messages = [dict(m) for m in kept] if resuming else settled(kept)
-    conversation.steps = int(session.user.get("steps", 0))
-    conversation.errors = int(session.user.get("errors", 0))
-    if not resuming:
-        conversation.count()  # the agent's message, as τ²'s orchestrator counts it
+    restore(conversation, session.user, resuming=resuming)
     if conversation.exhausted and not resuming:
         reply = UserReply(text="", ended="max_steps")
     else:

@@ -277,12 +277,7 @@ class UserToolConversations:
         # The retry of an exchange whose user made calls of its own, then failed: it goes on from them
         # (a turn of calls cut short included: `resume` runs its calls again under their ids).
         resuming = call_id is not None and unanswered == {"call_id": call_id, "message": message}
-        kept_messages = state.get("messages", [])
-        conversation.messages = [dict(m) for m in kept_messages] if resuming else settled(kept_messages)
-        conversation.steps = int(state.get("steps", 0))
-        conversation.errors = int(state.get("errors", 0))
-        if not resuming:
-            conversation.count()  # the agent's message, as τ²'s orchestrator counts it
+        restore(conversation, state, resuming=resuming)
         if conversation.exhausted and not resuming:
             conversation.messages.append({"role": "assistant", "content": message})
             reply = UserReply(text="", ended="max_steps")
@@ -356,6 +351,19 @@ def _with_outputs(state: Mapping[str, Any]) -> list[dict[str, Any]]:
             messages.append({"role": USER_ROLE, "content": message["content"]})
     close()
     return messages
+
+
+def restore(conversation: UserConversation, state: Mapping[str, Any], *, resuming: bool) -> None:
+    """The conversation as the rollout's stored `state` left it, for the agent's next message: whole when
+    a failed exchange is resumed (its last turn of calls runs again under their ids), else without a last
+    turn whose calls got no results (`settled`), and the agent's message counted, as τ²'s orchestrator
+    counts it."""
+    kept = state.get("messages", [])
+    conversation.messages = [dict(m) for m in kept] if resuming else settled(kept)
+    conversation.steps = int(state.get("steps", 0))
+    conversation.errors = int(state.get("errors", 0))
+    if not resuming:
+        conversation.count()
 
 
 def progress_of(conversation: UserConversation, call_id: str | None, message: str) -> dict[str, Any] | None:

@@ -210,7 +210,8 @@ def json_bytes(
 
 def sorted_json(item: Any, *, default: Callable[[Any], Any] = str) -> bytes:
     """`item` as compact JSON with its keys sorted, the bytes a digest is taken of; `default` writes what
-    JSON has no type for."""
+    JSON has no type for. Not `json_bytes`: its fallback escapes non-ASCII text, as the digests stored in
+    the log and the ledger were taken (written otherwise, a row's item key would change)."""
     import orjson  # here, not at the top: most users of this module never hash a row
 
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import httpx
 import pytest
 
 from app.episodes.episode import SEND_TO_USER, call_tool, session_store
+from app.episodes.sessions import EpisodeSession
 from app.episodes.tasks import load_task_rows
 from sparring.usersim import GREETING, STOP, USER_ROLE
 from sparring.wire import USER_CALL_PREFIX
@@ -116,15 +118,17 @@ async def test_a_user_model_outage_is_an_error_the_agent_reads_and_may_retry(
     assert kept is not None and kept.user == {} and kept.step_count == 0
 
 
-async def test_a_telecom_customer_fixes_its_phone_in_process_between_two_steps(
+@asynccontextmanager
+async def telecom_episode(
     app_factory: AppFactory, model_server: ModelServer
-) -> None:
+) -> AsyncIterator[tuple[httpx.AsyncClient, Any, EpisodeSession]]:
+    """A server with the telecom pack and the test model server as its user model, and an episode of
+    the scripted task (the row carries no user_simulator: the pack's scenario loader gives it, by
+    task_id)."""
     from tests.telecom import corpus
-    from tests.usersim.telecom_script import ASK, DONE, OPENING, TASK
-    from tests.usersim.test_user_tool import User
+    from tests.usersim.telecom_script import TASK
     from tools.telecom import pack as telecom_pack
 
-    model_server.script = User()
     async with app_factory(
         packs=[telecom_pack],
         key=ADMIN_KEY,
@@ -134,7 +138,6 @@ async def test_a_telecom_customer_fixes_its_phone_in_process_between_two_steps(
         remote_allowed_hosts=["127.0.0.1"],
     ) as client:
         services = state_of(client)
-        # The row carries no user_simulator: the pack's scenario loader gives it, by task_id.
         session = await session_store(services).create(
             pack="telecom",
             trace_id=f"trace_ors_{uuid.uuid4()}",
@@ -143,6 +146,18 @@ async def test_a_telecom_customer_fixes_its_phone_in_process_between_two_steps(
             run="ep",
         )
         assert session is not None
+        yield client, services, session
+
+
+async def test_a_telecom_customer_fixes_its_phone_in_process_between_two_steps(
+    app_factory: AppFactory, model_server: ModelServer
+) -> None:
+    from tests.telecom import corpus
+    from tests.usersim.telecom_script import ASK, DONE, OPENING, TASK
+    from tests.usersim.test_user_tool import User
+
+    model_server.script = User()
+    async with telecom_episode(app_factory, model_server) as (client, services, session):
         first = await call_tool(services, session, SEND_TO_USER, {"message": GREETING}, "m1")
         assert first.output == OPENING
         again = await session_store(services).get(session.sid)
@@ -166,26 +181,9 @@ async def test_a_message_sent_again_after_the_user_failed_goes_on_from_its_own_c
     from tests.telecom import corpus
     from tests.usersim.telecom_script import ASK, DONE, TASK
     from tests.usersim.test_user_tool import User
-    from tools.telecom import pack as telecom_pack
 
     user = model_server.script = User()
-    async with app_factory(
-        packs=[telecom_pack],
-        key=ADMIN_KEY,
-        pack_settings={"telecom": {"data": corpus.fetch()}},
-        user_model="user",
-        user_base_url=model_server.base_url,
-        remote_allowed_hosts=["127.0.0.1"],
-    ) as client:
-        services = state_of(client)
-        session = await session_store(services).create(
-            pack="telecom",
-            trace_id=f"trace_ors_{uuid.uuid4()}",
-            row={"task_id": TASK},
-            channel="ors",
-            run="ep",
-        )
-        assert session is not None
+    async with telecom_episode(app_factory, model_server) as (client, services, session):
         await call_tool(services, session, SEND_TO_USER, {"message": GREETING}, "m1")
         user.down_at = 2  # after its first phone call
         session = await session_store(services).get(session.sid)

@@ -131,11 +131,9 @@ async def test_the_item_filter_tells_items_apart_by_case_on_both_backends(review
         assert {r["trace_id"] for r in page["rollouts"]} == expected, item
 
 
-async def test_duration_sorts_by_the_microsecond_on_both_backends(review: ReviewApp) -> None:
-    # 1.4 ms beats 0.8 ms: both a millisecond to SQLite's julianday(), which keeps milliseconds only.
-    run = f"run-{uuid.uuid4().hex[:8]}"
+async def add_spans(review: ReviewApp, run: str, spans: dict[str, tuple[int, int]]) -> None:
+    """Rollouts of `run` without calls, each first and last seen at these microseconds past a second."""
     start = datetime(2026, 12, 1, 12, 0, 0, tzinfo=UTC)
-    spans = {f"{run}-a": (0, 1400), f"{run}-b": (400, 1200), f"{run}-c": (0, 300)}
     async with review.sessions() as session, session.begin():
         for trace, (first, last) in spans.items():
             session.add(
@@ -147,6 +145,13 @@ async def test_duration_sorts_by_the_microsecond_on_both_backends(review: Review
                     calls=0,
                 )
             )
+
+
+async def test_duration_sorts_by_the_microsecond_on_both_backends(review: ReviewApp) -> None:
+    # 1.4 ms beats 0.8 ms: both a millisecond to SQLite's julianday(), which keeps milliseconds only.
+    run = f"run-{uuid.uuid4().hex[:8]}"
+    spans = {f"{run}-a": (0, 1400), f"{run}-b": (400, 1200), f"{run}-c": (0, 300)}
+    await add_spans(review, run, spans)
     page = await review.api("/review/api/rollouts", run=run, sort="duration")
     assert [r["trace_id"] for r in page["rollouts"]] == [f"{run}-a", f"{run}-b", f"{run}-c"]
 
@@ -155,19 +160,8 @@ async def test_the_duration_of_a_rollout_starting_in_a_seconds_last_half_ms(revi
     # SQLite's strftime('%s') rounds 12:00:00.9996 up to the next second: the fraction is added to the
     # whole seconds written, not to that rounded second (1.4 ms read as -998.6 ms, sorted last).
     run = f"run-{uuid.uuid4().hex[:8]}"
-    start = datetime(2026, 12, 1, 12, 0, 0, tzinfo=UTC)
     spans = {f"{run}-late": (999_600, 1_001_000), f"{run}-early": (0, 800)}
-    async with review.sessions() as session, session.begin():
-        for trace, (first, last) in spans.items():
-            session.add(
-                RolloutRow(
-                    trace_id=trace,
-                    run=run,
-                    first_seen=start + timedelta(microseconds=first),
-                    last_seen=start + timedelta(microseconds=last),
-                    calls=0,
-                )
-            )
+    await add_spans(review, run, spans)
     page = await review.api("/review/api/rollouts", run=run, sort="duration")
     assert [r["trace_id"] for r in page["rollouts"]] == [f"{run}-late", f"{run}-early"]
 

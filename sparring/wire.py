@@ -166,6 +166,18 @@ def trace_key(value: str) -> str:
     return storable(fit(value, TRACE_ID_MAX))
 
 
+def path_trace_key(value: str) -> str:
+    """A trace_id as a route's path names it: the id the calls sent, or the key it is stored under.
+
+    The review lists and links a rollout by its stored key, a client names it by its own id; both must
+    reach it. A stored key fits the column, so a longer value is an id as sent, keyed like the calls'.
+    A value that fits is taken as the stored key, which it is for every id that fits the column and
+    does not end like an abbreviation (`fit` is not applied again: a key that ends in its digest would
+    be abbreviated twice, into a rollout nobody logged).
+    """
+    return trace_key(value) if len(value) > TRACE_ID_MAX else storable(value)
+
+
 def call_key(value: str | None) -> str | None:
     """A call_id as the store's ledger and the log both key it (see `trace_key`); None stays None."""
     return storable(fit(value, CALL_ID_MAX)) if value else None

@@ -6,13 +6,12 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
 
-from app.db.text import storable
 from app.deps import AdminKey, DatabaseDep, GraderKey, RegistryDep, StoreDep, reject_control_characters
 from app.errors import NotFound
 from app.rollouts.timeline import read_timeline
 from app.rollouts.transcripts import TranscriptRepository, checked_conversation
 from app.sdk import RolloutState
-from sparring.wire import trace_key
+from sparring.wire import path_trace_key
 
 # Ids and filters with a control character are a 400 here as in the review API (app/deps.py).
 router = APIRouter(prefix="/rollouts", tags=["rollouts"], dependencies=[Depends(reject_control_characters)])
@@ -34,7 +33,7 @@ async def get_rollout_state(
     Every pack the rollout changed or called a tool of (a rollout that changed nothing shows its base);
     404 for a rollout the server never saw.
     """
-    trace_id = storable(trace_id)  # the key of the store and of the log alike (app/rollouts/identity.py)
+    trace_id = path_trace_key(trace_id)  # the key of the store and of the log alike (sparring.wire)
     changes = await store.changes(trace_id)
     async with db.session() as session:
         timeline = await read_timeline(session, trace_id)
@@ -72,7 +71,7 @@ async def put_transcript(trace_id: str, request: Request, _: GraderKey, db: Data
     """
     body = await request.body()
     conversation = checked_conversation(body)
-    key = trace_key(trace_id)
+    key = path_trace_key(trace_id)
     async with db.session(write=True) as session:
         await TranscriptRepository(session).put(key, conversation, len(body))
     return {"trace_id": key, "messages": len(conversation["messages"]), "size_bytes": len(body)}

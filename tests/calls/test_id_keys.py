@@ -8,7 +8,9 @@ from sqlalchemy import select
 from app.db.models import ToolCall
 from app.deps import app_state
 from app.rollouts.identity import TRACE_ID_MAX, fit, item_key
-from tests.conftest import call_body, new_trace
+from tests.conftest import ADMIN_KEY, call_body, new_trace
+
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
 def test_fit_keeps_distinct_values_distinct() -> None:
@@ -71,3 +73,24 @@ def test_a_row_holding_an_integer_beyond_64_bits_has_a_key() -> None:
     assert item_key(big) == item_key(dict(big)) is not None
     assert item_key(big) != item_key(bigger)
     assert item_key({"id": 2**70}) == f"id:{2**70}"
+
+
+async def test_routes_find_a_long_trace_id_by_the_id_sent_and_by_its_key(client: httpx.AsyncClient) -> None:
+    """A path names a rollout by the id its calls sent or by the key the review lists it under; a
+    transcript PUT under the stored key (which ends in its digest) is the rollout's, not a new one's."""
+    long_trace = new_trace() + "-" + "q" * 300
+    key = fit(long_trace, TRACE_ID_MAX)
+    ran = await client.post("/tools/increment", json=call_body({"by": 5}, trace_id=long_trace, call_id="c1"))
+    assert ran.json()["output"] == '{"value":105}'
+    for named in (long_trace, key):
+        state = await client.get(f"/rollouts/{named}/state?changed_only=true", headers=ADMIN)
+        assert state.status_code == 200, (named[:20], state.text)
+        assert state.json()["trace_id"] == key
+        detail = await client.get(f"/review/api/rollouts/{named}", headers=ADMIN)
+        assert detail.status_code == 200, detail.text
+        assert [call["call_id"] for call in detail.json()["timeline"]] == ["c1"]
+    conversation = {"messages": [{"role": "user", "content": "count"}]}
+    stored = await client.put(f"/rollouts/{key}/transcript", json=conversation, headers=ADMIN)
+    assert stored.status_code == 200 and stored.json()["trace_id"] == key
+    detail = (await client.get(f"/review/api/rollouts/{long_trace}", headers=ADMIN)).json()
+    assert detail["transcript"]["messages"][0]["content"] == "count"

@@ -33,6 +33,11 @@ CHANNEL = "mcp"
 UNAVAILABLE = -32010
 CRASHED = types.INTERNAL_ERROR
 
+# The `_meta` key of a tools/call naming the call as `call_id` does on the tool routes. A client's
+# retry is a new JSON-RPC request with a new id, so only an id of the client's own makes a retry after
+# an outage (a 503 whose call may have been applied) the same call, answered from the ledger.
+CALL_ID_META = "sparring/call_id"
+
 
 class Unexpected(SparringError):
     """An error of sparring itself (neither a tool's crash nor an outage): the tool routes' 500."""
@@ -77,6 +82,24 @@ def mcp_call_id(session: str, request_id: str | int | None) -> str:
     written by `json`: no id orjson writes has its digits, so it stays a call of its own.
     """
     return fit("mcp:" + json_bytes([session, request_id]).decode(), CALL_ID_MAX)
+
+
+def _call_id(caller: Caller, request_id: str | int | None, meta: types.RequestParamsMeta | None) -> str:
+    """The call id that keys the ledger: the client's own (`_meta["sparring/call_id"]`), the tool
+    routes' `call_id` in the rollout, else the session's JSON-RPC id. The JSON-RPC id numbers the calls
+    of a session; with the session it keys the ledger, so a client resending a request gets the first
+    answer, and sessions sharing one trace id (X-Sparring-Trace-Id) never take each other's answers."""
+    given = (meta or {}).get(CALL_ID_META)
+    if given is None:
+        return mcp_call_id(caller.session, request_id)
+    if not isinstance(given, str) or not given:
+        raise MCPError(
+            types.INVALID_PARAMS,
+            f"_meta[{CALL_ID_META!r}] must be a non-empty string: the call's id, as `call_id` on the tool"
+            " routes",
+            data={"code": "invalid_call_id", "retryable": False},
+        )
+    return given
 
 
 def _version() -> str:
@@ -127,12 +150,9 @@ class McpGateway:
         self, ctx: ServerRequestContext[Any, Any], params: types.CallToolRequestParams
     ) -> types.CallToolResult:
         caller = self.caller_of(ctx)
-        # The JSON-RPC id numbers the calls of a session; with the session it keys the ledger, so a
-        # client resending a request gets the first answer, and sessions sharing one trace id
-        # (X-Sparring-Trace-Id) never take each other's answers.
         envelope = ToolCallEnvelope(
             type="function_call",
-            call_id=mcp_call_id(caller.session, ctx.request_id),
+            call_id=_call_id(caller, ctx.request_id, params.meta),
             name=params.name,
             arguments=params.arguments,
             trace_id=caller.trace_id,

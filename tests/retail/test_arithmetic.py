@@ -58,7 +58,17 @@ def test_long_sums_work_as_far_as_eval_goes_then_are_refused() -> None:
     assert calculate("1+" * 999 + "1") == "1000.0"
     # eval fails here too ("maximum recursion depth exceeded during compilation").
     with pytest.raises(CalculationError, match="too deeply nested"):
-        calculate("1+" * 5000 + "1")
+        calculate("1+" * 4000 + "1")
+
+
+def test_an_expression_past_the_length_limit_is_refused_before_it_is_parsed() -> None:
+    # Parsing one of 640 KB (under the body limit) took seconds of the event loop's time.
+    group = "(" + "+".join(["1.5"] * 200) + ")"
+    assert calculate("*".join([group] * 12)) == "5.31441e+29"  # 9,623 characters: computed
+    with pytest.raises(
+        CalculationError, match=r"too long to calculate \(641,599 characters; at most 10,000\)"
+    ):
+        calculate("+".join([group] * 800))
 
 
 numbers = st.one_of(

@@ -388,7 +388,8 @@ def _take_payments(user: dict[str, Any], payments: list[Payment]) -> None:
             methods.pop(payment.payment_id)
 
 
-@pack.tool(inline=True, description="Calculate the result of a mathematical expression.")
+# Not inline, as retail's (tools/retail/tools.py): a long expression must not hold the event loop.
+@pack.tool(description="Calculate the result of a mathematical expression.")
 def calculate(
     expression: Annotated[
         str,

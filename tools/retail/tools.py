@@ -183,7 +183,9 @@ def _address(address1: str, address2: str, city: str, state: str, country: str, 
 # them on the event loop, without the hop to a worker thread that a blocking tool would need.
 
 
-@pack.tool(inline=True)
+# Not inline: an expression up to its length limit takes tens of milliseconds, which must not hold
+# the event loop (and every other rollout's call) meanwhile.
+@pack.tool()
 def calculate(
     expression: Annotated[
         str,

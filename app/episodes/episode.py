@@ -237,6 +237,12 @@ async def message_user(
     same message may be sent again: a failed exchange is kept only when the user's own calls ran in
     it, and the message sent again goes on from them); an outage of the state or the
     log during the user's own calls raises ServiceUnavailable (503), as any step's does."""
+    # The user's replies by the call id of the message they answer: a retry under the same id (ORS
+    # resumes a `/call` whose stream dropped with its `task_id`) gets its reply again, and the user
+    # never hears that message twice.
+    answers: dict[str, str] = session.user.get("answers") or {}
+    if call_id in answers:
+        return StepResult(output=answers[call_id], is_error=False, call_id=call_id, outcome="ok")
     message = arguments.get(SEND_TO_USER_ARG) if isinstance(arguments, dict) else None
     if not isinstance(message, str) or not message.strip():
         return _user_error(call_id, f"{SEND_TO_USER} takes one argument, {SEND_TO_USER_ARG!r}: your message")
@@ -270,17 +276,18 @@ async def message_user(
         except ModelFailure as exc:
             progress = progress_of(conversation, call_id, message)
             if progress is not None:  # the user's calls ran: their effects are in the rollout's state
-                await session_store(services).save_user(session, progress)
+                await session_store(services).save_user(session, {**progress, "answers": answers})
             return _user_error(call_id, f"the customer could not answer ({exc}); send your message again")
+    text = reply.text or f"(the conversation has ended: {reply.ended})"
     state = {
         "messages": conversation.messages,
         "steps": conversation.steps,
         "errors": conversation.errors,
         "ended": reply.ended,
+        "answers": {**answers, call_id: text},
     }
     await session_store(services).save_user(session, state)
     await session_store(services).count_step(session)
-    text = reply.text or f"(the conversation has ended: {reply.ended})"
     return StepResult(output=text, is_error=False, call_id=call_id, outcome="ok")
 
 

@@ -95,6 +95,25 @@ async def test_the_user_answers_each_message_across_requests_until_it_stops(
     assert bad.is_error and bad.output.startswith(f"Error: {SEND_TO_USER} takes one argument")
 
 
+async def test_a_message_retried_under_its_call_id_is_answered_again_not_sent_again(
+    with_user: httpx.AsyncClient, model_server: ModelServer
+) -> None:
+    """ORS resumes a `/call` whose stream dropped with its `task_id`: a `send_message_to_user` retried
+    under the same call id gets the user's reply again; the user does not hear the message twice."""
+    services, row = state_of(with_user), await first_row(with_user)
+    session = await open_session(with_user, row)
+    first = await call_tool(services, session, SEND_TO_USER, {"message": GREETING}, "m1")
+    asked = len(model_server.requests)
+    again = await session_store(services).get(session.sid)
+    assert again is not None
+    retried = await call_tool(services, again, SEND_TO_USER, {"message": GREETING}, "m1")
+    assert (retried.output, retried.is_error) == (first.output, first.is_error) == (OPENING, False)
+    assert len(model_server.requests) == asked
+    kept = await session_store(services).get(session.sid)
+    assert kept is not None and [m["role"] for m in kept.user["messages"]] == ["assistant", USER_ROLE]
+    assert kept.step_count == 1
+
+
 async def test_the_protocols_list_send_message_to_user_when_the_server_has_a_user(
     with_user: httpx.AsyncClient,
 ) -> None:

@@ -415,7 +415,7 @@ class ToolCallService:
         its user take turns in this worker (a conversation is one message at a time): the next one
         reads the conversation the previous one left."""
         digest = call_digest(spec.name, raw)  # before the claim: nothing between it and the `try` raises
-        async with self._turn(f"{call.trace_id}\x00{spec.pack}"):
+        async with self.turn(f"{call.trace_id}\x00{spec.pack}"):
             began = await self.store.begin(
                 CallStart(
                     call.trace_id,
@@ -461,8 +461,9 @@ class ToolCallService:
             return answer
 
     @contextlib.asynccontextmanager
-    async def _turn(self, key: str) -> AsyncIterator[None]:
-        """Hold `key`'s turn in this worker: one holder at a time, the others waiting in order."""
+    async def turn(self, key: str) -> AsyncIterator[None]:
+        """Hold `key`'s turn in this worker: one holder at a time, the others waiting in order (a
+        rollout's messages to its simulated user, keyed by trace and pack, here and in episodes)."""
         turn = self._turns.get(key)
         if turn is None:
             turn = self._turns[key] = [asyncio.Lock(), 0]

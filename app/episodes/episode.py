@@ -231,6 +231,17 @@ async def submit(
 async def message_user(
     services: AppState, session: EpisodeSession, arguments: Any, call_id: str
 ) -> StepResult:
+    """The agent's message to the simulated user, answered with the user's reply (`_exchange`). The
+    messages of one episode take turns in this worker, as the call service's user tool's do (a
+    conversation is one message at a time): each reads the conversation the previous one left."""
+    async with services.call_service.turn(f"{session.trace_id}\x00{session.pack}"):
+        current = await session_store(services).get(session.sid)
+        if current is not None and current.trace_id == session.trace_id:
+            session.user = current.user
+        return await _exchange(services, session, arguments, call_id)
+
+
+async def _exchange(services: AppState, session: EpisodeSession, arguments: Any, call_id: str) -> StepResult:
     """The agent's message to the simulated user, answered with the user's reply (its own tool calls
     run in between, unseen, through the call service: logged on the channel `user`, ids `user_...`).
     A message the user cannot take, or a user model that fails, is an `Error: ...` the agent reads (the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -112,6 +113,26 @@ async def test_a_message_retried_under_its_call_id_is_answered_again_not_sent_ag
     kept = await session_store(services).get(session.sid)
     assert kept is not None and [m["role"] for m in kept.user["messages"]] == ["assistant", USER_ROLE]
     assert kept.step_count == 1
+
+
+async def test_two_messages_sent_at_once_take_turns_and_both_are_kept(
+    with_user: httpx.AsyncClient, model_server: ModelServer
+) -> None:
+    """The agent writes to the user twice in one turn (parallel calls, each request reading the session
+    as it was): the user answers one message after the other, and the conversation keeps both."""
+    services, row = state_of(with_user), await first_row(with_user)
+    session = await open_session(with_user, row)
+    stale = [await session_store(services).get(session.sid) for _ in range(2)]
+    first, second = await asyncio.gather(
+        *(
+            call_tool(services, read, SEND_TO_USER, {"message": text}, call_id)  # type: ignore[arg-type]
+            for read, text, call_id in zip(stale, (GREETING, "Which order?"), ("m1", "m2"), strict=True)
+        )
+    )
+    assert {first.output, second.output} == {OPENING, f"Thanks! {STOP}"}
+    kept = await session_store(services).get(session.sid)
+    assert kept is not None and kept.step_count == 2
+    assert [m["role"] for m in kept.user["messages"]] == ["assistant", USER_ROLE] * 2
 
 
 async def test_the_protocols_list_send_message_to_user_when_the_server_has_a_user(

@@ -246,8 +246,9 @@ async def _exchange(services: AppState, session: EpisodeSession, arguments: Any,
     run in between, unseen, through the call service: logged on the channel `user`, ids `user_...`).
     A message the user cannot take, or a user model that fails, is an `Error: ...` the agent reads (the
     same message may be sent again: a failed exchange is kept only when the user's own calls ran in
-    it, and the message sent again goes on from them); an outage of the state or the
-    log during the user's own calls raises ServiceUnavailable (503), as any step's does."""
+    it, and the message sent again goes on from them); an outage of the state or the log during the
+    user's own calls raises ServiceUnavailable (503), as any step's does, the calls that ran kept the
+    same way."""
     # The user's replies by the call id of the message they answer: a retry under the same id (ORS
     # resumes a `/call` whose stream dropped with its `task_id`) gets its reply again, and the user
     # never hears that message twice.
@@ -284,9 +285,16 @@ async def _exchange(services: AppState, session: EpisodeSession, arguments: Any,
     else:
         try:
             reply = await (conversation.resume() if resuming else conversation.reply(message))
-        except ModelFailure as exc:
+        except (ModelFailure, ServiceUnavailable) as exc:
+            # The user's calls ran: their effects are in the rollout's state, so the message sent again
+            # goes on from them. After an outage, the step is its 503 (kept first, when the store can).
             progress = progress_of(conversation, call_id, message)
-            if progress is not None:  # the user's calls ran: their effects are in the rollout's state
+            if isinstance(exc, ServiceUnavailable):
+                if progress is not None:
+                    with contextlib.suppress(ServiceUnavailable):
+                        await session_store(services).save_user(session, {**progress, "answers": answers})
+                raise
+            if progress is not None:
                 await session_store(services).save_user(session, {**progress, "answers": answers})
             return _user_error(call_id, f"the customer could not answer ({exc}); send your message again")
     text = reply.text or f"(the conversation has ended: {reply.ended})"

@@ -15,6 +15,7 @@ import pytest
 from app.episodes.episode import SEND_TO_USER, call_tool, session_store
 from app.episodes.sessions import EpisodeSession
 from app.episodes.tasks import load_task_rows
+from app.errors import ServiceUnavailable
 from sparring.usersim import GREETING, STOP, USER_ROLE
 from sparring.wire import USER_CALL_PREFIX
 from tests.conftest import ADMIN_KEY, TOOLS_KEY, AppFactory
@@ -240,3 +241,47 @@ async def test_a_message_sent_again_after_the_user_failed_goes_on_from_its_own_c
     assert [c["tool"] for c in detail["timeline"] if c["channel"] == "user"] == phone
     asked = [m["content"] for m in model_server.requests[-1].body["messages"] if m["role"] == "user"]
     assert asked == [GREETING, ASK]  # the message sent again is the one the user was answering
+
+
+async def test_a_message_resumed_after_an_outage_in_the_users_own_calls_does_not_call_again(
+    app_factory: AppFactory, model_server: ModelServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The user fixes both settings in one turn; the second call meets an outage after the first turned
+    airplane mode off, and the step is a 503. The client sends the same message again (ORS resumes the
+    call under its id): the user finishes that turn of calls (the first replays, the second runs) and
+    is not asked for a new one, which would toggle airplane mode back on."""
+    from app.sdk import ToolUnavailable
+    from tests.runner.model_server import Call
+    from tests.telecom import corpus
+    from tests.usersim.telecom_script import ASK, DONE, TASK
+    from tests.usersim.test_user_tool import User
+    from tools.telecom import device_tools
+
+    user = model_server.script = User()
+    phone = tuple(Call(name, args) for side, name, args in corpus.gold_calls(TASK) if side == "user")
+    assert [call.name for call in phone] == ["toggle_airplane_mode", "toggle_data_saver_mode"]
+    user.turns = [Reply(text=user.turns[0].text), Reply(calls=phone), Reply(text=DONE)]
+    toggled = device_tools._toggled
+    down = [True]
+
+    def flaky(*args: Any, **kwargs: Any) -> str:  # data saver's toggle: down once, then back
+        if down[0]:
+            down[0] = False
+            raise ToolUnavailable("the phone is unreachable")
+        return toggled(*args, **kwargs)
+
+    monkeypatch.setattr(device_tools, "_toggled", flaky)
+    async with telecom_episode(app_factory, model_server) as (client, services, session):
+        await call_tool(services, session, SEND_TO_USER, {"message": GREETING}, "m1")
+        session = await session_store(services).get(session.sid)
+        assert session is not None
+        with pytest.raises(ServiceUnavailable):
+            await call_tool(services, session, SEND_TO_USER, {"message": ASK}, "m2")
+        session = await session_store(services).get(session.sid)
+        assert session is not None
+        again = await call_tool(services, session, SEND_TO_USER, {"message": ASK}, "m2")
+        assert (again.output, again.is_error) == (DONE, False)
+        detail = (await client.get(f"/review/api/rollouts/{session.trace_id}")).json()
+    assert len(model_server.requests) == 3  # the opening, the turn of calls, the answer: once each
+    toggles = [c["tool"] for c in detail["timeline"] if c["channel"] == "user" and c["outcome"] == "ok"]
+    assert toggles == [call.name for call in phone]

@@ -163,9 +163,16 @@ async def _json_body(request: Request) -> dict[str, Any]:
     return data
 
 
+async def _ors_session(services: AppState, sid: str) -> EpisodeSession | None:
+    """The ORS session `sid` (None when unknown, closed, or another protocol's: OpenEnv keeps its
+    sessions in the same store)."""
+    session = await session_store(services).get(sid)
+    return session if session is not None and session.channel == CHANNEL else None
+
+
 async def _session(request: Request, env: str | None = None) -> EpisodeSession:
     """The request's session (404 when unknown, closed or, for an `env` route, not an episode of it)."""
-    session = await session_store(app_state(request.app)).get(_sid(request))
+    session = await _ors_session(app_state(request.app), _sid(request))
     if session is None or (env is not None and (not session.started or session.pack != env)):
         raise SessionNotFound
     return session
@@ -343,7 +350,7 @@ def _session_routes(router: APIRouter) -> None:
             await _open_session(request, sid, pack, row)
             return {"sid": sid}
         session.pack, session.row = pack, row
-        if not await sessions.start(session):
+        if session.channel != CHANNEL or not await sessions.start(session):
             raise SessionExists
         return {"sid": sid}
 
@@ -359,9 +366,9 @@ def _liveness_routes(router: APIRouter) -> None:
     @router.post("/delete")
     @router.post("/delete_session")
     async def delete(request: Request) -> dict[str, str | None]:
-        sid = request.headers.get(SESSION_HEADER, "").strip() or None
-        if sid is not None:
-            await session_store(app_state(request.app)).close(sid)
+        services, sid = app_state(request.app), request.headers.get(SESSION_HEADER, "").strip() or None
+        if sid is not None and await _ors_session(services, sid) is not None:
+            await session_store(services).close(sid)
         return {"sid": sid}
 
 

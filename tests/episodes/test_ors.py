@@ -308,6 +308,24 @@ async def test_ping_create_and_delete_follow_the_session(
     assert (await http.post("/ping", headers={"X-Session-ID": str(uuid.uuid4())})).status_code == 404
 
 
+async def test_an_openenv_session_id_names_no_ors_session(url: str, http: httpx.AsyncClient) -> None:
+    """ORS and OpenEnv keep their sessions in one store: an OpenEnv session (no episode yet, no trace)
+    can be neither given a task, pinged, driven nor ended through ORS."""
+    rpc = {"jsonrpc": "2.0", "id": 1, "method": "openenv/session/create"}
+    tools = {"Authorization": f"Bearer {TOOLS_KEY}"}
+    opened = await http.post("/openenv/retail/mcp", json=rpc, headers=tools)
+    headers = {"X-Session-ID": opened.json()["result"]["session_id"]}
+    task = {"env_name": "retail", "split": "test", "index": 0}
+    made = await http.post("/create", json=task, headers=headers)
+    assert made.status_code == 400, made.text
+    assert (await http.post("/ping", headers=headers)).status_code == 404
+    await http.post("/delete", headers=headers)
+    params = {"name": "list_all_product_types", "arguments": {}, "session_id": headers["X-Session-ID"]}
+    call = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": params}
+    kept = (await http.post("/openenv/retail/mcp", json=call, headers=tools)).json()
+    assert kept["error"]["message"] == "no episode yet: send reset first"  # still open, still OpenEnv's
+
+
 async def test_a_crash_is_an_error_event_and_a_long_answer_arrives_whole(ors: AsyncORS) -> None:
     env = ors.environments.get("faults")
     async with env.session(task=Task(environment_name="faults", task_spec={"task_id": "f1"})) as session:

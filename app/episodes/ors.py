@@ -53,9 +53,9 @@ SESSION_HEADER = "X-Session-ID"
 # sparring's own first path segments, and the ORS routes at the root: no pack may be named like one.
 RESERVED_SEGMENTS = frozenset(
     {
-        "tools", "grade", "mcp", "remote", "rollouts", "review", "export", "docs", "openapi.json",
-        "healthz", "readyz", "metrics", "openenv", "create", "create_session", "delete", "delete_session",
-        "ping", "list_environments",
+        "tools", "user-tools", "grade", "mcp", "remote", "rollouts", "review", "export", "docs",
+        "openapi.json", "healthz", "readyz", "metrics", "openenv", "create", "create_session", "delete",
+        "delete_session", "ping", "list_environments",
     }
 )  # fmt: skip
 

@@ -35,7 +35,7 @@ async def test_ors_is_served_by_default_and_not_when_left_out(app_factory: AppFa
 
 
 @pytest.mark.parametrize("backend", ["embedded"], indirect=True)
-@pytest.mark.parametrize("name", ["review", "create_session", "openenv", "Tools"])
+@pytest.mark.parametrize("name", ["review", "create_session", "openenv", "Tools", "user-tools"])
 async def test_a_pack_named_like_a_root_path_refuses_to_start_with_ors(
     app_factory: AppFactory, name: str
 ) -> None:

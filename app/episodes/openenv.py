@@ -222,6 +222,12 @@ async def _answer_frame(
     services: AppState, pack: str, session: EpisodeSession, websocket: WebSocket, raw: str | bytes
 ) -> tuple[dict[str, Any] | None, bool]:
     """The reply to one frame, and whether the socket closes (a `close` frame)."""
+    limit = services.settings.max_body_bytes
+    if len(raw) > limit:  # characters or bytes: either way past the limit a request body has over HTTP
+        # A row as large would be kept in the session and read back with every step.
+        return _error_frame(
+            f"the frame is larger than SPARRING_MAX_BODY_BYTES ({limit} bytes)", "VALIDATION_ERROR"
+        ), False
     try:
         frame = orjson.loads(raw)
     except orjson.JSONDecodeError:

@@ -85,6 +85,22 @@ async def test_a_reset_refuses_a_task_nested_too_deeply(url: str) -> None:
 
 
 @pytest.mark.parametrize("backend", ["embedded"], indirect=True)
+async def test_a_frame_past_the_body_limit_is_refused_and_the_socket_goes_on(
+    tmp_path: Path, backend_settings: dict[str, Any]
+) -> None:
+    # Over HTTP such a body is a 413; a row as large would be kept in the session and read every step.
+    settings = make_settings(tmp_path / "home", max_body_bytes=8192, **backend_settings)
+    with serve(create_app(settings, packs=[counter_pack])) as url:
+        async with socket(url) as ws:
+            large = {**ROW, "extra": "x" * 10_000}
+            refused = await frame(ws, "reset", {"task": large})
+            assert refused["type"] == "error" and refused["data"]["code"] == "VALIDATION_ERROR", refused
+            assert "SPARRING_MAX_BODY_BYTES (8192 bytes)" in refused["data"]["message"]
+            assert (await frame(ws, "reset", {"task": ROW}))["type"] == "observation"
+            assert await step(ws, "increment", by=2) == {"value": 102}
+
+
+@pytest.mark.parametrize("backend", ["embedded"], indirect=True)
 @pytest.mark.parametrize("session_id", [5, 1.5, True, ["s"], {"id": "s"}])
 async def test_a_non_string_session_id_is_invalid_params(app_factory: AppFactory, session_id: Any) -> None:
     async with app_factory(packs=[counter_pack]) as client:

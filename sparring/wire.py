@@ -69,6 +69,10 @@ TRACE_ID_MAX = 128  # rollouts.trace_id, tool_calls.trace_id, grades.trace_id
 CALL_ID_MAX = 200  # tool_calls.call_id and request_id
 RUN_MAX = 200  # the X-Sparring-Run label
 RUN_HEADER = "X-Sparring-Run"  # labels a training run; stored with every rollout, call and grade
+# The `_meta` key of a JSON-RPC tools/call (MCP, OpenEnv's `/mcp`) naming the call as `call_id` does on
+# the tool routes: a client's retry is a new request with a new id, so only an id of the client's own
+# makes a retry after an outage (a 503 whose call may have been applied) the same call.
+CALL_ID_META = "sparring/call_id"
 
 ITEM_ID_FIELDS = ("id", "item_id", "task_id", "uid")
 ITEM_KEY_MAX = 128  # rollouts.item_key, grades.item_key

@@ -33,6 +33,7 @@ from app.episodes.episode import SUBMIT, SUBMIT_ARG, SUBMIT_DESCRIPTION
 from app.episodes.openenv_steps import (
     EpisodeRefused,
     act,
+    given_call_id,
     open_session,
     reset,
     reset_observation,
@@ -44,6 +45,7 @@ from app.episodes.sessions import EpisodeSession
 from app.episodes.tasks import UnknownEnv, task_router
 from app.errors import ServiceUnavailable, SparringError, answer_to, json_response
 from app.rollouts.identity import RUN_HEADER
+from sparring.wire import CALL_ID_META
 
 log = logging.getLogger(__name__)
 
@@ -282,7 +284,8 @@ async def _on_step(
             code="VALIDATION_ERROR",
         )
     name = action["tool_name"]
-    answer = await act(services, session, name, action.get("arguments") or {})
+    call_id = given_call_id(action.get("metadata"), "call_id")
+    answer = await act(services, session, name, action.get("arguments") or {}, call_id)
     observation = answer.observation(name)
     return _observed(observation, reward=answer.reward, done=answer.done, metadata=answer.metadata)
 
@@ -350,8 +353,12 @@ async def _tools_call(services: AppState, pack: str, params: dict[str, Any], run
     sid = params.get("session_id")
     if sid is not None and not isinstance(sid, str):
         raise RpcError(INVALID_PARAMS, "session_id must be a string")
+    try:
+        call_id = given_call_id(params.get("_meta"), CALL_ID_META)
+    except EpisodeRefused as exc:
+        raise RpcError(INVALID_PARAMS, exc.message) from exc
     session = await session_of(services, pack, sid)
-    answer = await act(services, session, name, arguments)
+    answer = await act(services, session, name, arguments, call_id)
     if answer.error is not None:
         if answer.error["error_type"] == "transport_error":
             raise ServiceUnavailable(answer.error["message"], services.settings.retry_after_seconds)

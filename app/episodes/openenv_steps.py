@@ -169,8 +169,14 @@ def state_of(session: EpisodeSession) -> dict[str, Any]:
     }
 
 
-async def act(services: AppState, session: EpisodeSession, name: str, arguments: Any) -> StepAnswer:
-    """One `call_tool`: a tool through the call service, or `submit`, which grades and ends."""
+async def act(
+    services: AppState, session: EpisodeSession, name: str, arguments: Any, call_id: str | None = None
+) -> StepAnswer:
+    """One `call_tool`: a tool through the call service, or `submit`, which grades and ends.
+
+    `call_id` is the client's own id of the call (`given_call_id`), as on the tool routes: a step
+    retried under it after a `transport_error` (whose call may have been applied) is answered from the
+    ledger. Without one, each step is a new call."""
     if not session.trace_id:
         raise EpisodeRefused("no episode yet: send reset first")
     if session.done:
@@ -178,7 +184,7 @@ async def act(services: AppState, session: EpisodeSession, name: str, arguments:
     if name == SUBMIT:
         return await _submit(services, session, arguments)
     metadata: dict[str, Any] = {"trace_id": session.trace_id}
-    call_id = f"openenv_{uuid.uuid4().hex}"  # OpenEnv steps carry no id: each is a new call
+    call_id = call_id or f"openenv_{uuid.uuid4().hex}"
     metadata["call_id"] = call_id
     try:
         step = await episode.call_tool(services, session, name, arguments, call_id)
@@ -189,6 +195,17 @@ async def act(services: AppState, session: EpisodeSession, name: str, arguments:
     except ServiceUnavailable as exc:
         return StepAnswer(result=None, error=_error("transport_error", exc.message), metadata=metadata)
     return StepAnswer(result=tool_result(step.output, is_error=step.is_error), metadata=metadata)
+
+
+def given_call_id(holder: Any, key: str) -> str | None:
+    """The client's id of a call, `holder[key]` (a step's `metadata["call_id"]`, a JSON-RPC call's
+    `_meta["sparring/call_id"]`): None when absent, EpisodeRefused when not a non-empty string."""
+    given = holder.get(key) if isinstance(holder, dict) else None
+    if given is None:
+        return None
+    if not isinstance(given, str) or not given:
+        raise EpisodeRefused(f"{key!r} must be a non-empty string: the call's id", code="VALIDATION_ERROR")
+    return given
 
 
 async def _submit(services: AppState, session: EpisodeSession, arguments: Any) -> StepAnswer:

@@ -22,7 +22,7 @@ from app.calls.service import ToolCallService
 from app.errors import INTERNAL_ERROR, ServiceUnavailable, SparringError, ToolCrashed, answer_to
 from app.packs import Registry
 from app.rollouts.identity import CALL_ID_MAX, fit
-from sparring.wire import json_bytes
+from sparring.wire import CALL_ID_META, json_bytes
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +32,6 @@ CHANNEL = "mcp"
 # leaves to implementations (-32000..-32019; the SDK itself uses -32000 and -32001 client-side).
 UNAVAILABLE = -32010
 CRASHED = types.INTERNAL_ERROR
-
-# The `_meta` key of a tools/call naming the call as `call_id` does on the tool routes. A client's
-# retry is a new JSON-RPC request with a new id, so only an id of the client's own makes a retry after
-# an outage (a 503 whose call may have been applied) the same call, answered from the ledger.
-CALL_ID_META = "sparring/call_id"
 
 
 class Unexpected(SparringError):

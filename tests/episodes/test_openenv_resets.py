@@ -16,6 +16,7 @@ from websockets.asyncio.client import connect as ws_connect
 
 from app.main import create_app
 from app.rollouts.identity import JSON_DEPTH_MAX
+from sparring.wire import CALL_ID_META
 from tests.conftest import ADMIN_KEY, TOOLS_KEY, AppFactory, make_settings
 from tests.packs import counter_pack
 from tests.remote.served import serve
@@ -109,3 +110,36 @@ async def test_a_non_string_session_id_is_invalid_params(app_factory: AppFactory
         answer = await client.post("/openenv/counter/mcp", json=body)
     assert answer.status_code == 200, answer.text
     assert answer.json()["error"]["code"] == -32602
+
+
+async def test_a_step_retried_under_the_clients_call_id_is_answered_from_the_ledger(url: str) -> None:
+    """A step carries no id of its own: one retried after a `transport_error` (whose call may have been
+    applied) runs again unless the client names it, in the action's `metadata["call_id"]` (WebSocket)
+    or `_meta["sparring/call_id"]` (JSON-RPC), as `call_id` on the tool routes."""
+
+    def increment(by: int, **extra: Any) -> dict[str, Any]:
+        return {"type": "call_tool", "tool_name": "increment", "arguments": {"by": by}, **extra}
+
+    async with httpx.AsyncClient(base_url=url, headers=TOOLS) as http:
+        rpc = {"jsonrpc": "2.0", "id": 1, "method": "openenv/session/create"}
+        sid = (await http.post("/openenv/counter/mcp", json=rpc)).json()["result"]["session_id"]
+        ws_url = url.replace("http://", "ws://") + f"/openenv/counter/ws?session_id={sid}"
+        async with ws_connect(ws_url, additional_headers=TOOLS) as ws:
+            await frame(ws, "reset", {"task": ROW})
+            named = increment(5, metadata={"call_id": "c1"})
+            outputs = [await frame(ws, "step", action) for action in (named, named, increment(1))]
+            values = [orjson.loads(o["data"]["observation"]["result"]["data"]) for o in outputs]
+            assert values == [{"value": 105}, {"value": 105}, {"value": 106}]
+            refused = await frame(ws, "step", increment(1, metadata={"call_id": 7}))
+            assert refused["type"] == "error" and refused["data"]["code"] == "VALIDATION_ERROR", refused
+
+            async def call(meta: dict[str, Any]) -> dict[str, Any]:
+                params = {"name": "increment", "arguments": {"by": 10}, "session_id": sid, "_meta": meta}
+                body = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": params}
+                answer: dict[str, Any] = (await http.post("/openenv/counter/mcp", json=body)).json()
+                return answer
+
+            first, again = await call({CALL_ID_META: "c2"}), await call({CALL_ID_META: "c2"})
+            assert first["result"] == again["result"] and "116" in orjson.dumps(first["result"]).decode()
+            assert (await call({CALL_ID_META: ""}))["error"]["code"] == -32602
+            assert await step(ws, "read_counter") == {"value": 116}, "each named call applied once"

@@ -11,7 +11,8 @@ from sqlalchemy import select
 
 from app.db.models import ToolCall
 from app.deps import app_state
-from app.mcp.server import CALL_ID_META, mcp_call_id
+from app.mcp.server import mcp_call_id
+from sparring.wire import CALL_ID_META
 from tests.conftest import ADMIN_KEY, TOOLS_KEY, call_body, new_trace
 from tests.mcp.conftest import in_process, mcp_client, rollout, text_of
 

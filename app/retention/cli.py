@@ -14,7 +14,10 @@ retention_cli = typer.Typer(help="Retention of the call log.")
 
 
 def _describe(removed: Removed) -> str:
-    return f"{removed.rollouts:,} rollouts, {removed.calls:,} calls, {removed.grades:,} grades"
+    return (
+        f"{removed.rollouts:,} rollouts, {removed.calls:,} calls, {removed.grades:,} grades, "
+        f"{removed.transcripts:,} transcripts, {removed.labels:,} labels, {removed.kept_states:,} kept states"
+    )
 
 
 @retention_cli.command("prune")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import datetime
 
 from sqlalchemy import ColumnElement, and_, column, delete, func, or_, select, table
@@ -18,12 +18,17 @@ _default_partition = table(DEFAULT_PARTITION, column("trace_id"), column("starte
 
 @dataclass(frozen=True)
 class Removed:
+    """What a prune removed (or, dry, would remove), by kind."""
+
     rollouts: int = 0
     calls: int = 0
     grades: int = 0
+    transcripts: int = 0
+    labels: int = 0
+    kept_states: int = 0
 
     def __add__(self, other: Removed) -> Removed:
-        return Removed(self.rollouts + other.rollouts, self.calls + other.calls, self.grades + other.grades)
+        return Removed(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
 
 def _old_rollout(cutoff: datetime, run: str | None) -> ColumnElement[bool]:
@@ -99,11 +104,23 @@ class RetentionRepository:
             .execution_options(synchronize_session=False)
         )
         # What belongs to the rollout alone goes with it: its kept state, its label, its conversation.
+        alone = {}
         for kept in (KeptState, RolloutLabel, TranscriptRow):
-            await self.session.execute(
-                delete(kept).where(kept.trace_id.in_(deleted)).execution_options(synchronize_session=False)
+            alone[kept] = _rowcount(
+                await self.session.execute(
+                    delete(kept)
+                    .where(kept.trace_id.in_(deleted))
+                    .execution_options(synchronize_session=False)
+                )
             )
-        return Removed(len(deleted), calls_removed, _rowcount(grades))
+        return Removed(
+            len(deleted),
+            calls_removed,
+            _rowcount(grades),
+            transcripts=alone[TranscriptRow],
+            labels=alone[RolloutLabel],
+            kept_states=alone[KeptState],
+        )
 
     async def delete_traceless_grades(self, cutoff: datetime, run: str | None, limit: int) -> int:
         ids = select(Grade.id).where(_old_traceless_grade(cutoff, run)).order_by(Grade.id).limit(limit)
@@ -133,7 +150,19 @@ class RetentionRepository:
                 )
             )
         )
-        return Removed(rollouts or 0, calls or 0, grades or 0)
+        alone = {}
+        for kept in (KeptState, RolloutLabel, TranscriptRow):
+            alone[kept] = await self.session.scalar(
+                select(func.count()).select_from(kept).where(kept.trace_id.in_(old))
+            )
+        return Removed(
+            rollouts or 0,
+            calls or 0,
+            grades or 0,
+            transcripts=alone[TranscriptRow] or 0,
+            labels=alone[RolloutLabel] or 0,
+            kept_states=alone[KeptState] or 0,
+        )
 
 
 def _rowcount(result: object) -> int:

@@ -327,12 +327,11 @@ class RemoteRolloutService:
         async with self.database.session(write=True) as session:
             repo = RemoteRolloutRepository(session)
             row = await repo.get(rollout_id)
+            if row is not None and row.status == "running" and row.lease_until < _now():
+                await repo.fail_lost(_now(), LOST, rollout_id)
+                row = await repo.get(rollout_id)  # None: `sparring prune` deleted it meanwhile
             if row is None:
                 raise NotFound(f"no remote rollout {rollout_id!r}")
-            if row.status == "running" and row.lease_until < _now():
-                await repo.fail_lost(_now(), LOST, rollout_id)
-                row = await repo.get(rollout_id)
-                assert row is not None
             return render_status(row)
 
 

@@ -16,7 +16,8 @@ retention_cli = typer.Typer(help="Retention of the call log.")
 def _describe(removed: Removed) -> str:
     return (
         f"{removed.rollouts:,} rollouts, {removed.calls:,} calls, {removed.grades:,} grades, "
-        f"{removed.transcripts:,} transcripts, {removed.labels:,} labels, {removed.kept_states:,} kept states"
+        f"{removed.transcripts:,} transcripts, {removed.labels:,} labels, "
+        f"{removed.kept_states:,} kept states, {removed.remote_rollouts:,} remote rollouts"
     )
 
 

@@ -9,7 +9,7 @@ from datetime import datetime
 from sqlalchemy import ColumnElement, and_, column, delete, func, or_, select, table
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from app.db.models import Grade, KeptState, RolloutLabel, RolloutRow, ToolCall, TranscriptRow
+from app.db.models import Grade, KeptState, RemoteRollout, RolloutLabel, RolloutRow, ToolCall, TranscriptRow
 from app.db.partitions import DEFAULT_PARTITION
 
 # The call log's default partition (Postgres, app/db/partitions.py): calls of days without a partition.
@@ -26,6 +26,7 @@ class Removed:
     transcripts: int = 0
     labels: int = 0
     kept_states: int = 0
+    remote_rollouts: int = 0
 
     def __add__(self, other: Removed) -> Removed:
         return Removed(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
@@ -43,6 +44,22 @@ def _old_traceless_grade(cutoff: datetime, run: str | None) -> ColumnElement[boo
     """Grades posted without a trace_id belong to no rollout: they age by their own date."""
     condition = and_(Grade.trace_id.is_(None), Grade.created_at < cutoff)
     return and_(condition, Grade.run == run) if run is not None else condition
+
+
+def _old_remote_rollout(cutoff: datetime, run: str | None) -> ColumnElement[bool]:
+    """A remote rollout (`POST /remote/init`, with its init request) ages by its own dates: one that
+    ended, by its end (its start if it has none); one still running only once its lease lapsed before
+    the cutoff (its worker is long dead: a live one renews the lease every few seconds)."""
+    ended = and_(
+        RemoteRollout.status.in_(("finished", "error")),
+        or_(
+            RemoteRollout.finished_at < cutoff,
+            and_(RemoteRollout.finished_at.is_(None), RemoteRollout.created_at < cutoff),
+        ),
+    )
+    lost = and_(RemoteRollout.status == "running", RemoteRollout.lease_until < cutoff)
+    condition = or_(ended, lost)
+    return and_(condition, RemoteRollout.run == run) if run is not None else condition
 
 
 class RetentionRepository:
@@ -131,6 +148,18 @@ class RetentionRepository:
         )
         return _rowcount(result)
 
+    async def delete_remote_rollouts(self, cutoff: datetime, run: str | None, limit: int) -> int:
+        """Delete up to `limit` old remote rollouts; the age is checked again on the row deleted, so one
+        retried meanwhile (running again, on a fresh lease) stays."""
+        old = _old_remote_rollout(cutoff, run)
+        ids = select(RemoteRollout.rollout_id).where(old).limit(limit)
+        result = await self.session.execute(
+            delete(RemoteRollout)
+            .where(RemoteRollout.rollout_id.in_(ids.scalar_subquery()), old)
+            .execution_options(synchronize_session=False)
+        )
+        return _rowcount(result)
+
     async def count_old(self, cutoff: datetime, run: str | None) -> Removed:
         """What a prune with these arguments would remove now (for --dry-run)."""
         old = select(RolloutRow.trace_id).where(_old_rollout(cutoff, run))
@@ -155,6 +184,9 @@ class RetentionRepository:
             alone[kept] = await self.session.scalar(
                 select(func.count()).select_from(kept).where(kept.trace_id.in_(old))
             )
+        remote = await self.session.scalar(
+            select(func.count()).select_from(RemoteRollout).where(_old_remote_rollout(cutoff, run))
+        )
         return Removed(
             rollouts or 0,
             calls or 0,
@@ -162,6 +194,7 @@ class RetentionRepository:
             transcripts=alone[TranscriptRow] or 0,
             labels=alone[RolloutLabel] or 0,
             kept_states=alone[KeptState] or 0,
+            remote_rollouts=remote or 0,
         )
 
 

@@ -1,5 +1,7 @@
 """`sparring prune`: old rollouts, their calls and grades removed batch by batch, each batch its own
 short transaction, so the server keeps logging and grading meanwhile (no long lock, no huge WAL).
+Grades posted without a trace and remote rollouts (app/remote) belong to no rollout row: they go by
+their own dates, in batches too.
 
 On Postgres the call log is partitioned by day (app/db/partitions.py): the prune first makes the
 partitions (so calls of days that had none leave the default partition), deletes the old rollouts in
@@ -98,6 +100,12 @@ async def prune(
             grades = await RetentionRepository(session).delete_traceless_grades(cutoff, run, batch_size)
         done(Removed(grades=grades))
         if grades < batch_size:
+            break
+    while True:
+        async with sessions() as session, session.begin():
+            remote = await RetentionRepository(session).delete_remote_rollouts(cutoff, run, batch_size)
+        done(Removed(remote_rollouts=remote))
+        if remote < batch_size:
             break
     for part in droppable:
         calls = await _drop_partition(engine, part)

@@ -249,7 +249,8 @@ def test_prune_drops_whole_partitions_and_the_rest_reads_as_before(
     # t0, t1, t2 go (6 logged attempts each; t3's day stays with its calls); t3 (graded 2 days ago),
     # t4 and t5 stay.
     assert re.match(
-        r"removed 3 rollouts, 18 calls, 3 grades, 0 transcripts, 0 labels, 0 kept states older than",
+        r"removed 3 rollouts, 18 calls, 3 grades, 0 transcripts, 0 labels, 0 kept states, 0 remote rollouts "
+        r"older than",
         result.stdout,
     ), result.stdout
     # Every day partition before the cutoff was dropped (the catalog no longer has them) ...

@@ -9,22 +9,29 @@ import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.pool import NullPool
 from typer.testing import CliRunner
 
 from app.cli import cli
 from app.config import get_settings
 from app.db.migrate import upgrade
-from app.db.models import Grade, KeptState, RolloutLabel, RolloutRow, ToolCall, TranscriptRow
-from app.db.session import build_sessionmaker
+from app.db.models import Grade, KeptState, RemoteRollout, RolloutLabel, RolloutRow, ToolCall, TranscriptRow
+from app.db.session import Database, build_sessionmaker
+from app.errors import NotFound
+from app.remote.repository import RemoteRolloutRepository
+from app.remote.service import RemoteRolloutService
 from app.retention.repository import RetentionRepository
-from app.retention.service import parse_age
+from app.retention.service import parse_age, prune
 from tests.conftest import create_pg_database, drop_pg_database
 
 NOW = datetime.now(UTC)
+# The end of prune's counts when only rollouts, calls and grades went.
+NOTHING_ELSE = "0 transcripts, 0 labels, 0 kept states, 0 remote rollouts"
 
 
 @pytest.fixture(params=["embedded", "real"])
@@ -140,8 +147,7 @@ def test_prune_removes_old_rollouts_with_their_calls_and_grades(database_url: st
     code, out, _ = invoke("--older-than", "30d")
     assert code == 0, out
     assert re.match(
-        r"removed 2 rollouts, 5 calls, 3 grades, 0 transcripts, 0 labels, 0 kept states older than "
-        r"\d{4}-\d\d-\d\dT",
+        rf"removed 2 rollouts, 5 calls, 3 grades, {NOTHING_ELSE} older than \d{{4}}-\d\d-\d\dT",
         out,
     ), out
     assert asyncio.run(traces_left(database_url)) == {
@@ -158,9 +164,7 @@ def test_dry_run_counts_what_prune_then_removes_and_deletes_nothing(database_url
     before = asyncio.run(counts(database_url))
     code, out, _ = invoke("--older-than", "30d", "--dry-run")
     assert code == 0, out
-    assert out.startswith(
-        "would remove 2 rollouts, 5 calls, 3 grades, 0 transcripts, 0 labels, 0 kept states older"
-    ), out
+    assert out.startswith(f"would remove 2 rollouts, 5 calls, 3 grades, {NOTHING_ELSE} older than"), out
     assert asyncio.run(counts(database_url)) == before
     code, out, _ = invoke("--older-than", "30d")
     assert out.startswith("removed 2 rollouts, 5 calls, 3 grades"), out
@@ -169,12 +173,10 @@ def test_dry_run_counts_what_prune_then_removes_and_deletes_nothing(database_url
 def test_run_restricts_the_prune_to_one_run_label(database_url: str) -> None:
     seed(database_url)
     code, out, _ = invoke("--older-than", "30d", "--run", "r2", "--dry-run")
-    assert out.startswith(
-        "would remove 1 rollouts, 2 calls, 1 grades, 0 transcripts, 0 labels, 0 kept states of run 'r2'"
-    ), out
+    assert out.startswith(f"would remove 1 rollouts, 2 calls, 1 grades, {NOTHING_ELSE} of run 'r2'"), out
     code, out, _ = invoke("--older-than", "30d", "--run", "r2")
     assert code == 0 and out.startswith(
-        "removed 1 rollouts, 2 calls, 1 grades, 0 transcripts, 0 labels, 0 kept states of run 'r2'"
+        f"removed 1 rollouts, 2 calls, 1 grades, {NOTHING_ELSE} of run 'r2'"
     ), out
     left = asyncio.run(traces_left(database_url))
     assert "old-ungraded" not in left and "old-graded" in left
@@ -291,11 +293,138 @@ def test_what_goes_with_a_rollout_is_counted_and_dry_run_counts_it_too(database_
             KeptState(trace_id=trace, changes={}, kept_at=ago(days)),
         ]
     asyncio.run(insert(database_url, rows))
-    what = "1 rollouts, 2 calls, 1 grades, 1 transcripts, 1 labels, 1 kept states older than"
+    with_it = "1 transcripts, 1 labels, 1 kept states, 0 remote rollouts"
+    what = f"1 rollouts, 2 calls, 1 grades, {with_it} older than"
     code, out, _ = invoke("--older-than", "30d", "--dry-run")
     assert code == 0 and out.startswith(f"would remove {what}"), out
     code, out, err = invoke("--older-than", "30d")
     assert code == 0 and out.startswith(f"removed {what}"), out
     # (On Postgres the batch leaves the calls to the day partition it drops.)
-    assert re.search(r"removed 1 rollouts, \d calls, 1 grades, 1 transcripts, 1 labels, 1 kept states\n", err)
+    assert re.search(
+        rf"removed 1 rollouts, \d calls, 1 grades, {with_it}\n",
+        err,
+    )
     assert asyncio.run(transcripts_left(database_url)) == {"recent"}
+
+
+def remote(
+    rollout_id: str,
+    *,
+    status: str,
+    run: str | None = "r",
+    created: float,
+    finished: float | None,
+    lease: float,
+) -> RemoteRollout:
+    """A remote rollout row (`POST /remote/init`), its dates in days ago (a lease may lie ahead: < 0)."""
+    return RemoteRollout(
+        rollout_id=rollout_id, trace_id=f"trace-{rollout_id}", run=run, model="m", status=status,
+        request={"messages": [{"role": "user", "content": "hi"}], "item": {"answer": 42}},
+        worker="w", lease_until=ago(lease), created_at=ago(created),
+        finished_at=ago(finished) if finished is not None else None,
+    )  # fmt: skip
+
+
+async def remote_left(url: str) -> set[str]:
+    engine = create_async_engine(url)
+    try:
+        async with engine.connect() as conn:
+            return {r[0] for r in await conn.execute(select(RemoteRollout.rollout_id))}
+    finally:
+        await engine.dispose()
+
+
+def test_old_remote_rollouts_go_by_their_own_dates(database_url: str) -> None:
+    # A remote rollout's row keeps its init request (messages, item, parameters): it ages by its end (or,
+    # never ended, its start); a running one only once its lease lapsed long ago (its worker is dead).
+    asyncio.run(
+        insert(
+            database_url,
+            [
+                remote("finished-old", status="finished", created=41, finished=40, lease=41),
+                remote("error-old", status="error", created=45, finished=44, lease=45),
+                remote("error-unfinished", status="error", created=40, finished=None, lease=40),
+                remote("lost-long-ago", status="running", created=50, finished=None, lease=49),
+                remote("other-run", status="finished", run="other", created=40, finished=40, lease=40),
+                remote("finished-lately", status="finished", created=40, finished=1, lease=1),
+                remote("error-recent", status="error", created=2, finished=1, lease=2),
+                remote("running", status="running", created=40, finished=None, lease=-1),
+                remote("lost-lately", status="running", created=40, finished=None, lease=2),
+            ],
+        )
+    )
+    code, out, _ = invoke("--older-than", "30d", "--run", "r", "--dry-run")
+    assert code == 0 and re.match(r"would remove 0 rollouts, .*, 4 remote rollouts of run 'r' older", out), (
+        out
+    )
+    code, out, err = invoke("--older-than", "30d", "--run", "r", "--batch-size", "3")
+    assert code == 0 and re.match(r"removed 0 rollouts, .*, 4 remote rollouts of run 'r' older", out), out
+    assert re.findall(r"(\d+) remote rollouts\n", err) == ["3", "1"], err
+    left = {"other-run", "finished-lately", "error-recent", "running", "lost-lately"}
+    assert asyncio.run(remote_left(database_url)) == left
+    code, out, _ = invoke("--older-than", "30d")
+    assert code == 0 and re.match(r"removed 0 rollouts, .*, 1 remote rollouts older", out), out
+    assert asyncio.run(remote_left(database_url)) == left - {"other-run"}
+
+    async def status(rollout_id: str) -> str:
+        engine = create_async_engine(database_url)
+        try:
+            service = RemoteRolloutService(
+                database=Database(build_sessionmaker(engine), retry_after=1),
+                execute=lambda _: asyncio.sleep(0),  # type: ignore[arg-type,return-value]
+                worker="w2",
+                max_concurrent=1,
+                lease_seconds=30,
+                retry_after=1,
+            )
+            try:
+                return str((await service.status(rollout_id))["state"])
+            except NotFound as exc:
+                return exc.message
+        finally:
+            await engine.dispose()
+
+    # A pruned rollout id reads as one never known; the ones kept read as before.
+    assert asyncio.run(status("finished-old")) == "no remote rollout 'finished-old'"
+    assert asyncio.run(status("never-was")) == "no remote rollout 'never-was'"
+    assert asyncio.run(status("finished-lately")) == "finished"
+    assert asyncio.run(status("running")) == "running"
+
+
+def test_a_lost_remote_rollout_pruned_while_its_status_is_read_is_not_found(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A status read finds the row running on a lapsed lease and marks it lost; the prune deletes it in
+    # between: the answer is the 404 of an unknown id, not a 500.
+    asyncio.run(insert(database_url, [remote("lost", status="running", created=50, finished=None, lease=49)]))
+    fail_lost = RemoteRolloutRepository.fail_lost
+
+    async def pruned_first(self: RemoteRolloutRepository, *args: Any, **kwargs: Any) -> int:
+        engine = create_async_engine(database_url, poolclass=NullPool)
+        try:
+            removed = await prune(engine, older_than=timedelta(days=30))
+        finally:
+            await engine.dispose()
+        assert removed.remote_rollouts == 1
+        return await fail_lost(self, *args, **kwargs)
+
+    monkeypatch.setattr(RemoteRolloutRepository, "fail_lost", pruned_first)
+
+    async def status() -> str:
+        engine = create_async_engine(database_url, poolclass=NullPool)
+        service = RemoteRolloutService(
+            database=Database(build_sessionmaker(engine), retry_after=1),
+            execute=lambda _: asyncio.sleep(0),  # type: ignore[arg-type,return-value]
+            worker="w2",
+            max_concurrent=1,
+            lease_seconds=30,
+            retry_after=1,
+        )
+        try:
+            return str((await service.status("lost"))["state"])
+        except NotFound as exc:
+            return exc.message
+        finally:
+            await engine.dispose()
+
+    assert asyncio.run(status()) == "no remote rollout 'lost'"

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import ColumnElement, and_, column, delete, func, or_, select, table
+from sqlalchemy import ColumnElement, and_, column, delete, exists, func, or_, select, table
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.db.models import Grade, KeptState, RemoteRollout, RolloutLabel, RolloutRow, ToolCall, TranscriptRow
@@ -60,6 +61,14 @@ def _old_remote_rollout(cutoff: datetime, run: str | None) -> ColumnElement[bool
     lost = and_(RemoteRollout.status == "running", RemoteRollout.lease_until < cutoff)
     condition = or_(ended, lost)
     return and_(condition, RemoteRollout.run == run) if run is not None else condition
+
+
+def _old_stray_transcript(cutoff: datetime) -> ColumnElement[bool]:
+    """A conversation of no rollout (stored before any call, or for a trace that never logged one) ages
+    by its own date; it has no run, so only a prune without --run takes it."""
+    return and_(
+        TranscriptRow.stored_at < cutoff, ~exists().where(RolloutRow.trace_id == TranscriptRow.trace_id)
+    )
 
 
 class RetentionRepository:
@@ -160,42 +169,42 @@ class RetentionRepository:
         )
         return _rowcount(result)
 
+    async def delete_stray_transcripts(self, cutoff: datetime, limit: int) -> int:
+        """Delete up to `limit` old conversations of no rollout (checked again on the row deleted: one
+        stored again meanwhile stays)."""
+        old = _old_stray_transcript(cutoff)
+        ids = select(TranscriptRow.trace_id).where(old).limit(limit)
+        result = await self.session.execute(
+            delete(TranscriptRow)
+            .where(TranscriptRow.trace_id.in_(ids.scalar_subquery()), old)
+            .execution_options(synchronize_session=False)
+        )
+        return _rowcount(result)
+
     async def count_old(self, cutoff: datetime, run: str | None) -> Removed:
         """What a prune with these arguments would remove now (for --dry-run)."""
         old = select(RolloutRow.trace_id).where(_old_rollout(cutoff, run))
-        rollouts = await self.session.scalar(select(func.count()).select_from(old.subquery()))
-        calls = await self.session.scalar(
-            select(func.count())
-            .select_from(ToolCall)
-            .where(ToolCall.trace_id.in_(old), ToolCall.started_at < cutoff)
-        )
-        grades = await self.session.scalar(
-            select(func.count())
-            .select_from(Grade)
-            .where(
+        transcripts = TranscriptRow.trace_id.in_(old)
+        return Removed(
+            rollouts=await self._count(old.subquery()),
+            calls=await self._count(ToolCall, ToolCall.trace_id.in_(old), ToolCall.started_at < cutoff),
+            grades=await self._count(
+                Grade,
                 or_(
                     and_(Grade.trace_id.in_(old), Grade.created_at < cutoff),
                     _old_traceless_grade(cutoff, run),
-                )
-            )
+                ),
+            ),
+            transcripts=await self._count(
+                TranscriptRow, or_(transcripts, _old_stray_transcript(cutoff)) if run is None else transcripts
+            ),
+            labels=await self._count(RolloutLabel, RolloutLabel.trace_id.in_(old)),
+            kept_states=await self._count(KeptState, KeptState.trace_id.in_(old)),
+            remote_rollouts=await self._count(RemoteRollout, _old_remote_rollout(cutoff, run)),
         )
-        alone = {}
-        for kept in (KeptState, RolloutLabel, TranscriptRow):
-            alone[kept] = await self.session.scalar(
-                select(func.count()).select_from(kept).where(kept.trace_id.in_(old))
-            )
-        remote = await self.session.scalar(
-            select(func.count()).select_from(RemoteRollout).where(_old_remote_rollout(cutoff, run))
-        )
-        return Removed(
-            rollouts or 0,
-            calls or 0,
-            grades or 0,
-            transcripts=alone[TranscriptRow] or 0,
-            labels=alone[RolloutLabel] or 0,
-            kept_states=alone[KeptState] or 0,
-            remote_rollouts=remote or 0,
-        )
+
+    async def _count(self, source: Any, *where: ColumnElement[bool]) -> int:
+        return int(await self.session.scalar(select(func.count()).select_from(source).where(*where)) or 0)
 
 
 def _rowcount(result: object) -> int:

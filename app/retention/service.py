@@ -1,7 +1,7 @@
 """`sparring prune`: old rollouts, their calls and grades removed batch by batch, each batch its own
 short transaction, so the server keeps logging and grading meanwhile (no long lock, no huge WAL).
-Grades posted without a trace and remote rollouts (app/remote) belong to no rollout row: they go by
-their own dates, in batches too.
+Grades posted without a trace, remote rollouts (app/remote) and conversations stored for a trace
+that has no rollout row belong to no rollout: they go by their own dates, in batches too.
 
 On Postgres the call log is partitioned by day (app/db/partitions.py): the prune first makes the
 partitions (so calls of days that had none leave the default partition), deletes the old rollouts in
@@ -106,6 +106,12 @@ async def prune(
             remote = await RetentionRepository(session).delete_remote_rollouts(cutoff, run, batch_size)
         done(Removed(remote_rollouts=remote))
         if remote < batch_size:
+            break
+    while run is None:  # a conversation of no rollout has no run
+        async with sessions() as session, session.begin():
+            stray = await RetentionRepository(session).delete_stray_transcripts(cutoff, batch_size)
+        done(Removed(transcripts=stray))
+        if stray < batch_size:
             break
     for part in droppable:
         calls = await _drop_partition(engine, part)

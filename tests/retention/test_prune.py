@@ -428,3 +428,29 @@ def test_a_lost_remote_rollout_pruned_while_its_status_is_read_is_not_found(
             await engine.dispose()
 
     assert asyncio.run(status()) == "no remote rollout 'lost'"
+
+
+def test_an_old_conversation_of_no_rollout_goes_by_its_own_date(database_url: str) -> None:
+    # `PUT /rollouts/{trace_id}/transcript` needs no call first: a conversation whose trace never logged a
+    # call (or whose rollout went before it was stored) has no rollout to go with, and ages by itself.
+    # It has no run: only a prune without --run removes it.
+    rows: list[object] = []
+    rows += rollout("recent", run="r", last_days=1, calls=1)
+    rows += [
+        transcript("stray-old", days=40),
+        transcript("stray-recent", days=1),
+        transcript("recent", days=40),  # stored long ago, its rollout is in use: it stays
+    ]
+    asyncio.run(insert(database_url, rows))
+    code, out, _ = invoke("--older-than", "30d", "--run", "r", "--dry-run")
+    assert code == 0 and out.startswith(f"would remove 0 rollouts, 0 calls, 0 grades, {NOTHING_ELSE}"), out
+    code, out, _ = invoke("--older-than", "30d", "--run", "r")
+    assert code == 0 and out.startswith(f"removed 0 rollouts, 0 calls, 0 grades, {NOTHING_ELSE}"), out
+    assert asyncio.run(transcripts_left(database_url)) == {"stray-old", "stray-recent", "recent"}
+    stray = "0 rollouts, 0 calls, 0 grades, 1 transcripts, 0 labels, 0 kept states, 0 remote rollouts"
+    code, out, _ = invoke("--older-than", "30d", "--dry-run")
+    assert code == 0 and out.startswith(f"would remove {stray} older than"), out
+    code, out, err = invoke("--older-than", "30d")
+    assert code == 0 and out.startswith(f"removed {stray} older than"), out
+    assert f"removed {stray}\n" in err, err
+    assert asyncio.run(transcripts_left(database_url)) == {"stray-recent", "recent"}

@@ -63,12 +63,15 @@ def _old_remote_rollout(cutoff: datetime, run: str | None) -> ColumnElement[bool
     return and_(condition, RemoteRollout.run == run) if run is not None else condition
 
 
-def _old_stray_transcript(cutoff: datetime) -> ColumnElement[bool]:
-    """A conversation of no rollout (stored before any call, or for a trace that never logged one) ages
-    by its own date; it has no run, so only a prune without --run takes it."""
-    return and_(
-        TranscriptRow.stored_at < cutoff, ~exists().where(RolloutRow.trace_id == TranscriptRow.trace_id)
-    )
+# What may outlive its rollout row, with the date it ages by: a conversation stored before any call (or
+# for a trace that never logged one), a label set while its rollout was being pruned.
+Stray = type[TranscriptRow] | type[RolloutLabel]
+_AGED_BY: dict[Stray, Any] = {TranscriptRow: TranscriptRow.stored_at, RolloutLabel: RolloutLabel.labelled_at}
+
+
+def _old_stray(kind: Stray, cutoff: datetime) -> ColumnElement[bool]:
+    """A row of no rollout ages by its own date; it has no run, so only a prune without --run takes it."""
+    return and_(_AGED_BY[kind] < cutoff, ~exists().where(RolloutRow.trace_id == kind.trace_id))
 
 
 class RetentionRepository:
@@ -169,14 +172,20 @@ class RetentionRepository:
         )
         return _rowcount(result)
 
-    async def delete_stray_transcripts(self, cutoff: datetime, limit: int) -> int:
-        """Delete up to `limit` old conversations of no rollout (checked again on the row deleted: one
-        stored again meanwhile stays)."""
-        old = _old_stray_transcript(cutoff)
-        ids = select(TranscriptRow.trace_id).where(old).limit(limit)
+    async def delete_strays(self, cutoff: datetime, limit: int) -> Removed:
+        """Delete up to `limit` old conversations and as many old labels of no rollout."""
+        return Removed(
+            transcripts=await self._delete_strays(TranscriptRow, cutoff, limit),
+            labels=await self._delete_strays(RolloutLabel, cutoff, limit),
+        )
+
+    async def _delete_strays(self, kind: Stray, cutoff: datetime, limit: int) -> int:
+        """The age is checked again on the row deleted: one stored again meanwhile stays."""
+        old = _old_stray(kind, cutoff)
+        ids = select(kind.trace_id).where(old).limit(limit)
         result = await self.session.execute(
-            delete(TranscriptRow)
-            .where(TranscriptRow.trace_id.in_(ids.scalar_subquery()), old)
+            delete(kind)
+            .where(kind.trace_id.in_(ids.scalar_subquery()), old)
             .execution_options(synchronize_session=False)
         )
         return _rowcount(result)
@@ -184,7 +193,11 @@ class RetentionRepository:
     async def count_old(self, cutoff: datetime, run: str | None) -> Removed:
         """What a prune with these arguments would remove now (for --dry-run)."""
         old = select(RolloutRow.trace_id).where(_old_rollout(cutoff, run))
-        transcripts = TranscriptRow.trace_id.in_(old)
+
+        def alone(kind: Stray) -> ColumnElement[bool]:
+            of_old = kind.trace_id.in_(old)
+            return or_(of_old, _old_stray(kind, cutoff)) if run is None else of_old
+
         return Removed(
             rollouts=await self._count(old.subquery()),
             calls=await self._count(ToolCall, ToolCall.trace_id.in_(old), ToolCall.started_at < cutoff),
@@ -195,10 +208,8 @@ class RetentionRepository:
                     _old_traceless_grade(cutoff, run),
                 ),
             ),
-            transcripts=await self._count(
-                TranscriptRow, or_(transcripts, _old_stray_transcript(cutoff)) if run is None else transcripts
-            ),
-            labels=await self._count(RolloutLabel, RolloutLabel.trace_id.in_(old)),
+            transcripts=await self._count(TranscriptRow, alone(TranscriptRow)),
+            labels=await self._count(RolloutLabel, alone(RolloutLabel)),
             kept_states=await self._count(KeptState, KeptState.trace_id.in_(old)),
             remote_rollouts=await self._count(RemoteRollout, _old_remote_rollout(cutoff, run)),
         )

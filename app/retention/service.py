@@ -1,6 +1,6 @@
 """`sparring prune`: old rollouts, their calls and grades removed batch by batch, each batch its own
 short transaction, so the server keeps logging and grading meanwhile (no long lock, no huge WAL).
-Grades posted without a trace, remote rollouts (app/remote) and conversations stored for a trace
+Grades posted without a trace, remote rollouts (app/remote), and conversations and labels of a trace
 that has no rollout row belong to no rollout: they go by their own dates, in batches too.
 
 On Postgres the call log is partitioned by day (app/db/partitions.py): the prune first makes the
@@ -107,11 +107,11 @@ async def prune(
         done(Removed(remote_rollouts=remote))
         if remote < batch_size:
             break
-    while run is None:  # a conversation of no rollout has no run
+    while run is None:  # a conversation or a label of no rollout has no run
         async with sessions() as session, session.begin():
-            stray = await RetentionRepository(session).delete_stray_transcripts(cutoff, batch_size)
-        done(Removed(transcripts=stray))
-        if stray < batch_size:
+            strays = await RetentionRepository(session).delete_strays(cutoff, batch_size)
+        done(strays)
+        if max(strays.transcripts, strays.labels) < batch_size:
             break
     for part in droppable:
         calls = await _drop_partition(engine, part)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -27,6 +28,9 @@ from app.remote.repository import RemoteRolloutRepository
 from app.remote.service import RemoteRolloutService
 from app.retention.repository import RetentionRepository
 from app.retention.service import parse_age, prune
+from app.review.label_repository import LabelRepository
+from app.review.labels import RolloutLabels
+from app.review.schemas import LabelIn
 from tests.conftest import create_pg_database, drop_pg_database
 
 NOW = datetime.now(UTC)
@@ -454,3 +458,53 @@ def test_an_old_conversation_of_no_rollout_goes_by_its_own_date(database_url: st
     assert code == 0 and out.startswith(f"removed {stray} older than"), out
     assert f"removed {stray}\n" in err, err
     assert asyncio.run(transcripts_left(database_url)) == {"stray-recent", "recent"}
+
+
+def test_a_label_set_while_its_rollout_is_pruned_goes_in_a_later_prune(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A person labels an old rollout while the prune deletes it: the label's check saw the rollout, the
+    # prune deleted it (and its labels: none yet), then the label was written, for no rollout. It has no
+    # run either: it ages by its own date.
+    asyncio.run(insert(database_url, rollout("old", run="r", last_days=40, calls=1, graded_days=40)))
+    put = LabelRepository.put
+
+    async def pruned_first(self: LabelRepository, *args: Any, **kwargs: Any) -> None:
+        engine = create_async_engine(database_url, poolclass=NullPool)
+        try:
+            removed = await prune(engine, older_than=timedelta(days=30))
+        finally:
+            await engine.dispose()
+        assert removed.rollouts == 1
+        await put(self, *args, **kwargs)
+
+    async def label() -> None:
+        engine = create_async_engine(database_url, poolclass=NullPool)
+        try:
+            async with Database(build_sessionmaker(engine), retry_after=1).session(write=True) as session:
+                await RolloutLabels(session).put("old", LabelIn(label="fail"), by="admin")
+        finally:
+            await engine.dispose()
+
+    async def labels_left() -> set[str]:
+        engine = create_async_engine(database_url)
+        try:
+            async with engine.connect() as conn:
+                return {r[0] for r in await conn.execute(select(RolloutLabel.trace_id))}
+        finally:
+            await engine.dispose()
+
+    monkeypatch.setattr(LabelRepository, "put", pruned_first)
+    asyncio.run(label())
+    monkeypatch.setattr(LabelRepository, "put", put)
+    assert asyncio.run(labels_left()) == {"old"}
+    assert asyncio.run(counts(database_url))["rollouts"] == 0
+    code, out, _ = invoke("--older-than", "1h", "--dry-run")
+    assert code == 0 and out.startswith(f"would remove 0 rollouts, 0 calls, 0 grades, {NOTHING_ELSE}"), out
+    time.sleep(1.1)
+    stray = "0 rollouts, 0 calls, 0 grades, 0 transcripts, 1 labels, 0 kept states, 0 remote rollouts"
+    code, out, _ = invoke("--older-than", "1s", "--dry-run")
+    assert code == 0 and out.startswith(f"would remove {stray}"), out
+    code, out, _ = invoke("--older-than", "1s")
+    assert code == 0 and out.startswith(f"removed {stray}"), out
+    assert asyncio.run(labels_left()) == set()

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Row
+from sqlalchemy import Row, func
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -45,8 +45,14 @@ class RolloutRepository:
         statement = insert(RolloutRow).values(
             trace_id=trace_id, run=run, item_key=item_key, first_seen=at, last_seen=at, graded_at=at
         )
+        # The newer of the two: grades of one rollout may commit out of order, and an older graded_at
+        # would make the rollout old for `sparring prune` while a newer grade of it is not.
+        newer = func.greatest if dialect == "postgresql" else func.max  # SQLite's max of two is scalar
+        graded_at = newer(
+            func.coalesce(RolloutRow.graded_at, statement.excluded.graded_at), statement.excluded.graded_at
+        )
         await self.session.execute(
             statement.on_conflict_do_update(
-                index_elements=[RolloutRow.trace_id], set_={"graded_at": statement.excluded.graded_at}
+                index_elements=[RolloutRow.trace_id], set_={"graded_at": graded_at}
             )
         )

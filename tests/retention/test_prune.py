@@ -31,6 +31,7 @@ from app.retention.service import parse_age, prune
 from app.review.label_repository import LabelRepository
 from app.review.labels import RolloutLabels
 from app.review.schemas import LabelIn
+from app.rollouts.repository import RolloutRepository
 from tests.conftest import create_pg_database, drop_pg_database
 
 NOW = datetime.now(UTC)
@@ -508,3 +509,23 @@ def test_a_label_set_while_its_rollout_is_pruned_goes_in_a_later_prune(
     code, out, _ = invoke("--older-than", "1s")
     assert code == 0 and out.startswith(f"removed {stray}"), out
     assert asyncio.run(labels_left()) == set()
+
+
+async def test_graded_at_is_the_newest_grade_whichever_commits_last(database_url: str) -> None:
+    """Two grades of a rollout committing out of order: graded_at keeps the newer. Set to the one that
+    committed last, it made the rollout old while a newer grade was not, and the prune left that grade
+    behind with no rollout."""
+    await insert(database_url, rollout("t-order", run="r", last_days=40, calls=1))
+    await insert(database_url, [grade("t-order", run="r", days=1), grade("t-order", run="r", days=35)])
+    engine = create_async_engine(database_url, poolclass=NullPool)
+    try:
+        for days in (1, 35):  # the newer grade commits first
+            async with build_sessionmaker(engine)() as session, session.begin():
+                await RolloutRepository(session).mark_graded("t-order", at=ago(days), run="r")
+        async with build_sessionmaker(engine)() as session:
+            row = await RolloutRepository(session).get("t-order")
+        assert row is not None and row.graded_at == ago(1)
+        removed = await prune(engine, older_than=timedelta(days=30))
+    finally:
+        await engine.dispose()
+    assert removed.rollouts == 0 and (await counts(database_url))["grades"] == 2

@@ -612,7 +612,8 @@ class ToolCallService:
                 result = await asyncio.wait_for(
                     anyio.to_thread.run_sync(lambda: spec.fn(**kwargs)), self.tool_timeout
                 )
-            output = serialize_result(result)
+            # Text no UTF-8 encoder writes (a lone surrogate) fails here, as the tool's crash.
+            output = truncate_output(serialize_result(result), self.max_output_bytes)
         except ToolError as exc:
             return _model_error(exc.message), {}
         except TimeoutError as exc:
@@ -630,7 +631,7 @@ class ToolCallService:
                 f"tool {spec.name!r} crashed ({type(exc).__name__}); the traceback is in the server log",
                 tool=spec.name,
             ) from exc
-        answer = StoredAnswer(output=truncate_output(output, self.max_output_bytes), outcome="ok")
+        answer = StoredAnswer(output=output, outcome="ok")
         writes = {spec.pack: state.writes} if state is not None and state.writes else {}
         return answer, writes
 

@@ -12,6 +12,7 @@ from sqlalchemy import select
 
 from app.db.models import ToolCall
 from app.deps import app_state
+from app.sdk import Pack
 from tests.conftest import ADMIN_KEY, API_KEYS, GRADER_KEY, AppFactory, call_body, new_trace
 
 
@@ -177,6 +178,31 @@ async def test_tool_crash_is_500_and_logged(client: httpx.AsyncClient) -> None:
     r2 = await client.post("/tools/crash", json=call_body("{}", trace_id=trace, call_id="c1"))
     assert r2.status_code == 500
     assert len(await logged(client, trace)) == 2
+
+
+unsendable_pack = Pack("unsendable")
+
+
+@unsendable_pack.tool
+def lone_surrogate(as_text: bool) -> str | dict[str, str]:
+    """Answer text no UTF-8 encoder writes (a lone surrogate, as `surrogateescape` decoding leaves)."""
+    text = b"caf\xe9".decode("utf-8", "surrogateescape")
+    return text if as_text else {"name": text}
+
+
+@pytest.mark.parametrize("as_text", [True, False], ids=["text", "object"])
+async def test_an_output_that_cannot_be_sent_is_a_logged_tool_crash(
+    app_factory: AppFactory, as_text: bool
+) -> None:
+    async with app_factory(packs=[unsendable_pack]) as client:
+        trace = new_trace()
+        r = await client.post(
+            "/tools/lone_surrogate", json=call_body({"as_text": as_text}, trace_id=trace, call_id="c1")
+        )
+        assert r.status_code == 500
+        assert r.json()["error"]["code"] == "tool_crashed"
+        [row] = await logged(client, trace)
+        assert row.outcome == "tool_crash" and row.status_code == 500
 
 
 async def test_unparseable_body_is_400_json(client: httpx.AsyncClient) -> None:

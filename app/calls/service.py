@@ -614,6 +614,11 @@ class ToolCallService:
                 )
             # Text no UTF-8 encoder writes (a lone surrogate) fails here, as the tool's crash.
             output = truncate_output(serialize_result(result), self.max_output_bytes)
+            if state is not None and state.writes:
+                # Every store keeps what orjson writes (Redis stores it so): a record it cannot write (a
+                # set, a key that is no string, an integer beyond 64 bits) fails here, as the tool's
+                # crash, on every backend, not later in one store only.
+                orjson.dumps(state.writes)
         except ToolError as exc:
             return _model_error(exc.message), {}
         except TimeoutError as exc:

@@ -84,6 +84,14 @@ def delete_item(ctx: ToolContext, key: str) -> str:
     return "deleted"
 
 
+@probe_pack.tool(mutates=True)
+def set_unstorable(ctx: ToolContext, kind: str) -> str:
+    """Write a record that is not JSON (a set, a number as a key, an integer beyond 64 bits)."""
+    values: dict[str, Any] = {"set": {1, 2}, "number_key": {1: "one"}, "wide": 2**70}
+    ctx.state.put("items", "a", {"n": values[kind]})
+    return "written"
+
+
 PACKS = [counter_pack, faults_pack, probe_pack]
 
 
@@ -259,6 +267,35 @@ async def test_tool_error_after_a_write_leaves_state_unchanged(app_factory: AppF
         assert again.json()["output"] == r.json()["output"]
         rows = [r for r in await logged_calls(client, [trace]) if r["call_id"] == "c2"]
         assert [(r["outcome"], r["status_code"]) for r in rows] == [("model_error", 200)]
+
+
+@pytest.mark.parametrize("kind", ["set", "number_key", "wide"])
+async def test_a_write_no_store_keeps_is_a_tool_crash_on_every_backend(
+    app_factory: AppFactory, kind: str
+) -> None:
+    async with app_factory(packs=PACKS) as client:
+        trace = new_trace()
+        body = call_body({"kind": kind}, trace_id=trace, call_id="c1")
+        for _ in range(2):  # not an answer: the retry runs the tool again, and crashes again
+            r = await client.post("/tools/set_unstorable", json=body)
+            assert r.status_code == 500, r.text
+            assert r.json()["error"]["code"] == "tool_crashed"
+        rows = await logged_calls(client, [trace])
+        assert [(r["outcome"], r["status_code"]) for r in rows] == [("tool_crash", 500)] * 2
+        changed = (await client.get(f"/rollouts/{trace}/state?changed_only=true", headers=ADMIN)).json()
+        assert changed["packs"] == {}  # nothing was kept
+
+
+async def test_a_counter_past_64_bits_fails_alike_on_every_backend(app_factory: AppFactory) -> None:
+    """Each `by` is a 64-bit integer the arguments take; their sum is not, and no store keeps it."""
+    async with app_factory(packs=PACKS) as client:
+        trace = new_trace()
+        for i in range(3):
+            body = call_body({"by": 2**62}, trace_id=trace, call_id=f"c{i}")
+            await post_answered(client, "increment", body)
+        r = await client.post("/tools/increment", json=call_body({"by": 2**62}, trace_id=trace, call_id="c3"))
+        assert r.status_code == 500 and r.json()["error"]["code"] == "tool_crashed", r.text
+        assert await read_counter(client, trace) == BASE_VALUE + 3 * 2**62
 
 
 async def test_calls_without_call_id_are_not_deduplicated(app_factory: AppFactory) -> None:

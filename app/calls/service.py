@@ -224,6 +224,14 @@ class ToolCallService:
                 if not call.voided:  # a voided record already logs this attempt as its infra_error
                     self.log_writer.submit(self._record(call, None, "infra_error", exc.message, 503))
                 raise
+            except Exception as exc:
+                # A bug in sparring, answered with the app's own 500: logged like any failure, so every
+                # call the trainer got an answer to is in the log.
+                if not call.voided:
+                    reason = f"not answered: {type(exc).__name__}"
+                    with contextlib.suppress(ServiceUnavailable):
+                        await self.log_writer.write(self._record(call, None, "infra_error", reason, 500))
+                raise
             if call.record is None or call.logged is None:
                 call.record = self._answered(call, answer)
                 call.logged = self.log_writer.enqueue(call.record, alone=self._active == 1)

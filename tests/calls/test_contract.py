@@ -12,7 +12,7 @@ from sqlalchemy import select
 
 from app.db.models import ToolCall
 from app.deps import app_state
-from app.sdk import Pack
+from app.sdk import Pack, ToolError
 from tests.conftest import ADMIN_KEY, API_KEYS, GRADER_KEY, AppFactory, call_body, new_trace
 
 
@@ -188,6 +188,21 @@ def lone_surrogate(as_text: bool) -> str | dict[str, str]:
     """Answer text no UTF-8 encoder writes (a lone surrogate, as `surrogateescape` decoding leaves)."""
     text = b"caf\xe9".decode("utf-8", "surrogateescape")
     return text if as_text else {"name": text}
+
+
+@unsendable_pack.tool
+def refuse_unsendably() -> str:
+    """Refuse with a message no UTF-8 encoder writes: the `Error:` output cannot be built."""
+    raise ToolError("no file named " + b"caf\xe9".decode("utf-8", "surrogateescape"))
+
+
+async def test_a_call_answered_by_a_bug_s_500_is_logged(app_factory: AppFactory) -> None:
+    async with app_factory(packs=[unsendable_pack]) as client:
+        trace = new_trace()
+        r = await client.post("/tools/refuse_unsendably", json=call_body({}, trace_id=trace, call_id="c1"))
+        assert r.status_code == 500
+        [row] = await logged(client, trace)
+        assert (row.outcome, row.status_code, row.output) == ("infra_error", 500, None)
 
 
 @pytest.mark.parametrize("as_text", [True, False], ids=["text", "object"])

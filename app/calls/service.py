@@ -303,7 +303,7 @@ class ToolCallService:
             arguments=call.arguments_text,
             output=output,
             outcome=outcome,
-            error=error,
+            error=_loggable(error),
             status_code=status,
             started_at=call.started_at,
             ended_at=ended,
@@ -687,6 +687,19 @@ MODEL_ERROR_BYTES = 16 * 1024
 
 def _model_error(message: str) -> StoredAnswer:
     return StoredAnswer(output=truncate_output(f"Error: {message}", MODEL_ERROR_BYTES), outcome="model_error")
+
+
+def _loggable(text: str | None) -> str | None:
+    """An error's text as the log stores it: what UTF-8 cannot encode (a lone surrogate in the message
+    of a tool's exception, from a name decoded with `surrogateescape`) written as '?'. Left as it is, it
+    failed the commit of the whole batch, every other call in it with it."""
+    if text is None or text.isascii():
+        return text
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return text.encode(errors="replace").decode()
+    return text
 
 
 def _arguments_text(arguments: Any) -> str:

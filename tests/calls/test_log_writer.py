@@ -17,7 +17,9 @@ from app.calls.log_writer import CallLogWriter, CallRecord
 from app.db.call_log import stands
 from app.db.models import ANSWERED_OUTCOMES, RolloutRow, ToolCall
 from app.deps import app_state
-from tests.conftest import call_body, new_trace
+from app.sdk import Pack
+from tests.conftest import AppFactory, call_body, new_trace
+from tests.packs import faults_pack
 
 
 async def test_concurrent_calls_share_commits_and_all_are_logged(client: httpx.AsyncClient) -> None:
@@ -261,6 +263,38 @@ async def test_a_nul_character_is_answered_and_logged(client: httpx.AsyncClient)
         logged = {call_id: output for call_id, output in rows}
     assert len(logged) == 6
     assert logged["nul"] == "Error: bad\ufffdbyte"
+
+
+unencodable_pack = Pack("unencodable")
+
+
+@unencodable_pack.tool
+async def crash_naming_a_file() -> str:
+    """Crash with a message no UTF-8 encoder writes (a file name decoded with `surrogateescape`)."""
+    await asyncio.sleep(0.01)  # while the other calls of the test run: their records share its batch
+    raise RuntimeError("no file " + b"caf\xe9".decode("utf-8", "surrogateescape"))
+
+
+async def test_a_crash_message_no_encoder_writes_is_logged_and_spoils_no_batch(
+    app_factory: AppFactory,
+) -> None:
+    trace = new_trace()
+    async with app_factory(packs=[unencodable_pack, faults_pack]) as client:
+        crash = call_body({}, trace_id=trace, call_id="crash")
+        bodies = [call_body({"reason": f"fine {i}"}, trace_id=trace, call_id=f"ok{i}") for i in range(10)]
+        answers = await asyncio.gather(
+            client.post("/tools/crash_naming_a_file", json=crash),
+            *(client.post("/tools/refuse", json=body) for body in bodies),
+        )
+        assert [r.status_code for r in answers] == [500] + [200] * 10
+        async with app_state(client.app).sessionmaker() as session:  # type: ignore[attr-defined]
+            rows = await session.execute(
+                select(ToolCall.call_id, ToolCall.outcome, ToolCall.error).where(ToolCall.trace_id == trace)
+            )
+            logged = {call_id: (outcome, error) for call_id, outcome, error in rows}
+    assert len(logged) == 11
+    outcome, error = logged["crash"]
+    assert outcome == "tool_crash" and "RuntimeError: no file caf" in error
 
 
 def _commit_threads(writer: CallLogWriter, monkeypatch: pytest.MonkeyPatch) -> list[str]:

@@ -303,7 +303,7 @@ class ToolCallService:
             arguments=call.arguments_text,
             output=output,
             outcome=outcome,
-            error=_loggable(error),
+            error=_encodable(error),
             status_code=status,
             started_at=call.started_at,
             ended_at=ended,
@@ -634,8 +634,9 @@ class ToolCallService:
                 f"tool {spec.name!r} did not finish within {self.tool_timeout:g} s"
             ) from exc
         except ToolUnavailable as exc:
-            log.warning("tool %s unavailable (trace_id=%s): %s", spec.name, call.trace_id, exc.message)
-            raise ServiceUnavailable(f"tool {spec.name!r} is unavailable: {exc.message}") from exc
+            message = _encodable(exc.message)
+            log.warning("tool %s unavailable (trace_id=%s): %s", spec.name, call.trace_id, message)
+            raise ServiceUnavailable(f"tool {spec.name!r} is unavailable: {message}") from exc
         except ServiceUnavailable:
             raise
         except Exception as exc:
@@ -689,10 +690,11 @@ def _model_error(message: str) -> StoredAnswer:
     return StoredAnswer(output=truncate_output(f"Error: {message}", MODEL_ERROR_BYTES), outcome="model_error")
 
 
-def _loggable(text: str | None) -> str | None:
-    """An error's text as the log stores it: what UTF-8 cannot encode (a lone surrogate in the message
-    of a tool's exception, from a name decoded with `surrogateescape`) written as '?'. Left as it is, it
-    failed the commit of the whole batch, every other call in it with it."""
+def _encodable(text: str | None) -> str | None:
+    """A tool's error text as an answer and the log can carry it: what UTF-8 cannot encode (a lone
+    surrogate in the message of a tool's exception, from a name decoded with `surrogateescape`) written
+    as '?'. Left as it is, the answer could not be written, and its log record failed the commit of the
+    whole batch, every other call in it with it."""
     if text is None or text.isascii():
         return text
     try:

@@ -12,7 +12,7 @@ from sqlalchemy import select
 
 from app.db.models import ToolCall
 from app.deps import app_state
-from app.sdk import Pack, ToolError
+from app.sdk import Pack, ToolError, ToolUnavailable
 from tests.conftest import ADMIN_KEY, API_KEYS, GRADER_KEY, AppFactory, call_body, new_trace
 
 
@@ -203,6 +203,22 @@ async def test_a_call_answered_by_a_bug_s_500_is_logged(app_factory: AppFactory)
         assert r.status_code == 500
         [row] = await logged(client, trace)
         assert (row.outcome, row.status_code, row.output) == ("infra_error", 500, None)
+
+
+@unsendable_pack.tool
+def unavailable_unsendably() -> str:
+    """Report an outage whose message no UTF-8 encoder writes."""
+    raise ToolUnavailable("no mount named " + b"caf\xe9".decode("utf-8", "surrogateescape"))
+
+
+async def test_an_outage_message_no_encoder_writes_is_still_a_503(app_factory: AppFactory) -> None:
+    async with app_factory(packs=[unsendable_pack]) as client:
+        trace = new_trace()
+        r = await client.post(
+            "/tools/unavailable_unsendably", json=call_body({}, trace_id=trace, call_id="c1")
+        )
+        assert r.status_code == 503 and r.headers["Retry-After"]
+        assert "no mount named caf" in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("as_text", [True, False], ids=["text", "object"])

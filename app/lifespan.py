@@ -20,6 +20,7 @@ from app.calls.log_writer import CallLogWriter
 from app.calls.service import ToolCallService
 from app.config import ApiKey, Settings
 from app.db.migrate import SchemaOutOfDate, check_schema, unreachable_database
+from app.db.models import WORKER_MAX
 from app.db.session import Database, build_engine, build_sessionmaker
 from app.deps import AppState, set_app_state, set_startup_failure
 from app.episodes.episode import check_submit_is_free
@@ -35,6 +36,7 @@ from app.remote.build import build_model_http, build_remote
 from app.remote.service import RemoteRolloutService
 from app.retention.service import keep_partitions, upkeep_round
 from app.rollouts.build import build_store
+from app.rollouts.identity import fit
 from app.rollouts.store import RolloutStore
 from app.sdk import Pack
 from app.telemetry import Tracing, build_tracing
@@ -61,7 +63,9 @@ def _freeze_startup_objects() -> None:
 
 
 def worker_name(settings: Settings) -> str:
-    return settings.worker_name or f"{socket.gethostname()}:{os.getpid()}"
+    """The name each logged call and remote rollout keeps of its worker, fitted to its column (a host's
+    fully qualified name may be 253 characters: Postgres refused every commit of the call log)."""
+    return fit(settings.worker_name or f"{socket.gethostname()}:{os.getpid()}", WORKER_MAX)
 
 
 def _keys(settings: Settings) -> list[ApiKey]:

@@ -20,6 +20,7 @@ from sparring.wire import REPLAYED as REPLAYED
 # by app/db/call_log.py.
 # How a call arrived: the tool routes (rft: training), or the MCP server (mcp: production, local agents).
 CHANNELS = ("rft", "mcp", "user")
+WORKER_MAX = 128  # tool_calls.worker, remote_rollouts.worker: a worker's name (app.lifespan.worker_name)
 
 
 class RolloutRow(Base):
@@ -80,7 +81,7 @@ class ToolCall(Base):
     started_at: Mapped[datetime] = mapped_column(UtcDateTime())
     ended_at: Mapped[datetime] = mapped_column(UtcDateTime())
     latency_ms: Mapped[float] = mapped_column(Float)
-    worker: Mapped[str] = mapped_column(String(128))
+    worker: Mapped[str] = mapped_column(String(WORKER_MAX))
     run: Mapped[str | None] = mapped_column(String(200))
     item_key: Mapped[str | None] = mapped_column(String(128))
     channel: Mapped[str] = mapped_column(String(16), default="rft", server_default="rft")
@@ -188,7 +189,7 @@ class RemoteRollout(Base):
     summary: Mapped[dict[str, Any]] = mapped_column(JsonColumn, default=dict)
     # The init request without its API key (metadata, completion parameters, messages, tools, item).
     request: Mapped[dict[str, Any]] = mapped_column(JsonColumn, default=dict)
-    worker: Mapped[str] = mapped_column(String(128))
+    worker: Mapped[str] = mapped_column(String(WORKER_MAX))
     lease_until: Mapped[datetime] = mapped_column(UtcDateTime())
     created_at: Mapped[datetime] = mapped_column(UtcDateTime())
     finished_at: Mapped[datetime | None] = mapped_column(UtcDateTime())

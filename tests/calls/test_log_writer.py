@@ -297,6 +297,23 @@ async def test_a_crash_message_no_encoder_writes_is_logged_and_spoils_no_batch(
     assert outcome == "tool_crash" and "RuntimeError: no file caf" in error
 
 
+@pytest.mark.parametrize("name", ["w" * 300, None], ids=["set", "hostname"])
+async def test_a_worker_name_longer_than_its_column_is_logged_on_every_backend(
+    app_factory: AppFactory, monkeypatch: pytest.MonkeyPatch, name: str | None
+) -> None:
+    # A long SPARRING_WORKER_NAME, or a host's fully qualified name (up to 253 characters).
+    monkeypatch.setattr("socket.gethostname", lambda: "h" * 253)
+    async with app_factory(worker_name=name) as client:
+        trace = new_trace()
+        r = await client.post("/tools/increment", json=call_body({"by": 1}, trace_id=trace, call_id="c1"))
+        assert r.status_code == 200, r.text
+        async with app_state(client.app).sessionmaker() as session:  # type: ignore[attr-defined]
+            [worker] = (
+                await session.scalars(select(ToolCall.worker).where(ToolCall.trace_id == trace))
+            ).all()
+    assert len(worker) <= 128 and worker.startswith("w" * 50 if name else "h" * 50)
+
+
 def _commit_threads(writer: CallLogWriter, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The names of the threads the SQLite batches of `writer` commit in, as they commit."""
     batch = writer._sqlite

@@ -272,6 +272,7 @@ def _call_service(
         tool_timeout=settings.tool_timeout_seconds,
         metrics=metrics,
         tracing=tracing,
+        retry_after=settings.retry_after_seconds,
     )
     stack.push_async_callback(call_service.aclose)  # its log corrections, while the writer still runs
     return call_service

@@ -166,6 +166,7 @@ class ToolCallService:
     tool_timeout: float
     metrics: Metrics
     tracing: Tracing | None = None  # None: tracing is off (app/telemetry.py)
+    retry_after: int = 2  # the Retry-After of the 503s it raises itself (SPARRING_RETRY_AFTER_SECONDS)
     # Answers `send_message_to_user` when SPARRING_USER_TOOL offers it (set by the lifespan).
     conversations: Conversations | None = None
     # The labelled metric children, looked up once per (tool, outcome) instead of on every call.
@@ -585,7 +586,9 @@ class ToolCallService:
                 base = spec.base()
             except Exception as exc:
                 log.exception("pack %s could not load its base state", spec.pack)
-                raise ServiceUnavailable(f"pack {spec.pack!r} could not load its data: {exc}") from exc
+                raise ServiceUnavailable(
+                    f"pack {spec.pack!r} could not load its data: {exc}", retry_after=self.retry_after
+                ) from exc
             state = RolloutState(base, began.changes.get(spec.pack, {}), writable=spec.mutates)
         if spec.context_param is not None:
             assert state is not None
@@ -631,12 +634,15 @@ class ToolCallService:
             return _model_error(exc.message), {}
         except TimeoutError as exc:
             raise ServiceUnavailable(
-                f"tool {spec.name!r} did not finish within {self.tool_timeout:g} s"
+                f"tool {spec.name!r} did not finish within {self.tool_timeout:g} s",
+                retry_after=self.retry_after,
             ) from exc
         except ToolUnavailable as exc:
             message = _encodable(exc.message)
             log.warning("tool %s unavailable (trace_id=%s): %s", spec.name, call.trace_id, message)
-            raise ServiceUnavailable(f"tool {spec.name!r} is unavailable: {message}") from exc
+            raise ServiceUnavailable(
+                f"tool {spec.name!r} is unavailable: {message}", retry_after=self.retry_after
+            ) from exc
         except ServiceUnavailable:
             raise
         except Exception as exc:

@@ -28,7 +28,9 @@ def build_store(settings: Settings) -> RolloutStore:
                 "SPARRING_REDIS_CLUSTER=true needs SPARRING_REDIS_URL (a seed node of the cluster)"
             )
         return MemoryRolloutStore(
-            ttl_seconds=settings.state_ttl_seconds, lock_wait=settings.tool_timeout_seconds
+            ttl_seconds=settings.state_ttl_seconds,
+            lock_wait=settings.tool_timeout_seconds,
+            retry_after=settings.retry_after_seconds,
         )
     client = _cluster_client(settings.redis_url, settings) if settings.redis_cluster else _client(settings)
     return RedisRolloutStore(
@@ -38,6 +40,7 @@ def build_store(settings: Settings) -> RolloutStore:
         claim_timeout=settings.claim_timeout_seconds,
         lock_wait=settings.tool_timeout_seconds,
         key_prefix=settings.redis_key_prefix,
+        retry_after=settings.retry_after_seconds,
     )
 
 

@@ -37,9 +37,10 @@ class _Rollout:
 class MemoryRolloutStore:
     kind = "memory"
 
-    def __init__(self, *, ttl_seconds: float, lock_wait: float = 300.0) -> None:
+    def __init__(self, *, ttl_seconds: float, lock_wait: float = 300.0, retry_after: int = 2) -> None:
         self._ttl = ttl_seconds
         self._lock_wait = lock_wait
+        self._retry_after = retry_after  # the Retry-After of its 503s (SPARRING_RETRY_AFTER_SECONDS)
         self._rollouts: dict[str, _Rollout] = {}
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._last_sweep = time.time()
@@ -80,7 +81,9 @@ class MemoryRolloutStore:
                     await held.acquire()
             except TimeoutError:
                 self._settle(ticket, None)
-                raise StoreUnavailable("timed out waiting for the rollout's lock") from None
+                raise StoreUnavailable(
+                    "timed out waiting for the rollout's lock", retry_after=self._retry_after
+                ) from None
             except BaseException:
                 self._settle(ticket, None)
                 raise
@@ -107,14 +110,17 @@ class MemoryRolloutStore:
                 return entry
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise StoreUnavailable(f"call {call_id} is still running elsewhere")
+                raise self._still_running(call_id)
             try:
                 answer = await asyncio.wait_for(asyncio.shield(entry[1]), remaining)
             except TimeoutError:
-                raise StoreUnavailable(f"call {call_id} is still running elsewhere") from None
+                raise self._still_running(call_id) from None
             if answer is not None:
                 return answer
             # The first attempt failed without an answer: loop and claim it ourselves.
+
+    def _still_running(self, call_id: str) -> StoreUnavailable:
+        return StoreUnavailable(f"call {call_id} is still running elsewhere", retry_after=self._retry_after)
 
     def _settle(self, ticket: Ticket, answer: StoredAnswer | None) -> None:
         rollout = self._rollouts.get(ticket.trace_id)

@@ -136,8 +136,10 @@ class RedisRolloutStore:
         lock_wait: float,
         op_timeout: float = 5.0,
         key_prefix: str = DEFAULT_KEY_PREFIX,
+        retry_after: int = 2,
     ) -> None:
         self._redis = client
+        self._retry_after = retry_after  # the Retry-After of its 503s (SPARRING_RETRY_AFTER_SECONDS)
         self._namespace = key_prefix  # every key is `<key_prefix>:{<trace id>}:...`
         self._lock_wait = lock_wait
         self._ttl_ms = int(ttl_seconds * 1000)
@@ -176,8 +178,11 @@ class RedisRolloutStore:
         # The caller gets a stable message; what the driver said (hosts, ports, error kinds) is logged.
         log.warning("rollout state store failed: %s: %s", type(exc).__name__, exc)
         if isinstance(exc, TimeoutError):
-            return StoreUnavailable(f"rollout state store did not answer within {self._op_timeout:g} s")
-        return StoreUnavailable("rollout state store unreachable")
+            return self._refused(f"rollout state store did not answer within {self._op_timeout:g} s")
+        return self._refused("rollout state store unreachable")
+
+    def _refused(self, message: str) -> StoreUnavailable:
+        return StoreUnavailable(message, retry_after=self._retry_after)
 
     async def _guard(self, operation: Awaitable[T]) -> T:
         """Run one Redis operation under one deadline; an unreachable or hung Redis is a 503.
@@ -229,7 +234,7 @@ class RedisRolloutStore:
                         async with asyncio.timeout(self._lock_wait):
                             await local.lock.acquire()
                     except TimeoutError:
-                        raise StoreUnavailable("timed out waiting for the rollout's lock") from None
+                        raise self._refused("timed out waiting for the rollout's lock") from None
                 else:
                     await local.lock.acquire()
             except BaseException:
@@ -271,12 +276,12 @@ class RedisRolloutStore:
             # or for the call holding the rollout's lock (in another process) to finish.
             if kind == "busy":
                 if time.monotonic() >= call_deadline:
-                    raise StoreUnavailable(f"call {ticket.call_id} is still running elsewhere")
+                    raise self._refused(f"call {ticket.call_id} is still running elsewhere")
                 await asyncio.sleep(busy_pause)
                 busy_pause = min(busy_pause * 2, 0.1)
             else:
                 if time.monotonic() >= lock_deadline:
-                    raise StoreUnavailable("timed out waiting for the rollout's lock")
+                    raise self._refused("timed out waiting for the rollout's lock")
                 await asyncio.sleep(lock_pause)
                 lock_pause = min(lock_pause * 1.5, 0.05)
 
@@ -360,11 +365,9 @@ class RedisRolloutStore:
                     args.append(orjson.dumps(value))
         applied = await self._run(self._finish, ticket.trace_id, ticket.call_id, args)
         if applied == 0:
-            raise StoreUnavailable(
-                "this call's claim lapsed while it ran; a retry will get the stored answer"
-            )
+            raise self._refused("this call's claim lapsed while it ran; a retry will get the stored answer")
         if applied == -1:
-            raise StoreUnavailable(
+            raise self._refused(
                 "the rollout's lock lapsed while this call ran; nothing was applied, a retry runs it again"
             )
 

@@ -324,6 +324,16 @@ async def test_docs_need_an_admin_key_unless_public(app_factory: AppFactory) -> 
         assert (await client.get("/openapi.json")).status_code == 200
 
 
+async def test_a_tool_past_its_deadline_is_a_503_with_the_configured_retry_after(
+    app_factory: AppFactory,
+) -> None:
+    async with app_factory(retry_after_seconds=7, tool_timeout_seconds=0.2) as client:
+        r = await client.post(
+            "/tools/slow", json=call_body({"seconds": 2}, trace_id=new_trace(), call_id="c1")
+        )
+        assert r.status_code == 503 and r.headers["Retry-After"] == "7", (r.headers, r.text)
+
+
 async def test_never_429_even_when_the_log_queue_is_full(app_factory: AppFactory) -> None:
     async with app_factory(log_queue_size=1, log_batch_size=1) as client:
         import asyncio

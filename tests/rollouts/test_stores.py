@@ -6,12 +6,14 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
+from app.rollouts.build import build_store
 from app.rollouts.memory import MemoryRolloutStore
 from app.rollouts.redis_store import RedisRolloutStore
 from app.rollouts.store import (
@@ -23,7 +25,7 @@ from app.rollouts.store import (
     StoreUnavailable,
     Ticket,
 )
-from tests.conftest import REDIS_KEY_PREFIX, REDIS_URL, new_trace
+from tests.conftest import REDIS_KEY_PREFIX, REDIS_URL, make_settings, new_trace
 from tests.redis_cluster import LocalCluster
 
 ANSWER = StoredAnswer(output='{"ok":true}', outcome="ok")
@@ -252,6 +254,21 @@ async def test_lock_wait_runs_out(store: RolloutStore) -> None:
     finally:
         if short is not store:
             await short.aclose()
+
+
+@pytest.mark.parametrize("redis_url", [None, REDIS_URL], ids=["memory", "redis"])
+async def test_a_stores_503_says_the_configured_retry_after(tmp_path: Path, redis_url: str | None) -> None:
+    settings = make_settings(tmp_path, redis_url=redis_url, tool_timeout_seconds=0.1, retry_after_seconds=7)
+    store = build_store(settings)
+    try:
+        trace = new_trace()
+        held = await ticket(store, trace, None, lock=True)
+        with pytest.raises(StoreUnavailable, match="lock") as info:
+            await begin(store, trace, "c2", lock=True)
+        assert info.value.headers() == {"Retry-After": "7"}
+        await store.finish(held, {}, ANSWER)
+    finally:
+        await store.aclose()
 
 
 async def test_redis_local_locks_are_dropped_when_no_call_needs_them() -> None:

@@ -684,7 +684,14 @@ async def _within(call: Awaitable[Any], seconds: float) -> Any:
         timer.cancel()
 
 
-_JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean"}
+_JSON_TYPES = {
+    list: "an array",
+    str: "a string",
+    int: "a number",
+    float: "a number",
+    bool: "a boolean",
+    type(None): "null",
+}
 
 
 # An `Error: ...` output's cap: what a mistake says (the names and values it echoes, a tool's message)

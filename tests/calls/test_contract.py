@@ -106,6 +106,11 @@ async def test_functions_prefix_on_the_name_is_accepted(client: httpx.AsyncClien
         ),
         (
             "/tools/increment",
+            {"arguments": "null"},
+            "Error: the arguments for 'increment' must be a JSON object, not null",
+        ),
+        (
+            "/tools/increment",
             {"arguments": '{"by": "lots"}'},
             "Error: invalid arguments for 'increment': by: Input should be a valid integer",
         ),

@@ -14,6 +14,7 @@ from typing import Annotated, Any
 from fastapi import Depends, Request, Response
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from starlette.applications import Starlette
+from starlette.convertors import Convertor, register_url_convertor
 
 from app.auth import KeyRing
 from app.calls.log_writer import CallLogWriter
@@ -29,6 +30,7 @@ from app.packs import Registry
 from app.remote.service import RemoteRolloutService
 from app.rollouts.store import RolloutStore
 from sparring.usersim import SimulatedUser
+from sparring.wire import path_trace_key
 
 _STATE = "sparring"  # the one name under app.state
 
@@ -95,6 +97,25 @@ def database(app: Starlette) -> Database:
     """The database boundary (app/db/session.py) on the app's current session factory."""
     state = app_state(app)
     return Database(state.sessionmaker, state.settings.retry_after_seconds)
+
+
+class TraceIdConvertor(Convertor[str]):
+    """`{trace_id:trace}`: a trace id in a path, whole, given to the route as its stored key. It may hold
+    "/" (escaped in the pages' links, decoded before routing), and a control character is the 400 of
+    `reject_control_characters`, not "no route" (`:path` matches no line break). An id too long for
+    the column is the id the calls sent, so it names the rollout its calls were logged under. One with a
+    control character stays whole for that 400 (keyed, its tail would be hashed out of sight)."""
+
+    regex = r"[\s\S]+"
+
+    def convert(self, value: str) -> str:
+        return value if has_control_character(value) else path_trace_key(value)
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("trace", TraceIdConvertor())
 
 
 def reject_control_characters(request: Request) -> None:

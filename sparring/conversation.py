@@ -25,6 +25,7 @@ import json
 import logging
 from collections.abc import Mapping
 from typing import Any, Protocol
+from urllib.parse import quote
 
 import httpx
 
@@ -207,7 +208,8 @@ class HttpTranscripts:
         if self.refused:
             return
         conversation = conversation_of(result, model=model or self.model, source=self.source)
-        url = f"{self.server.url.rstrip('/')}/rollouts/{result.trace_id}/transcript"
+        # Escaped whole: a trainer's own trace id may hold "/", "?", "#" or "%".
+        url = f"{self.server.url.rstrip('/')}/rollouts/{quote(result.trace_id, safe='')}/transcript"
         headers = {**self.server.headers, "Content-Type": "application/json"}
         content = json.dumps(conversation, ensure_ascii=False).encode()
         try:

@@ -6,36 +6,14 @@ from collections.abc import AsyncIterator
 from typing import Annotated
 
 from fastapi import Depends, Request
-from starlette.convertors import Convertor, register_url_convertor
 
-from app.db.text import has_control_character
-from app.deps import DatabaseDep, app_state
+from app.deps import DatabaseDep, app_state  # also registers `{trace_id:trace}`
 from app.review.agreement import GraderAgreement
 from app.review.audit import AuditThresholds, RunAudit
 from app.review.labels import RolloutLabels
 from app.review.service import RolloutReview
 from app.review.session import require_login
 from app.review.statistics import RunStatistics
-from sparring.wire import path_trace_key
-
-
-class TraceIdConvertor(Convertor[str]):
-    """`{trace_id:trace}`: a trace id in a path, whole, given to the route as its stored key. It may hold
-    "/" (escaped in the pages' links, decoded before routing), and a control character is the 400 of
-    `reject_control_characters`, not "no route" (`:path` matches no line break). An id too long for
-    the column is the id the calls sent, so it names the rollout its calls were logged under. One with a
-    control character stays whole for that 400 (keyed, its tail would be hashed out of sight)."""
-
-    regex = r"[\s\S]+"
-
-    def convert(self, value: str) -> str:
-        return value if has_control_character(value) else path_trace_key(value)
-
-    def to_string(self, value: str) -> str:
-        return value
-
-
-register_url_convertor("trace", TraceIdConvertor())
 
 
 async def rollout_review(db: DatabaseDep) -> AsyncIterator[RolloutReview]:

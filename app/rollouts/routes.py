@@ -11,13 +11,12 @@ from app.errors import NotFound
 from app.rollouts.timeline import read_timeline
 from app.rollouts.transcripts import TranscriptRepository, checked_conversation
 from app.sdk import RolloutState
-from sparring.wire import path_trace_key
 
 # Ids and filters with a control character are a 400 here as in the review API (app/deps.py).
 router = APIRouter(prefix="/rollouts", tags=["rollouts"], dependencies=[Depends(reject_control_characters)])
 
 
-@router.get("/{trace_id}/state")
+@router.get("/{trace_id:trace}/state")
 async def get_rollout_state(
     trace_id: str,
     _: AdminKey,
@@ -33,7 +32,6 @@ async def get_rollout_state(
     Every pack the rollout changed or called a tool of (a rollout that changed nothing shows its base);
     404 for a rollout the server never saw.
     """
-    trace_id = path_trace_key(trace_id)  # the key of the store and of the log alike (sparring.wire)
     changes = await store.changes(trace_id)
     async with db.session() as session:
         timeline = await read_timeline(session, trace_id)
@@ -56,7 +54,7 @@ async def get_rollout_state(
 
 
 @router.put(
-    "/{trace_id}/transcript",
+    "/{trace_id:trace}/transcript",
     openapi_extra={
         "requestBody": {"required": True, "content": {"application/json": {"schema": {"type": "object"}}}}
     },
@@ -71,7 +69,6 @@ async def put_transcript(trace_id: str, request: Request, _: GraderKey, db: Data
     """
     body = await request.body()
     conversation = checked_conversation(body)
-    key = path_trace_key(trace_id)
     async with db.session(write=True) as session:
-        await TranscriptRepository(session).put(key, conversation, len(body))
-    return {"trace_id": key, "messages": len(conversation["messages"]), "size_bytes": len(body)}
+        await TranscriptRepository(session).put(trace_id, conversation, len(body))
+    return {"trace_id": trace_id, "messages": len(conversation["messages"]), "size_bytes": len(body)}

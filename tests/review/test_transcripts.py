@@ -155,3 +155,18 @@ async def test_the_client_stores_conversations_and_stops_asking_a_server_that_re
         for _ in range(3):
             await refused.store(_result(new_trace()))  # never raises: the run goes on
     assert refused.refused and sent == ["PUT"]  # the 403 is not asked again
+
+
+async def test_the_client_stores_the_conversation_of_a_trace_id_a_url_would_misread(
+    review: ReviewApp,
+) -> None:
+    """A trainer's own trace id (a path, a query, a percent sign) names the rollout it is, and a later
+    rollout's conversation is still stored (a misrouted PUT is not taken for a server without the route)."""
+    kept = HttpTranscripts(review.client, Endpoint("http://sparring", GRADER), model="m", source="trainer")
+    odd = [f"{new_trace()}/step?1#a", f"{new_trace()}%2F", new_trace()]
+    for trace in odd:
+        await kept.store(_result(trace))
+    assert not kept.refused and kept.failures == 0
+    async with review.sessions() as session:
+        rows = [await TranscriptRepository(session).get(trace) for trace in odd]
+    assert all(row is not None and row.model == "m" for row in rows)

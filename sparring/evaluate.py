@@ -26,6 +26,7 @@ from sparring.loop import (
     Policy,
     RolloutResult,
     ToolCaller,
+    routes_json,
     run_rollout,
 )
 from sparring.tracing import RolloutTracing
@@ -44,14 +45,22 @@ class DatasetError(ValueError):
 
 
 def read_dataset(path: Path) -> list[DatasetLine]:
-    """Every non-blank line of an RFT dataset JSONL; a bad line is an error naming its number."""
+    """Every non-blank line of an RFT dataset JSONL; a bad line is an error naming its number.
+
+    A line is read as the routes read its calls' and grades' JSON (`routes_json`): a line they would
+    refuse is refused here, before a model turn is spent on it.
+    """
     lines: list[DatasetLine] = []
-    with path.open(encoding="utf-8") as handle:
-        for number, text in enumerate(handle, start=1):
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DatasetError(f"{path}:{number}: not UTF-8 ({exc})") from None
             if not text.strip():
                 continue
             try:
-                obj = json.loads(text)
+                obj = routes_json(text)
                 if not isinstance(obj, dict):
                     raise ValueError("not a JSON object")
                 lines.append(DatasetLine.from_json(obj))

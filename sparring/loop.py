@@ -50,7 +50,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from sparring.tracing import RolloutTracing, mark_failed, record_rollout, record_usage
-from sparring.wire import FailureKind, nested_deeper_than, new_trace_id
+from sparring.wire import JSON_DEPTH_MAX, FailureKind, nested_deeper_than, new_trace_id
 
 if TYPE_CHECKING:
     from sparring.usersim import SimulatedUser, UserConversation, UserReply
@@ -312,6 +312,40 @@ def _finite_int(text: str) -> int:
     return value
 
 
+def _lone_surrogate(value: Any) -> bool:
+    """Whether a string of `value` (a key included) holds a lone surrogate, which no UTF-8 encoder writes."""
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            if not node.isascii():
+                try:
+                    node.encode("utf-8")
+                except UnicodeEncodeError:
+                    return True
+        elif isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return False
+
+
+def routes_json(text: str) -> Any:
+    """`text` read as JSON the way the tool and grade routes read it (orjson): a ValueError for what they
+    refuse, NaN or Infinity, a number past the largest double, a lone surrogate (Python's json takes them
+    all), or nesting deeper than JSON_DEPTH_MAX."""
+    try:
+        value = json.loads(text, parse_constant=_not_json, parse_float=_finite_float, parse_int=_finite_int)
+    except RecursionError:  # a line repeating "[" nests past Python's recursion limit
+        raise ValueError(f"nests more than {JSON_DEPTH_MAX} levels deep") from None
+    if nested_deeper_than(value):
+        raise ValueError(f"nests more than {JSON_DEPTH_MAX} levels deep")
+    if _lone_surrogate(value):
+        raise ValueError("holds a lone surrogate (an unpaired \\ud800-\\udfff escape), which is not text")
+    return value
+
+
 def build_sample(
     final_text: str, last_batch: Sequence[FunctionCall], final_turn_calls: Sequence[FunctionCall] = ()
 ) -> dict[str, Any]:
@@ -329,12 +363,8 @@ def build_sample(
     stripped = final_text.strip()
     if stripped[:1] in ("{", "["):
         try:
-            output_json = json.loads(
-                stripped, parse_constant=_not_json, parse_float=_finite_float, parse_int=_finite_int
-            )
-        except (ValueError, RecursionError):  # a model repeating "[" nests past Python's recursion limit
-            output_json = None
-        if nested_deeper_than(output_json):  # past what the grade routes take: graded as its text
+            output_json = routes_json(stripped)
+        except ValueError:  # what the grade routes would refuse: graded as its text
             output_json = None
     return {
         "choices": [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import httpx
 import httpx2
@@ -10,7 +11,7 @@ import openai
 import pytest
 
 from sparring.canaries import all_canaries, gold_calls, placeholder, reference_text
-from sparring.evaluate import FinishedRollout, line_key
+from sparring.evaluate import DatasetError, FinishedRollout, line_key, read_dataset
 from sparring.http import (
     Attempt,
     Endpoint,
@@ -34,6 +35,29 @@ def test_a_line_is_keyed_as_the_server_keys_it() -> None:
     assert hashed.startswith("sha256:") and hashed == line_key(
         {"reference_answer": [1, 2], "question": "what?"}
     )
+
+
+@pytest.mark.parametrize(
+    ("bad", "reason"),
+    [
+        (b'"score": NaN', "NaN is not a JSON number"),
+        (b'"score": 1e400', "past the largest double"),
+        (b'"name": "\\ud800"', "lone surrogate"),
+        (b'"deep": ' + b"[" * 129 + b"]" * 129, "nests more than 128 levels"),
+        (b'"deep": ' + b"[" * 100_000 + b"]" * 100_000, "nests more than 128 levels"),
+        (b'"name": "caf\xe9"', "not UTF-8"),
+    ],
+)
+def test_a_dataset_line_no_route_would_read_is_refused_naming_it(
+    tmp_path: Path, bad: bytes, reason: str
+) -> None:
+    """What the routes' JSON reader refuses (every call and grade of the line would be a 400), or what
+    no encoder writes back (a lone surrogate: the run stopped at its first call), names its line."""
+    good = b'{"messages": [{"role": "user", "content": "hi"}], "id": 1}\n'
+    dataset = tmp_path / "data.jsonl"
+    dataset.write_bytes(good + b'{"messages": [{"role": "user", "content": "hi"}], ' + bad + b"}\n")
+    with pytest.raises(DatasetError, match=f"data.jsonl:2: .*{reason}"):
+        read_dataset(dataset)
 
 
 def test_job_config_headers_are_filled_from_the_environment_keys() -> None:

@@ -151,7 +151,8 @@ class Journal:
         if not self.path.exists():
             return []
         records = []
-        for text in self.path.read_text(encoding="utf-8").splitlines():
+        # Split on "\n" alone: JSON leaves U+2028, U+2029 and U+0085 inside a line, `splitlines` breaks there.
+        for text in self.path.read_text(encoding="utf-8").split("\n"):
             if text.strip():
                 try:
                     records.append(FinishedRollout(**json.loads(text)))

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from sparring.canaries import all_canaries, gold_calls, placeholder, reference_text
-from sparring.evaluate import DatasetError, FinishedRollout, line_key, read_dataset
+from sparring.evaluate import DatasetError, FinishedRollout, Journal, line_key, read_dataset
 from sparring.http import (
     Attempt,
     Endpoint,
@@ -161,6 +161,19 @@ async def test_gold_plays_one_call_per_turn_then_answers_and_loop_repeats() -> N
 
 def record(policy: str, item: str, score: float | None, discarded: str | None = None) -> FinishedRollout:
     return FinishedRollout(item, 0, policy, "trace_x", score, discarded, "answer", 0, 0, 0, 0, 0.0)
+
+
+def test_the_journal_gives_back_records_whose_text_holds_a_unicode_line_break(tmp_path: Path) -> None:
+    """JSON writes U+2028, U+2029 and U+0085 as they are: a record holding one is still one line."""
+    journal = Journal(tmp_path / "run.jsonl")
+    records = [
+        record("model", "id:a\u2028b", 1.0),
+        record("model", "id:c", None, "tool_failed: x\x85y: HTTP 503\u2029"),
+        record("model", "id:d", 0.0),
+    ]
+    for each in records:
+        journal.append(each)
+    assert journal.load() == records
 
 
 def test_the_verdict_fails_on_a_scoring_canary_or_a_weak_gold() -> None:

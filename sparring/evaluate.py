@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import sys
 import time
@@ -162,8 +163,13 @@ class Journal:
 
     def append(self, record: FinishedRollout) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a", encoding="utf-8") as handle:
-            handle.write(json.dumps(asdict(record), ensure_ascii=False) + "\n")
+        line = (json.dumps(asdict(record), ensure_ascii=False) + "\n").encode()
+        with self.path.open("a+b") as handle:
+            if handle.seek(0, os.SEEK_END) > 0:
+                handle.seek(-1, os.SEEK_END)
+                if handle.read(1) != b"\n":  # a line cut by a crash: this record starts a line of its own
+                    line = b"\n" + line
+            handle.write(line)
 
 
 def graded_keys(records: Iterable[FinishedRollout]) -> set[tuple[str, str, int]]:

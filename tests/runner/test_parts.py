@@ -176,6 +176,16 @@ def test_the_journal_gives_back_records_whose_text_holds_a_unicode_line_break(tm
     assert journal.load() == records
 
 
+def test_a_record_appended_after_a_line_cut_by_a_crash_is_kept(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "run.jsonl")
+    first, second = record("model", "id:a", 1.0), record("model", "id:b", 0.0)
+    journal.append(first)
+    with journal.path.open("a", encoding="utf-8") as handle:
+        handle.write('{"item_key": "id:c", "sam')  # the process died mid-write
+    journal.append(second)
+    assert journal.load() == [first, second]
+
+
 def test_the_verdict_fails_on_a_scoring_canary_or_a_weak_gold() -> None:
     records = [
         record("empty", "a", 0.0), record("empty", "b", 0.0),

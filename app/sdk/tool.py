@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import re
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -37,6 +38,8 @@ StartingFiles = Callable[[Any, Mapping[str, Any]], Mapping[str, str]]
 B = TypeVar("B", bound=DatasetBuilder)
 
 _MISSING = object()
+# A function name as the OpenAI and Foundry APIs take it (ASCII only: `str.isalnum` takes "é" and "²").
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def _allows_none(annotation: Any) -> bool:
@@ -136,7 +139,7 @@ def build_spec(
     tool_name = name or fn.__name__
     if inline and inspect.iscoroutinefunction(fn):
         raise ToolDefinitionError(f"tool {tool_name!r}: inline=True is for synchronous functions")
-    if not tool_name.replace("_", "").replace("-", "").isalnum() or len(tool_name) > 64:
+    if not TOOL_NAME.fullmatch(tool_name):
         raise ToolDefinitionError(f"tool name {tool_name!r} must be 1-64 letters, digits, '_' or '-'")
     doc = description if description is not None else inspect.getdoc(fn)
     if not doc:

@@ -100,6 +100,28 @@ def test_untyped_parameter_is_refused() -> None:
         build_spec(f)
 
 
+@pytest.mark.parametrize("name", ["café", "x²", "工具", "a b", "a" * 65])
+def test_a_name_the_platform_refuses_is_refused_at_definition(name: str) -> None:
+    """A function name is `^[a-zA-Z0-9_-]{1,64}$` for the OpenAI and Foundry APIs: a pack whose tool
+    has another name must not start, only to fail when a job or a dataset names it."""
+
+    def f(x: int) -> int:
+        """Doc."""
+        return x
+
+    with pytest.raises(ToolDefinitionError, match="must be 1-64 letters, digits"):
+        build_spec(f, name=name)
+
+
+@pytest.mark.parametrize("name", ["get_order", "get-order", "_private", "A1", "a" * 64])
+def test_a_name_the_platform_takes_is_taken(name: str) -> None:
+    def f(x: int) -> int:
+        """Doc."""
+        return x
+
+    assert build_spec(f, name=name).name == name
+
+
 def test_duplicate_names_are_refused() -> None:
     pack = Pack("t")
 

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
+import math
 import os
 import time
 import uuid
@@ -757,27 +758,31 @@ def _bind(spec: ToolSpec, arguments: Any) -> tuple[dict[str, Any], dict[str, Any
         values = spec.bind(raw)
     except ValidationError as exc:
         return _model_error(f"invalid arguments for {spec.name!r}: {describe_validation_error(exc)}")
-    if _wide_integer(values):
-        # Lax validation reads "999...9" as an int of any size, which no JSON store (orjson, Redis,
-        # Postgres's bigint) writes back: the model is told, instead of the call failing after the tool.
-        return _model_error(
-            f"invalid arguments for {spec.name!r}: an integer beyond 64 bits (-2**63 to 2**63 - 1)"
-        )
+    # What the model sent (a tool's own default, math.inf say, is the tool's to write).
+    unwritable = _unwritable_number([values.get(name) for name, given in raw.items() if given is not None])
+    if unwritable is not None:
+        # Lax validation reads "999...9" as an int of any size and "NaN", "Infinity" or "1e400" as a
+        # float no JSON store (orjson, Redis, Postgres's bigint) writes back (the memory store kept it):
+        # the model is told, instead of the call failing after the tool or its state changing by store.
+        return _model_error(f"invalid arguments for {spec.name!r}: {unwritable}")
     return raw, values
 
 
 _INT64 = range(-(2**63), 2**63)
 
 
-def _wide_integer(value: Any) -> bool:
-    """Whether `value` (bound arguments: dicts, lists, tuples, sets, models, dataclasses) holds an int
-    outside 64 bits."""
+def _unwritable_number(value: Any) -> str | None:
+    """What makes `value` (bound arguments: dicts, lists, tuples, sets, models, dataclasses) unwritable
+    as JSON: an int outside 64 bits, or a float that is not finite; None when it holds neither."""
     stack = [value]
     while stack:
         node = stack.pop()
         if type(node) is int:
             if node not in _INT64:
-                return True
+                return "an integer beyond 64 bits (-2**63 to 2**63 - 1)"
+        elif type(node) is float:
+            if not math.isfinite(node):
+                return f"{node} is not a finite number"
         elif isinstance(node, dict):
             stack.extend(node.values())
         elif isinstance(node, list | tuple | set | frozenset):
@@ -787,4 +792,4 @@ def _wide_integer(value: Any) -> bool:
             stack.extend((node.__pydantic_extra__ or {}).values())
         elif dataclasses.is_dataclass(node) and not isinstance(node, type):
             stack.extend(getattr(node, item.name) for item in dataclasses.fields(node))
-    return False
+    return None

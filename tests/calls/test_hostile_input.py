@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 import httpx
@@ -90,6 +91,7 @@ def set_bags(ctx: ToolContext, total_baggages: int) -> str:
 class Box:
     n: int
     inner: list[dict[str, int]]
+    weight: float = 0.0
 
 
 @big_pack.tool(mutates=True)
@@ -97,6 +99,25 @@ def store_box(ctx: ToolContext, box: Box) -> str:
     """Stores a dataclass the model filled in."""
     ctx.state.put("boxes", "b", {"n": box.n, "inner": box.inner})
     return "stored"
+
+
+@big_pack.tool(mutates=True)
+def set_price(ctx: ToolContext, price: float, box: Box | None = None) -> str:
+    """Stores the number the model chose (a price, a balance)."""
+    ctx.state.put("prices", "p", {"price": price})
+    return "stored"
+
+
+@big_pack.tool
+def under(price: float, limit: float = math.inf) -> str:
+    """Whether the price is under the limit (none by default)."""
+    return "yes" if price < limit else "no"
+
+
+@big_pack.tool
+def read_price(ctx: ToolContext) -> str:
+    """The stored price, as the next call of the rollout reads it."""
+    return repr(ctx.state.get("prices", "p"))
 
 
 @big_pack.tool
@@ -134,6 +155,31 @@ async def test_an_integer_beyond_64_bits_is_an_error_output_on_every_backend(app
     assert kept.status_code == 200 and kept.json()["output"] == f"updated to {2**63 - 1}"
     # A wide int the tool computed itself is written as JSON too.
     assert computed.status_code == 200 and json.loads(computed.json()["output"]) == {"value": 2**100}
+
+
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-inf", "1e400"])
+async def test_a_number_that_is_not_finite_is_an_error_output_on_every_backend(
+    app_factory: AppFactory, number: str
+) -> None:
+    """Lax validation reads "NaN", "Infinity" or "1e400" sent as text as a float no JSON store writes
+    (memory kept nan, Redis stored null): the model is told, and the state keeps its last price."""
+    async with app_factory(packs=[big_pack]) as client:
+        trace = new_trace()
+        await client.post("/tools/set_price", json=call_body({"price": 2.5}, trace_id=trace))
+        top = await client.post("/tools/set_price", json=call_body({"price": number}, trace_id=trace))
+        nested = await client.post(
+            "/tools/set_price",
+            json=call_body({"price": 1.0, "box": {"n": 1, "inner": [], "weight": number}}, trace_id=trace),
+        )
+        read = await client.post("/tools/read_price", json=call_body({}, trace_id=trace))
+        unlimited = await client.post(
+            "/tools/under", json=call_body({"price": 3, "limit": None}, trace_id=trace)
+        )
+    assert top.status_code == 200 and top.json()["output"].startswith("Error: invalid arguments")
+    assert "not a finite number" in top.json()["output"]
+    assert nested.status_code == 200 and "not a finite number" in nested.json()["output"]
+    assert read.json()["output"] == "{'price': 2.5}"
+    assert unlimited.json()["output"] == "yes"  # the tool's own default is not the model's mistake
 
 
 @pytest.mark.parametrize("where", ["an argument", "the tool's name"])

@@ -301,14 +301,15 @@ def chat_messages(transcript: Transcript, *, developer_role: str = "system") -> 
                 for c in turn.calls
             ]
         messages.append(assistant)
-        # A call not sent (past the call budget) still needs an answer for the next request to be valid.
-        answered = {result.call.call_id: result.output or "" for result in step.results}
-        for call in turn.calls:
+        # The results are those of the turn's first calls, in its order (a model may give two calls one
+        # id); a call not sent (past the call budget) still needs an answer for the next request.
+        outputs = [result.output or "" for result in step.results]
+        for index, call in enumerate(turn.calls):
             messages.append(
                 {
                     "role": "tool",
                     "tool_call_id": call.call_id,
-                    "content": answered.get(call.call_id, "Error: tool call limit reached"),
+                    "content": outputs[index] if index < len(outputs) else "Error: tool call limit reached",
                 }
             )
         if step.reply is not None:

@@ -15,14 +15,17 @@ from sparring.http import HttpGrader, HttpToolCaller, Retry
 from sparring.loop import (
     DatasetLine,
     EpisodeLimits,
+    FunctionCall,
     GradeOutcome,
     ModelFailure,
     ModelTurn,
+    Step,
+    ToolResult,
     Transcript,
     build_sample,
     run_rollout,
 )
-from sparring.policies import ChatPolicy, ResponsesPolicy, make_policy
+from sparring.policies import ChatPolicy, ResponsesPolicy, chat_messages, make_policy
 from sparring.wire import JSON_DEPTH_MAX, nested_deeper_than
 from tests.conftest import ADMIN_KEY, AppFactory
 from tests.packs import counter_pack, faults_pack
@@ -141,6 +144,20 @@ async def test_a_model_that_numbers_the_calls_of_each_answer_anew_has_every_call
     answered = [(m["call_id"], json.loads(m["content"])["value"]) for m in kept if m["role"] == "tool"]
     assert asked == [c["call_id"] for c in logged["timeline"]] == ["call_0", "call_0~1"]
     assert answered == [("call_0", 101), ("call_0~1", 103)]
+
+
+def test_calls_of_one_answer_sharing_an_id_each_read_their_own_output() -> None:
+    """A model server that gives every call of an answer one id: the chat conversation answers each
+    call with its own result, in the turn's order (a map by id gave both the last one's)."""
+    calls = (FunctionCall("call", "increment", '{"by": 1}'), FunctionCall("call", "increment", '{"by": 2}'))
+    step = Step(
+        turn=ModelTurn(calls=calls),
+        results=[ToolResult(call=calls[0], output="101"), ToolResult(call=calls[1], output="103")],
+        sent=["call", "call~1"],
+    )
+    transcript = Transcript("trace_dup", [{"role": "user", "content": "go"}], [], {}, steps=[step])
+    tool_messages = [m for m in chat_messages(transcript) if m["role"] == "tool"]
+    assert [(m["tool_call_id"], m["content"]) for m in tool_messages] == [("call", "101"), ("call", "103")]
 
 
 @pytest.mark.parametrize("failures", [3, 1])

@@ -148,12 +148,20 @@ class HttpxTransport:
     async def request(
         self, method: str, url: str, *, content: bytes | None, headers: Mapping[str, str], seconds: float
     ) -> HttpAnswer:
+        # httpx's timeout bounds each wait (to connect, for the next bytes), not the whole exchange: an
+        # answer trickling in would hold the call for ever. The deadline is the whole request's.
+        scope = asyncio.timeout(seconds)
         try:
-            response = await self.client.request(
-                method, url, content=content, headers=headers, timeout=seconds
-            )
+            async with scope:
+                response = await self.client.request(
+                    method, url, content=content, headers=headers, timeout=seconds
+                )
         except httpx.HTTPError as exc:
             raise TransportError(f"{type(exc).__name__}: {exc}".rstrip(": ")) from exc
+        except TimeoutError as exc:
+            if not scope.expired():
+                raise
+            raise TransportError(f"no whole answer within {seconds:g} s") from exc
         return HttpAnswer(response.status_code, response.headers, response.content, response.reason_phrase)
 
 

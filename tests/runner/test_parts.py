@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import httpx
@@ -17,6 +19,7 @@ from sparring.http import (
     Endpoint,
     HttpAnswer,
     HttpGrader,
+    HttpToolCaller,
     Retry,
     ToolEndpoints,
     fill_placeholders,
@@ -251,6 +254,32 @@ async def test_a_score_that_is_not_a_finite_number_is_no_score(score: bytes) -> 
             {"output_text": "x"}, {}, "trace_not_finite"
         )
     assert outcome.score is None and outcome.attempts == 2 and outcome.failure_kind == "infra_error"
+
+
+async def test_a_tool_answer_trickling_in_is_cut_at_the_calls_timeout() -> None:
+    """httpx's timeout bounds each wait for a byte, not the call: a proxy sending a byte now and then
+    held the call (and the rollout) past its timeout, which is the whole call's, as the platform's."""
+
+    class Trickle(httpx.AsyncByteStream):
+        async def __aiter__(self) -> AsyncIterator[bytes]:
+            yield b'{"output": "'
+            for _ in range(40):
+                await asyncio.sleep(0.05)
+                yield b"x"
+            yield b'"}'
+
+    answers = httpx.MockTransport(lambda request: httpx.Response(200, stream=Trickle()))
+    async with httpx.AsyncClient(transport=answers) as client:
+        caller = HttpToolCaller(
+            client,
+            ToolEndpoints.for_server("http://sparring", {}),
+            retry=Retry(attempts=2, delay_s=0.0, max_delay_s=0.0),
+            timeout_s=0.3,
+        )
+        started = time.perf_counter()
+        result = await caller.call(FunctionCall("c1", "slow", "{}"), trace_id="trace_trickle", item={})
+    assert time.perf_counter() - started < 1.5
+    assert result.output is None and result.failure_kind == "infra_error" and result.attempts == 2
 
 
 def test_an_http_status_names_its_failure_kind() -> None:

@@ -81,7 +81,7 @@ class ToolEndpoints:
             url = entry.get("server_url")
             if not isinstance(url, str) or not url:
                 raise ValueError(f"tool {entry['name']!r} has no `server_url`")
-            headers = fill_placeholders(entry.get("headers") or {}, secrets)
+            headers = fill_placeholders(headers_of(entry, f"tool {entry['name']!r}"), secrets)
             by_name[entry["name"]] = Endpoint(url=url, headers=headers)
         return cls(by_name=by_name)
 
@@ -94,6 +94,14 @@ class ToolEndpoints:
         return Endpoint(
             url=self.fallback.url.replace("{name}", quote(name, safe="")), headers=self.fallback.headers
         )
+
+
+def headers_of(entry: Mapping[str, Any], what: str) -> Mapping[str, Any]:
+    """The `headers` of a job config's tool or grader entry ({} without them); ValueError unless an object."""
+    headers = entry.get("headers") or {}
+    if not isinstance(headers, Mapping):
+        raise ValueError(f"{what}: `headers` must be an object of header names and values")
+    return headers
 
 
 def fill_placeholders(headers: Mapping[str, Any], secrets: Mapping[str, str]) -> dict[str, str]:

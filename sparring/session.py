@@ -40,6 +40,7 @@ from sparring.http import (
     TransportError,
     as_transport,
     fill_placeholders,
+    headers_of,
 )
 from sparring.loop import DatasetLine, EpisodeLimits, Policy, function_of
 from sparring.report import PASS_SCORE, build_report, canary_report
@@ -127,7 +128,7 @@ def job_config_target(
     try:
         tools = ToolEndpoints.from_job_config(config, secrets)
         entry = config.get("grader")
-        headers = fill_placeholders(entry.get("headers") or {}, secrets) if isinstance(entry, dict) else {}
+        headers = fill_placeholders(headers_of(entry, "grader"), secrets) if isinstance(entry, dict) else {}
     except ValueError as exc:
         raise TargetError(f"job config: {exc}") from exc
     if grader_url or grader:

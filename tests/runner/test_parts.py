@@ -29,6 +29,7 @@ from sparring.http import (
 from sparring.loop import DatasetLine, FunctionCall, ModelFailure, Step, Transcript
 from sparring.policies import failure_of, what_to_check
 from sparring.report import CANARY_FIXES, canary_report
+from sparring.session import TargetError, job_config_target
 from sparring.wire import failure_kind_of_status
 
 
@@ -86,6 +87,19 @@ def test_job_config_headers_are_filled_from_the_environment_keys() -> None:
     assert endpoints.resolve("c") is None
     with pytest.raises(ValueError, match="SPARRING_GRADER_KEY"):
         fill_placeholders({"Authorization": "Bearer <SPARRING_GRADER_KEY>"}, {"SPARRING_TOOLS_KEY": "k1"})
+
+
+@pytest.mark.parametrize("headers", [["Authorization: Bearer <SPARRING_TOOLS_KEY>"], "Bearer x"])
+def test_job_config_headers_that_are_not_an_object_are_a_clear_error(headers: object) -> None:
+    config = {"tools": [{"name": "a", "server_url": "https://h/tools/a", "headers": headers}]}
+    with pytest.raises(ValueError, match="tool 'a': `headers` must be an object"):
+        ToolEndpoints.from_job_config(config, {"SPARRING_TOOLS_KEY": "k1"})
+    with_grader = {
+        "tools": [{"name": "a", "server_url": "https://h/tools/a"}],
+        "grader": {"type": "endpoint", "url": "https://h/grade", "headers": headers},
+    }
+    with pytest.raises(TargetError, match="grader: `headers` must be an object"):
+        job_config_target(with_grader, {})
 
 
 def test_one_server_serves_every_tool_at_its_own_url() -> None:

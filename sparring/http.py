@@ -112,7 +112,9 @@ def fill_placeholders(headers: Mapping[str, Any], secrets: Mapping[str, str]) ->
         for name, secret in secrets.items():
             text = text.replace(f"<{name}>", secret)
         if "<SPARRING_" in text:
-            missing = text[text.index("<") + 1 : text.index(">")] if ">" in text else text
+            start = text.index("<SPARRING_") + 1
+            end = text.find(">", start)
+            missing = text[start:end] if end >= 0 else text[start:]
             raise ValueError(f"header {key!r} needs {missing}: set it in the environment")
         filled[str(key)] = text
     return filled

@@ -87,6 +87,9 @@ def test_job_config_headers_are_filled_from_the_environment_keys() -> None:
     assert endpoints.resolve("c") is None
     with pytest.raises(ValueError, match="SPARRING_GRADER_KEY"):
         fill_placeholders({"Authorization": "Bearer <SPARRING_GRADER_KEY>"}, {"SPARRING_TOOLS_KEY": "k1"})
+    # The message names the missing key, not another <...> of the value.
+    with pytest.raises(ValueError, match="needs SPARRING_GRADER_KEY: set it"):
+        fill_placeholders({"X-Auth": "<scheme> <SPARRING_GRADER_KEY>"}, {})
 
 
 @pytest.mark.parametrize("headers", [["Authorization: Bearer <SPARRING_TOOLS_KEY>"], "Bearer x"])

@@ -134,6 +134,8 @@ def load_pack(name: str) -> Pack:
             f"no pack named {name!r} (SPARRING_PACKS): the packs are {known} "
             "(or give a module path, e.g. mypackage.tools)"
         ) from exc
+    except Exception as exc:  # the pack's own code: a tool the SDK refuses, a syntax error, ...
+        raise PackLoadError(f"pack {name!r} cannot be imported: {type(exc).__name__}: {exc}") from exc
     pack = getattr(module, "pack", None)
     if not isinstance(pack, Pack):
         raise PackLoadError(f"module {module_name!r} has no `pack` (an app.sdk.Pack)")

@@ -15,6 +15,7 @@ from pydantic import AliasChoices, Field
 
 import app.lifespan
 from app.errors import StartupError
+from app.packs import PackLoadError, Registry
 from app.sdk import (
     Base,
     CheckResult,
@@ -230,3 +231,25 @@ def test_resources_of_another_kind_are_a_clear_error() -> None:
     )
     with pytest.raises(ToolDefinitionError, match="resources to be a Notebook, got NoneType"):
         view.resource(Notebook)
+
+
+@pytest.mark.parametrize(
+    ("module", "source", "reason"),
+    [
+        ("nodoc", "@pack.tool\ndef nodoc(x: int) -> int:\n    return x\n", "tool 'nodoc' needs a docstring"),
+        ("syntax", "@pack.tool\ndef broken(x: int) -> int\n", "invalid syntax|expected ':'"),
+    ],
+)
+def test_a_pack_module_that_fails_to_import_stops_the_server_with_its_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module: str, source: str, reason: str
+) -> None:
+    """A mistake in a pack's own code (a tool the SDK refuses, a syntax error) is the one line naming the
+    pack and the mistake, as an unknown pack is: never a traceback of the import."""
+    package = tmp_path / f"badpacks_{module}"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "tools.py").write_text(f"from app.sdk import Pack\n\npack = Pack('bad')\n\n{source}")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    name = f"badpacks_{module}.tools"
+    with pytest.raises(PackLoadError, match=f"pack '{name}' cannot be imported: .*({reason})"):
+        Registry.from_names([name])  # what `sparring serve` and the app's start-up load

@@ -7,10 +7,10 @@
 - a 200 answer's `output` is what the model reads (an `Error: ...` output included);
 - a 4xx (413 included) is shown to the model: the error body, serialized, as the platform does;
 - a grade is done when a 200 answer holds a numeric `score`; a 4xx to a grade is `refused` (a key, a
-  grader name or a body to fix) and not tried again;
-- otherwise (a 5xx, a timeout, a network error, a grade answer without a score) the call or grade is
-  tried again with the same `call_id` (`attempts` in all, 3 by default), then it failed for good and
-  the rollout is discarded.
+  grader name or a body to fix) and not tried again, but for a 408 or 429 ("not now");
+- otherwise (a 5xx, a timeout, a network error, a grade answer without a score, a 408 or 429 to a
+  grade) the call or grade is tried again with the same `call_id` (`attempts` in all, 3 by default),
+  then it failed for good and the rollout is discarded.
 
 That rule is `with_retries`, the one rule of tool calls and grades, whatever carries them: the
 server's in-process callers (`app.remote.runner`) use it too, naming their failures with the same

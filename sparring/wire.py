@@ -29,8 +29,8 @@ Outcome = Literal["ok", "model_error", "call_id_reused", "tool_crash", "infra_er
 - `tool_crash`: the tool raised (HTTP 500); the trainer retries, then discards the rollout;
 - `infra_error`: the environment failed (an outage, a timeout, a 5xx, no answer at all: HTTP 503);
 - `replayed`: a retry answered from the ledger with the first answer, the tool not run again;
-- `refused`: the server refused the request itself (a 4xx to a grade: a key, a grader name, a body to
-  fix); another try would meet the same answer.
+- `refused`: the server refused the request itself (a 4xx to a grade, but a 408 or 429: a key, a grader
+  name, a body to fix); another try would meet the same answer.
 """
 
 OK: Final = "ok"
@@ -54,11 +54,16 @@ FailureKind = Literal["tool_crash", "infra_error", "refused"]
 """Why a tool call or a grade gave nothing to use, on whichever path it went (HTTP or in-process)."""
 
 
+# The 4xx that say "not now" (too slow a request, too many of them): another try may pass.
+TRANSIENT_4XX: Final = frozenset({408, 429})
+
+
 def failure_kind_of_status(status: int) -> FailureKind:
-    """The failure an HTTP answer stands for: 500 is a crash, another 5xx the environment, a 4xx a refusal."""
+    """The failure an HTTP answer stands for: 500 is a crash, another 5xx (or a 408 or 429) the
+    environment, another 4xx a refusal."""
     if status == 500:
         return TOOL_CRASH
-    if status >= 500:
+    if status >= 500 or status in TRANSIENT_4XX:
         return INFRA_ERROR
     return REFUSED
 

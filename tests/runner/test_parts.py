@@ -299,6 +299,21 @@ async def test_a_tool_answer_trickling_in_is_cut_at_the_calls_timeout() -> None:
     assert result.output is None and result.failure_kind == "infra_error" and result.attempts == 2
 
 
+@pytest.mark.parametrize("status", [408, 429])
+async def test_a_grade_answered_too_many_requests_or_too_slow_is_tried_again(status: int) -> None:
+    """408 and 429 say "not now", not "never": the grade is tried again (as the platform retries any
+    failed grade), not refused at once and the rollout discarded."""
+    answers = iter(
+        [httpx.Response(status, headers={"Retry-After": "0"}), httpx.Response(200, json={"score": 1})]
+    )
+    transport = httpx.MockTransport(lambda request: next(answers))
+    async with httpx.AsyncClient(transport=transport) as client:
+        outcome = await HttpGrader(
+            client, Endpoint("http://grader/grade"), retry=Retry(attempts=3, delay_s=0.0, max_delay_s=0.0)
+        ).grade({"output_text": "x"}, {}, "trace_busy")
+    assert outcome.score == 1.0 and outcome.attempts == 2
+
+
 def test_an_http_status_names_its_failure_kind() -> None:
     assert [failure_kind_of_status(s) for s in (500, 502, 503, 504, 401, 404)] == [
         "tool_crash",

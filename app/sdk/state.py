@@ -6,6 +6,8 @@ import copy
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import orjson
+
 Base = Mapping[str, Mapping[str, Any]]
 Changes = dict[str, dict[str, Any]]
 
@@ -90,9 +92,16 @@ class RolloutState:
             yield key, self._lookup(collection, key)[1]
 
     def put(self, collection: str, key: str, value: Any) -> None:
+        """Keep `value` as the record: a private copy, as JSON keeps it (a tuple is a list, a date its ISO
+        text, NaN null) so a later call reads it alike from memory and from Redis; a TypeError naming the
+        record for what JSON cannot hold (a set, a key that is not a string, an int beyond 64 bits)."""
         if not self._writable:
             raise ReadOnlyState(f"tool is not declared mutates=True; it cannot write {collection}/{key}")
-        self._writes.setdefault(collection, {})[key] = private_copy(value)
+        try:
+            record = orjson.loads(orjson.dumps(value))
+        except orjson.JSONEncodeError as exc:
+            raise TypeError(f"the state record {collection}/{key} is not JSON: {exc}") from None
+        self._writes.setdefault(collection, {})[key] = record
 
     def delete(self, collection: str, key: str) -> None:
         self.put(collection, key, None)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
 from typing import Any
 
 import pytest
 
-from app.sdk import RolloutState
+from app.sdk import Pack, RolloutState, ToolContext
 from app.sdk.state import private_copy
+from tests.conftest import AppFactory, call_body, new_trace
 
 VALUES: list[Any] = [
     {"a": [1, 2.5, {"b": None, "c": True}], "d": "text", "e": {"f": [[], {}]}},
@@ -61,3 +62,54 @@ def test_changed_names_the_keys_a_rollout_wrote_or_deleted() -> None:
     state.delete("users", "a")
     assert state.changed("users") == {"a", "b", "c"}
     assert state.changed("orders") == set()
+
+
+shapes_pack = Pack("shapes")
+SHAPES: dict[str, Any] = {
+    "tuple": (1, 2),
+    "date": date(2024, 1, 2),
+    "nan": float("nan"),
+    "set": {1, 2},
+    "int_keys": {1: "a"},
+}
+
+
+@shapes_pack.tool(mutates=True)
+def keep(ctx: ToolContext, kind: str) -> str:
+    """Keeps a record holding a value of the kind named."""
+    ctx.state.put("things", kind, {"v": SHAPES[kind]})
+    return "kept"
+
+
+@shapes_pack.tool
+def read(ctx: ToolContext, kind: str) -> str:
+    """The record as the rollout's next call reads it."""
+    return repr(ctx.state.get("things", kind))
+
+
+async def test_a_record_reads_back_as_json_on_every_backend(app_factory: AppFactory) -> None:
+    """What a tool writes is kept as JSON: the next call reads the same record from memory as from
+    Redis (memory kept the tuple, the date and NaN as they were, Redis gave a list, a string and null),
+    and a record JSON cannot hold fails the tool on both (Redis failed only after the tool, a 500 of
+    its own; memory kept it)."""
+    trace = new_trace()
+    async with app_factory(packs=[shapes_pack]) as client:
+        answers = {}
+        for kind in SHAPES:
+            kept = await client.post("/tools/keep", json=call_body({"kind": kind}, trace_id=trace))
+            read_back = await client.post("/tools/read", json=call_body({"kind": kind}, trace_id=trace))
+            answers[kind] = (kept.status_code, read_back.json()["output"])
+    assert answers == {
+        "tuple": (200, "{'v': [1, 2]}"),
+        "date": (200, "{'v': '2024-01-02'}"),
+        "nan": (200, "{'v': None}"),
+        "set": (500, "None"),
+        "int_keys": (500, "None"),
+    }
+
+
+def test_a_record_json_cannot_hold_names_itself() -> None:
+    state = RolloutState({}, {}, writable=True)
+    with pytest.raises(TypeError, match="things/k is not JSON"):
+        state.put("things", "k", {"v": {1, 2}})
+    assert state.writes == {}

@@ -31,6 +31,7 @@ import httpx
 
 from sparring.http import Endpoint, Transport, TransportError, as_transport
 from sparring.loop import ModelTurn, RolloutResult, ToolResult, content_text
+from sparring.wire import call_key
 
 log = logging.getLogger(__name__)
 
@@ -147,15 +148,18 @@ def conversation_of(
     for step in transcript.steps:
         turn = step.turn
         # Each call named by the id the server logged it under (a model may use one id twice in a
-        # rollout, which the loop sends under another), so the review finds its logged call.
-        ids = step.sent + [call.call_id for call in turn.calls[len(step.sent) :]]
+        # rollout, which the loop sends under another; the log fits a long one to its column), so the
+        # review finds its logged call.
+        ids = [call_key(call_id) or call_id for call_id in step.sent] + [
+            call_key(call.call_id) or call.call_id for call in turn.calls[len(step.sent) :]
+        ]
         messages.append(
             {
                 "role": "assistant",
                 "content": turn.text,
                 "reasoning": reasoning_summary(turn),
                 "tool_calls": [
-                    {"call_id": call_id, "name": call.name, "arguments": call.arguments}
+                    {"call_id": call_id, "name": call.name[:MAX_NAME_CHARS], "arguments": call.arguments}
                     for call_id, call in zip(ids, turn.calls, strict=True)
                 ],
             }

@@ -12,6 +12,7 @@ from app.rollouts.transcripts import TranscriptRepository
 from sparring.conversation import HttpTranscripts, conversation_of, parse_conversation
 from sparring.http import Endpoint
 from sparring.loop import DatasetLine, FunctionCall, ModelTurn, RolloutResult, Step, ToolResult, Transcript
+from sparring.wire import call_key
 from tests.conftest import GRADER_KEY, TOOLS_KEY, new_trace
 from tests.review.conftest import ADMIN, ReviewApp
 
@@ -125,6 +126,22 @@ def test_the_loop_s_transcript_becomes_one_conversation() -> None:
     ]
     # What the loop builds is what the server accepts, unchanged.
     assert parse_conversation(conversation) == conversation
+
+
+def test_a_call_id_or_name_past_the_limits_is_named_as_the_log_names_it() -> None:
+    """A model's call id of 300 characters is logged fitted to its column (`call_key`): the conversation
+    names it so (the review pairs them by id), and the server takes the conversation (it refused ids
+    and names over 200 characters, so the rollout lost its whole conversation)."""
+    line = DatasetLine.from_json({"messages": [{"role": "user", "content": "go"}]})
+    long_id, long_name = "c" * 300, "n" * 300
+    call = FunctionCall(long_id, long_name, "{}")
+    step = Step(ModelTurn(calls=(call,)), [ToolResult(call, "Error: unknown tool")], sent=[long_id])
+    transcript = Transcript("trace_x", line.messages, [], line.item, [step])
+    conversation = conversation_of(RolloutResult("trace_x", transcript, "", "max_turns"))
+    assert parse_conversation(conversation) == conversation
+    [asked] = conversation["messages"][1]["tool_calls"]
+    assert asked["call_id"] == call_key(long_id) == conversation["messages"][2]["call_id"]
+    assert asked["name"] == long_name[:200]
 
 
 def _result(trace_id: str) -> RolloutResult:

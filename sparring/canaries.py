@@ -70,9 +70,14 @@ def placeholder(schema: Any) -> Any:
     if isinstance(kind, list):
         kind = next((k for k in kind if k != "null"), None)
     if kind is None and isinstance(schema.get("anyOf"), list) and schema["anyOf"]:
-        return placeholder(next((s for s in schema["anyOf"] if s.get("type") != "null"), schema["anyOf"][0]))
+        options = schema["anyOf"]  # `true` and `false` are schemas too
+        return placeholder(
+            next((s for s in options if isinstance(s, Mapping) and s.get("type") != "null"), options[0])
+        )
     if kind == "object":
-        properties = schema.get("properties") or {}
+        properties = schema.get("properties")
+        if not isinstance(properties, Mapping):
+            return {}
         return {name: placeholder(sub) for name, sub in properties.items()}
     return {"string": "test", "integer": 1, "number": 1, "boolean": False, "array": []}.get(str(kind))
 

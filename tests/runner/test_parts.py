@@ -144,6 +144,18 @@ def test_canary_inputs_come_from_the_item() -> None:
     assert placeholder(schema) == {"s": "test", "n": 1, "e": "b", "o": {"f": False}, "a": []}
 
 
+def test_a_placeholder_reads_boolean_subschemas_and_malformed_properties() -> None:
+    """JSON Schema allows `true` and `false` as schemas (in `anyOf` too): the loop canary calls such a
+    tool instead of stopping the canary run with an AttributeError; `properties` that are no object
+    give an empty one."""
+    schema = {
+        "type": "object",
+        "properties": {"a": {"anyOf": [True, {"type": "string"}]}, "b": {"anyOf": [{"type": "null"}, False]}},
+    }
+    assert placeholder(schema) == {"a": "test", "b": None}
+    assert placeholder({"type": "object", "properties": ["a"]}) == {}
+
+
 async def test_gold_plays_one_call_per_turn_then_answers_and_loop_repeats() -> None:
     line = DatasetLine.from_json(
         {

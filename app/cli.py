@@ -464,12 +464,39 @@ def dataset_tools(
     typer.echo(json.dumps(registry.dataset_tools(pack), indent=2))
 
 
+def _migrate(settings: Settings, step: Callable[[str, str], None], revision: str) -> None:
+    """Run an Alembic `step` (upgrade or downgrade) to `revision`, once the database answers: one that
+    cannot be reached is a failed exit naming the setting (as for every command that reads it), not the
+    driver's traceback; a migration that fails on a database that answers keeps its traceback."""
+    import asyncio
+
+    from app.db.migrate import unreachable_database
+    from app.db.session import build_engine
+    from app.errors import OUTAGES
+
+    url = settings.effective_database_url
+
+    async def reach() -> None:
+        engine = build_engine(url, pool_size=1)
+        try:
+            async with engine.connect():
+                pass
+        finally:
+            await engine.dispose()
+
+    try:
+        asyncio.run(reach())
+    except OUTAGES as exc:
+        raise fail(unreachable_database(url, exc), 1) from exc
+    step(url, revision)
+
+
 def _upgrade(settings: Settings, revision: str = "head") -> None:
     from app.db.migrate import upgrade
 
     if settings.is_embedded_db:
         settings.home.mkdir(parents=True, exist_ok=True)
-    upgrade(settings.effective_database_url, revision)
+    _migrate(settings, upgrade, revision)
 
 
 @db_cli.command("upgrade")
@@ -484,7 +511,7 @@ def db_downgrade(revision: Annotated[str, typer.Argument(help="Target revision, 
     """Migrate the database down to an earlier revision."""
     from app.db.migrate import downgrade
 
-    downgrade(load_settings().effective_database_url, revision)
+    _migrate(load_settings(), downgrade, revision)
     typer.echo(f"database at {revision}")
 
 

@@ -364,3 +364,30 @@ def test_a_command_on_a_database_never_migrated_says_what_to_run(
     )
     assert "never migrated" in result.output and "sparring db upgrade" in result.output, result.output
     assert "Traceback" not in result.output and "sqlalchemy" not in result.output.lower(), result.output
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["db", "upgrade"], ["db", "downgrade", "base"], ["serve", "--migrate"]],
+    ids=lambda command: "-".join(command).lstrip("-"),
+)
+def test_a_migration_on_an_unreachable_database_says_so_in_a_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, command: list[str]
+) -> None:
+    """`sparring db upgrade` (the entrypoint's and the migrate Job's step) on a database that is down:
+    the same line as every other command, exit 1, not the driver's traceback."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # nothing listens there once the socket is closed
+    monkeypatch.setenv("SPARRING_DATABASE_URL", f"postgresql+asyncpg://postgres:s3cret@127.0.0.1:{port}/x")
+    monkeypatch.setenv("SPARRING_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("SPARRING_API_KEYS", "tools:t1")
+    result = CliRunner().invoke(cli, command)
+    assert isinstance(result.exception, SystemExit) and result.exit_code == 1, (
+        result.exception,
+        result.output,
+    )
+    assert "cannot reach the database" in result.output and "SPARRING_DATABASE_URL" in result.output
+    assert "s3cret" not in result.output and "Traceback" not in result.output, result.output

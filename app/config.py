@@ -100,7 +100,7 @@ class Settings(BaseSettings):
     )
     docs_public: bool = Field(False, description="Serve /docs and /openapi.json without an admin key.")
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: int = Field(8000, ge=0, le=65535, description="TCP port `sparring serve` binds.")
     worker_name: str | None = None
     graders_file: Path | None = Field(
         None, description="YAML or JSON file of grader name -> config, served at /grade/{name}."

@@ -391,3 +391,22 @@ def test_a_migration_on_an_unreachable_database_says_so_in_a_line(
     )
     assert "cannot reach the database" in result.output and "SPARRING_DATABASE_URL" in result.output
     assert "s3cret" not in result.output and "Traceback" not in result.output, result.output
+
+
+@pytest.mark.parametrize("port", ["70000", "-1"])
+def test_serve_refuses_a_port_that_does_not_exist(monkeypatch: pytest.MonkeyPatch, port: str) -> None:
+    """A port past 65535 is refused before serving (the resolver took it modulo 65536: 70000 bound 4464
+    while the banner and uvicorn's line said 70000)."""
+    import uvicorn
+
+    seen: list[dict[str, object]] = []
+    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: seen.append(kwargs))
+    monkeypatch.setattr("app.cli._check_startup", lambda settings: None)  # no database here: not served
+    monkeypatch.setenv("SPARRING_API_KEYS", "tools:t1")
+    for given in (["serve", f"--port={port}"], ["serve"]):
+        monkeypatch.setenv("SPARRING_PORT", port)
+        get_settings.cache_clear()
+        result = CliRunner().invoke(cli, given)
+        assert result.exit_code == 2, result.output
+        assert "invalid settings" in result.output and "port" in result.output, result.output
+    assert seen == []

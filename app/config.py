@@ -35,7 +35,11 @@ def parse_api_keys(raw: str) -> list[ApiKey]:
         if not entry:
             continue
         scope, sep, secret = entry.partition(":")
-        if not sep or not secret.strip():
+        if not sep:  # the entry is likely a key given without its scope: not repeated in the message
+            raise ValueError(
+                f"API key entry must look like 'scope:key' (an entry has no scope: {', '.join(SCOPES)})"
+            )
+        if not secret.strip():
             raise ValueError(
                 f"API key entry must look like 'scope:key' (got an entry without a key: {scope!r})"
             )
@@ -46,7 +50,10 @@ def parse_api_keys(raw: str) -> list[ApiKey]:
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="SPARRING_", env_file=None, extra="ignore")
+    # A refused value is not repeated in the error: it may hold keys or a database password.
+    model_config = SettingsConfigDict(
+        env_prefix="SPARRING_", env_file=None, extra="ignore", hide_input_in_errors=True
+    )
 
     home: Path = Field(
         DEFAULT_HOME, description="Directory for the embedded database, generated keys and caches."

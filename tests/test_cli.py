@@ -410,3 +410,18 @@ def test_serve_refuses_a_port_that_does_not_exist(monkeypatch: pytest.MonkeyPatc
         assert result.exit_code == 2, result.output
         assert "invalid settings" in result.output and "port" in result.output, result.output
     assert seen == []
+
+
+@pytest.mark.parametrize(
+    "keys", ["admin:s3cret-admin-key,tools", "admin:s3cret-admin-key,admn:other", "s3cret-key-without-scope"]
+)
+def test_a_malformed_key_list_is_refused_without_printing_the_keys(
+    monkeypatch: pytest.MonkeyPatch, keys: str
+) -> None:
+    """The message names the bad entry; the keys (the admin's among them) stay out of the logs."""
+    monkeypatch.setenv("SPARRING_API_KEYS", keys)
+    get_settings.cache_clear()
+    result = CliRunner().invoke(cli, ["serve"])
+    assert result.exit_code == 2, result.output
+    assert "invalid settings" in result.output and "api_keys" in result.output, result.output
+    assert "s3cret" not in result.output, result.output

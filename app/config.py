@@ -308,6 +308,37 @@ class Settings(BaseSettings):
         parse_api_keys(value)
         return value
 
+    @field_validator("database_url")
+    @classmethod
+    def _check_database_url(cls, value: str | None) -> str | None:
+        """An SQLAlchemy URL with an async driver: refused here, not as the driver's traceback at start."""
+        if not value:
+            return None
+        from sqlalchemy.engine import make_url
+        from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+        expected = "e.g. postgresql+asyncpg://user:password@host/db or sqlite+aiosqlite:///path/to/file.db"
+        try:
+            dialect = make_url(value).get_dialect()
+        except (ArgumentError, NoSuchModuleError):
+            raise ValueError(
+                f"SPARRING_DATABASE_URL is not a database URL SQLAlchemy knows ({expected})"
+            ) from None
+        if not dialect.is_async:
+            raise ValueError(f"SPARRING_DATABASE_URL must name an async driver ({expected})")
+        return value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _check_redis_url(cls, value: str | None) -> str | None:
+        if not value:
+            return None
+        if not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(
+                "SPARRING_REDIS_URL must start with redis://, rediss:// or unix:// (e.g. redis://host:6379/0)"
+            )
+        return value
+
     @field_validator("remote_prefix")
     @classmethod
     def _check_remote_prefix(cls, value: str) -> str:

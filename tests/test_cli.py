@@ -425,3 +425,34 @@ def test_a_malformed_key_list_is_refused_without_printing_the_keys(
     assert result.exit_code == 2, result.output
     assert "invalid settings" in result.output and "api_keys" in result.output, result.output
     assert "s3cret" not in result.output, result.output
+
+
+@pytest.mark.parametrize(
+    ("name", "url"),
+    [
+        ("SPARRING_DATABASE_URL", "postgres://sparring:s3cret@127.0.0.1/sparring"),
+        ("SPARRING_DATABASE_URL", "postgresql://sparring:s3cret@127.0.0.1/sparring"),
+        ("SPARRING_DATABASE_URL", "127.0.0.1:5432/sparring"),
+        ("SPARRING_REDIS_URL", "127.0.0.1:6379"),
+        ("SPARRING_REDIS_URL", "http://:s3cret@127.0.0.1:6379/0"),
+    ],
+)
+def test_a_url_the_server_cannot_use_is_refused_before_serving(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, name: str, url: str
+) -> None:
+    """A database URL without an async driver, a Redis URL without its scheme: one line naming the
+    setting, exit 2 (they were tracebacks of the driver at start-up)."""
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: None)
+    monkeypatch.setenv("SPARRING_API_KEYS", "tools:t1")
+    monkeypatch.setenv("SPARRING_HOME", str(tmp_path))
+    monkeypatch.setenv(name, url)
+    get_settings.cache_clear()
+    result = CliRunner().invoke(cli, ["serve"])
+    assert isinstance(result.exception, SystemExit) and result.exit_code == 2, (
+        result.exception,
+        result.output,
+    )
+    assert "invalid settings" in result.output and name in result.output, result.output
+    assert "s3cret" not in result.output and "Traceback" not in result.output, result.output

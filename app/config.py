@@ -77,7 +77,9 @@ class Settings(BaseSettings):
     )
     api_keys: Annotated[str, NoDecode] = Field("", description="Comma-separated scope:key entries.")
     auth_header: str = Field(
-        "Authorization", description="Header carrying the key ('Bearer <key>' for Authorization)."
+        "Authorization",
+        pattern=r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$",  # an HTTP header name (RFC 9110 token)
+        description="Header carrying the key ('Bearer <key>' for Authorization).",
     )
     max_body_bytes: int = Field(1024 * 1024, ge=1024)
     max_output_bytes: int = Field(256 * 1024, ge=256)

@@ -456,3 +456,20 @@ def test_a_url_the_server_cannot_use_is_refused_before_serving(
     )
     assert "invalid settings" in result.output and name in result.output, result.output
     assert "s3cret" not in result.output and "Traceback" not in result.output, result.output
+
+
+@pytest.mark.parametrize("header", ["", "Authorization ", "X-Api-Key:", "X Api Key"])
+def test_a_key_header_no_request_can_send_is_refused_before_serving(
+    monkeypatch: pytest.MonkeyPatch, header: str
+) -> None:
+    """SPARRING_AUTH_HEADER must be a header name: with any other value every request was a 401."""
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: None)
+    monkeypatch.setattr("app.cli._check_startup", lambda settings: None)  # no database here: not served
+    monkeypatch.setenv("SPARRING_API_KEYS", "tools:t1")
+    monkeypatch.setenv("SPARRING_AUTH_HEADER", header)
+    get_settings.cache_clear()
+    result = CliRunner().invoke(cli, ["serve"])
+    assert result.exit_code == 2, result.output
+    assert "invalid settings" in result.output and "auth_header" in result.output, result.output

@@ -121,6 +121,11 @@ class _CountingBatchProcessor(BatchSpanProcessor):
             self.dropped(1)
         super().on_end(span)
 
+    def shutdown(self) -> None:
+        # The SDK waits up to 30 s for its last export (a collector that does not answer holds it for the
+        # exporter's whole timeout): a stopping server gives it a few seconds, then drops what is left.
+        self._batch_processor.shutdown(timeout_millis=_SHUTDOWN_MILLIS)
+
 
 def _resource(settings: Settings) -> Resource:
     """The SDK's resource (OTEL_RESOURCE_ATTRIBUTES, OTEL_SERVICE_NAME), `sparring` when unnamed."""

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
+from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.conftest import ADMIN_KEY, AppFactory, call_body, new_trace
+from tests.conftest import ADMIN_KEY, AppFactory, call_body, make_settings, new_trace
 from tests.telemetry.receiver import OtlpReceiver
 
 pytestmark = pytest.mark.parametrize("backend", ["embedded"])
@@ -79,4 +81,27 @@ async def test_calls_are_answered_while_the_collector_hangs_and_a_full_queue_dro
         assert await dropped(client) >= 6
         # The held export times out: its span is dropped too.
         await dropped_reaches(client, 7)
+        receiver.release()
+
+
+async def test_shutting_down_waits_for_a_hanging_collector_a_few_seconds_only(
+    backend: str, receiver: OtlpReceiver, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last export may hang on a collector that does not answer: shutdown gives it a few seconds,
+    not the exporter's timeout (which held a stopping server for up to 30 s)."""
+    from app.telemetry import build_tracing
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "30")
+    receiver.hold()
+    settings = make_settings(tmp_path, otel_exporter_otlp_endpoint=receiver.url)
+    lost: list[int] = []
+    tracing = build_tracing(settings, lost.append)
+    assert tracing is not None
+    tracing.tracer.start_span("a span").end()
+    try:
+        assert await asyncio.to_thread(receiver.holding.wait, 30)  # the export waits for an answer
+        started = time.monotonic()
+        await asyncio.to_thread(tracing.shutdown)
+        assert time.monotonic() - started < 10
+    finally:
         receiver.release()

@@ -341,6 +341,19 @@ class Settings(BaseSettings):
             )
         return value
 
+    @field_validator("otel_exporter_otlp_endpoint", "otel_exporter_otlp_traces_endpoint")
+    @classmethod
+    def _check_otlp_endpoint(cls, value: str | None) -> str | None:
+        """OTLP over HTTP: an http(s) URL, else every span would be lost to a failing export."""
+        if not value:
+            return None
+        if not value.startswith(("http://", "https://")):
+            raise ValueError(
+                "an OTLP endpoint must be an http:// or https:// URL (OTLP over HTTP, e.g. "
+                "http://collector:4318)"
+            )
+        return value
+
     @field_validator("remote_prefix")
     @classmethod
     def _check_remote_prefix(cls, value: str) -> str:

@@ -435,13 +435,16 @@ def test_a_malformed_key_list_is_refused_without_printing_the_keys(
         ("SPARRING_DATABASE_URL", "127.0.0.1:5432/sparring"),
         ("SPARRING_REDIS_URL", "127.0.0.1:6379"),
         ("SPARRING_REDIS_URL", "http://:s3cret@127.0.0.1:6379/0"),
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", "collector:4318"),
+        ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "grpc://collector:4317"),
     ],
 )
 def test_a_url_the_server_cannot_use_is_refused_before_serving(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, name: str, url: str
 ) -> None:
     """A database URL without an async driver, a Redis URL without its scheme: one line naming the
-    setting, exit 2 (they were tracebacks of the driver at start-up)."""
+    setting, exit 2 (they were tracebacks of the driver at start-up). An OTLP endpoint that is not an
+    http(s) URL too (it served, and lost every span)."""
     import uvicorn
 
     monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: None)

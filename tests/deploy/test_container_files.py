@@ -181,6 +181,40 @@ def test_every_sparring_variable_is_a_setting_and_every_setting_is_documented() 
         assert name in documented, f"docker-compose.yml uses ${{{name}}}, not documented in .env.example"
 
 
+def test_a_commented_line_of_the_env_file_shows_the_default() -> None:
+    """.env.example: "a commented line shows the default and changes nothing": the value the setting
+    takes when unset (compose's own `${NAME:-default}` where compose gives one)."""
+    compose_defaults = {
+        name: modifier[2:]
+        for name, modifier in COMPOSE_REFERENCE.findall(COMPOSE.read_text())
+        if modifier.startswith(":-")
+    }
+    commented = {}
+    for line in ENV_EXAMPLE.read_text().splitlines():
+        match = re.match(r"^#\s*([A-Z][A-Z0-9_]*)=(\S+)", line)
+        if match:
+            commented[match.group(1)] = match.group(2)
+    checked = 0
+    for model in (Settings, *PACK_SETTINGS):
+        for field_name, field in model.model_fields.items():
+            for name in env_names(field_name, model) & set(commented):
+                default = field.get_default(call_default_factory=True)
+                if isinstance(default, list):
+                    default = ",".join(default)
+                expected = compose_defaults.get(name, default)
+                shown = commented[name]
+                if isinstance(expected, bool):
+                    assert shown == str(expected).lower(), (
+                        f".env.example shows {name}={shown}, default {expected}"
+                    )
+                elif isinstance(expected, int | float):
+                    assert float(shown) == expected, f".env.example shows {name}={shown}, default {expected}"
+                else:
+                    assert shown == str(expected), f".env.example shows {name}={shown}, default {expected}"
+                checked += 1
+    assert checked > 30
+
+
 def test_no_secret_has_a_default() -> None:
     secrets = secret_names()
     assert {"SPARRING_API_KEYS", "SPARRING_JUDGE_API_KEY", "POSTGRES_PASSWORD"} <= secrets

@@ -476,3 +476,43 @@ def test_a_key_header_no_request_can_send_is_refused_before_serving(
     result = CliRunner().invoke(cli, ["serve"])
     assert result.exit_code == 2, result.output
     assert "invalid settings" in result.output and "auth_header" in result.output, result.output
+
+
+def test_export_to_a_file_it_cannot_write_blames_the_file_not_the_database(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("SPARRING_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("SPARRING_DATABASE_URL", raising=False)
+    assert CliRunner().invoke(cli, ["db", "upgrade"]).exit_code == 0
+    out = tmp_path / "no-such-dir" / "export.jsonl"
+    result = CliRunner().invoke(cli, ["export", "--out", str(out)])
+    assert isinstance(result.exception, SystemExit) and result.exit_code == 2, (
+        result.exception,
+        result.output,
+    )
+    assert str(out) in result.output and "database" not in result.output, result.output
+
+
+def test_export_into_a_pipe_closed_early_ends_quietly(tmp_path: Path) -> None:
+    """`sparring export | head`: the reader stopping is not a database failure."""
+    import subprocess
+    import sys
+
+    env = {
+        **os.environ,
+        "SPARRING_HOME": str(tmp_path / "home"),
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+    }
+    env.pop("SPARRING_DATABASE_URL", None)
+    command = [sys.executable, "-m", "app.cli"]
+    for args in (["db", "upgrade"], ["seed-rollouts", "--rollouts", "300", "--items", "10"]):
+        subprocess.run([*command, *args], env=env, check=True, capture_output=True, timeout=120)
+    exporting = subprocess.Popen(
+        [*command, "export"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert exporting.stdout is not None and exporting.stderr is not None
+    assert exporting.stdout.read(100)
+    exporting.stdout.close()  # the reader stops, as `head -c 100` does
+    errors = exporting.stderr.read().decode()
+    exporting.wait(timeout=120)
+    assert "database" not in errors and "Traceback" not in errors and "Exception" not in errors, errors

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Annotated, Any, TypeVar
 import typer
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.cli_support import load_settings, migrated_database
+from app.cli_support import fail, load_settings, migrated_database
 
 review_cli = typer.Typer(help="Review: export rollouts, recompute flags, seed synthetic runs.")
 
@@ -34,18 +35,37 @@ async def export_to(engine: AsyncEngine, run: str | None, out: Path | None) -> i
     from app.review.service import RolloutReview
 
     count = 0
-    sink = out.open("wb") if out is not None else sys.stdout.buffer
+    try:
+        sink = out.open("wb") if out is not None else sys.stdout.buffer
+    except OSError as exc:  # not the database's failure, which the command reports as such
+        raise fail(f"cannot write {out}: {exc.strerror or exc}") from exc
     try:
         async with build_sessionmaker(engine)() as session:
             async for line in RolloutReview(session).export_lines(run):
-                sink.write(line)
+                try:
+                    sink.write(line)
+                except OSError as exc:
+                    raise _write_failed(exc, out) from exc
                 count += 1
     finally:
-        if out is not None:
-            sink.close()
-        else:
-            sink.flush()
+        try:
+            if out is not None:
+                sink.close()
+            else:
+                sink.flush()
+        except OSError as exc:
+            raise _write_failed(exc, out) from exc
     return count
+
+
+def _write_failed(exc: OSError, out: Path | None) -> typer.Exit:
+    """The exit of an export whose output failed: quietly when the reader of standard output stopped
+    (`sparring export | head`), else what failed (a full disk), never as a database failure."""
+    if out is None and isinstance(exc, BrokenPipeError):
+        # What is left in the buffer has nobody to go to: standard output points at /dev/null from here.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return typer.Exit(1)
+    return fail(f"cannot write {out or 'to standard output'}: {exc.strerror or exc}", 1)
 
 
 @review_cli.command("export")

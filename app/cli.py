@@ -189,7 +189,11 @@ def _prepare_workers(settings: Settings, workers: int) -> None:
             f"error: refusing to serve on {settings.host} without API keys: set SPARRING_API_KEYS", err=True
         )
         raise typer.Exit(2)
-    if workers > 1 and settings.metrics_dir is None:
+    if settings.metrics_dir is not None:
+        # prometheus_client writes to files only under its own variable (read when it is imported, in
+        # each worker): a directory given as SPARRING_METRICS_DIR is handed on, or /metrics reads it empty.
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = settings.metrics_dir
+    elif workers > 1:
         # Workers write their metrics to files in one directory that /metrics aggregates.
         import tempfile
 

@@ -185,3 +185,29 @@ async def test_sigkilled_worker_lost_nothing_it_answered(
                 assert logged_by[(x.trace_id, x.call_id)] == worker_of[victim.url]
     # State agrees with what was answered (a call cut off by a kill may or may not have applied).
     assert await load.check_counters(survivor.url) == []
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+async def test_metrics_in_a_given_directory_count_every_workers_calls(
+    servers: Servers, module_database: str, tmp_path: Path, workers: str
+) -> None:
+    """SPARRING_METRICS_DIR (documented in .env.example): the workers write their metrics there and
+    /metrics sums them (it read an empty directory while each worker counted in its memory)."""
+    metrics_dir = tmp_path / "metrics"
+    metrics_dir.mkdir()
+    settings = server_settings(
+        database_url=module_database,
+        redis_url=REDIS_URL,
+        home=tmp_path / "M",
+        worker="M",
+        SPARRING_WORKERS=workers,
+        SPARRING_METRICS_DIR=str(metrics_dir),
+    )
+    server = await servers.start("M", settings, cli=True)
+    async with httpx.AsyncClient(headers=TOOLS_HEADERS, timeout=30) as client:
+        trace = new_trace()
+        for n in range(4):
+            r = await client.post(f"{server.url}/tools/increment", json=increment(trace, f"m{n}", 1))
+            assert r.status_code == 200, r.text
+        text = (await client.get(f"{server.url}/metrics", headers=ADMIN)).text
+    assert 'sparring_tool_calls_total{outcome="ok",tool="increment"} 4.0' in text, text[:2000]

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import re
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 SCORE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.99, 1.0)
@@ -62,7 +65,27 @@ class Metrics:
 
     def exposition(self) -> bytes:
         if self.multiprocess_dir:
+            _forget_dead_workers(self.multiprocess_dir)
             aggregate = CollectorRegistry()
             MultiProcessCollector(aggregate, path=self.multiprocess_dir)  # type: ignore[no-untyped-call]
             return generate_latest(aggregate)
         return generate_latest(self.registry)
+
+
+_LIVE_GAUGE_FILE = re.compile(r"^gauge_live[a-z]*_(\d+)\.db$")
+
+
+def _forget_dead_workers(directory: str) -> None:
+    """Drop the live-worker gauges of processes that are gone (a worker killed, and replaced by uvicorn):
+    what they had in progress is not in progress any more. Their counters stay."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for pid in {int(m.group(1)) for m in map(_LIVE_GAUGE_FILE.match, names) if m}:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]
+        except PermissionError:
+            pass  # alive, under another user

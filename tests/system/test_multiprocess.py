@@ -211,3 +211,25 @@ async def test_metrics_in_a_given_directory_count_every_workers_calls(
             assert r.status_code == 200, r.text
         text = (await client.get(f"{server.url}/metrics", headers=ADMIN)).text
     assert 'sparring_tool_calls_total{outcome="ok",tool="increment"} 4.0' in text, text[:2000]
+
+
+def test_a_dead_workers_calls_in_flight_leave_the_gauge(tmp_path: Path) -> None:
+    """A worker killed during calls (and replaced by uvicorn) counted them in flight: the gauge is the
+    live workers' sum, so they leave it (they stayed in it for good); what it answered stays counted."""
+    import os
+    import subprocess
+    import sys
+
+    from app.metrics import Metrics
+
+    worker = (
+        "from app.metrics import Metrics\n"
+        f"m = Metrics({str(tmp_path)!r})\n"
+        "m.tool_calls.labels('echo', 'ok').inc()\n"
+        "m.in_flight.inc(3)\n"  # then SIGKILLed, as it were: it never decrements
+    )
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", worker], env=env, check=True, timeout=60)
+    text = Metrics(str(tmp_path)).exposition().decode()
+    assert 'sparring_tool_calls_total{outcome="ok",tool="echo"} 1.0' in text, text
+    assert "sparring_tool_calls_in_flight 3.0" not in text, text

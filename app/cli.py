@@ -357,8 +357,12 @@ def job_config_command(
     Checked against the registry and graders the server would serve: anything a job would fail on
     (an unknown grader, /grade with no default grader, a plain http URL) is an error, exit 2.
     """
+    import math
+
     from app.platforms import FOUNDRY_GRADER_RATE_LIMIT, endpoint_grader_fields, foundry_job
 
+    if pass_threshold is not None and not math.isfinite(pass_threshold):
+        raise fail(f"--pass-threshold must be a finite score (got {pass_threshold})")
     settings = load_settings()
     chosen = _platform(platform)
     url = _public_url(base_url or settings.public_base_url, allow_http=allow_http)

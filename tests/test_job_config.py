@@ -92,6 +92,20 @@ def test_a_plain_http_base_url_is_an_error(monkeypatch: pytest.MonkeyPatch, tmp_
     assert allowed.exit_code == 0, allowed.output
 
 
+@pytest.mark.parametrize("threshold", ["nan", "inf", "-inf"])
+def test_a_pass_threshold_that_is_not_a_number_is_an_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, threshold: str
+) -> None:
+    """It was printed as `NaN` or `Infinity`: not JSON, so the job could not be created from it."""
+    graders(monkeypatch, tmp_path, ["exact"])
+    code, output = job_config("--pass-threshold", threshold)
+    assert code == 2 and "--pass-threshold" in output, output
+    code, output = job_config("--pass-threshold", "0.5")
+    assert (
+        code == 0 and json.loads(output)["job"]["method"]["reinforcement"]["grader"]["pass_threshold"] == 0.5
+    )
+
+
 def enabled(monkeypatch: pytest.MonkeyPatch, packs: str) -> None:
     monkeypatch.setenv("SPARRING_PACKS", packs)
     get_settings.cache_clear()

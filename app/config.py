@@ -50,9 +50,10 @@ def parse_api_keys(raw: str) -> list[ApiKey]:
 
 
 class Settings(BaseSettings):
-    # A refused value is not repeated in the error: it may hold keys or a database password.
+    # A refused value is not repeated in the error: it may hold keys or a database password. No setting
+    # is infinite or NaN (an infinite expiry or deadline cannot be given to Redis or a timer).
     model_config = SettingsConfigDict(
-        env_prefix="SPARRING_", env_file=None, extra="ignore", hide_input_in_errors=True
+        env_prefix="SPARRING_", env_file=None, extra="ignore", hide_input_in_errors=True, allow_inf_nan=False
     )
 
     home: Path = Field(

@@ -516,3 +516,29 @@ def test_export_into_a_pipe_closed_early_ends_quietly(tmp_path: Path) -> None:
     errors = exporting.stderr.read().decode()
     exporting.wait(timeout=120)
     assert "database" not in errors and "Traceback" not in errors and "Exception" not in errors, errors
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("SPARRING_LOCK_TIMEOUT_SECONDS", "inf"),
+        ("SPARRING_CLAIM_TIMEOUT_SECONDS", "Infinity"),
+        ("SPARRING_USER_TEMPERATURE", "inf"),
+        ("SPARRING_REMOTE_LEASE_SECONDS", "inf"),
+    ],
+)
+def test_an_infinite_setting_is_refused_before_serving(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    """A duration or a temperature must be a number: an infinite lock expiry was a traceback of the Redis
+    store at start-up, an infinite temperature a failure of every simulated user turn."""
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: None)
+    monkeypatch.setattr("app.cli._check_startup", lambda settings: None)  # no database here: not served
+    monkeypatch.setenv("SPARRING_API_KEYS", "tools:t1")
+    monkeypatch.setenv(name, value)
+    get_settings.cache_clear()
+    result = CliRunner().invoke(cli, ["serve"])
+    assert result.exit_code == 2, result.output
+    assert "invalid settings" in result.output and name.removeprefix("SPARRING_").lower() in result.output

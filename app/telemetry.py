@@ -35,6 +35,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.config import Settings
+from app.errors import StartupError
 from sparring.tracing import (
     CONVERSATION,
     ERROR_TYPE,
@@ -149,8 +150,15 @@ def build_provider(settings: Settings, dropped: Callable[[int], None]) -> Tracer
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
     exporter = _CountingExporter(OTLPSpanExporter(endpoint=traces_endpoint(settings)), dropped)
+    try:
+        processor = _CountingBatchProcessor(exporter, dropped)
+    except ValueError as exc:  # the SDK's check of the OTEL_BSP_* sizes it read
+        raise StartupError(
+            f"tracing: {exc} (OTEL_BSP_MAX_QUEUE_SIZE, OTEL_BSP_MAX_EXPORT_BATCH_SIZE, "
+            "OTEL_BSP_SCHEDULE_DELAY, OTEL_BSP_EXPORT_TIMEOUT)"
+        ) from exc
     provider = TracerProvider(resource=_resource(settings))
-    provider.add_span_processor(_CountingBatchProcessor(exporter, dropped))
+    provider.add_span_processor(processor)
     return provider
 
 

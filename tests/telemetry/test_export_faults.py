@@ -105,3 +105,28 @@ async def test_shutting_down_waits_for_a_hanging_collector_a_few_seconds_only(
         assert time.monotonic() - started < 10
     finally:
         receiver.release()
+
+
+@pytest.mark.parametrize(
+    ("variables", "named"),
+    [
+        ({"OTEL_BSP_MAX_QUEUE_SIZE": "0"}, "OTEL_BSP_MAX_QUEUE_SIZE"),
+        ({"OTEL_BSP_MAX_QUEUE_SIZE": "100", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "500"}, "OTEL_BSP_"),
+    ],
+)
+async def test_batching_the_sdk_refuses_fails_the_start_in_a_line(
+    backend: str,
+    traced_app: AppFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    variables: dict[str, str],
+    named: str,
+) -> None:
+    """OTEL_BSP_* values the SDK refuses: a StartupError naming the variables (the one line `sparring
+    serve` prints), not the SDK's ValueError and its traceback."""
+    from app.errors import StartupError
+
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(StartupError, match=named):
+        async with traced_app():
+            pass

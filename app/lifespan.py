@@ -216,7 +216,7 @@ def _start_tracing(stack: AsyncExitStack, settings: Settings, metrics: Metrics) 
     """The span exporter when tracing is on (app/telemetry.py), flushed and stopped last."""
     tracing = build_tracing(settings, metrics.trace_spans_dropped.inc)
     if tracing is not None:
-        # In a thread: the last export may wait for a slow collector (up to its timeout).
+        # In a thread: the last export may wait for a slow collector (5 s at most, app/telemetry.py).
         stack.push_async_callback(anyio.to_thread.run_sync, tracing.shutdown)
         log.info("tracing: spans go to the OTLP/HTTP collector (OTEL_EXPORTER_OTLP_*)")
     return tracing

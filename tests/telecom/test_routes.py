@@ -129,6 +129,22 @@ async def test_rollouts_are_isolated(client: httpx.AsyncClient) -> None:
     )
 
 
+async def test_a_refuel_too_large_to_keep_is_an_error_on_every_backend(client: httpx.AsyncClient) -> None:
+    # 1e308 GB at $2.0/GB costs more than a float holds: a rollout's state (JSON) has no infinity.
+    trace = new_trace()
+    line = {"customer_id": "C1001", "line_id": "L1002"}
+    huge = await call(client, "/tools/refuel_data", trace, {**line, "gb_amount": 1e308})
+    assert huge == "Error: Refuel amount is too large"
+    refuel = json.loads(await call(client, "/tools/refuel_data", trace, {**line, "gb_amount": 2.0}))
+    assert refuel["new_data_refueling_gb"] == "2.0" and refuel["charge"] == "4.0"
+    bills = json.loads(await call(client, "/tools/get_bills_for_customer", trace, {"customer_id": "C1001"}))
+    assert [bill["total_due"] for bill in bills if bill["status"] == "Draft"] == [4.0]
+    # Each charge fits, their sum on the bill does not.
+    assert "Error" not in await call(client, "/tools/refuel_data", trace, {**line, "gb_amount": 8e307})
+    again = await call(client, "/tools/refuel_data", trace, {**line, "gb_amount": 8e307})
+    assert again == "Error: Refuel amount is too large"
+
+
 async def test_a_retried_call_replays_its_answer_without_running_again(client: httpx.AsyncClient) -> None:
     trace = new_trace()
     first = await call(client, "/user-tools/toggle_airplane_mode", trace, call_id="c1")

@@ -8,6 +8,7 @@ records it needs and `put`s back only those it changed.
 from __future__ import annotations
 
 import datetime
+import math
 import uuid
 from typing import Any
 
@@ -99,8 +100,10 @@ def _new_draft_bill(customer_id: str) -> dict[str, Any]:
     return as_kept(bill)
 
 
-def apply_one_time_charge(state: RolloutState, customer_id: str, amount: float, description: str) -> None:
-    """Add a charge (or a credit) to the customer's draft bill, made when there is none."""
+def apply_one_time_charge(
+    state: RolloutState, customer_id: str, amount: float, description: str
+) -> dict[str, Any]:
+    """Add a charge (or a credit) to the customer's draft bill, made when there is none; that bill."""
     customer = record(state, CUSTOMERS, customer_id)
     draft = next(
         (
@@ -120,6 +123,7 @@ def apply_one_time_charge(state: RolloutState, customer_id: str, amount: float, 
     draft["line_items"].append(as_kept(item))
     draft["total_due"] += amount
     state.put(BILLS, draft["bill_id"], draft)
+    return draft
 
 
 def data_usage(state: RolloutState, customer_id: str, line_id: str) -> dict[str, Any]:
@@ -155,7 +159,12 @@ def refuel(state: RolloutState, customer_id: str, line_id: str, gb_amount: float
     charge = gb_amount * price
     line["data_refueling_gb"] += gb_amount
     state.put(LINES, line_id, line)
-    apply_one_time_charge(state, customer_id, charge, f"Data refueling: {gb_amount} GB at ${price}/GB")
+    description = f"Data refueling: {gb_amount} GB at ${price}/GB"
+    draft = apply_one_time_charge(state, customer_id, charge, description)
+    if not all(math.isfinite(value) for value in (charge, line["data_refueling_gb"], draft["total_due"])):
+        # Here the reference goes on with infinity; a rollout's state is JSON, which has none (Redis would
+        # keep null, and the next refuel crash on it). The error discards the call's writes.
+        raise ToolError("Refuel amount is too large")
     return {
         "message": f"Successfully added {gb_amount} GB of data for line {line_id} for ${charge:.2f}",
         "new_data_refueling_gb": str(line["data_refueling_gb"]),

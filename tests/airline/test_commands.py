@@ -103,3 +103,27 @@ async def test_new_ids_are_counted_per_rollout(app_factory: AppFactory, airline_
         other = await certificate(other_trace, "c1")
     assert [text.split()[1] for text in first] == ["certificate_3221322", "certificate_3221323"]
     assert other.split()[1] == "certificate_3221322"  # another rollout starts from the shipped database
+
+
+async def test_a_baggage_charge_too_large_to_keep_is_an_error_on_every_backend(
+    app_factory: AppFactory, airline_data: Path
+) -> None:
+    async with app_factory(
+        packs=[pack], key=ADMIN_KEY, pack_settings={"airline": {"data": airline_data}}
+    ) as client:
+
+        async def send(name: str, call_id: str, arguments: dict[str, object]) -> str:
+            body = {"call_id": call_id, "trace_id": trace, "arguments": arguments}
+            response = await client.post(f"/tools/{name}", json=body)
+            assert response.status_code == 200, response.text
+            output: str = response.json()["output"]
+            return output
+
+        trace = new_trace()
+        bags = {"reservation_id": "R9QDGB", "total_baggages": 0, "payment_id": "credit_card_2140654"}
+        # 9 * 10**18 paid bags at $50: an amount no 64-bit integer holds.
+        huge = await send("update_reservation_baggages", "c1", {**bags, "nonfree_baggages": 9 * 10**18})
+        one = json.loads(await send("update_reservation_baggages", "c2", {**bags, "nonfree_baggages": 1}))
+    assert huge == "Error: Payment amount is too large"
+    assert one["nonfree_baggages"] == 1
+    assert one["payment_history"][-1] == {"payment_id": "credit_card_2140654", "amount": 50}

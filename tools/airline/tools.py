@@ -57,6 +57,9 @@ from tools.retail import arithmetic
 NOW = "2024-05-15T15:00:00"  # the reference's clock: every reservation is created at this time
 NEW_RESERVATION_IDS = ("HATHAT", "HATHAU", "HATHAV")  # at most 3 bookings per rollout, as in the reference
 NEW_PAYMENT_IDS = (3221322, 3221323, 3221324)  # certificate ids: `certificate_3221322`, ...
+# The largest amount a payment record can hold: a rollout's state keeps integers in 64 bits (the reference's
+# Python integers have no bound; a baggage count of 10**18 would charge more).
+MAX_PAYMENT_AMOUNT = 2**63 - 1
 
 # τ²-bench's `list_all_airports`, in its order.
 AIRPORTS = (
@@ -549,6 +552,8 @@ def _charge(
     """`_payment_for_update`, its payment added to the reservation, the user saved if a gift card paid."""
     payment = _payment_for_update(user, payment_id, total_price)
     if payment is not None:
+        if abs(total_price) > MAX_PAYMENT_AMOUNT:
+            raise ToolError("Payment amount is too large")
         reservation["payment_history"].append(payment)
         if user["payment_methods"][payment_id]["source"] == "gift_card":
             state.put(USERS, user["user_id"], user)

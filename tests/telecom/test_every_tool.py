@@ -60,6 +60,7 @@ PHONE_PROBE: list[Call] = [
     _user("set_network_mode_preference", mode="4g_only"),
     _user("check_apn_settings"),
     _user("set_apn_settings", apn_settings={"apn_name": "internet", "mmsc_url": None}),
+    _user("set_apn_settings", apn_settings={"apn_name": "nope"}),
     _user("check_apn_settings"),
     _user("can_send_mms"),
     _user("reset_apn_settings"),

@@ -281,7 +281,7 @@ class Handset:
             raise ToolError(str(exc)) from exc
         self.device["active_apn_settings"] = as_kept(apn)
         self.network_search()
-        return self.with_status_bar(f"APN settings set to: {apn.apn_name}")
+        return self.with_status_bar(f"APN settings set to: {apn.apn_name.value}")
 
     def reboot(self) -> str:
         lines = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import json
 from collections.abc import Mapping
+from enum import StrEnum
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -159,8 +160,15 @@ def carrier_database(raw: Mapping[str, Any]) -> dict[str, dict[str, dict[str, An
 # --- the phone ----------------------------------------------------------------------------------------
 
 
+class APNName(StrEnum):
+    """The reference's `APNNames`: an enum, not a literal, so that a wrong name is its `type=enum` error."""
+
+    INTERNET = "internet"
+    BROKEN = "broken"
+
+
 class APNSettings(_Record):
-    apn_name: Literal["internet", "broken"] = "internet"
+    apn_name: APNName = APNName.INTERNET
     reset_at_reboot: bool = False
     mms_apn: str | None = "mms"
     mmsc_url: str | None = "http://mms.carrier.com/mms/wapenc"

@@ -120,13 +120,13 @@ class ServiceUserTools:
         self.retry = retry
 
     def schemas(self, scenario: Mapping[str, Any]) -> list[dict[str, Any]]:
-        """The tools the scenario lists, else the user tools of the pack (of every enabled pack)."""
+        """The tools the scenario lists, else the user tools of the rollout's pack. Without a pack, a
+        scenario that lists none has none (a retail or airline customer's), whatever the other enabled
+        packs' users have (telecom's phone)."""
         listed = listed_tools(scenario)
-        if listed or "tools" in scenario:
+        if listed or "tools" in scenario or self.pack is None:
             return listed
-        registry = self.calls.registry
-        tools = registry.all_user_tools() if self.pack is None else registry.user_tools.get(self.pack, {})
-        return [spec.function_tool() for spec in tools.values()]
+        return [spec.function_tool() for spec in self.calls.registry.user_tools.get(self.pack, {}).values()]
 
     async def call(self, call: FunctionCall, *, trace_id: str, item: Mapping[str, Any]) -> ToolResult:
         envelope = ToolCallEnvelope(

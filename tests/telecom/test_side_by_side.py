@@ -14,10 +14,14 @@ from typer.testing import CliRunner
 
 from app.cli import cli
 from app.config import get_settings
+from app.deps import app_state
+from app.users.service import with_service_tools
+from sparring.usersim import SCENARIO_KEY, SimulatedUser
 from tests.airline import corpus as airline_corpus
 from tests.conftest import ADMIN_KEY, AppFactory, new_trace
 from tests.retail import corpus as retail_corpus
 from tools import airline, retail, telecom
+from tools.airline.dataset import build_dataset as build_airline_dataset
 
 TASK = "[mobile_data_issue]user_abroad_roaming_enabled_off[PERSONA:None]"
 
@@ -96,3 +100,17 @@ def test_a_telecom_job_lists_the_agents_tools_at_their_packs_routes(env: None) -
     assert {tool["server_url"] for tool in tools} == {
         f"https://rft.example.com/packs/telecom/tools/{name}" for name in telecom.pack.tools
     }
+
+
+async def test_an_airline_customer_played_beside_the_phone_has_no_tools(three: Any) -> None:
+    """τ²-bench's airline user has no tools: a rollout that names no pack (a remote rollout may not) must
+    not offer an airline customer the phone of the telecom pack served beside it."""
+    line = build_airline_dataset(airline_corpus.fetch(), "test")[0]
+    async with three as client:
+        services = app_state(client.app)
+        user = SimulatedUser(model=None, name="user")  # type: ignore[arg-type]  # never asked
+        served = with_service_tools(user, services.call_service, pack=None, run=None)
+        assert served is not None
+        conversation = served.start(line[SCENARIO_KEY], {"task_id": line["task_id"]}, new_trace())
+    assert conversation is not None and conversation.schemas == []
+    assert conversation.prompt.startswith(line[SCENARIO_KEY]["guidelines"])

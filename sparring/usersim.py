@@ -13,8 +13,9 @@ A dataset line whose item carries `user_simulator` is played as a conversation: 
 The user's system prompt is built as τ²'s `UserSimulator` builds it (the guidelines, then the scenario
 in a `<scenario>` block, the scenario written as τ²'s `UserScenario.__str__` writes it); the model sees
 the conversation role-flipped (the agent's texts as `user`, its own turns as `assistant`). Each user
-turn is a message or a tool call: a tool call runs on the user's side (`UserTools`), its result goes
-back to the user and nothing of it is shown to the agent. The user ends the episode with `###STOP###`,
+turn is a message or tool calls: they run on the user's side (`UserTools`) one after another, in
+order, as τ²'s orchestrator runs them; their results go back to the user and nothing of them is shown to
+the agent. The user ends the episode with `###STOP###`,
 `###TRANSFER###` or `###OUT-OF-SCOPE###`; the loop also stops at `max_steps`, counted as τ²'s
 orchestrator counts them (every message and every batch of tool results is a step), and once the calls
 of both sides have given `max_errors` errors (τ²'s `TOO_MANY_ERRORS`: every call answered `Error: ...`
@@ -27,7 +28,6 @@ for the agent's texts, `simulated_user` for the user's turns, `tool` for the res
 
 from __future__ import annotations
 
-import asyncio
 import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -300,13 +300,15 @@ class UserConversation:
                 self.messages.append(
                     {"role": USER_ROLE, "content": turn.text or None, "tool_calls": _chat_calls(calls)}
                 )
-            results = await asyncio.gather(
-                *(self.tools.call(call, trace_id=self.trace_id, item=self.item) for call in calls)
-            )
+            # One after another, in order, as τ²'s orchestrator answers them (a phone's result depends on
+            # the order: reset the APN settings, then reboot); a failure leaves the rest for the retry.
+            results = []
+            for call in calls:
+                result = await self.tools.call(call, trace_id=self.trace_id, item=self.item)
+                if result.failure is not None:
+                    raise ModelFailure(f"the user's tool {call.name} failed: {result.failure}")
+                results.append(result)
             calls = []
-            failed = next((result for result in results if result.failure is not None), None)
-            if failed is not None:
-                raise ModelFailure(f"the user's tool {failed.call.name} failed: {failed.failure}")
             for result in results:
                 self.messages.append(
                     {"role": "tool", "tool_call_id": result.call.call_id, "content": result.output or ""}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Mapping
 from dataclasses import replace
@@ -191,6 +192,55 @@ async def test_the_users_tool_calls_run_on_its_side_and_the_agent_never_sees_the
         USER_ROLE,
         "assistant",
         USER_ROLE,
+    ]
+
+
+class SlowPhone(PhoneTools):
+    """A phone whose calls take a moment: what runs while another call is still running shows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[str] = []
+
+    async def call(self, call: FunctionCall, *, trace_id: str, item: Mapping[str, Any]) -> ToolResult:
+        self.events.append(f"start {call.name}")
+        await asyncio.sleep(0.01)
+        self.events.append(f"end {call.name}")
+        return ToolResult(call=call, output=f"{call.name} done")
+
+
+async def test_a_user_turn_of_several_calls_runs_them_one_after_another_in_order(
+    model_server: ModelServer, openai_client: AsyncOpenAI
+) -> None:
+    """τ²'s orchestrator answers a turn's tool calls one at a time, in order: on a phone, resetting the APN
+    then rebooting is not rebooting then resetting it."""
+    plain = retail_line("0")
+    tools = [
+        {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+        for name in ("reset_apn_settings", "reboot_device")
+    ]
+    line = replace(plain, user={**plain.user, "tools": tools, "guidelines_tools": "TOOLS"})
+    model_server.script = scripted(
+        agent=[Reply(text="Please reset your APN settings and reboot."), Reply(text="Great.")],
+        user=[
+            Reply(text="My phone has no data."),
+            Reply(calls=(Call("reset_apn_settings", {}), Call("reboot_device", {}))),
+            Reply(text="Done."),
+            Reply(text=STOP),
+        ],
+    )
+    phone = SlowPhone()
+
+    result = await run_rollout(
+        ChatPolicy(openai_client, AGENT), NoCalls(), line, user=simulated_user(openai_client, tools=phone)
+    )
+
+    assert result.ended_by == "user_stop"
+    assert phone.events == [
+        "start reset_apn_settings",
+        "end reset_apn_settings",
+        "start reboot_device",
+        "end reboot_device",
     ]
 
 

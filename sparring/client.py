@@ -12,6 +12,11 @@ grades as `HttpGrader` posts them, and `run_episode` is `sparring.loop.run_rollo
         reward = rollout.grade("retail", "Done: order #W1 returned.")
     episode = env.run_episode(openai_client, line, model="my-policy", grader="retail")
 
+`pack=` (on the environment, or on one rollout or episode) names the pack whose tools the model is
+given: they are listed from that pack's own listing (`GET /tools?pack=`) and called at its routes
+(`POST /packs/<pack>/tools/<name>`), so a name several enabled packs share (retail's and airline's
+`calculate`) is that pack's tool. Without it, the tools are the server's unqualified ones (`/tools/<name>`).
+
 `AsyncEnvironment` is the same with `await` (and `async with`); `Environment` runs it on a private
 event loop in a background thread, so it works from plain code, threads and notebooks alike.
 """
@@ -116,16 +121,21 @@ def _auth(header: str, key: str | None) -> dict[str, str]:
 
 
 class AsyncRollout:
-    """One rollout: a trace id, the dataset item its calls carry, and its calls and grades."""
+    """One rollout: a trace id, the dataset item its calls carry, its pack, and its calls and grades."""
 
-    def __init__(self, env: AsyncEnvironment, trace_id: str, item: Mapping[str, Any]) -> None:
+    def __init__(
+        self, env: AsyncEnvironment, trace_id: str, item: Mapping[str, Any], pack: str | None = None
+    ) -> None:
         self.env = env
         self.trace_id = trace_id
         self.item = dict(item)
+        self.pack = pack
 
     async def call(self, name: str, arguments: Mapping[str, Any] | str, *, call_id: str | None = None) -> str:
         """Call a tool; the output the model reads (an `Error: ...` for a model mistake)."""
-        return await self.env.call(name, arguments, trace_id=self.trace_id, item=self.item, call_id=call_id)
+        return await self.env.call(
+            name, arguments, trace_id=self.trace_id, item=self.item, call_id=call_id, pack=self.pack
+        )
 
     async def call_many(self, calls: Sequence[tuple[str, Mapping[str, Any] | str]]) -> list[str]:
         """Several calls at once, as a model's parallel calls of one turn; outputs in the same order."""
@@ -157,12 +167,14 @@ class AsyncEnvironment:
         grader_key: str | None = None,
         header: str = "Authorization",
         run: str | None = None,
+        pack: str | None = None,
         retry: Retry | None = None,
         timeout_s: float = 600.0,
         http: httpx.AsyncClient | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.run = run
+        self.pack = pack
         self.retry = retry or Retry()
         self._owns_http = http is None
         self.http = http or httpx.AsyncClient(timeout=timeout_s)
@@ -172,13 +184,7 @@ class AsyncEnvironment:
         self._transcripts = HttpTranscripts(
             self.http, Endpoint(url=self.base_url, headers=self._grader_headers), source="client"
         )
-        self._caller = HttpToolCaller(
-            self.http,
-            ToolEndpoints.for_server(self.base_url, self._tools_headers),
-            run=run,
-            retry=self.retry,
-            timeout_s=timeout_s,
-        )
+        self._callers: dict[str | None, HttpToolCaller] = {}
 
     async def aclose(self) -> None:
         if self._owns_http:
@@ -190,10 +196,28 @@ class AsyncEnvironment:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
+    def _caller(self, pack: str | None) -> HttpToolCaller:
+        """The caller of one pack's routes (None: the unqualified `/tools/<name>`)."""
+        caller = self._callers.get(pack)
+        if caller is None:
+            caller = self._callers[pack] = HttpToolCaller(
+                self.http,
+                ToolEndpoints.for_server(self.base_url, self._tools_headers, pack),
+                run=self.run,
+                retry=self.retry,
+                timeout_s=self.timeout_s,
+            )
+        return caller
+
     async def tools(self, pack: str | None = None) -> list[dict[str, Any]]:
-        """The served tools as chat-completions function tools (what a model is given)."""
-        headers = dict(self._tools_headers)
-        response = await self.http.get(f"{self.base_url}/tools", headers=headers, timeout=self.timeout_s)
+        """The served tools as chat-completions function tools (what a model is given): those of `pack`
+        (else the environment's pack), the names it shares with other packs included; without a pack,
+        the tools served at `/tools/<name>`."""
+        pack = pack if pack is not None else self.pack
+        params = {"pack": pack} if pack is not None else None
+        response = await self.http.get(
+            f"{self.base_url}/tools", params=params, headers=dict(self._tools_headers), timeout=self.timeout_s
+        )
         response.raise_for_status()
         return [
             {
@@ -206,13 +230,17 @@ class AsyncEnvironment:
                 },
             }
             for tool in response.json()
-            if pack is None or tool.get("pack") == pack
         ]
 
-    def rollout(self, *, item: Mapping[str, Any] | None = None, trace_id: str | None = None) -> AsyncRollout:
+    def rollout(
+        self, *, item: Mapping[str, Any] | None = None, trace_id: str | None = None, pack: str | None = None
+    ) -> AsyncRollout:
         """A rollout that owns a fresh `trace_<uuid>` (or the given one): `async with env.rollout() as r`,
-        or keep the object (a trainer's environment instance holds one per episode)."""
-        return AsyncRollout(self, trace_id or new_trace_id(), item or {})
+        or keep the object (a trainer's environment instance holds one per episode). Its calls go to
+        `pack`'s routes (else the environment's pack's)."""
+        return AsyncRollout(
+            self, trace_id or new_trace_id(), item or {}, pack if pack is not None else self.pack
+        )
 
     async def call(
         self,
@@ -222,11 +250,14 @@ class AsyncEnvironment:
         trace_id: str,
         item: Mapping[str, Any] | None = None,
         call_id: str | None = None,
+        pack: str | None = None,
     ) -> str:
-        """One tool call of rollout `trace_id`; ToolCallFailed when it failed for good."""
+        """One tool call of rollout `trace_id` (at `pack`'s route, else the environment's pack's);
+        ToolCallFailed when it failed for good."""
         text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
         call = FunctionCall(call_id=call_id or new_call_id(), name=name, arguments=text)
-        result = await self._caller.call(call, trace_id=trace_id, item=item or {})
+        caller = self._caller(pack if pack is not None else self.pack)
+        result = await caller.call(call, trace_id=trace_id, item=item or {})
         if result.failure is not None or result.output is None:
             raise ToolCallFailed(f"{name}: {result.failure}")
         return result.output
@@ -262,12 +293,14 @@ class AsyncEnvironment:
         max_turns: int = 30,
         max_tool_calls: int = 50,
         trace_id: str | None = None,
+        pack: str | None = None,
         **sampling: Any,
     ) -> Episode:
         """Run one dataset line with the model through the rollout loop, graded when `grader` is given.
 
         `model_client` is an `openai` client (async or sync) pointed at any OpenAI-compatible server
-        (vLLM, SGLang, a trainer's own sampling server); `sampling` goes into every request.
+        (vLLM, SGLang, a trainer's own sampling server); `sampling` goes into every request. The line's
+        tool calls go to `pack`'s routes (else the environment's pack's).
         """
         client = _as_async(model_client)
         policy = (
@@ -278,7 +311,7 @@ class AsyncEnvironment:
         grading = self._grader(grader) if grader is not None else None
         result = await run_rollout(
             policy,
-            self._caller,
+            self._caller(pack if pack is not None else self.pack),
             DatasetLine.from_json(line),
             grader=grading,
             limits=EpisodeLimits(max_turns=max_turns, max_tool_calls=max_tool_calls),
@@ -341,6 +374,10 @@ class Rollout:
     def item(self) -> dict[str, Any]:
         return self._inner.item
 
+    @property
+    def pack(self) -> str | None:
+        return self._inner.pack
+
     def call(self, name: str, arguments: Mapping[str, Any] | str, *, call_id: str | None = None) -> str:
         return self._env._run(self._inner.call(name, arguments, call_id=call_id))
 
@@ -392,9 +429,15 @@ class Environment:
     def tools(self, pack: str | None = None) -> list[dict[str, Any]]:
         return self._run(self._async.tools(pack))
 
-    def rollout(self, *, item: Mapping[str, Any] | None = None, trace_id: str | None = None) -> Rollout:
+    @property
+    def pack(self) -> str | None:
+        return self._async.pack
+
+    def rollout(
+        self, *, item: Mapping[str, Any] | None = None, trace_id: str | None = None, pack: str | None = None
+    ) -> Rollout:
         """A rollout owning a fresh trace id: `with env.rollout(item=...) as r`, or kept as an object."""
-        return Rollout(self, self._async.rollout(item=item, trace_id=trace_id))
+        return Rollout(self, self._async.rollout(item=item, trace_id=trace_id, pack=pack))
 
     def call(
         self,
@@ -404,8 +447,11 @@ class Environment:
         trace_id: str,
         item: Mapping[str, Any] | None = None,
         call_id: str | None = None,
+        pack: str | None = None,
     ) -> str:
-        return self._run(self._async.call(name, arguments, trace_id=trace_id, item=item, call_id=call_id))
+        return self._run(
+            self._async.call(name, arguments, trace_id=trace_id, item=item, call_id=call_id, pack=pack)
+        )
 
     def grade(
         self,

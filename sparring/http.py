@@ -63,9 +63,13 @@ class ToolEndpoints:
     fallback: Endpoint | None = None
 
     @classmethod
-    def for_server(cls, base_url: str, headers: Mapping[str, str]) -> ToolEndpoints:
-        """Every tool of one sparring server: its own URL `<base>/tools/<name>`."""
-        return cls(fallback=Endpoint(url=f"{base_url.rstrip('/')}/tools/{{name}}", headers=dict(headers)))
+    def for_server(cls, base_url: str, headers: Mapping[str, str], pack: str | None = None) -> ToolEndpoints:
+        """Every tool of one sparring server: its own URL `<base>/tools/<name>`; with `pack`, every tool of
+        that pack at its pack's route `<base>/packs/<pack>/tools/<name>` (the names it shares included)."""
+        prefix = f"/packs/{quote(pack, safe='')}" if pack is not None else ""
+        return cls(
+            fallback=Endpoint(url=f"{base_url.rstrip('/')}{prefix}/tools/{{name}}", headers=dict(headers))
+        )
 
     @classmethod
     def from_job_config(cls, config: Mapping[str, Any], secrets: Mapping[str, str]) -> ToolEndpoints:

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from app.cli import cli
 from app.config import get_settings
+from sparring.client import AsyncEnvironment
 from tests.airline import corpus
 from tests.conftest import ADMIN_KEY, AppFactory, new_trace
 from tests.retail import corpus as retail_corpus
@@ -187,3 +188,25 @@ async def test_an_episode_of_one_pack_lists_and_calls_its_shared_names(both: Any
     assert end["ok"] is True, end
     user = json.loads(end["output"]["blocks"][0]["text"])
     assert user["user_id"] == "mei_hernandez_8984" and "membership" in user
+
+
+async def test_the_client_lists_and_calls_one_packs_shared_names(both: Any) -> None:
+    """`sparring.client` on a retail+airline server: a pack's tools include the names it shares, and
+    its calls go to its pack's routes."""
+    async with both as client:
+        plain = AsyncEnvironment("http://sparring", http=client)
+        retail_listed = [tool["function"]["name"] for tool in await plain.tools(pack="retail")]
+        assert retail_listed == list(retail.pack.tools)
+        env = AsyncEnvironment("http://sparring", http=client, pack="airline")
+        listed = [tool["function"]["name"] for tool in await env.tools()]
+        async with env.rollout() as rollout:
+            user = await rollout.call("get_user_details", {"user_id": "mei_hernandez_8984"})
+            total = await rollout.call("calculate", {"expression": "2 + 2"})
+        retail_user = await env.rollout(pack="retail").call(
+            "get_user_details", {"user_id": "yusuf_rossi_9620"}
+        )
+        unqualified = await plain.rollout().call("calculate", {"expression": "2 + 2"})
+    assert listed == list(airline.pack.tools)
+    assert json.loads(user)["membership"] and total == "4.0"
+    assert "orders" in json.loads(retail_user)
+    assert unqualified.startswith("Error: the tool 'calculate' is served by several packs")

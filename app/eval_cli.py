@@ -63,7 +63,8 @@ DatasetOpt = Annotated[
     Path, typer.Option(help="RFT dataset JSONL (each line: messages, tools, item fields).")
 ]
 ServerOpt = Annotated[
-    str | None, typer.Option(help="Base URL of the sparring server (tools at /tools/NAME).")
+    str | None,
+    typer.Option(help="Base URL of the sparring server (tools at /tools/NAME, or --pack's routes)."),
 ]
 JobConfigOpt = Annotated[
     Path | None,
@@ -71,6 +72,13 @@ JobConfigOpt = Annotated[
 ]
 GraderOpt = Annotated[str | None, typer.Option(help="Grader NAME served by --server at /grade/NAME.")]
 GraderUrlOpt = Annotated[str | None, typer.Option(help="Full URL of the endpoint grader.")]
+PackOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="The --server pack whose tools the lines call, at its routes (/packs/PACK/tools/NAME): "
+        "needed for names several enabled packs share."
+    ),
+]
 RunOpt = Annotated[
     str | None, typer.Option(help="Run label, sent as X-Sparring-Run (default: generated and printed).")
 ]
@@ -121,11 +129,17 @@ def _lines(dataset: Path) -> list[DatasetLine]:
 
 
 def _target(
-    server: str | None, job_config: Path | None, grader: str | None, grader_url: str | None
+    server: str | None,
+    job_config: Path | None,
+    grader: str | None,
+    grader_url: str | None,
+    pack: str | None = None,
 ) -> Target:
     keys = ClientKeys()
     auth_header = load_settings().auth_header
     if job_config is not None:
+        if pack is not None:
+            raise fail("--pack takes --server's tools; a job config's tools carry their own routes")
         try:
             config = json.loads(job_config.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
@@ -160,6 +174,7 @@ def _target(
         grader=grader,
         grader_url=grader_url,
         auth_header=auth_header,
+        pack=pack,
     )
 
 
@@ -216,6 +231,7 @@ def eval_command(
     job_config: JobConfigOpt = None,
     grader: GraderOpt = None,
     grader_url: GraderUrlOpt = None,
+    pack: PackOpt = None,
     run: RunOpt = None,
     samples: Annotated[int, typer.Option(min=1, help="Rollouts per dataset line.")] = 3,
     concurrency: ConcurrencyOpt = 8,
@@ -253,7 +269,7 @@ def eval_command(
     if resume and run is None:
         raise fail("--resume needs the --run label of the run to continue")
     lines = _lines(dataset)
-    target = _target(server, job_config, grader, grader_url)
+    target = _target(server, job_config, grader, grader_url, pack)
     chosen = _Model(
         api="responses" if api == "responses" else "chat",
         name=model,
@@ -458,6 +474,7 @@ def canary_command(
     job_config: JobConfigOpt = None,
     grader: GraderOpt = None,
     grader_url: GraderUrlOpt = None,
+    pack: PackOpt = None,
     policy: Annotated[
         list[str] | None,
         typer.Option(help="Canaries to run (repeat; default all): empty refuse parrot loop guess gold."),
@@ -479,7 +496,7 @@ def canary_command(
 ) -> None:
     """Attack the grader with scripted policies; exit 1 when one of them scores (or gold does not)."""
     lines = _lines(dataset)
-    target = _target(server, job_config, grader, grader_url)
+    target = _target(server, job_config, grader, grader_url, pack)
     user = _user_spec(user_model, user_base_url, user_temperature, user_max_steps, MODEL_DEADLINE_S)
     options = _run_options(_run_label(run, "canary"), samples, concurrency, max_turns, max_tool_calls)
 

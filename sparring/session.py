@@ -59,6 +59,9 @@ class Target:
     tools: ToolEndpoints
     grader: Endpoint
     server: str | None = None  # base URL of one sparring server (preflight checks and review links)
+    pack: str | None = (
+        None  # the server's pack whose tools the lines call, at its routes (None: /tools/<name>)
+    )
 
     @property
     def grader_name(self) -> str:
@@ -95,13 +98,17 @@ def server_target(
     grader: str | None = None,
     grader_url: str | None = None,
     auth_header: str = "Authorization",
+    pack: str | None = None,
 ) -> Target:
+    """One server's tools and grader; with `pack`, that pack's tools at its routes
+    (`/packs/<pack>/tools/<name>`), the names it shares with other enabled packs included."""
     base = server.rstrip("/")
     url = grader_url or (f"{base}/grade/{quote(grader, safe='')}" if grader else f"{base}/grade")
     return Target(
-        tools=ToolEndpoints.for_server(base, auth_headers(auth_header, tools_key)),
+        tools=ToolEndpoints.for_server(base, auth_headers(auth_header, tools_key), pack),
         grader=Endpoint(url=url, headers=auth_headers(auth_header, grader_key)),
         server=base,
+        pack=pack,
     )
 
 
@@ -161,10 +168,9 @@ async def preflight(
     probe = target.tools.fallback or next(iter(target.tools.by_name.values()), None)
     tools_headers = probe.headers if probe is not None else {}
     transport = as_transport(client)
+    listing = f"{target.server}/tools" + (f"?pack={quote(target.pack, safe='')}" if target.pack else "")
     try:
-        listed = await transport.request(
-            "GET", f"{target.server}/tools", content=None, headers=tools_headers, seconds=30
-        )
+        listed = await transport.request("GET", listing, content=None, headers=tools_headers, seconds=30)
         graders = await transport.request(
             "GET", f"{target.server}/grade", content=None, headers=target.grader.headers, seconds=30
         )
@@ -176,12 +182,20 @@ async def preflight(
     ):
         if response.status in (401, 403):
             raise TargetError(f"{target.server} refused the {what} key (HTTP {response.status}): set {env}")
+    if listed.status == 404 and target.pack:
+        raise TargetError(f"{target.server} has no enabled pack named {target.pack!r}")
     if listed.status == 200:
         served = {tool.get("name") for tool in listed.json() if isinstance(tool, dict)}
         wanted = {name for line in lines for name in _tool_names(line.tools)}
         missing = sorted(wanted - served)
         if missing and target.tools.by_name == {}:
-            warnings.append(f"the server does not serve {', '.join(missing)}: those calls get an error")
+            absent = ", ".join(missing)
+            warnings.append(
+                f"pack {target.pack!r} does not serve {absent}: those calls get an error"
+                if target.pack
+                else f"the server does not serve {absent} at /tools/<name>: those calls get an error (a name "
+                "several enabled packs share is served at its pack's route only: pass --pack NAME)"
+            )
     if graders.status == 200 and target.grader.url.startswith(f"{target.server}/grade/"):
         name = target.grader.url.rsplit("/", 1)[1]
         names = {g.get("name") for g in graders.json() if isinstance(g, dict)}

@@ -14,10 +14,14 @@ from typer.testing import CliRunner
 from app.cli import cli
 from app.config import get_settings
 from sparring.client import AsyncEnvironment
+from sparring.http import Retry
+from sparring.loop import DatasetLine
+from sparring.session import RunOptions, TargetError, preflight, run_canaries, server_target
 from tests.airline import corpus
 from tests.conftest import ADMIN_KEY, AppFactory, new_trace
 from tests.retail import corpus as retail_corpus
 from tools import airline, retail
+from tools.airline.dataset import build_dataset as build_airline_dataset
 
 SHARED = {"calculate", "get_user_details", "transfer_to_human_agents"}
 
@@ -210,3 +214,31 @@ async def test_the_client_lists_and_calls_one_packs_shared_names(both: Any) -> N
     assert json.loads(user)["membership"] and total == "4.0"
     assert "orders" in json.loads(retail_user)
     assert unqualified.startswith("Error: the tool 'calculate' is served by several packs")
+
+
+async def test_an_eval_of_one_pack_calls_its_shared_names_at_its_routes(both: Any) -> None:
+    """`sparring eval --server --pack airline` on a retail+airline server: the preflight finds every tool
+    of the lines served, and the gold calls of `get_user_details` are airline's, not an error."""
+    line = next(row for row in build_airline_dataset(corpus.fetch(), "test") if row["task_id"] == "2")
+    lines = [DatasetLine.from_json(line)]
+    assert "get_user_details" in [action["name"] for action in line["actions"]]
+    options = RunOptions(run="airline-gold", retry=Retry(attempts=1))
+    async with both as client:
+        unqualified = server_target("http://sparring", tools_key=None, grader_key=None, grader="airline")
+        warned = await preflight(client, unqualified, lines)
+        target = server_target(
+            "http://sparring", tools_key=None, grader_key=None, grader="airline", pack="airline"
+        )
+        assert await preflight(client, target, lines) == []
+        report = await run_canaries(client, target, lines, options, policies=["gold"])
+        trace = report["rollouts"][0]["trace_id"]
+        timeline = (await client.get(f"/rollouts/{trace}")).json()["timeline"]
+        missing = server_target(
+            "http://sparring", tools_key=None, grader_key=None, grader="airline", pack="nope"
+        )
+        with pytest.raises(TargetError, match="no enabled pack named 'nope'"):
+            await preflight(client, missing, lines)
+    assert any("get_user_details" in w and "--pack" in w for w in warned)
+    assert report["rollouts"][0]["score"] == 1.0
+    assert [call["tool"] for call in timeline] == [action["name"] for action in line["actions"]]
+    assert {call["outcome"] for call in timeline} == {"ok"}

@@ -256,6 +256,19 @@ async def test_eval_refuses_a_wrong_key_before_calling_the_model(
         "--server", sparring.url, "--grader", "nope",
     )  # fmt: skip
     assert unknown.returncode == 2 and "has no grader 'nope'" in unknown.stderr
+    no_pack = await run_cli(
+        tmp_path,
+        "eval", "--dataset", str(dataset), "--model", "m", "--base-url", model_server.base_url,
+        "--server", sparring.url, "--grader", "retail", "--pack", "airline",
+    )  # fmt: skip
+    assert no_pack.returncode == 2 and "has no enabled pack named 'airline'" in no_pack.stderr
+    (tmp_path / "job.json").write_text('{"tools": [{"name": "t", "server_url": "http://x"}]}')
+    with_config = await run_cli(
+        tmp_path,
+        "canary", "--dataset", str(dataset), "--job-config", str(tmp_path / "job.json"), "--pack", "retail",
+    )  # fmt: skip
+    assert with_config.returncode == 2 and "a job config's tools carry their own routes" in with_config.stderr
+    assert model_server.requests == []
 
 
 async def test_ctrl_c_prints_what_was_done_and_resume_finishes_the_run(

@@ -27,6 +27,7 @@ SPARRING = Environment(
     os.environ["SPARRING_KEY"],
     grader_key=os.environ.get("SPARRING_GRADER_KEY"),
     run="trl-grpo",
+    pack="retail",  # retail's tools, at its routes: its shared names too, with other packs enabled
 )
 GRADER = "retail"
 JSON_TYPES: dict[str, type] = {
@@ -79,7 +80,7 @@ class SparringEpisode:
         return None
 
 
-for schema in SPARRING.tools(pack="retail"):
+for schema in SPARRING.tools():
     setattr(SparringEpisode, schema["function"]["name"], tool_method(schema))
 
 

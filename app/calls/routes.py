@@ -210,6 +210,9 @@ def _tool_path(scope: Scope) -> tuple[str | None, str | None] | None:
     root = scope.get("root_path", "")
     if root and path.startswith(root + "/"):
         path = path[len(root) :]
+    # A server URL registered with a trailing slash names the same tool: answered here, not with a
+    # redirect, which a training service need not follow (and would show the model as an error).
+    path = path[:-1] if path.endswith("/") and len(path) > 1 else path
     pack = None
     if path.startswith(_PACKS_PREFIX):
         pack, _, path = path[len(_PACKS_PREFIX) :].partition("/")

@@ -39,6 +39,20 @@ async def test_result_is_200_with_string_output_and_echoed_ids(client: httpx.Asy
     assert (row.tool, row.outcome, row.status_code, row.output) == ("increment", "ok", 200, '{"value":105}')
 
 
+async def test_a_tool_url_with_a_trailing_slash_is_the_same_tool(client: httpx.AsyncClient) -> None:
+    # A server_url registered as ".../tools/increment/" is answered, not redirected (a 307 with no
+    # output, which the training service need not follow and would show the model as an error).
+    trace = new_trace()
+    for path, by, value in (("/tools/increment/", 5, 105), ("/packs/counter/tools/increment/", 1, 106)):
+        r = await client.post(path, json=call_body(json.dumps({"by": by}), trace_id=trace, call_id=path))
+        assert r.status_code == 200 and r.json()["output"] == f'{{"value":{value}}}', (path, r.text)
+    r = await client.post(
+        "/tools/", json={**call_body("{}", trace_id=trace, call_id="c3"), "name": "read_counter"}
+    )
+    assert r.status_code == 200 and r.json()["output"] == '{"value":106}', r.text
+    assert [row.tool for row in await logged(client, trace)] == ["increment", "increment", "read_counter"]
+
+
 async def test_foundry_sample_envelope_dispatches_on_name(client: httpx.AsyncClient) -> None:
     # The shape Microsoft's samples send to one URL shared by many tools.
     body = {

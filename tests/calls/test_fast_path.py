@@ -32,7 +32,11 @@ def scope(method: str, path: str, root_path: str = "") -> dict[str, Any]:
         ("POST", "/packs/airline/toolsx", "", NOT_A_TOOL_CALL),
         ("GET", "/tools/increment", "", NOT_A_TOOL_CALL),
         ("GET", "/tools", "", NOT_A_TOOL_CALL),
-        ("POST", "/tools/", "", NOT_A_TOOL_CALL),
+        ("POST", "/tools/", "", None),  # a trailing slash names the same route
+        ("POST", "/tools/increment/", "", "increment"),
+        ("POST", "/packs/airline/tools/calculate/", "", "calculate"),
+        ("POST", "/tools//", "", NOT_A_TOOL_CALL),
+        ("POST", "/tools/a/b/", "", NOT_A_TOOL_CALL),
         ("POST", "/tools/a/b", "", NOT_A_TOOL_CALL),
         ("POST", "/toolsx", "", NOT_A_TOOL_CALL),
         ("POST", "/grade/x", "", NOT_A_TOOL_CALL),

@@ -29,7 +29,8 @@ Interface (stable):
    after the retries) **discards** the rollout: it is returned with `discarded` set and is not graded;
 4. stops at `limits.max_turns` model turns or `limits.max_tool_calls` calls (calls past the budget are
    not sent), as the platform's episode limit does: the rollout is then graded on its last text;
-5. builds the platform's grader `sample` from the final text and the last batch of calls, and grades
+5. builds the platform's grader `sample` from the final text and the last batch of calls (with a
+   simulated user, also `ended_by`: how the conversation ended, which τ² graders read), and grades
    it when a grader is given (a grader that keeps failing also discards the rollout).
 
 `RolloutResult` holds the trace id, the transcript (messages and every step with its tool results),
@@ -468,6 +469,9 @@ async def _rollout(run: _Run, line: DatasetLine, trace_id: str) -> RolloutResult
     if transcript.user is not None:
         # τ² checks what the agent had to communicate in any of its messages, not only in its last.
         result.sample["output_text"] = "\n".join(_agent_texts(transcript))
+        # How the conversation ended, for the grader: τ² rewards one cut short (max_steps,
+        # too_many_errors) 0, whatever its database and messages.
+        result.sample["ended_by"] = ended_by
     if run.grader is not None:
         result.grade = await run.grader.grade(result.sample, transcript.item, transcript.trace_id)
         if result.grade.score is None:

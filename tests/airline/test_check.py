@@ -12,10 +12,13 @@ from tests.airline import corpus, reference
 from tools.airline import dataset, pack
 from tools.airline.check import NO_TOOL_CALLS, AirlineItemError, check_rollout, gold_changes
 from tools.airline.tasks import ToolCall
+from tools.retail.check import PREMATURE_END
 from tools.retail.tasks import Replay
 
 
-def grade(result: Replay, item: Mapping[str, Any], answer: str) -> CheckResult:
+def grade(
+    result: Replay, item: Mapping[str, Any], answer: str, *, ended_by: str | None = None
+) -> CheckResult:
     views = [
         CallView(tool=r.tool, arguments=r.arguments, output="", outcome="model_error" if r.error else "ok")
         for r in result.results
@@ -23,7 +26,7 @@ def grade(result: Replay, item: Mapping[str, Any], answer: str) -> CheckResult:
     view = RolloutView(
         trace_id="trace_test",
         item=item,
-        sample={"output_text": answer},
+        sample={"output_text": answer} if ended_by is None else {"output_text": answer, "ended_by": ended_by},
         final_answer=answer,
         calls=views,
         state=result.state(corpus.store()),
@@ -82,6 +85,21 @@ def test_a_rollout_without_calls_gets_the_references_reward_and_a_flag() -> None
         == reference.reward("19", [], [], answer)
         == 0.0
     )
+
+
+@pytest.mark.parametrize("ended_by", ["max_steps", "too_many_errors", "user_stop", "user_transfer"])
+def test_a_conversation_cut_short_scores_0_with_a_flag_one_the_user_ended_as_before(ended_by: str) -> None:
+    # τ²-bench's evaluate_simulation rewards a simulation that ended by MAX_STEPS or TOO_MANY_ERRORS 0
+    # ("terminated prematurely"); the user's stop tokens are its USER_STOP, graded as usual.
+    calls: list[ToolCall] = corpus.gold_calls("18")
+    answer = "Done. " + " and ".join(corpus.get_task("18").evaluation_criteria.communicate_info)
+    graded = grade(corpus.replay(calls), {"task_id": "18"}, answer, ended_by=ended_by)
+    if ended_by in ("max_steps", "too_many_errors"):
+        assert graded.score == 0.0 and graded.sub_scores == {"db": 1.0, "communicate": 1.0}
+        ((name, reason),) = graded.flags
+        assert name == PREMATURE_END and ended_by in reason
+    else:
+        assert graded.score == 1.0 and not graded.flags
 
 
 def test_missing_facts_fail_the_communicate_check() -> None:

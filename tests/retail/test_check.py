@@ -21,13 +21,19 @@ from tests.retail.corpus import (
 )
 from tests.retail.rollout import Rollout
 from tools.retail import pack
-from tools.retail.check import NO_TOOL_CALLS, RetailItemError, check_rollout, communicated
+from tools.retail.check import NO_TOOL_CALLS, PREMATURE_END, RetailItemError, check_rollout, communicated
 from tools.retail.tasks import Replay, ToolCall
 from tools.retail.tools import modify_user_address
 
 
 def grade(
-    base: Base, result: Replay, item: Mapping[str, Any], answer: str, calls: Sequence[ToolCall] | None = None
+    base: Base,
+    result: Replay,
+    item: Mapping[str, Any],
+    answer: str,
+    calls: Sequence[ToolCall] | None = None,
+    *,
+    ended_by: str | None = None,
 ) -> CheckResult:
     views = [
         CallView(tool=r.tool, arguments=r.arguments, output="", outcome="model_error" if r.error else "ok")
@@ -40,7 +46,7 @@ def grade(
     view = RolloutView(
         trace_id="trace_test",
         item=item,
-        sample={"output_text": answer},
+        sample={"output_text": answer} if ended_by is None else {"output_text": answer, "ended_by": ended_by},
         final_answer=answer,
         calls=views,
         state=result.state(base),
@@ -187,6 +193,30 @@ def test_a_rollout_without_calls_scores_0_with_a_flag(base: Base) -> None:
     assert graded.score == 0.0
     assert graded.sub_scores == {"db": 1.0, "communicate": 1.0}
     assert [name for name, _ in graded.flags] == [NO_TOOL_CALLS]
+
+
+@pytest.mark.parametrize("ended_by", ["max_steps", "too_many_errors"])
+def test_a_conversation_cut_short_scores_0_with_a_flag(base: Base, ended_by: str) -> None:
+    # τ²-bench's evaluate_simulation rewards a simulation that ended by MAX_STEPS or TOO_MANY_ERRORS 0
+    # ("terminated prematurely"), however right its database and its messages are.
+    task_id = split_task_ids("train")[0]
+    graded = grade(
+        base, replay(replay_calls(task_id)), {"task_id": task_id}, answer_for(task_id), ended_by=ended_by
+    )
+    assert graded.score == 0.0
+    assert graded.sub_scores == {"db": 1.0, "communicate": 1.0}
+    ((name, reason),) = graded.flags
+    assert name == PREMATURE_END and ended_by in reason
+
+
+@pytest.mark.parametrize("ended_by", ["user_stop", "user_transfer", "user_out_of_scope"])
+def test_a_conversation_the_user_ended_scores_as_before(base: Base, ended_by: str) -> None:
+    # Each of the user's tokens (###STOP###, ###TRANSFER###, ###OUT-OF-SCOPE###) is τ²'s USER_STOP: graded.
+    task_id = split_task_ids("train")[0]
+    graded = grade(
+        base, replay(replay_calls(task_id)), {"task_id": task_id}, answer_for(task_id), ended_by=ended_by
+    )
+    assert graded.score == 1.0 and not graded.flags
 
 
 def test_a_row_that_names_no_task_is_an_error_not_a_score(base: Base) -> None:

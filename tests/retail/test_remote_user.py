@@ -74,6 +74,22 @@ async def test_a_remote_rollout_holds_the_conversation_with_the_servers_user(
 
 
 @pytest.mark.parametrize("backend", ["real"], indirect=True)
+async def test_a_conversation_that_runs_out_of_steps_is_rewarded_0_as_tau2_rewards_it(
+    app_factory: AppFactory, model: ModelServer, line: dict[str, Any], retail_data: Path
+) -> None:
+    # The user's opening (1), each turn of gold calls and its results (2 each), the agent's answer: the
+    # step limit is reached there, before the user could stop. The database and the facts are right,
+    # but τ²-bench's evaluator rewards a simulation that ended by MAX_STEPS 0.
+    calls = sum(1 for turn in gold_turns(TASK) if turn.calls)
+    status = await run_one(
+        app_factory, retail_data, line, agent_url=model.base_url(), user_model="user",
+        user_base_url=model.base_url(), remote_allowed_hosts=["127.0.0.1"], user_max_steps=2 * calls + 2,
+    )  # fmt: skip
+    assert status["state"] == "finished", status
+    assert status["reward"] == 0.0, status
+
+
+@pytest.mark.parametrize("backend", ["real"], indirect=True)
 @pytest.mark.parametrize(("user_model", "allowed"), [("down", ["127.0.0.1"]), ("user", [])])
 async def test_a_user_model_outage_or_a_refused_host_ends_the_rollout_as_an_error_not_a_5xx(
     app_factory: AppFactory,

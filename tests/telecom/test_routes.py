@@ -205,3 +205,28 @@ async def test_a_rollout_that_never_called_is_graded_on_the_tasks_initial_state(
     )
     assert graded.status_code == 200, graded.text
     assert graded.json()["score"] == 0.0
+
+
+@pytest.mark.parametrize("ended_by", ["max_steps", "too_many_errors", "user_stop", "user_out_of_scope"])
+async def test_a_conversation_cut_short_scores_0_with_a_stored_flag(
+    client: httpx.AsyncClient, ended_by: str
+) -> None:
+    # τ²-bench's evaluate_simulation rewards a simulation that ended by MAX_STEPS or TOO_MANY_ERRORS 0
+    # ("terminated prematurely"), the fix made or not; the user's stop tokens are its USER_STOP, graded.
+    trace = new_trace()
+    for index, (requestor, name, arguments) in enumerate(corpus.gold_calls(TASK)):
+        route = f"/user-tools/{name}" if requestor == "user" else f"/tools/{name}"
+        await call(client, route, trace, arguments, call_id=f"call_{index}")
+    sample = {"output_text": "Done.", "ended_by": ended_by}
+    graded = await client.post(
+        "/grade/telecom", json={"sample": sample, "item": {"task_id": TASK}, "trace_id": trace}
+    )
+    assert graded.status_code == 200, graded.text
+    premature = ended_by in ("max_steps", "too_many_errors")
+    assert graded.json()["score"] == (0.0 if premature else 1.0)
+    timeline = await client.get(f"/review/api/rollouts/{trace}")
+    assert timeline.status_code == 200, timeline.text
+    (grade,) = timeline.json()["grades"]
+    flags = {flag["name"]: flag["reason"] for flag in grade["flags"]}
+    assert ("premature_end" in flags) == premature
+    assert not premature or ended_by in flags["premature_end"]

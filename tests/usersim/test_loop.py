@@ -257,6 +257,7 @@ async def test_the_user_ends_the_episode_with_each_of_tau2s_tokens(
         ChatPolicy(openai_client, AGENT), NoCalls(), retail_line(), user=simulated_user(openai_client)
     )
     assert result.ended_by == ended_by
+    assert result.sample is not None and result.sample["ended_by"] == ended_by  # for the grader
     assert len(by_model(model_server, AGENT)) == 1
 
 
@@ -275,6 +276,8 @@ async def test_the_conversation_stops_at_max_steps_counted_as_tau2_counts(
         user=simulated_user(openai_client, max_steps=3),
     )
     assert result.ended_by == "max_steps"
+    # The grader is told: τ² rewards a conversation cut short 0.
+    assert result.sample is not None and result.sample["ended_by"] == "max_steps"
     assert len(by_model(model_server, USER)) == 2
     assert len(by_model(model_server, AGENT)) == 1
 
@@ -290,6 +293,7 @@ async def test_a_line_without_a_scenario_plays_as_before(
         ChatPolicy(openai_client, AGENT), NoCalls(), plain, user=simulated_user(openai_client)
     )
     assert result.ended_by == "answer"
+    assert result.sample is not None and "ended_by" not in result.sample  # the platform's sample, as it was
     assert by_model(model_server, USER) == []
 
 

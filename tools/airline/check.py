@@ -14,7 +14,14 @@ from tools.airline.data import AirlineData
 from tools.airline.records import COLLECTIONS, canonical_record
 from tools.airline.tasks import DEFAULT_REWARD_BASIS, AirlineTask, get_task, replay
 from tools.airline.tools import database, pack
-from tools.retail.check import RetailItemError, differing_records, row_expectations, row_task, told
+from tools.retail.check import (
+    RetailItemError,
+    differing_records,
+    premature_end,
+    row_expectations,
+    row_task,
+    told,
+)
 from tools.retail.tasks import ToolCall
 
 NO_TOOL_CALLS = "no_tool_calls"
@@ -95,4 +102,8 @@ def check_rollout(view: RolloutView) -> CheckResult:
         # τ²-bench rewards a rollout that rightly changed nothing, with or without calls; the retail
         # grader scores one without calls 0. Here the score is τ²-bench's and the review sees the flag.
         flags.append((NO_TOOL_CALLS, "the rollout made no tool call: the customer was never looked up"))
+    premature = premature_end(view)
+    if premature is not None:
+        score = 0.0
+        flags.append(premature)
     return CheckResult(score=score, sub_scores=sub_scores, flags=flags)

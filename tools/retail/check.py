@@ -18,12 +18,30 @@ from tools.retail.tasks import RetailTask, ToolCall, calls_from_actions, get_tas
 from tools.retail.tools import database, pack
 
 NO_TOOL_CALLS = "no_tool_calls"
+PREMATURE_END = "premature_end"
+PREMATURE_ENDS = frozenset({"max_steps", "too_many_errors"})
+"""How a conversation with the simulated user ends before the user stopped it (the sample's `ended_by`):
+τ²'s MAX_STEPS and TOO_MANY_ERRORS, which its evaluator rewards 0 ("Simulation terminated prematurely").
+The user's stop tokens (###STOP###, ###TRANSFER###, ###OUT-OF-SCOPE###) are all its USER_STOP, graded."""
 
 T = TypeVar("T")
 
 
 class RetailItemError(GradingConfigError, ValueError):
     """The row sent to the grader does not say which task it is: a configuration problem, not a score."""
+
+
+def premature_end(view: RolloutView) -> tuple[str, str] | None:
+    """The flag of a conversation that ended prematurely, as the sample's `ended_by` says (the loop
+    sets it for a conversation with a simulated user), or None: τ²-bench scores such a rollout 0."""
+    ended = view.sample.get("ended_by")
+    if ended not in PREMATURE_ENDS:
+        return None
+    return (
+        PREMATURE_END,
+        f"the conversation ended by {ended} before the customer stopped it: "
+        "τ²-bench rewards it 0 (terminated prematurely)",
+    )
 
 
 def communicated(info: str, answer: str) -> bool:
@@ -155,11 +173,14 @@ def check_rollout(view: RolloutView) -> CheckResult:
     db = 0.0 if database_differences(view.state, gold) else 1.0
     communicate = 1.0 if all(told(info, view) for info in communicate_info) else 0.0
     sub_scores = {"db": db, "communicate": communicate}
+    score = db * communicate
+    flags: list[tuple[str, str]] = []
     if not view.calls:
         # Even when nothing had to change, an agent that never looked the customer up did not do the job.
-        return CheckResult(
-            score=0.0,
-            sub_scores=sub_scores,
-            flags=[(NO_TOOL_CALLS, "the rollout made no tool call: the customer was never authenticated")],
-        )
-    return CheckResult(score=db * communicate, sub_scores=sub_scores)
+        score = 0.0
+        flags.append((NO_TOOL_CALLS, "the rollout made no tool call: the customer was never authenticated"))
+    premature = premature_end(view)
+    if premature is not None:
+        score = 0.0
+        flags.append(premature)
+    return CheckResult(score=score, sub_scores=sub_scores, flags=flags)

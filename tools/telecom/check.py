@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from app.sdk import CallView, CheckResult, RolloutState, RolloutView, ToolError
-from tools.retail.check import RetailItemError
+from tools.retail.check import RetailItemError, premature_end
 from tools.telecom.data import TelecomData
 from tools.telecom.records import SETUP, TASK
 from tools.telecom.rollout import Rollout, run_function, set_up
@@ -107,4 +107,8 @@ def check_rollout(view: RolloutView) -> CheckResult:
     flags = []
     if not view.calls:
         flags.append((NO_TOOL_CALLS, "the rollout made no tool call"))
+    premature = premature_end(view)
+    if premature is not None:
+        score = 0.0
+        flags.append(premature)
     return CheckResult(score=score, sub_scores=sub_scores, flags=flags)

@@ -17,7 +17,8 @@ turn is a message or tool calls: they run on the user's side (`UserTools`) one a
 order, as τ²'s orchestrator runs them; their results go back to the user and nothing of them is shown to
 the agent. The user ends the episode with `###STOP###`,
 `###TRANSFER###` or `###OUT-OF-SCOPE###`; the loop also stops at `max_steps`, counted as τ²'s
-orchestrator counts them (every message and every batch of tool results is a step), and once the calls
+orchestrator counts them (every message and every batch of tool results is a step; a stop token on the
+last step ends it as `max_steps`, as τ²'s does), and once the calls
 of both sides have given `max_errors` errors (τ²'s `TOO_MANY_ERRORS`: every call answered `Error: ...`
 counts, and the episode ends right after the batch of results that reaches the limit, before either
 side reads it).
@@ -291,7 +292,8 @@ class UserConversation:
                     if not turn.text.strip():
                         raise ModelFailure("the user model answered an empty message")
                     self.messages.append({"role": USER_ROLE, "content": turn.text})
-                    ended = end_of(turn.text) or ("max_steps" if self.exhausted else None)
+                    # τ² checks its step limit after the message's step: MAX_STEPS replaces a stop there.
+                    ended = "max_steps" if self.exhausted else end_of(turn.text)
                     return UserReply(text=turn.text, ended=ended)
                 # An id the user's calls used already (a model server numbering each answer's calls
                 # from 0) is held under another: each call of the rollout runs once, and a resumed

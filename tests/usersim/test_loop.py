@@ -282,6 +282,24 @@ async def test_the_conversation_stops_at_max_steps_counted_as_tau2_counts(
     assert len(by_model(model_server, AGENT)) == 1
 
 
+async def test_a_stop_on_the_last_step_is_max_steps_as_tau2_ends_it(
+    model_server: ModelServer, openai_client: AsyncOpenAI
+) -> None:
+    # τ²'s orchestrator checks the step limit after the step whose message holds the stop token, and
+    # its MAX_STEPS replaces USER_STOP there: its evaluator rewards that conversation 0.
+    model_server.script = scripted(
+        agent=[Reply(text="Anything else?")], user=[Reply(text="Hello."), Reply(text=f"Thanks {STOP}")]
+    )
+    result = await run_rollout(
+        ChatPolicy(openai_client, AGENT),
+        NoCalls(),
+        retail_line(),
+        user=simulated_user(openai_client, max_steps=3),
+    )
+    assert result.ended_by == "max_steps"
+    assert result.sample is not None and result.sample["ended_by"] == "max_steps"
+
+
 async def test_a_line_without_a_scenario_plays_as_before(
     model_server: ModelServer, openai_client: AsyncOpenAI
 ) -> None:

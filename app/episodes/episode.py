@@ -159,7 +159,8 @@ async def submit(
 ) -> float | None:
     """End the episode with `answer`: its reward, the pack grader's score (None without a grader).
 
-    The grade is `POST /grade/<grader>`'s: sample `{"output_text": answer}`, item the session's row,
+    The grade is `POST /grade/<grader>`'s: sample `{"output_text": answer}` (with `ended_by` once the
+    simulated user ended the conversation, as the loop's sample has it), item the session's row,
     the session's trace, stored with its flags. An outage (ServiceUnavailable) leaves the episode open
     for a retry; a grader that cannot grade (a config error, state gone) ends it and raises. A retry
     of the submit that ended the episode (the same `call_id`) gets its reward again; any other call
@@ -204,9 +205,14 @@ async def submit(
     grader = grader_for(services, session.pack)
     reward: float | None = None
     if grader is not None:
+        sample: dict[str, Any] = {"output_text": answer}
+        if session.user.get("ended"):
+            # How the user ended the conversation, as the loop tells the grader: τ²'s graders score one
+            # cut short (max_steps, too_many_errors) 0.
+            sample["ended_by"] = session.user["ended"]
         try:
             result = await services.grading.grade(
-                grader, {"output_text": answer}, session.row or {}, session.trace_id, run=session.run or None
+                grader, sample, session.row or {}, session.trace_id, run=session.run or None
             )
         except Exception as exc:
             failure = _failure(services, exc)

@@ -12,17 +12,19 @@ from typing import Any
 import httpx
 import pytest
 
-from app.episodes.episode import SEND_TO_USER, call_tool, session_store
+from app.episodes.episode import SEND_TO_USER, call_tool, session_store, submit
 from app.episodes.sessions import EpisodeSession
 from app.episodes.tasks import load_task_rows
 from app.errors import ServiceUnavailable
 from sparring.usersim import GREETING, STOP, USER_ROLE
 from sparring.wire import USER_CALL_PREFIX
 from tests.conftest import ADMIN_KEY, TOOLS_KEY, AppFactory
-from tests.episodes.test_episode import open_session, state_of
+from tests.episodes.conftest import gold_answer
+from tests.episodes.test_episode import open_session, state_of, write_task
 from tests.runner.conftest import model_server, model_server_process
 from tests.runner.model_server import ModelRequest, ModelServer, Reply, Unavailable
 from tools.retail import pack as retail_pack
+from tools.retail.tasks import calls_from_actions
 
 __all__ = ["model_server", "model_server_process"]
 
@@ -285,3 +287,43 @@ async def test_a_message_resumed_after_an_outage_in_the_users_own_calls_does_not
     assert len(model_server.requests) == 3  # the opening, the turn of calls, the answer: once each
     toggles = [c["tool"] for c in detail["timeline"] if c["channel"] == "user" and c["outcome"] == "ok"]
     assert toggles == [call.name for call in phone]
+
+
+@pytest.mark.parametrize(
+    ("max_steps", "ended_by", "reward"), [(200, "user_stop", 1.0), (3, "max_steps", 0.0)]
+)
+async def test_an_episode_whose_conversation_ran_out_of_steps_is_rewarded_0_as_tau2_rewards_it(
+    app_factory: AppFactory,
+    retail_data: Path,
+    model_server: ModelServer,
+    max_steps: int,
+    ended_by: str,
+    reward: float,
+) -> None:
+    # The agent's greeting (1), the user's opening (2), the agent's answer (3): with 3 steps the user
+    # never stops, and τ²-bench's evaluator rewards a simulation that ended by MAX_STEPS 0 however
+    # right its database and messages are; with τ²'s 200 the user stops and the gold work scores 1.
+    model_server.script = user_script
+    async with app_factory(
+        packs=[retail_pack],
+        pack_settings={"retail": {"data": retail_data}},
+        user_model="user",
+        user_base_url=model_server.base_url,
+        user_max_steps=max_steps,
+        remote_allowed_hosts=["127.0.0.1"],
+    ) as client:
+        services, row = state_of(client), await write_task(client)
+        session = await open_session(client, row)
+        await call_tool(services, session, SEND_TO_USER, {"message": GREETING}, "m1")
+        for n, (name, arguments) in enumerate(calls_from_actions(row["actions"])):
+            assert not (await call_tool(services, session, name, arguments, f"call_{n}")).is_error
+        answer = gold_answer(row)
+        await call_tool(services, session, SEND_TO_USER, {"message": answer}, "m2")
+        current = await session_store(services).get(session.sid)
+        assert current is not None and current.user["ended"] == ended_by
+        assert await submit(services, current, answer) == reward
+        timeline = await client.get(
+            f"/review/api/rollouts/{session.trace_id}", headers={"Authorization": f"Bearer {ADMIN_KEY}"}
+        )
+        (grade,) = timeline.json()["grades"]
+        assert ("premature_end" in {flag["name"] for flag in grade["flags"]}) == (reward == 0.0)

@@ -161,31 +161,31 @@ class RetentionRepository:
         return _rowcount(result)
 
     async def delete_remote_rollouts(self, cutoff: datetime, run: str | None, limit: int) -> int:
-        """Delete up to `limit` old remote rollouts; the age is checked again on the row deleted, so one
-        retried meanwhile (running again, on a fresh lease) stays."""
-        old = _old_remote_rollout(cutoff, run)
-        ids = select(RemoteRollout.rollout_id).where(old).limit(limit)
-        result = await self.session.execute(
-            delete(RemoteRollout)
-            .where(RemoteRollout.rollout_id.in_(ids.scalar_subquery()), old)
-            .execution_options(synchronize_session=False)
+        """Delete up to `limit` old remote rollouts; one retried meanwhile (running again, on a fresh
+        lease) stays."""
+        return await self._delete_old(
+            RemoteRollout, RemoteRollout.rollout_id, _old_remote_rollout(cutoff, run), limit
         )
-        return _rowcount(result)
 
     async def delete_strays(self, cutoff: datetime, limit: int) -> Removed:
-        """Delete up to `limit` old conversations and as many old labels of no rollout."""
+        """Delete up to `limit` old conversations and as many old labels of no rollout; one stored again
+        meanwhile stays."""
         return Removed(
-            transcripts=await self._delete_strays(TranscriptRow, cutoff, limit),
-            labels=await self._delete_strays(RolloutLabel, cutoff, limit),
+            transcripts=await self._delete_old(
+                TranscriptRow, TranscriptRow.trace_id, _old_stray(TranscriptRow, cutoff), limit
+            ),
+            labels=await self._delete_old(
+                RolloutLabel, RolloutLabel.trace_id, _old_stray(RolloutLabel, cutoff), limit
+            ),
         )
 
-    async def _delete_strays(self, kind: Stray, cutoff: datetime, limit: int) -> int:
-        """The age is checked again on the row deleted: one stored again meanwhile stays."""
-        old = _old_stray(kind, cutoff)
-        ids = select(kind.trace_id).where(old).limit(limit)
+    async def _delete_old(self, kind: Any, key: Any, old: ColumnElement[bool], limit: int) -> int:
+        """Delete up to `limit` rows of `kind` that are `old`, the age checked again on the row deleted
+        (it may have changed since the row was picked)."""
+        ids = select(key).where(old).limit(limit)
         result = await self.session.execute(
             delete(kind)
-            .where(kind.trace_id.in_(ids.scalar_subquery()), old)
+            .where(key.in_(ids.scalar_subquery()), old)
             .execution_options(synchronize_session=False)
         )
         return _rowcount(result)

@@ -263,13 +263,18 @@ def transcript(trace: str, *, days: float) -> TranscriptRow:
     )  # fmt: skip
 
 
-async def transcripts_left(url: str) -> set[str]:
+async def left(url: str, column: Any) -> set[str]:
+    """The values of `column` left in the database (the ids of what a prune kept)."""
     engine = create_async_engine(url)
     try:
         async with engine.connect() as conn:
-            return {r[0] for r in await conn.execute(select(TranscriptRow.trace_id))}
+            return {r[0] for r in await conn.execute(select(column))}
     finally:
         await engine.dispose()
+
+
+async def transcripts_left(url: str) -> set[str]:
+    return await left(url, TranscriptRow.trace_id)
 
 
 def test_a_pruned_rollout_takes_its_conversation_with_it(database_url: str) -> None:
@@ -331,12 +336,7 @@ def remote(
 
 
 async def remote_left(url: str) -> set[str]:
-    engine = create_async_engine(url)
-    try:
-        async with engine.connect() as conn:
-            return {r[0] for r in await conn.execute(select(RemoteRollout.rollout_id))}
-    finally:
-        await engine.dispose()
+    return await left(url, RemoteRollout.rollout_id)
 
 
 def test_old_remote_rollouts_go_by_their_own_dates(database_url: str) -> None:
@@ -488,12 +488,7 @@ def test_a_label_set_while_its_rollout_is_pruned_goes_in_a_later_prune(
             await engine.dispose()
 
     async def labels_left() -> set[str]:
-        engine = create_async_engine(database_url)
-        try:
-            async with engine.connect() as conn:
-                return {r[0] for r in await conn.execute(select(RolloutLabel.trace_id))}
-        finally:
-            await engine.dispose()
+        return await left(database_url, RolloutLabel.trace_id)
 
     monkeypatch.setattr(LabelRepository, "put", pruned_first)
     asyncio.run(label())

@@ -345,3 +345,36 @@ def test_the_setting_needs_a_user_model(tmp_path: Any) -> None:
     with pytest.raises(ValueError, match="set SPARRING_USER_MODEL"):
         make_settings(tmp_path, user_tool=True)
     assert make_settings(tmp_path, user_tool=True, user_model="user").user_tool
+
+
+async def test_a_conversation_that_ran_out_of_steps_is_graded_0(
+    app_factory: AppFactory, model_server: ModelServer
+) -> None:
+    """The user's answer on the last allowed step ends the conversation as max_steps: τ² rewards such a
+    rollout 0, whatever the agent did after it, and so does the pack's grader (the grade's sample, sent
+    by the platform, does not say how the conversation ended: the rollout's conversation does)."""
+    model_server.script = User()
+    async with app_factory(
+        packs=[pack],
+        key=ADMIN_KEY,
+        pack_settings={"telecom": {"data": corpus.fetch()}},
+        user_model="user",
+        user_base_url=model_server.base_url,
+        user_tool=True,
+        user_max_steps=8,  # the greeting and the opening, the ask, two calls and their results, the answer
+        remote_allowed_hosts=["127.0.0.1"],
+    ) as client:
+        trace = new_trace()
+        assert await said(client, trace, GREETING, "m1") == OPENING
+        assert await said(client, trace, ASK, "m2") == DONE
+        after = await said(client, trace, SOLVED, "m3")
+        assert after == "Error: the customer has ended the conversation (max_steps)"
+        (_, name, arguments) = next(c for c in corpus.gold_calls(TASK) if c[0] == "assistant")
+        body = {"call_id": "a1", "arguments": arguments, "trace_id": trace, "item": {"task_id": TASK}}
+        assert (await client.post(f"/tools/{name}", json=body)).status_code == 200
+        graded = await client.post(
+            "/grade/telecom",
+            json={"sample": {"output_text": DONE}, "item": {"task_id": TASK}, "trace_id": trace},
+        )
+        assert graded.status_code == 200, graded.text
+        assert graded.json()["score"] == 0.0, graded.text

@@ -28,11 +28,12 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import orjson
 
+from app.calls.service import CONVERSATIONS
 from app.grading.graders.model import (
     GradeInput,
     GradeResult,
@@ -223,6 +224,18 @@ def pack_state(pack: Pack, rollout: RolloutRecord | None) -> RolloutState:
     return RolloutState(pack.base(), {c: dict(records) for c, records in changes.items()}, writable=False)
 
 
+def with_user_end(sample: Mapping[str, Any], pack: str, rollout: RolloutRecord | None) -> Mapping[str, Any]:
+    """`sample` with `ended_by` (how the conversation with the simulated user ended, as the loop's sample
+    has it) when the rollout's own conversation through `send_message_to_user` has ended and the
+    sample does not say: a tool-only loop's platform sends no `ended_by`, and τ² rewards a
+    conversation cut short (max_steps, too_many_errors) 0."""
+    if "ended_by" in sample or rollout is None:
+        return sample
+    conversation = rollout.state.get(CONVERSATIONS, {}).get(pack, {}).get("conversation")
+    ended = conversation.get("ended") if isinstance(conversation, Mapping) else None
+    return {**sample, "ended_by": ended} if ended else sample
+
+
 def call_views(rollout: RolloutRecord | None) -> list[CallView]:
     if rollout is None:
         return []
@@ -250,7 +263,7 @@ class StateCheckGrader(_TraceGrader):
         view = RolloutView(
             trace_id=inp.trace_id,
             item=inp.item,
-            sample=inp.sample,
+            sample=with_user_end(inp.sample, self.pack.name, inp.rollout),
             final_answer=final_answer(inp.sample),
             calls=call_views(inp.rollout),
             state=self.make_state(self.pack.name, inp.rollout),

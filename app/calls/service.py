@@ -36,7 +36,15 @@ from app.rollouts.identity import (
     nested_deeper_than,
     trace_key,
 )
-from app.rollouts.store import CallStart, PackChanges, RolloutMeta, RolloutStore, StoredAnswer, Ticket
+from app.rollouts.store import (
+    CONVERSATIONS,
+    CallStart,
+    PackChanges,
+    RolloutMeta,
+    RolloutStore,
+    StoredAnswer,
+    Ticket,
+)
 from app.sdk import RolloutState, ToolContext, ToolError, ToolSpec, ToolUnavailable
 from app.sdk.tool import describe_validation_error
 from app.telemetry import Tracing
@@ -117,7 +125,6 @@ class _Call:
 
 
 SEND_TO_USER = "send_message_to_user"  # the tool answered by `Conversations` (SPARRING_USER_TOOL)
-CONVERSATIONS = "_user"  # where a rollout's state keeps its conversations with the user
 
 
 class ConversationUnavailable(ServiceUnavailable):

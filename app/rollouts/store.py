@@ -10,6 +10,9 @@ from app.errors import ServiceUnavailable
 
 # {pack: {collection: {key: record or None (deleted)}}}
 PackChanges = dict[str, dict[str, dict[str, Any]]]
+# The "pack" under which a rollout's state keeps its conversations with the simulated user (the call
+# service writes them, the state-check graders read how they ended).
+CONVERSATIONS = "_user"
 
 
 class StoreUnavailable(ServiceUnavailable):

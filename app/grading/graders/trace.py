@@ -33,7 +33,6 @@ from typing import Any
 
 import orjson
 
-from app.calls.service import CONVERSATIONS
 from app.grading.graders.model import (
     GradeInput,
     GradeResult,
@@ -45,6 +44,7 @@ from app.grading.graders.model import (
 )
 from app.grading.graders.templates import Scope, Template
 from app.grounding import checked_claims, prompt_texts
+from app.rollouts.store import CONVERSATIONS
 from app.sdk import (
     CallView,
     CheckResult,

@@ -188,6 +188,17 @@ def listed_tools(scenario: Mapping[str, Any]) -> list[dict[str, Any]]:
     return [dict(tool) for tool in tools]
 
 
+def _tool_names(schemas: Sequence[Mapping[str, Any]]) -> set[str]:
+    """The names of tools given in chat-completions form (`{"function": {"name"}}`) or flat (`{"name"}`)."""
+    names = set()
+    for schema in schemas:
+        function = schema.get("function")
+        name = function.get("name") if isinstance(function, Mapping) else schema.get("name")
+        if isinstance(name, str):
+            names.add(name)
+    return names
+
+
 def flipped(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """The user's history as its model reads it (τ²'s `UserState.flip_roles`): the agent's texts as
     `user`, the user's own turns as `assistant`, the results of its calls as `tool`."""
@@ -260,6 +271,16 @@ class UserConversation:
     def exhausted(self) -> bool:
         return self.steps >= self.max_steps
 
+    def not_offered(self, name: str) -> str | None:
+        """τ²'s error for a call of a tool the user was not given (a customer without tools: retail's,
+        airline's; a name its tools do not have), else None. Such a call runs nothing: sent on, it
+        would reach any enabled pack's user tool of that name (telecom's phone, for a retail customer)."""
+        if not self.schemas:
+            return "Error: User tools not available"
+        if name in _tool_names(self.schemas):
+            return None
+        return f"Error: Tool '{name}' not found."
+
     def results_end(self, results: Sequence[ToolResult]) -> UserEnd | None:
         """Count a batch of tool results of either side (their errors, and the step) and say whether
         the episode ends after it: τ²'s error limit first, then its step limit."""
@@ -306,6 +327,10 @@ class UserConversation:
             # the order: reset the APN settings, then reboot); a failure leaves the rest for the retry.
             results = []
             for call in calls:
+                refused = self.not_offered(call.name)
+                if refused is not None:  # τ²'s own answer: nothing runs, and it counts as an error
+                    results.append(ToolResult(call=call, output=refused))
+                    continue
                 result = await self.tools.call(call, trace_id=self.trace_id, item=self.item)
                 if result.failure is not None:
                     raise ModelFailure(f"the user's tool {call.name} failed: {result.failure}")

@@ -25,7 +25,8 @@ class Tools:
         self.rows = rows
 
     def schemas(self, scenario: Mapping[str, Any]) -> list[dict[str, Any]]:
-        return []
+        # Offered to a user, so its calls of them run (a call of a tool not offered runs nothing).
+        return [{"type": "function", "function": {"name": name}} for name in ("wrong", "right")]
 
     async def call(self, call: FunctionCall, *, trace_id: str, item: Mapping[str, Any]) -> ToolResult:
         self.calls.append(call.name)

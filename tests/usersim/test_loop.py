@@ -195,6 +195,43 @@ async def test_the_users_tool_calls_run_on_its_side_and_the_agent_never_sees_the
     ]
 
 
+@pytest.mark.parametrize(
+    ("offered", "called", "answer"),
+    [
+        ([], "toggle_airplane_mode", "Error: User tools not available"),  # a retail customer
+        (["toggle_airplane_mode"], "reboot_device", "Error: Tool 'reboot_device' not found."),
+    ],
+)
+async def test_a_user_call_of_a_tool_it_was_not_given_runs_nothing_and_gets_tau2s_error(
+    model_server: ModelServer, openai_client: AsyncOpenAI, offered: list[str], called: str, answer: str
+) -> None:
+    """Sent on, the call would reach any enabled pack's user tool of that name (a retail customer's
+    made-up `toggle_airplane_mode` toggling telecom's phone on the rollout's state)."""
+    plain = retail_line("0")
+    tools = [
+        {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}} for name in offered
+    ]
+    line = replace(plain, user={**plain.user, "tools": tools, "guidelines_tools": "TOOLS"})
+    model_server.script = scripted(
+        agent=[Reply(text="Please turn airplane mode off."), Reply(text="Great, anything else?")],
+        user=[
+            Reply(text="My phone has no service."),
+            Reply(calls=(Call(called, {}),)),
+            Reply(text="Done."),
+            Reply(text=STOP),
+        ],
+    )
+    phone = PhoneTools()
+    user = simulated_user(openai_client, tools=phone)
+
+    result = await run_rollout(ChatPolicy(openai_client, AGENT), NoCalls(), line, user=user)
+
+    assert result.ended_by == "user_stop" and phone.calls == []
+    after_call = sent(by_model(model_server, USER)[2])
+    assert after_call[-1]["role"] == "tool" and after_call[-1]["content"] == answer
+    assert result.transcript.user is not None and result.transcript.user.errors == 1
+
+
 class SlowPhone(PhoneTools):
     """A phone whose calls take a moment: what runs while another call is still running shows."""
 

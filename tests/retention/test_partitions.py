@@ -34,6 +34,15 @@ NOW = datetime.now(UTC)
 TODAY = NOW.date()
 
 
+@pytest.fixture(autouse=True)
+def _today() -> None:
+    """NOW and TODAY as each test starts: taken once at import, a run crossing midnight UTC (a suite
+    started at 23:59) compared yesterday's partitions with those migrate made for today."""
+    global NOW, TODAY
+    NOW = datetime.now(UTC)
+    TODAY = NOW.date()
+
+
 @pytest.fixture
 async def pg_url() -> AsyncIterator[str]:
     """A Postgres database of its own, not yet migrated."""
